@@ -1,0 +1,1 @@
+//! `Schedule`: the forward-derived metadata the backward reads (seed-design §2.1).
