@@ -9,4 +9,4 @@ pub mod reference;
 pub mod schedule;
 
 pub use contract::*;
-pub use schedule::{Schedule, ScheduleError};
+pub use schedule::ScheduleError;
