@@ -1,0 +1,36 @@
+//! Kernel descriptions. Each is a [`KernelSpec`]: a name, the targets it is emitted for, its
+//! CTA shape, and a function that describes its body against the typed builder.
+
+pub mod postprocess;
+pub mod preprocess;
+
+use crate::ptx::{Kernel, KernelBuilder};
+use crate::{CodegenError, Target};
+
+/// A kernel description.
+pub struct KernelSpec {
+    /// Entry name (also the file stem under `generated/`).
+    pub name: &'static str,
+    /// What it computes, one sentence (goes into the manifest and the bindings' docs).
+    pub about: &'static str,
+    /// Targets it is emitted for.
+    pub targets: &'static [Target],
+    /// Threads per CTA.
+    pub threads: (u32, u32, u32),
+    /// Describes the body.
+    pub describe: fn(&mut KernelBuilder),
+}
+
+impl KernelSpec {
+    /// Builds the kernel for `target`.
+    pub fn build(&self, target: Target) -> Result<Kernel, CodegenError> {
+        let mut b = KernelBuilder::new(self.name, target, self.threads);
+        (self.describe)(&mut b);
+        b.finish()
+    }
+}
+
+/// Every kernel, in output order.
+pub fn all() -> &'static [KernelSpec] {
+    &[preprocess::SPEC, postprocess::SPEC]
+}

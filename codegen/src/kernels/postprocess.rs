@@ -1,0 +1,122 @@
+//! `bwd_postprocess`: one launch finishes all three gradients (seed-design §3.6).
+//!
+//! - `blockIdx.y == 0` de-interleaves the bf16 dQ pool `[T, 32, 128, 2]` (element
+//!   `(t, hp, d, e) = dQ[t, 2hp+e, d]`) into `dq [T, 64, 128]`. A pool row (one head pair) is
+//!   256 elements; 16 lanes take 16 elements each, so a CTA covers 16 pool rows. Each lane
+//!   splits its 8 (d, e) pairs into two runs of 8 consecutive d with a byte permute and writes
+//!   them with two 16-byte stores, one per head.
+//! - `blockIdx.y == 1` casts the fp32 dK then dV pools `[W, 4, 128]` to bf16 with
+//!   round-to-nearest-even, 2048 elements per CTA (8 per thread). `W·512` is a multiple of
+//!   2048 because W is a multiple of 128.
+//!
+//! Grid `[max(2·T, W/2), 2]`, 256 threads; CTAs past their half's work return at once.
+
+use super::KernelSpec;
+use crate::ptx::*;
+use crate::Target;
+
+/// The postprocess kernel.
+pub const SPEC: KernelSpec = KernelSpec {
+    name: "bwd_postprocess",
+    about: "de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe,
+};
+
+const THREADS: u32 = 256;
+/// dQ pool rows (head pairs) per CTA.
+pub const DQ_ROWS_PER_CTA: u32 = THREADS / 16;
+/// fp32 pool elements per CTA.
+pub const KV_ELEMS_PER_CTA: u32 = THREADS * 8;
+/// Selects the lower halves of two words: `(b.lo << 16) | a.lo`.
+const PRMT_LOW_HALVES: u32 = 0x5410;
+/// Selects the upper halves of two words: `(b.hi << 16) | a.hi`.
+const PRMT_HIGH_HALVES: u32 = 0x7632;
+
+fn describe(b: &mut KernelBuilder) {
+    b.grid("[max(2 * num_tokens, workspace_rows / 2), 2, 1]");
+    let dq_pool_p = b.param_ptr("dq_pool", HostElem::U16, false);
+    let dk_pool_p = b.param_ptr("dk_pool", HostElem::F32, false);
+    let dv_pool_p = b.param_ptr("dv_pool", HostElem::F32, false);
+    let dq_p = b.param_ptr("dq", HostElem::Bf16, true);
+    let dk_p = b.param_ptr("dk", HostElem::Bf16, true);
+    let dv_p = b.param_ptr("dv", HostElem::Bf16, true);
+    let tokens_p = b.param_u32("num_tokens");
+    let ws_rows_p = b.param_u32("workspace_rows");
+
+    let tid = b.sreg(SReg::TidX);
+    let block = b.sreg(SReg::CtaidX);
+    let which = b.sreg(SReg::CtaidY);
+    let is_dq = b.setp(Cmp::Eq, which, 0u32);
+    let kv_half = b.label("kv_half");
+    b.bra_unless(is_dq, &kv_half);
+
+    b.comment("dQ: de-interleave head pairs");
+    {
+        let pool = b.ld_param_ptr(&dq_pool_p);
+        let dq = b.ld_param_ptr(&dq_p);
+        let tokens = b.ld_param(&tokens_p);
+        let rows = b.mul_lo(tokens, 32u32);
+        let sub = b.shr(tid, 4u32);
+        let lane = b.and(tid, 15u32);
+        let row = b.mad_lo(block, DQ_ROWS_PER_CTA, sub);
+        let live = b.setp(Cmp::Lt, row, rows);
+        b.if_then(live, "dq_done", |b| {
+            // Pool row `row` = (t, hp); this lane holds d in [8·lane, 8·lane + 8), both heads.
+            let row_bytes = b.mul_wide(row, 512u32);
+            let lane_bytes = b.mul_wide(lane, 32u32);
+            let src = b.add(row_bytes, lane_bytes);
+            let src = b.add(pool, src);
+            let w0: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(src, 0));
+            let w1: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(src, 16));
+            let w = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
+            let even: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], PRMT_LOW_HALVES));
+            let odd: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], PRMT_HIGH_HALVES));
+            // dq row (t, 2hp) starts at 2·row·256 bytes; head 2hp+1 follows 256 bytes later.
+            let head_bytes = b.mul_wide(row, 512u32);
+            let lane_out = b.mul_wide(lane, 16u32);
+            let dst = b.add(head_bytes, lane_out);
+            let dst = b.add(dq, dst);
+            b.st_v(&global(dst, 0), even);
+            b.st_v(&global(dst, 256), odd);
+        });
+        b.ret();
+    }
+
+    b.place(&kv_half);
+    b.comment("dK/dV: fp32 pools to bf16");
+    {
+        let ws_rows = b.ld_param(&ws_rows_p);
+        // CTAs per pool: W·4·128 / 2048 = W / 4.
+        let per_pool = b.shr(ws_rows, 2u32);
+        let second = b.setp(Cmp::Ge, block, per_pool);
+        let total = b.shl(per_pool, 1u32);
+        let live = b.setp(Cmp::Lt, block, total);
+        b.if_then(live, "kv_done", |b| {
+            let dk_pool = b.ld_param_ptr(&dk_pool_p);
+            let dv_pool = b.ld_param_ptr(&dv_pool_p);
+            let dk = b.ld_param_ptr(&dk_p);
+            let dv = b.ld_param_ptr(&dv_p);
+            let src_base = b.selp(dv_pool, dk_pool, second);
+            let dst_base = b.selp(dv, dk, second);
+            let skip = b.selp(per_pool, 0u32, second);
+            let local = b.sub(block, skip);
+            let elem = b.mul_lo(local, KV_ELEMS_PER_CTA);
+            let elem = b.mad_lo(tid, 8u32, elem);
+            let src_off = b.mul_wide(elem, 4u32);
+            let src = b.add(src_base, src_off);
+            let dst_off = b.mul_wide(elem, 2u32);
+            let dst = b.add(dst_base, dst_off);
+            let a: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 0));
+            let c: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 16));
+            let v = [a[0], a[1], a[2], a[3], c[0], c[1], c[2], c[3]];
+            let packed: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
+            b.st_v(&global(dst, 0), packed);
+        });
+    }
+    b.ret();
+}
