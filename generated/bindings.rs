@@ -6,7 +6,7 @@ use cudarc::driver::{
 };
 #[allow(unused_imports)]
 use half::bf16;
-///`bwd_preprocess`: delta[t,h] = sum_d O[t,h,d]*dO[t,h,d] in fp32 from bf16 O and dO.
+/// `bwd_preprocess`: delta[t,h] = sum_d O[t,h,d]*dO[t,h,d] in fp32 from bf16 O and dO.
 pub mod bwd_preprocess {
     use super::*;
     /// Entry name in the PTX module.
@@ -15,9 +15,9 @@ pub mod bwd_preprocess {
     pub const THREADS: (u32, u32, u32) = (256, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
     pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    ///PTX of `bwd_preprocess` for `sm_90a`.
+    /// PTX of `bwd_preprocess` for `sm_90a`.
     pub const PTX_SM_90A: &str = include_str!("bwd_preprocess.sm_90a.ptx");
-    ///PTX of `bwd_preprocess` for `sm_100a`.
+    /// PTX of `bwd_preprocess` for `sm_100a`.
     pub const PTX_SM_100A: &str = include_str!("bwd_preprocess.sm_100a.ptx");
     /// PTX per compute capability.
     pub const VARIANTS: &[((i32, i32), &str)] = &[
@@ -25,7 +25,7 @@ pub mod bwd_preprocess {
         ((10, 0), PTX_SM_100A),
     ];
     /// Launches the kernel on `stream` with the parameters in declaration order.
-    ///Grid: [ceil(num_tokens / 128), 64, 1].
+    /// Grid: [ceil(num_tokens / 128), 64, 1].
     ///
     /// # Safety
     /// Every buffer must hold the elements the kernel addresses for the scalar
@@ -53,7 +53,7 @@ pub mod bwd_preprocess {
         unsafe { builder.launch(cfg) }.map(|_| ())
     }
 }
-///`bwd_postprocess`: de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16.
+/// `bwd_postprocess`: de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16.
 pub mod bwd_postprocess {
     use super::*;
     /// Entry name in the PTX module.
@@ -62,9 +62,9 @@ pub mod bwd_postprocess {
     pub const THREADS: (u32, u32, u32) = (256, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
     pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    ///PTX of `bwd_postprocess` for `sm_90a`.
+    /// PTX of `bwd_postprocess` for `sm_90a`.
     pub const PTX_SM_90A: &str = include_str!("bwd_postprocess.sm_90a.ptx");
-    ///PTX of `bwd_postprocess` for `sm_100a`.
+    /// PTX of `bwd_postprocess` for `sm_100a`.
     pub const PTX_SM_100A: &str = include_str!("bwd_postprocess.sm_100a.ptx");
     /// PTX per compute capability.
     pub const VARIANTS: &[((i32, i32), &str)] = &[
@@ -72,7 +72,7 @@ pub mod bwd_postprocess {
         ((10, 0), PTX_SM_100A),
     ];
     /// Launches the kernel on `stream` with the parameters in declaration order.
-    ///Grid: [max(2 * num_tokens, workspace_rows / 2), 2, 1].
+    /// Grid: [max(2 * num_tokens, workspace_rows / 2), 2, 1].
     ///
     /// # Safety
     /// Every buffer must hold the elements the kernel addresses for the scalar
@@ -82,7 +82,7 @@ pub mod bwd_postprocess {
         stream: &CudaStream,
         func: &CudaFunction,
         grid: (u32, u32, u32),
-        dq_pool: &CudaView<'_, u16>,
+        dq_pool: &CudaView<'_, bf16>,
         dk_pool: &CudaView<'_, f32>,
         dv_pool: &CudaView<'_, f32>,
         dq: &mut CudaViewMut<'_, bf16>,

@@ -43,7 +43,7 @@ fn kernel_module(spec: &crate::kernels::KernelSpec, k: &Kernel, variants: &[&Ker
     let ptx_consts = variants.iter().map(|v| {
         let ident = format_ident!("PTX_{}", v.target.name().to_uppercase());
         let file = crate::ptx_file_name(&v.name, v.target);
-        let doc = format!("PTX of `{}` for `{}`.", v.name, v.target.name());
+        let doc = format!(" PTX of `{}` for `{}`.", v.name, v.target.name());
         quote! {
             #[doc = #doc]
             pub const #ident: &str = include_str!(#file);
@@ -78,8 +78,8 @@ fn kernel_module(spec: &crate::kernels::KernelSpec, k: &Kernel, variants: &[&Ker
             _ => quote! { builder.arg(#ident); },
         }
     });
-    let about = format!("`{}`: {}.", k.name, spec.about);
-    let grid_doc = format!("Grid: {}.", k.grid);
+    let about = format!(" `{}`: {}.", k.name, spec.about);
+    let grid_doc = format!(" Grid: {}.", k.grid);
     quote! {
         #[doc = #about]
         pub mod #module {

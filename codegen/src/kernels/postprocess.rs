@@ -36,7 +36,7 @@ const PRMT_HIGH_HALVES: u32 = 0x7632;
 
 fn describe(b: &mut KernelBuilder) {
     b.grid("[max(2 * num_tokens, workspace_rows / 2), 2, 1]");
-    let dq_pool_p = b.param_ptr("dq_pool", HostElem::U16, false);
+    let dq_pool_p = b.param_ptr("dq_pool", HostElem::Bf16, false);
     let dk_pool_p = b.param_ptr("dk_pool", HostElem::F32, false);
     let dv_pool_p = b.param_ptr("dv_pool", HostElem::F32, false);
     let dq_p = b.param_ptr("dq", HostElem::Bf16, true);
