@@ -43,7 +43,11 @@ pub fn summary(k: &Kernel) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "kernel: {} ({})", k.name, k.target.name());
     let _ = writeln!(s, "ptx isa: {}", k.version());
-    let _ = writeln!(s, "threads: {}x{}x{}", k.threads.0, k.threads.1, k.threads.2);
+    let _ = writeln!(
+        s,
+        "threads: {}x{}x{}",
+        k.threads.0, k.threads.1, k.threads.2
+    );
     let _ = writeln!(
         s,
         "shared: {} B static, {} B dynamic",

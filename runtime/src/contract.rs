@@ -1,4 +1,140 @@
 //! Topology constants and the CTA-walk rule (seed-design §1.1, §2.4).
+//!
+//! This is the one home of the attention topology the kernels are compiled for and of the walk
+//! rule the device task build mirrors (thread 0 of its scatter step writes the descriptor the main
+//! kernel's prologue reads). The host never learns the exact task count: it launches
+//! [`grid_launch_bound`] CTAs and every CTA at or past the descriptor's grid size walks nothing.
+
+use std::ops::Range;
 
 /// Keys per document-local block, and the alignment unit of the workspace.
 pub const BLOCK_SIZE: usize = 128;
+
+/// Head dimension of Q, K, V and dO.
+pub const HEAD_DIM: usize = 128;
+
+/// Dimension of the indexer's query and key projections (selection only).
+pub const INDEX_DIM: usize = 128;
+
+/// Number of query heads.
+pub const NUM_Q_HEADS: usize = 64;
+
+/// Number of key/value heads (GQA groups); kv head `g` serves q-heads `16g..16g+16`.
+pub const NUM_KV_HEADS: usize = 4;
+
+/// Number of index heads; index head `g` selects the blocks of GQA group `g`.
+pub const NUM_INDEX_HEADS: usize = 4;
+
+/// Query heads served by one index head (and one kv head): `NUM_Q_HEADS / NUM_INDEX_HEADS`.
+pub const MAIN_HEADS_PER_INDEX: usize = NUM_Q_HEADS / NUM_INDEX_HEADS;
+
+/// Key blocks each query selects (`q2k` entries per query and index head; `-1` pads).
+pub const TOPK_BLOCKS: usize = 16;
+
+/// Queries per backward task: 8 query slots × 16 heads fold into one 128-column tile.
+pub const QUERY_CHUNK: usize = 8;
+
+/// Task rows per CTA while the task count is at most [`ROWS_PER_CTA_SWITCH`].
+pub const ROWS_PER_CTA_SMALL: usize = 4;
+
+/// Task rows per CTA above [`ROWS_PER_CTA_SWITCH`] (halves the dK/dV flushes per bucket vs 32).
+pub const ROWS_PER_CTA_LARGE: usize = 64;
+
+/// Largest task count that still walks [`ROWS_PER_CTA_SMALL`] rows per CTA.
+pub const ROWS_PER_CTA_SWITCH: usize = 2400;
+
+/// Queries per locality window of the task order (an absolute query count; seed-design §2.4).
+pub const LOCALITY_WINDOW: usize = 512;
+
+/// Most locality bins (`4 · ceil(T/512) · max(W/128, 1)`) the task build accepts, about 250k tokens.
+pub const MAX_BINS: usize = 1 << 22;
+
+/// Softmax scale `HEAD_DIM^-1/2 = 128^-1/2`.
+///
+/// `128^-1/2 = 2^-3.5 = (1/√2) / 8`; dividing the correctly rounded `1/√2` by a power of two is
+/// exact, so this is the correctly rounded f32 of `128^-1/2`.
+pub const SOFTMAX_SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
+
+/// Task rows one CTA walks for a table of `num_rows` rows.
+///
+/// `4` up to [`ROWS_PER_CTA_SWITCH`] rows, [`ROWS_PER_CTA_LARGE`] above; the device task build
+/// mirrors this rule.
+pub fn rows_per_cta(num_rows: usize) -> usize {
+    if num_rows <= ROWS_PER_CTA_SWITCH {
+        ROWS_PER_CTA_SMALL
+    } else {
+        ROWS_PER_CTA_LARGE
+    }
+}
+
+/// The CTA walk over `num_rows` task rows: `(num_full_ctas, tail_rows, grid_ctas)`.
+///
+/// The first `num_full_ctas` CTAs walk `rows_per_cta` rows each; the following CTAs walk
+/// `tail_rows` rows each until `num_rows` is covered; `grid_ctas` CTAs walk a non-empty interval
+/// (see [`cta_interval`]). Full CTAs only come in whole waves of `num_sms`, and a leftover that
+/// would give tails shorter than 3 rows is instead walked in plain `rows_per_cta` chunks (the
+/// per-CTA prologue eats the gain of such short tails).
+///
+/// Preconditions `rows_per_cta >= 1` and `num_sms >= 1`: a `0` in either is treated as `1`, so
+/// the function is total and never divides by zero.
+pub fn chunk_map(num_rows: usize, rows_per_cta: usize, num_sms: usize) -> (usize, usize, usize) {
+    let r = rows_per_cta.max(1);
+    let s = num_sms.max(1);
+    let n = num_rows;
+    let chunks = n.div_ceil(r);
+    // A partial chunk never joins a full wave.
+    let num_full = ((chunks / s) * s).min(n / r);
+    let left = n - num_full * r;
+    if left == 0 {
+        return (num_full, 1, num_full);
+    }
+    let tail = left.div_ceil(s);
+    if tail < 3 {
+        (0, r, chunks)
+    } else {
+        (num_full, tail, num_full + left.div_ceil(tail))
+    }
+}
+
+/// Task-row interval CTA `cta` walks, given `walk = chunk_map(num_rows, rows_per_cta, _)`.
+///
+/// CTA `b < num_full` walks `[b·r, min(b·r + r, n))`; a later CTA walks
+/// `[lo, min(lo + tail, n))` with `lo = num_full·r + (b − num_full)·tail`. CTAs at or past
+/// `grid_ctas` get an empty interval (`n..n`), because the host launches an upper bound.
+/// `rows_per_cta == 0` is treated as `1`, as in [`chunk_map`]. Intervals are clamped to
+/// `[0, n]` and the arithmetic saturates, so an inconsistent `walk` gives wrong but in-range
+/// intervals, never a panic.
+pub fn cta_interval(
+    cta: usize,
+    num_rows: usize,
+    rows_per_cta: usize,
+    walk: (usize, usize, usize),
+) -> Range<usize> {
+    let (num_full, tail, grid_ctas) = walk;
+    let n = num_rows;
+    if cta >= grid_ctas {
+        return n..n;
+    }
+    let (lo, len) = if cta < num_full {
+        let r = rows_per_cta.max(1);
+        (cta.saturating_mul(r), r)
+    } else {
+        let lo = num_full
+            .saturating_mul(rows_per_cta.max(1))
+            .saturating_add((cta - num_full).saturating_mul(tail));
+        (lo, tail)
+    };
+    let lo = lo.min(n);
+    lo..lo.saturating_add(len).min(n)
+}
+
+/// Grid size the main kernel is launched with for a task table of `capacity` rows.
+///
+/// `max(min(capacity, 2400)/4, capacity/64) + num_sms`: `chunk_map(n, r, s).2 <= n/r + s` for
+/// every `n`, so this bounds the walk of every task count up to `capacity` in both the small and
+/// the large regime. `num_sms == 0` is treated as `1`, as in [`chunk_map`]; the sum saturates.
+pub fn grid_launch_bound(capacity: usize, num_sms: usize) -> usize {
+    let small = capacity.min(ROWS_PER_CTA_SWITCH) / ROWS_PER_CTA_SMALL;
+    let large = capacity / ROWS_PER_CTA_LARGE;
+    small.max(large).saturating_add(num_sms.max(1))
+}

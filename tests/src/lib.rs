@@ -1,1 +1,150 @@
-pub fn _x(){}
+//! Shared helpers of the cross-crate tests: locating ptxas, parsing its report, and opening a
+//! GPU (or skipping cleanly without one).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ sits inside the workspace")
+        .to_path_buf()
+}
+
+fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
+}
+
+/// The ptxas binary: `$PTXAS`, else the project-local install the test command makes, else
+/// `ptxas` on the PATH. `None` means skip, except under `CI=true`, where a missing ptxas fails.
+pub fn ptxas() -> Option<PathBuf> {
+    let candidates = std::env::var_os("PTXAS")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([workspace_root().join(".tools/nvcc/nvidia/cu13/bin/ptxas")])
+        .chain([PathBuf::from("ptxas")]);
+    for c in candidates {
+        if Command::new(&c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return Some(c);
+        }
+    }
+    assert!(
+        !ci(),
+        "ptxas not found under CI=true: run the README's test command, which installs it"
+    );
+    eprintln!("SKIP: ptxas not found (set PTXAS or run the README's test command)");
+    None
+}
+
+/// What `ptxas -v` reports for one kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PtxasReport {
+    /// Registers per thread.
+    pub registers: u32,
+    /// Stack frame bytes.
+    pub stack_bytes: u32,
+    /// Spill store bytes.
+    pub spill_stores: u32,
+    /// Spill load bytes.
+    pub spill_loads: u32,
+    /// Static shared memory bytes.
+    pub smem_bytes: u32,
+    /// Lines ptxas printed that are not the usual info lines (warnings, C7508, ...).
+    pub unusual: Vec<String>,
+}
+
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let end = line.find(unit)?;
+    line[..end].split_whitespace().last()?.parse().ok()
+}
+
+/// Assembles `ptx` for `arch` with `ptxas -v`; `Err` carries ptxas's output on failure.
+pub fn assemble(ptxas: &Path, ptx: &str, arch: &str, name: &str) -> Result<PtxasReport, String> {
+    let dir = std::env::temp_dir().join(format!("msa-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let file = dir.join(format!("{name}.{arch}.ptx"));
+    std::fs::write(&file, ptx).map_err(|e| e.to_string())?;
+    let out = Command::new(ptxas)
+        .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
+        .arg(&file)
+        .output()
+        .map_err(|e| e.to_string())?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        return Err(text);
+    }
+    let mut r = PtxasReport {
+        registers: 0,
+        stack_bytes: 0,
+        spill_stores: 0,
+        spill_loads: 0,
+        smem_bytes: 0,
+        unusual: vec![],
+    };
+    for line in text.lines() {
+        if line.contains("Used") && line.contains("registers") {
+            r.registers = number_before(line, "registers").unwrap_or(0);
+            r.smem_bytes = number_before(line, "bytes smem").unwrap_or(0);
+        } else if line.contains("stack frame") {
+            r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+            r.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+            r.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+        } else if !line.trim().is_empty()
+            && (!line.starts_with("ptxas info") || line.contains("Potential Performance Loss"))
+        {
+            // Warnings, C7508 (setmaxnreg ignored) and anything else out of the ordinary.
+            r.unusual.push(line.trim().to_string());
+        }
+    }
+    Ok(r)
+}
+
+fn require_gpu() -> bool {
+    std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// A stream on GPU 0, or `None` (skip) when there is no usable GPU. With `REQUIRE_GPU=1` a
+/// missing GPU fails the test instead.
+pub fn gpu_stream() -> Option<Arc<cudarc::driver::CudaStream>> {
+    let why = match msa_runtime::Device::open(0) {
+        Ok(dev) => return Some(dev.context().default_stream()),
+        Err(e) => e.to_string(),
+    };
+    assert!(!require_gpu(), "REQUIRE_GPU=1 but no GPU: {why}");
+    eprintln!("SKIP: no GPU ({why})");
+    None
+}
+
+/// A small deterministic PRNG (splitmix64) for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeds the generator.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}

@@ -513,7 +513,12 @@ impl KernelBuilder {
 
     /// Reinterprets the bits of `src` as another type of the same width.
     pub fn bitcast<D: Bits, S: Bits>(&mut self, src: Reg<S>) -> Reg<D> {
-        const { assert!(D::BYTES == S::BYTES, "bitcast between types of different width") };
+        const {
+            assert!(
+                D::BYTES == S::BYTES,
+                "bitcast between types of different width"
+            )
+        };
         let d = self.fresh::<D>();
         self.inst(
             format!("mov.{}", D::BITS_NAME),
@@ -565,7 +570,12 @@ impl KernelBuilder {
         let d = self.fresh::<T>();
         self.inst(
             format!("mad.lo.{}", T::NAME),
-            vec![Operand::Reg(d.name()), a.operand(), b.operand(), c.operand()],
+            vec![
+                Operand::Reg(d.name()),
+                a.operand(),
+                b.operand(),
+                c.operand(),
+            ],
         );
         d
     }
@@ -590,7 +600,12 @@ impl KernelBuilder {
         let d = self.fresh::<F32>();
         self.inst(
             "fma.rn.f32".into(),
-            vec![Operand::Reg(d.name()), a.operand(), b.operand(), c.operand()],
+            vec![
+                Operand::Reg(d.name()),
+                a.operand(),
+                b.operand(),
+                c.operand(),
+            ],
         );
         d
     }
@@ -655,7 +670,12 @@ impl KernelBuilder {
         let name = if T::BYTES == 0 { "pred" } else { T::DECL };
         self.inst(
             format!("selp.{name}"),
-            vec![Operand::Reg(d.name()), a.operand(), b.operand(), p.operand()],
+            vec![
+                Operand::Reg(d.name()),
+                a.operand(),
+                b.operand(),
+                p.operand(),
+            ],
         );
         d
     }
@@ -757,11 +777,7 @@ impl KernelBuilder {
         self.ld_vec::<T, GlobalAddr, N>(addr, ".nc")
     }
 
-    fn ld_vec<T: Mem, A: Address, const N: usize>(
-        &mut self,
-        addr: &A,
-        cache: &str,
-    ) -> [Reg<T>; N] {
+    fn ld_vec<T: Mem, A: Address, const N: usize>(&mut self, addr: &A, cache: &str) -> [Reg<T>; N] {
         self.check_vector::<T>(N);
         let regs: [Reg<T>; N] = std::array::from_fn(|_| self.fresh::<T>());
         self.inst(
@@ -812,7 +828,12 @@ impl KernelBuilder {
     ) -> Reg<T> {
         let d = self.fresh::<T>();
         self.inst(
-            format!("atom.{}.{}.{}", A::SPACE, op.name(), Self::atom_type::<T>(op)),
+            format!(
+                "atom.{}.{}.{}",
+                A::SPACE,
+                op.name(),
+                Self::atom_type::<T>(op)
+            ),
             vec![Operand::Reg(d.name()), addr.operand(), v.operand()],
         );
         d
@@ -821,25 +842,42 @@ impl KernelBuilder {
     /// `red.<space>.<op>` on an integer: no result.
     pub fn red<T: Int + AtomBits, A: Address>(&mut self, op: AtomOp, addr: &A, v: impl Src<T>) {
         self.inst(
-            format!("red.{}.{}.{}", A::SPACE, op.name(), Self::atom_type::<T>(op)),
+            format!(
+                "red.{}.{}.{}",
+                A::SPACE,
+                op.name(),
+                Self::atom_type::<T>(op)
+            ),
             vec![addr.operand(), v.operand()],
         );
     }
 
     /// `red.global.add.f32`.
     pub fn red_add_f32(&mut self, addr: &GlobalAddr, v: Reg<F32>) {
-        self.inst("red.global.add.f32".into(), vec![addr.operand(), v.operand()]);
+        self.inst(
+            "red.global.add.f32".into(),
+            vec![addr.operand(), v.operand()],
+        );
     }
 
     /// `red.global.add.v4.f32`: four consecutive floats in one 16-byte reduction.
-    pub fn red_add_v4_f32(&mut self, addr: &GlobalAddr, v: [Reg<F32>; 4], policy: Option<Reg<B64>>) {
+    pub fn red_add_v4_f32(
+        &mut self,
+        addr: &GlobalAddr,
+        v: [Reg<F32>; 4],
+        policy: Option<Reg<B64>>,
+    ) {
         let (hint, mut extra) = Self::policy(policy);
         let mut ops = vec![
             addr.operand(),
             Operand::Vector(v.iter().map(|r| r.name()).collect()),
         ];
         ops.append(&mut extra);
-        self.push(format!("red.global.add{hint}.v4.f32"), ops, PtxVersion(8, 1));
+        self.push(
+            format!("red.global.add{hint}.v4.f32"),
+            ops,
+            PtxVersion(8, 1),
+        );
     }
 
     /// `red.global.add.noftz.bf16x2`: two packed bf16 additions in one 4-byte reduction.
@@ -847,7 +885,11 @@ impl KernelBuilder {
         let (hint, mut extra) = Self::policy(policy);
         let mut ops = vec![addr.operand(), v.operand()];
         ops.append(&mut extra);
-        self.push(format!("red.global.add.noftz{hint}.bf16x2"), ops, PtxVersion(7, 8));
+        self.push(
+            format!("red.global.add.noftz{hint}.bf16x2"),
+            ops,
+            PtxVersion(7, 8),
+        );
     }
 
     fn policy(policy: Option<Reg<B64>>) -> (&'static str, Vec<Operand>) {
@@ -870,7 +912,13 @@ impl KernelBuilder {
     // ---- warp and CTA collectives --------------------------------------------------
 
     /// `shfl.sync.<mode>.b32` over the full warp.
-    pub fn shfl<T: Word>(&mut self, mode: Shfl, v: Reg<T>, lane: impl Src<U32>, clamp: u32) -> Reg<T> {
+    pub fn shfl<T: Word>(
+        &mut self,
+        mode: Shfl,
+        v: Reg<T>,
+        lane: impl Src<U32>,
+        clamp: u32,
+    ) -> Reg<T> {
         let d = self.fresh::<T>();
         let m = match mode {
             Shfl::Bfly => "bfly",
@@ -951,7 +999,9 @@ impl KernelBuilder {
         self.used[label.idx as usize] = true;
         let saved = self.guard;
         if saved.is_some() && guard.is_some() {
-            self.error(format!("conditional branch to {label} inside a predicated region"));
+            self.error(format!(
+                "conditional branch to {label} inside a predicated region"
+            ));
         }
         self.guard = guard.or(saved);
         self.inst("bra".into(), vec![Operand::Label(label.clone())]);
@@ -1024,7 +1074,8 @@ impl KernelBuilder {
     pub fn finish(mut self) -> Result<Kernel, CodegenError> {
         for (i, (placed, used)) in self.placed.iter().zip(&self.used).enumerate() {
             if *used && !placed {
-                self.errors.push(format!("label #{i} is a branch target but never placed"));
+                self.errors
+                    .push(format!("label #{i} is a branch target but never placed"));
             }
         }
         let threads = self.threads.0 * self.threads.1 * self.threads.2;
@@ -1042,9 +1093,7 @@ impl KernelBuilder {
             shared: self.shared,
             regs: ALL_PREFIXES
                 .iter()
-                .filter_map(|&(prefix, decl)| {
-                    self.counters.get(prefix).map(|&n| (decl, prefix, n))
-                })
+                .filter_map(|&(prefix, decl)| self.counters.get(prefix).map(|&n| (decl, prefix, n)))
                 .collect(),
             body: self.body,
             grid: self.grid,
@@ -1100,4 +1149,141 @@ impl AtomBits for S32 {
 }
 impl AtomBits for U64 {
     const BITS_NAME_OF: &'static str = "b64";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builder() -> KernelBuilder {
+        KernelBuilder::new("t", Target::Sm90a, (128, 1, 1))
+    }
+
+    fn errors(b: KernelBuilder) -> Vec<String> {
+        match b.finish() {
+            Err(CodegenError::Kernel { errors, .. }) => errors,
+            other => panic!("expected a codegen error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn rejects_illegal_vector_width() {
+        let mut b = builder();
+        let p = b.param_ptr("p", HostElem::F32, false);
+        let a = b.ld_param_ptr(&p);
+        let _: [Reg<U64>; 4] = b.ld_v(&global(a, 0));
+        let e = errors(b);
+        assert!(e[0].contains("4 x u64 is not a legal PTX vector"), "{e:?}");
+    }
+
+    #[test]
+    fn rejects_bad_barrier_thread_counts_and_ids() {
+        let mut b = builder();
+        b.bar_sync(1, Some(48));
+        b.bar_arrive(2, 256);
+        b.bar_sync(16, None);
+        let e = errors(b);
+        assert_eq!(e.len(), 3, "{e:?}");
+        assert!(e[0].contains("thread count 48"), "{e:?}");
+        assert!(
+            e[1].contains("thread count 256") && e[1].contains("128"),
+            "{e:?}"
+        );
+        assert!(e[2].contains("named barrier 16"), "{e:?}");
+    }
+
+    #[test]
+    fn rejects_unplaced_and_doubly_placed_labels() {
+        let mut b = builder();
+        let l = b.label("x");
+        b.bra(&l);
+        let e = errors(b);
+        assert!(e[0].contains("never placed"), "{e:?}");
+
+        let mut b = builder();
+        let l = b.label("x");
+        b.place(&l);
+        b.place(&l);
+        assert!(errors(b)[0].contains("placed twice"));
+    }
+
+    #[test]
+    fn rejects_shared_memory_over_the_limit() {
+        let mut b = builder();
+        b.shared_array("a", 200_000, 1024);
+        b.dynamic_shared("dyn", 40_000, 1024);
+        let e = errors(b);
+        assert!(
+            e[0].contains("240000 B exceeds") && e[0].contains("232448"),
+            "{e:?}"
+        );
+
+        let mut b = builder();
+        b.shared_array("a", 232_448, 16);
+        assert!(b.finish().is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_alignment_duplicate_params_and_nested_guards() {
+        let mut b = builder();
+        b.shared_array("a", 64, 24);
+        b.param_u32("n");
+        b.param_u32("n");
+        let p = b.mov::<Pred>(Reg::<Pred>::new(0));
+        b.predicated(p, false, |b| {
+            b.predicated(p, true, |_| {});
+            let l = b.label("inner");
+            b.place(&l);
+        });
+        let e = errors(b);
+        assert!(e.iter().any(|m| m.contains("alignment 24")), "{e:?}");
+        assert!(e.iter().any(|m| m.contains("`n` declared twice")), "{e:?}");
+        assert!(e.iter().any(|m| m.contains("nested predicated")), "{e:?}");
+        assert!(
+            e.iter().any(|m| m.contains("inside a predicated region")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn rejects_cta_shapes_out_of_range() {
+        let b = KernelBuilder::new("t", Target::Sm100a, (2048, 1, 1));
+        assert!(errors(b)[0].contains("2048 threads"));
+    }
+
+    #[test]
+    fn registers_are_numbered_per_type_in_creation_order() {
+        let mut b = builder();
+        let a = b.mov::<U32>(1u32);
+        let f = b.mov::<F32>(1.5f32);
+        let c = b.add(a, 2u32);
+        assert_eq!(
+            (a.to_string(), c.to_string(), f.to_string()),
+            ("%r0".into(), "%r1".into(), "%f0".into())
+        );
+        let k = b.finish().unwrap();
+        let body = crate::ptx::print::body(&k);
+        assert_eq!(
+            body,
+            "\tmov.u32 %r0, 1;\n\tmov.f32 %f0, 0f3FC00000;\n\tadd.u32 %r1, %r0, 2;\n"
+        );
+    }
+
+    #[test]
+    fn version_is_the_highest_any_instruction_needs() {
+        let build = |vector_red: bool| {
+            let mut b = builder();
+            let p = b.param_ptr("p", HostElem::F32, true);
+            let a = b.ld_param_ptr(&p);
+            let v = [b.mov::<F32>(0.0f32); 4];
+            if vector_red {
+                b.red_add_v4_f32(&global(a, 0), v, None);
+            } else {
+                b.red_add_f32(&global(a, 0), v[0]);
+            }
+            b.finish().unwrap().version()
+        };
+        assert_eq!(build(false), PtxVersion(8, 0));
+        assert_eq!(build(true), PtxVersion(8, 1));
+    }
 }

@@ -116,6 +116,39 @@ macro_rules! mem {
 mem!(B16, Bf16, B32, Bf16x2, U32, S32, F32, B64, U64, S64);
 
 /// A typed virtual register. Copyable handle; the builder owns the numbering.
+///
+/// Operand types are checked by the compiler: adding an `f32` register to a `u32` one, or
+/// storing a predicate, does not build.
+///
+/// ```compile_fail
+/// use codegen::ptx::*;
+/// let mut b = KernelBuilder::new("k", codegen::Target::Sm90a, (32, 1, 1));
+/// let i = b.mov::<U32>(1u32);
+/// let f = b.mov::<F32>(1.0f32);
+/// b.add(i, f); // mismatched types
+/// ```
+///
+/// ```compile_fail
+/// use codegen::ptx::*;
+/// let mut b = KernelBuilder::new("k", codegen::Target::Sm90a, (32, 1, 1));
+/// let f = b.mov::<F32>(1.0f32);
+/// b.mul_lo(f, f); // `mul.lo` is integer-only
+/// ```
+///
+/// ```compile_fail
+/// use codegen::ptx::*;
+/// let mut b = KernelBuilder::new("k", codegen::Target::Sm90a, (32, 1, 1));
+/// let x = b.mov::<U32>(1u32);
+/// let _wide: Reg<U64> = b.bitcast::<U64, U32>(x); // widths differ
+/// ```
+///
+/// ```
+/// use codegen::ptx::*;
+/// let mut b = KernelBuilder::new("k", codegen::Target::Sm90a, (32, 1, 1));
+/// let i = b.mov::<U32>(1u32);
+/// let j = b.add(i, 2u32);
+/// assert_eq!(j.to_string(), "%r1");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Reg<T: Ty> {
     pub(crate) idx: u32,

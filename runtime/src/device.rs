@@ -1,0 +1,197 @@
+//! Devices: opening them without panicking, memoized facts (capability, SM count), and
+//! JIT-loading the generated PTX variant that matches the device.
+
+use crate::error::RuntimeError;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Whether the CUDA driver library can be loaded. cudarc panics on the first driver call
+/// when it cannot, so every entry point asks this first.
+pub fn driver_present() -> bool {
+    // SAFETY: only probes for the shared library; no driver call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// An opened device with its memoized facts and loaded modules.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    capability: (i32, i32),
+    sm_count: usize,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("capability", &self.capability)
+            .field("sm_count", &self.sm_count)
+            .finish()
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<usize, Arc<Device>>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
+    DEVICES.get_or_init(Default::default)
+}
+
+impl Device {
+    /// Opens device `ordinal` (its primary context), once per process.
+    pub fn open(ordinal: usize) -> Result<Arc<Device>, RuntimeError> {
+        if !driver_present() {
+            return Err(RuntimeError::NoDriver);
+        }
+        let mut devices = registry().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|source| RuntimeError::NoDevice { ordinal, source })?;
+        let device = Arc::new(Self::from_context(ctx)?);
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    /// The device a context belongs to (memoized by ordinal).
+    pub fn of(ctx: &Arc<CudaContext>) -> Result<Arc<Device>, RuntimeError> {
+        let ordinal = ctx.ordinal();
+        let mut devices = registry().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = devices.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        let device = Arc::new(Self::from_context(ctx.clone())?);
+        devices.insert(ordinal, device.clone());
+        Ok(device)
+    }
+
+    fn from_context(ctx: Arc<CudaContext>) -> Result<Device, RuntimeError> {
+        let capability = ctx.compute_capability().map_err(RuntimeError::driver(
+            "cuDeviceGetAttribute(compute capability)",
+        ))?;
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(RuntimeError::driver(
+                "cuDeviceGetAttribute(multiprocessor count)",
+            ))?;
+        Ok(Device {
+            ctx,
+            capability,
+            sm_count: sm_count.max(1) as usize,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Compute capability `(major, minor)`, read once.
+    pub fn capability(&self) -> (i32, i32) {
+        self.capability
+    }
+
+    /// Number of streaming multiprocessors, read once; it sizes the backward CTA walk.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// The kernel's entry function, JIT-loading the PTX variant for this device on first use.
+    ///
+    /// `variants` pairs compute capabilities with PTX text (the generated `VARIANTS`).
+    pub fn function(
+        &self,
+        kernel: &'static str,
+        variants: &[((i32, i32), &str)],
+    ) -> Result<CudaFunction, RuntimeError> {
+        let (major, minor) = self.capability;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(kernel) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = variants
+                        .iter()
+                        .find(|(cc, _)| *cc == self.capability)
+                        .map(|(_, p)| *p)
+                        .ok_or_else(|| RuntimeError::UnsupportedArch {
+                            kernel,
+                            ordinal: self.ctx.ordinal(),
+                            major,
+                            minor,
+                            supported: variants
+                                .iter()
+                                .map(|((a, b), _)| format!("{a}.{b}"))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        })?;
+                    let m = self.load(kernel, ptx)?;
+                    modules.insert(kernel, m.clone());
+                    m
+                }
+            }
+        };
+        module
+            .load_function(kernel)
+            .map_err(RuntimeError::driver("cuModuleGetFunction"))
+    }
+
+    fn load(&self, kernel: &'static str, ptx: &str) -> Result<Arc<CudaModule>, RuntimeError> {
+        let (major, minor) = self.capability;
+        self.ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(|source| RuntimeError::Jit {
+                kernel,
+                major,
+                minor,
+                source,
+                log: jit_error_log(&self.ctx, ptx),
+            })
+    }
+}
+
+/// Loads `ptx` again through cuModuleLoadDataEx to capture the JIT's error log.
+fn jit_error_log(ctx: &Arc<CudaContext>, ptx: &str) -> String {
+    const LOG_BYTES: usize = 16 * 1024;
+    let Ok(src) = std::ffi::CString::new(ptx) else {
+        return "PTX text contains a NUL byte".into();
+    };
+    if ctx.bind_to_thread().is_err() {
+        return "(could not bind the context to read the log)".into();
+    }
+    let mut log = vec![0u8; LOG_BYTES];
+    let mut options = [
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    let mut values = [
+        log.as_mut_ptr() as *mut std::ffi::c_void,
+        LOG_BYTES as *mut std::ffi::c_void,
+    ];
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: the option arrays and the log buffer outlive the call; the size option is
+    // passed by value in the pointer slot, as the driver API specifies.
+    let result = unsafe {
+        sys::cuModuleLoadDataEx(
+            &mut module,
+            src.as_ptr() as *const std::ffi::c_void,
+            options.len() as u32,
+            options.as_mut_ptr(),
+            values.as_mut_ptr(),
+        )
+    };
+    if result == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: the module was just loaded by us and is not shared.
+        unsafe { sys::cuModuleUnload(module) };
+        return "(the second load succeeded; no log)".into();
+    }
+    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+    let text = String::from_utf8_lossy(&log[..end]).trim().to_string();
+    if text.is_empty() {
+        "(the driver wrote no log)".into()
+    } else {
+        text
+    }
+}

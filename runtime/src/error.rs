@@ -1,0 +1,90 @@
+//! The runtime's error type.
+
+use cudarc::driver::DriverError;
+
+/// Everything that can go wrong between the caller and the GPU.
+///
+/// Input errors name the offending field, the value found and the expectation.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// libcuda could not be loaded: no NVIDIA driver on this machine.
+    #[error("the CUDA driver library (libcuda.so) is not installed on this machine")]
+    NoDriver,
+    /// The driver is present but the device cannot be opened.
+    #[error("CUDA device {ordinal} is not available: {source}")]
+    NoDevice {
+        /// Device ordinal asked for.
+        ordinal: usize,
+        /// The driver's answer.
+        source: DriverError,
+    },
+    /// No PTX variant exists for the device's architecture.
+    #[error(
+        "kernel `{kernel}` has no variant for compute capability {major}.{minor} (device {ordinal}); supported: {supported}"
+    )]
+    UnsupportedArch {
+        /// The kernel.
+        kernel: &'static str,
+        /// Device ordinal.
+        ordinal: usize,
+        /// Capability major.
+        major: i32,
+        /// Capability minor.
+        minor: i32,
+        /// The capabilities that have a variant.
+        supported: String,
+    },
+    /// The driver's JIT rejected a PTX module.
+    #[error("JIT compilation of `{kernel}` for compute capability {major}.{minor} failed ({source}); driver log:\n{log}")]
+    Jit {
+        /// The kernel.
+        kernel: &'static str,
+        /// Capability major.
+        major: i32,
+        /// Capability minor.
+        minor: i32,
+        /// The driver's error.
+        source: DriverError,
+        /// The JIT's error log (from cuModuleLoadDataEx's log buffers).
+        log: String,
+    },
+    /// A driver call failed.
+    #[error("CUDA driver call `{call}` failed: {source}")]
+    Driver {
+        /// What was being done.
+        call: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// An input does not satisfy the contract.
+    #[error("input `{field}`: found {found}, expected {expected}")]
+    Input {
+        /// The argument or field.
+        field: &'static str,
+        /// What was passed.
+        found: String,
+        /// What is required.
+        expected: String,
+    },
+    /// The schedule is invalid.
+    #[error(transparent)]
+    Schedule(#[from] crate::schedule::ScheduleError),
+}
+
+impl RuntimeError {
+    pub(crate) fn driver(call: &'static str) -> impl FnOnce(DriverError) -> RuntimeError {
+        move |source| RuntimeError::Driver { call, source }
+    }
+
+    pub(crate) fn input(
+        field: &'static str,
+        found: impl ToString,
+        expected: impl ToString,
+    ) -> Self {
+        RuntimeError::Input {
+            field,
+            found: found.to_string(),
+            expected: expected.to_string(),
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Launch wrappers of the standalone kernels: each validates its inputs, picks the PTX variant
+//! of the stream's device and launches on that stream without synchronizing.
+
+use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::device::Device;
+use crate::error::RuntimeError;
+use crate::kernels::{bwd_postprocess, bwd_preprocess};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
+use half::bf16;
+
+fn check_len(
+    field: &'static str,
+    len: usize,
+    expected: usize,
+    shape: &str,
+) -> Result<(), RuntimeError> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(RuntimeError::input(
+            field,
+            format!("{len} elements"),
+            format!("{expected} elements ({shape})"),
+        ))
+    }
+}
+
+fn grid_dim(field: &'static str, n: usize) -> Result<u32, RuntimeError> {
+    // The grid's x dimension holds at most 2^31 - 1 CTAs.
+    u32::try_from(n)
+        .ok()
+        .filter(|&v| v <= i32::MAX as u32)
+        .ok_or_else(|| RuntimeError::input(field, n, "a grid of at most 2^31-1 CTAs"))
+}
+
+/// `delta[t, h] = Σ_d out[t, h, d] · dout[t, h, d]` in fp32.
+///
+/// `out` and `dout` are `[T, 64, 128]` bf16, `delta` is `[T, 64]` fp32.
+pub fn run_preprocess(
+    stream: &CudaStream,
+    out: &CudaView<'_, bf16>,
+    dout: &CudaView<'_, bf16>,
+    delta: &mut CudaViewMut<'_, f32>,
+    num_tokens: usize,
+) -> Result<(), RuntimeError> {
+    let rows = num_tokens * NUM_Q_HEADS;
+    check_len("out", out.len(), rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("dout", dout.len(), rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("delta", delta.len(), rows, "[T, 64]")?;
+    let tokens = u32::try_from(num_tokens)
+        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+    let blocks = grid_dim("num_tokens", num_tokens.div_ceil(128))?;
+    let device = Device::of(stream.context())?;
+    let func = device.function(bwd_preprocess::NAME, bwd_preprocess::VARIANTS)?;
+    // SAFETY: every buffer length was checked against num_tokens above.
+    unsafe {
+        bwd_preprocess::launch(
+            stream,
+            &func,
+            (blocks, NUM_Q_HEADS as u32, 1),
+            out,
+            dout,
+            delta,
+            tokens,
+        )
+    }
+    .map_err(RuntimeError::driver("cuLaunchKernel(bwd_preprocess)"))
+}
+
+/// Finishes the gradients: de-interleaves the bf16 dQ pool `[T, 32, 128, 2]` into
+/// `dq [T, 64, 128]` and casts the fp32 pools `dk_pool`, `dv_pool` `[W, 4, 128]` to bf16
+/// `dk`, `dv` with round-to-nearest-even. `W` must be a multiple of 128.
+#[allow(clippy::too_many_arguments)]
+pub fn run_postprocess(
+    stream: &CudaStream,
+    dq_pool: &CudaView<'_, bf16>,
+    dk_pool: &CudaView<'_, f32>,
+    dv_pool: &CudaView<'_, f32>,
+    dq: &mut CudaViewMut<'_, bf16>,
+    dk: &mut CudaViewMut<'_, bf16>,
+    dv: &mut CudaViewMut<'_, bf16>,
+    num_tokens: usize,
+    workspace_rows: usize,
+) -> Result<(), RuntimeError> {
+    if !workspace_rows.is_multiple_of(128) {
+        return Err(RuntimeError::input(
+            "workspace_rows",
+            workspace_rows,
+            "a multiple of 128",
+        ));
+    }
+    let dq_len = num_tokens * NUM_Q_HEADS * HEAD_DIM;
+    let kv_len = workspace_rows * NUM_KV_HEADS * HEAD_DIM;
+    check_len("dq_pool", dq_pool.len(), dq_len, "[T, 32, 128, 2]")?;
+    check_len("dq", dq.len(), dq_len, "[T, 64, 128]")?;
+    check_len("dk_pool", dk_pool.len(), kv_len, "[W, 4, 128]")?;
+    check_len("dv_pool", dv_pool.len(), kv_len, "[W, 4, 128]")?;
+    check_len("dk", dk.len(), kv_len, "[W, 4, 128]")?;
+    check_len("dv", dv.len(), kv_len, "[W, 4, 128]")?;
+    let tokens = u32::try_from(num_tokens)
+        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
+    let ws = u32::try_from(workspace_rows)
+        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let blocks = (2 * num_tokens).max(workspace_rows / 2);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let blocks = grid_dim("num_tokens/workspace_rows", blocks)?;
+    let device = Device::of(stream.context())?;
+    let func = device.function(bwd_postprocess::NAME, bwd_postprocess::VARIANTS)?;
+    // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
+    unsafe {
+        bwd_postprocess::launch(
+            stream,
+            &func,
+            (blocks, 2, 1),
+            dq_pool,
+            dk_pool,
+            dv_pool,
+            dq,
+            dk,
+            dv,
+            tokens,
+            ws,
+        )
+    }
+    .map_err(RuntimeError::driver("cuLaunchKernel(bwd_postprocess)"))
+}
