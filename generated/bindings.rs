@@ -108,3 +108,255 @@ pub mod bwd_postprocess {
         unsafe { builder.launch(cfg) }.map(|_| ())
     }
 }
+/// `task_scan_work`: prefix of ceil(q_count/8) per work item, clamped work count, bins cleared.
+pub mod task_scan_work {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "task_scan_work";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (1024, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `task_scan_work` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("task_scan_work.sm_90a.ptx");
+    /// PTX of `task_scan_work` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("task_scan_work.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// Launches the kernel on `stream` with the parameters in declaration order.
+    /// Grid: [1, 1, 1].
+    ///
+    /// # Safety
+    /// Every buffer must hold the elements the kernel addresses for the scalar
+    /// arguments given (see the kernel's manifest); the types and order are fixed here.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        scheduler_metadata: &CudaView<'_, i32>,
+        work_count: &CudaView<'_, i32>,
+        desc: &mut CudaViewMut<'_, i32>,
+        task_ends: &mut CudaViewMut<'_, i32>,
+        bin_count: &mut CudaViewMut<'_, i32>,
+        bin_first: &mut CudaViewMut<'_, i32>,
+        bin_last: &mut CudaViewMut<'_, i32>,
+        work_capacity: u32,
+        bins: u32,
+    ) -> Result<(), DriverError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: THREADS,
+            shared_mem_bytes: DYNAMIC_SHARED_BYTES,
+        };
+        let mut builder = stream.launch_builder(func);
+        builder.arg(scheduler_metadata);
+        builder.arg(work_count);
+        builder.arg(desc);
+        builder.arg(task_ends);
+        builder.arg(bin_count);
+        builder.arg(bin_first);
+        builder.arg(bin_last);
+        builder.arg(&work_capacity);
+        builder.arg(&bins);
+        unsafe { builder.launch(cfg) }.map(|_| ())
+    }
+}
+/// `task_assign_segments`: decodes each forward-order task and folds its locality segment into the bins.
+pub mod task_assign_segments {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "task_assign_segments";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `task_assign_segments` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("task_assign_segments.sm_90a.ptx");
+    /// PTX of `task_assign_segments` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("task_assign_segments.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// Launches the kernel on `stream` with the parameters in declaration order.
+    /// Grid: [ceil(capacity / 256), 1, 1].
+    ///
+    /// # Safety
+    /// Every buffer must hold the elements the kernel addresses for the scalar
+    /// arguments given (see the kernel's manifest); the types and order are fixed here.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        scheduler_metadata: &CudaView<'_, i32>,
+        row_ptr: &CudaView<'_, i32>,
+        q_indices: &CudaView<'_, i32>,
+        cu_seqlens: &CudaView<'_, i32>,
+        document_workspace_starts: &CudaView<'_, i32>,
+        desc: &CudaView<'_, i32>,
+        task_ends: &CudaView<'_, i32>,
+        segments: &mut CudaViewMut<'_, i32>,
+        decode: &mut CudaViewMut<'_, i32>,
+        bin_count: &mut CudaViewMut<'_, i32>,
+        bin_first: &mut CudaViewMut<'_, i32>,
+        bin_last: &mut CudaViewMut<'_, i32>,
+        rows: u32,
+        edge_capacity: u32,
+        capacity: u32,
+        num_windows: u32,
+        num_kblocks: u32,
+    ) -> Result<(), DriverError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: THREADS,
+            shared_mem_bytes: DYNAMIC_SHARED_BYTES,
+        };
+        let mut builder = stream.launch_builder(func);
+        builder.arg(scheduler_metadata);
+        builder.arg(row_ptr);
+        builder.arg(q_indices);
+        builder.arg(cu_seqlens);
+        builder.arg(document_workspace_starts);
+        builder.arg(desc);
+        builder.arg(task_ends);
+        builder.arg(segments);
+        builder.arg(decode);
+        builder.arg(bin_count);
+        builder.arg(bin_first);
+        builder.arg(bin_last);
+        builder.arg(&rows);
+        builder.arg(&edge_capacity);
+        builder.arg(&capacity);
+        builder.arg(&num_windows);
+        builder.arg(&num_kblocks);
+        unsafe { builder.launch(cfg) }.map(|_| ())
+    }
+}
+/// `task_scan_bins`: exclusive scan of the bin counts and the non-contiguous-segments flag.
+pub mod task_scan_bins {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "task_scan_bins";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (1024, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `task_scan_bins` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("task_scan_bins.sm_90a.ptx");
+    /// PTX of `task_scan_bins` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("task_scan_bins.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// Launches the kernel on `stream` with the parameters in declaration order.
+    /// Grid: [1, 1, 1].
+    ///
+    /// # Safety
+    /// Every buffer must hold the elements the kernel addresses for the scalar
+    /// arguments given (see the kernel's manifest); the types and order are fixed here.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        bin_count: &CudaView<'_, i32>,
+        bin_first: &CudaView<'_, i32>,
+        bin_last: &CudaView<'_, i32>,
+        bin_offset: &mut CudaViewMut<'_, i32>,
+        desc: &mut CudaViewMut<'_, i32>,
+        bins: u32,
+    ) -> Result<(), DriverError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: THREADS,
+            shared_mem_bytes: DYNAMIC_SHARED_BYTES,
+        };
+        let mut builder = stream.launch_builder(func);
+        builder.arg(bin_count);
+        builder.arg(bin_first);
+        builder.arg(bin_last);
+        builder.arg(bin_offset);
+        builder.arg(desc);
+        builder.arg(&bins);
+        unsafe { builder.launch(cfg) }.map(|_| ())
+    }
+}
+/// `task_scatter_tables`: writes task_meta/qrows/qpos in locality order and the CTA-walk descriptor.
+pub mod task_scatter_tables {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "task_scatter_tables";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `task_scatter_tables` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("task_scatter_tables.sm_90a.ptx");
+    /// PTX of `task_scatter_tables` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("task_scatter_tables.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// Launches the kernel on `stream` with the parameters in declaration order.
+    /// Grid: [ceil(capacity / 256), 1, 1].
+    ///
+    /// # Safety
+    /// Every buffer must hold the elements the kernel addresses for the scalar
+    /// arguments given (see the kernel's manifest); the types and order are fixed here.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        q_indices: &CudaView<'_, i32>,
+        cu_seqlens: &CudaView<'_, i32>,
+        document_workspace_starts: &CudaView<'_, i32>,
+        desc: &mut CudaViewMut<'_, i32>,
+        segments: &CudaView<'_, i32>,
+        decode: &CudaView<'_, i32>,
+        bin_first: &CudaView<'_, i32>,
+        bin_offset: &CudaView<'_, i32>,
+        task_meta: &mut CudaViewMut<'_, i32>,
+        task_qrows: &mut CudaViewMut<'_, i32>,
+        task_qpos: &mut CudaViewMut<'_, i32>,
+        edge_capacity: u32,
+        capacity: u32,
+        num_windows: u32,
+        num_kblocks: u32,
+        num_sms: u32,
+    ) -> Result<(), DriverError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: THREADS,
+            shared_mem_bytes: DYNAMIC_SHARED_BYTES,
+        };
+        let mut builder = stream.launch_builder(func);
+        builder.arg(q_indices);
+        builder.arg(cu_seqlens);
+        builder.arg(document_workspace_starts);
+        builder.arg(desc);
+        builder.arg(segments);
+        builder.arg(decode);
+        builder.arg(bin_first);
+        builder.arg(bin_offset);
+        builder.arg(task_meta);
+        builder.arg(task_qrows);
+        builder.arg(task_qpos);
+        builder.arg(&edge_capacity);
+        builder.arg(&capacity);
+        builder.arg(&num_windows);
+        builder.arg(&num_kblocks);
+        builder.arg(&num_sms);
+        unsafe { builder.launch(cfg) }.map(|_| ())
+    }
+}

@@ -607,6 +607,21 @@ fn empty_rows_are_zero_and_padding_ids_are_ignored() {
     }
     assert_same_grads("masked dO", &run_backward(&c, &fwd, &dout_masked), &grads);
 
+    // An LSE of -inf marks a row as empty to backward (the kernel's P = 0), even one that
+    // keeps keys: it then contributes exactly what a zero dO would.
+    let row = 4 + 128; // group 0 keeps blocks 0 and 1 here
+    let mut lse = fwd.lse.clone();
+    lse[row * HQ..(row + 1) * HQ].fill(f32::NEG_INFINITY);
+    let mut dout_row = dout.clone();
+    dout_row[row * HQ * D..(row + 1) * HQ * D].fill(0.0);
+    let (q, k, v) = (&c.q, &c.k, &c.v);
+    let with_lse = reference::backward(q, k, v, &c.q2k, &c.cu, &fwd.out, &lse, &dout).unwrap();
+    let with_dout = run_backward(&c, &fwd, &dout_row);
+    assert_same_grads("LSE -inf", &with_lse, &with_dout);
+    assert!(with_dout.dq[row * HQ * D..(row + 1) * HQ * D]
+        .iter()
+        .all(|&x| x == 0.0));
+
     // The same sets written canonically give identical results.
     let messy_q2k = std::mem::replace(&mut c.q2k, q2k_with(n, &canonical));
     assert_ne!(messy_q2k, c.q2k);
@@ -892,4 +907,36 @@ fn invalid_inputs_return_typed_errors() {
     assert_eq!(length_field(e), "dk_pool");
     let e = reference::postprocess(&pool, &[], &[0.0; 3]).unwrap_err();
     assert_eq!(length_field(e), "dv_pool");
+}
+
+#[test]
+fn zz_release_timing() {
+    if cfg!(debug_assertions) {
+        return;
+    }
+    let n = 8192usize;
+    let mut rng = Rng(42);
+    let cu = vec![0, n as i32];
+    let q = rng.bf16_values(n * HQ * D, 1.0);
+    let k = rng.bf16_values(n * HKV * D, 1.0);
+    let v = rng.bf16_values(n * HKV * D, 1.0);
+    let mut q2k = vec![-1i32; HKV * n * TOPK];
+    for g in 0..HKV {
+        for t in 0..n {
+            let own = t / BLOCK;
+            for j in 0..TOPK.min(own + 1) {
+                q2k[(g * n + t) * TOPK + j] = (own - j) as i32;
+            }
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let f = reference::forward(&q, &k, &v, &q2k, &cu).unwrap();
+    let t1 = t0.elapsed();
+    let g = reference::backward(&q, &k, &v, &q2k, &cu, &f.out, &f.lse, &f.out).unwrap();
+    eprintln!(
+        "T={n} fwd {t1:?} total {:?} cores {:?} {}",
+        t0.elapsed(),
+        std::thread::available_parallelism(),
+        g.dq[0]
+    );
 }

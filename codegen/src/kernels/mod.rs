@@ -1,8 +1,10 @@
 //! Kernel descriptions. Each is a [`KernelSpec`]: a name, the targets it is emitted for, its
 //! CTA shape, and a function that describes its body against the typed builder.
 
+pub mod common;
 pub mod postprocess;
 pub mod preprocess;
+pub mod task_build;
 
 use crate::ptx::{Kernel, KernelBuilder};
 use crate::{CodegenError, Target};
@@ -32,5 +34,12 @@ impl KernelSpec {
 
 /// Every kernel, in output order.
 pub fn all() -> &'static [KernelSpec] {
-    &[preprocess::SPEC, postprocess::SPEC]
+    &[
+        preprocess::SPEC,
+        postprocess::SPEC,
+        task_build::SCAN_WORK,
+        task_build::ASSIGN_SEGMENTS,
+        task_build::SCAN_BINS,
+        task_build::SCATTER_TABLES,
+    ]
 }

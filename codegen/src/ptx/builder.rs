@@ -46,6 +46,16 @@ pub struct GlobalAddr {
     offset: i64,
 }
 
+impl GlobalAddr {
+    /// The same base, `bytes` further.
+    pub fn offset(&self, bytes: i64) -> GlobalAddr {
+        GlobalAddr {
+            base: self.base,
+            offset: self.offset + bytes,
+        }
+    }
+}
+
 /// `[base + offset]` in the global space.
 pub fn global(base: Reg<U64>, offset: i64) -> GlobalAddr {
     GlobalAddr { base, offset }

@@ -253,10 +253,10 @@ impl fmt::Display for Operand {
                     AddrBase::Reg(r) => r.to_string(),
                     AddrBase::Symbol(s) => s.clone(),
                 };
+                // PTX spells a negative displacement `[r+-4]`.
                 match off {
                     0 => write!(f, "[{b}]"),
-                    o if *o > 0 => write!(f, "[{b}+{o}]"),
-                    o => write!(f, "[{b}{o}]"),
+                    o => write!(f, "[{b}+{o}]"),
                 }
             }
             Operand::Vector(rs) => {

@@ -149,7 +149,7 @@ impl<'a> Problem<'a> {
                 continue;
             }
             prev = Some(b);
-            let hi = (lo + BLOCK_SIZE).min(docs.end).min(t + 2);
+            let hi = (lo + BLOCK_SIZE).min(docs.end).min(t + 1);
             ranges[count] = lo..hi;
             count += 1;
         }

@@ -1,0 +1,139 @@
+//! Building blocks shared by kernel descriptions: element addressing, the CTA-wide scan, and
+//! the CTA-walk rule mirrored from the host contract.
+
+use crate::ptx::*;
+
+/// Address of element `idx` of an array of `T` at `base`.
+pub fn elem<T: Ty>(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>) -> GlobalAddr {
+    elem_bytes(b, base, idx, T::BYTES)
+}
+
+/// Address of record `idx` of an array of `bytes`-byte records at `base`.
+pub fn elem_bytes(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>, bytes: u32) -> GlobalAddr {
+    let off = b.mul_wide(idx, bytes);
+    global(b.add(base, off), 0)
+}
+
+/// Loads `base[idx]` as `u32`.
+pub fn load_u32(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>) -> Reg<U32> {
+    let a = elem::<U32>(b, base, idx);
+    b.ld(&a)
+}
+
+/// Stores `v` to `base[idx]`.
+pub fn store_u32(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>, v: impl Src<U32>) {
+    let a = elem::<U32>(b, base, idx);
+    b.st::<U32, _>(&a, v);
+}
+
+/// `ceil(a / d)`; `d` must be non-zero.
+pub fn div_ceil(b: &mut KernelBuilder, a: Reg<U32>, d: impl Src<U32> + Copy) -> Reg<U32> {
+    let dm1 = b.mov::<U32>(d);
+    let dm1 = b.sub(dm1, 1u32);
+    let s = b.add(a, dm1);
+    b.div(s, d)
+}
+
+/// Warp-inclusive scan of `v` (Kogge-Stone over `shfl.up`).
+pub fn warp_inclusive_scan(b: &mut KernelBuilder, v: Reg<U32>, lane: Reg<U32>) -> Reg<U32> {
+    let mut acc = v;
+    for d in [1u32, 2, 4, 8, 16] {
+        let up = b.shfl(Shfl::Up, acc, d, 0);
+        let has = b.setp(Cmp::Ge, lane, d);
+        let add = b.selp(up, 0u32, has);
+        acc = b.add(acc, add);
+    }
+    acc
+}
+
+/// CTA-wide exclusive scan of one `u32` per thread, for CTAs of whole warps up to 1024
+/// threads. `warp_totals` is a 32-word shared scratch. Returns (exclusive prefix, CTA total).
+/// Ends with a barrier, so `warp_totals` may be reused at once.
+pub fn cta_exclusive_scan(
+    b: &mut KernelBuilder,
+    v: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+) -> (Reg<U32>, Reg<U32>) {
+    let lane = b.and(tid, 31u32);
+    let warp = b.shr(tid, 5u32);
+    let base = b.shared_base(warp_totals);
+    let incl = warp_inclusive_scan(b, v, lane);
+    let last = b.setp(Cmp::Eq, lane, 31u32);
+    let warp4 = b.shl(warp, 2u32);
+    let slot = b.add(base, warp4);
+    b.predicated(last, false, |b| b.st(&shared(slot, 0), incl));
+    b.bar_sync(0, None);
+    let first_warp = b.setp(Cmp::Eq, warp, 0u32);
+    b.if_then(first_warp, "warp_totals", |b| {
+        let lane4 = b.shl(lane, 2u32);
+        let mine = b.add(base, lane4);
+        let t = b.ld::<U32, _>(&shared(mine, 0));
+        let t = warp_inclusive_scan(b, t, lane);
+        b.st(&shared(mine, 0), t);
+    });
+    b.bar_sync(0, None);
+    // Warps beyond the CTA's count never wrote their slot, so the total is read from the
+    // last warp's slot.
+    let ntid = b.sreg(SReg::NtidX);
+    let warps = b.shr(ntid, 5u32);
+    let last_warp = b.sub(warps, 1u32);
+    let last4 = b.shl(last_warp, 2u32);
+    let last_slot = b.add(base, last4);
+    let total = b.ld::<U32, _>(&shared(last_slot, 0));
+    let has_prev = b.setp(Cmp::Gt, warp, 0u32);
+    let prev = b.reg::<U32>();
+    b.set(prev, 0u32);
+    b.predicated(has_prev, false, |b| {
+        let p = b.ld::<U32, _>(&shared(slot, -4));
+        b.set(prev, p);
+    });
+    b.bar_sync(0, None);
+    let before = b.sub(incl, v);
+    (b.add(prev, before), total)
+}
+
+/// The CTA walk `(num_full_ctas, tail_rows, grid_ctas)` of `n` rows, the device mirror of the
+/// host contract's `chunk_map` (seed-design §2.4). `r` and `s` must be at least 1.
+pub fn chunk_map(
+    b: &mut KernelBuilder,
+    n: Reg<U32>,
+    r: Reg<U32>,
+    s: Reg<U32>,
+) -> (Reg<U32>, Reg<U32>, Reg<U32>) {
+    let chunks = div_ceil(b, n, r);
+    let waves = b.div(chunks, s);
+    let wave_chunks = b.mul_lo(waves, s);
+    let whole = b.div(n, r);
+    // Partial chunks never join a full wave.
+    let full = b.min(wave_chunks, whole);
+    let covered = b.mul_lo(full, r);
+    let left = b.sub(n, covered);
+    let tail = div_ceil(b, left, s);
+    let tail_div = b.max(tail, 1u32);
+    let tail_ctas = div_ceil(b, left, tail_div);
+    let tail_grid = b.add(full, tail_ctas);
+    // Short tails lose to the per-CTA prologue: walk plain chunks instead.
+    let short = b.setp(Cmp::Lt, tail, 3u32);
+    let full2 = b.selp(0u32, full, short);
+    let tail2 = b.selp(r, tail, short);
+    let grid2 = b.selp(chunks, tail_grid, short);
+    let none_left = b.setp(Cmp::Eq, left, 0u32);
+    (
+        b.selp(full, full2, none_left),
+        b.selp(1u32, tail2, none_left),
+        b.selp(full, grid2, none_left),
+    )
+}
+
+/// Rows per CTA: the device mirror of the host contract's `rows_per_cta`.
+pub fn rows_per_cta(
+    b: &mut KernelBuilder,
+    n: Reg<U32>,
+    switch: u32,
+    small: u32,
+    large: u32,
+) -> Reg<U32> {
+    let is_small = b.setp(Cmp::Le, n, switch);
+    b.selp(small, large, is_small)
+}

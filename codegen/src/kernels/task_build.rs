@@ -1,0 +1,520 @@
+//! The device task build (seed-design §2.2–§2.4): four launches turn the schedule into the
+//! CTA-walk task tables, in locality order, with no host sync.
+//!
+//! 1. [`SCAN_WORK`]: inclusive prefix of `ceil(q_count/8)` per work item into `task_ends`,
+//!    `num_work = clamp(work_count, 0, work_capacity)`, descriptor words 5–7, bins cleared.
+//! 2. [`ASSIGN_SEGMENTS`]: one thread per forward-order task: decodes it (binary search over
+//!    `task_ends`), computes its locality segment and folds it into the bins with atomics.
+//! 3. [`SCAN_BINS`]: exclusive scan of the bin counts; flags non-contiguous segments.
+//! 4. [`SCATTER_TABLES`]: writes `task_meta`, `task_qrows`, `task_qpos`; thread 0 writes the
+//!    CTA-walk descriptor words 0–4 with the same rule as the host contract.
+//!
+//! All index arithmetic is `u32`: the host rejects schedules whose counts do not fit `i32`.
+
+use super::common::{self, cta_exclusive_scan, div_ceil, elem, load_u32, store_u32};
+use super::KernelSpec;
+use crate::ptx::*;
+use crate::Target;
+
+/// Host contract mirror: rows at or below this use [`ROWS_PER_CTA_SMALL`].
+pub const ROWS_PER_CTA_SWITCH: u32 = 2400;
+/// Host contract mirror: rows per CTA of a small walk.
+pub const ROWS_PER_CTA_SMALL: u32 = 4;
+/// Host contract mirror: rows per CTA of a large walk.
+pub const ROWS_PER_CTA_LARGE: u32 = 64;
+/// Host contract mirror: queries per locality window.
+pub const LOCALITY_WINDOW: u32 = 512;
+/// Queries per task (one task row = 8 query slots).
+pub const QUERY_CHUNK: u32 = 8;
+/// Descriptor flag: more tasks than capacity; no rows are walked.
+pub const FLAG_CAPACITY_OVERFLOW: u32 = 1;
+/// Descriptor flag: a segment's tasks are not consecutive; tables stay in source order.
+pub const FLAG_NONCONTIGUOUS_SEGMENTS: u32 = 2;
+
+/// Threads of the single-CTA scans.
+pub const SCAN_THREADS: u32 = 1024;
+/// Entries each scan thread owns per tile.
+pub const SCAN_PER_THREAD: u32 = 8;
+/// Threads per CTA of the per-task launches.
+pub const TASK_THREADS: u32 = 256;
+
+const TARGETS: &[Target] = &[Target::Sm90a, Target::Sm100a];
+
+/// `scan_work`.
+pub const SCAN_WORK: KernelSpec = KernelSpec {
+    name: "task_scan_work",
+    about: "prefix of ceil(q_count/8) per work item, clamped work count, bins cleared",
+    targets: TARGETS,
+    threads: (SCAN_THREADS, 1, 1),
+    describe: scan_work,
+};
+
+/// `assign_segments`.
+pub const ASSIGN_SEGMENTS: KernelSpec = KernelSpec {
+    name: "task_assign_segments",
+    about: "decodes each forward-order task and folds its locality segment into the bins",
+    targets: TARGETS,
+    threads: (TASK_THREADS, 1, 1),
+    describe: assign_segments,
+};
+
+/// `scan_bins`.
+pub const SCAN_BINS: KernelSpec = KernelSpec {
+    name: "task_scan_bins",
+    about: "exclusive scan of the bin counts and the non-contiguous-segments flag",
+    targets: TARGETS,
+    threads: (SCAN_THREADS, 1, 1),
+    describe: scan_bins,
+};
+
+/// `scatter_tables`.
+pub const SCATTER_TABLES: KernelSpec = KernelSpec {
+    name: "task_scatter_tables",
+    about: "writes task_meta/qrows/qpos in locality order and the CTA-walk descriptor",
+    targets: TARGETS,
+    threads: (TASK_THREADS, 1, 1),
+    describe: scatter_tables,
+};
+
+/// Runs `body(b, i, live)` for every `i` a scan thread owns, tile by tile: thread `t` owns
+/// entries `tile + 8t .. tile + 8t + 8`, and `live` says `i < n`. Each tile's per-thread
+/// value sums are scanned across the CTA; `store(b, i, live, before)` then gets the sum of
+/// all values before entry `i`. Returns the grand total.
+fn tiled_scan(
+    b: &mut KernelBuilder,
+    n: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> Reg<U32>,
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, Reg<U32>, Reg<U32>),
+) -> Reg<U32> {
+    let carry = b.mov::<U32>(0u32);
+    let tile = SCAN_THREADS * SCAN_PER_THREAD;
+    b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
+        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
+        let mut idx = Vec::new();
+        let mut vals = Vec::new();
+        let mut live = Vec::new();
+        let mut sum = b.mov::<U32>(0u32);
+        for k in 0..SCAN_PER_THREAD {
+            let i = b.add(first, k);
+            let l = b.setp(Cmp::Lt, i, n);
+            let v = value(b, i, l);
+            sum = b.add(sum, v);
+            idx.push(i);
+            vals.push(v);
+            live.push(l);
+        }
+        let (before, total) = cta_exclusive_scan(b, sum, tid, warp_totals);
+        let mut running = b.add(carry, before);
+        for k in 0..SCAN_PER_THREAD as usize {
+            store(b, idx[k], live[k], running, vals[k]);
+            running = b.add(running, vals[k]);
+        }
+        let next = b.add(carry, total);
+        b.set(carry, next);
+    });
+    carry
+}
+
+/// `value` if `live`, else 0, loading through `load` only when live.
+fn load_if(
+    b: &mut KernelBuilder,
+    live: Reg<Pred>,
+    load: impl FnOnce(&mut KernelBuilder) -> Reg<U32>,
+) -> Reg<U32> {
+    let out = b.mov::<U32>(0u32);
+    b.if_then(live, "load_if", |b| {
+        let v = load(b);
+        b.set(out, v);
+    });
+    out
+}
+
+fn scan_work(b: &mut KernelBuilder) {
+    b.grid("[1, 1, 1]");
+    let metadata_p = b.param_ptr("scheduler_metadata", HostElem::I32, false);
+    let work_count_p = b.param_ptr("work_count", HostElem::I32, false);
+    let desc_p = b.param_ptr("desc", HostElem::I32, true);
+    let task_ends_p = b.param_ptr("task_ends", HostElem::I32, true);
+    let count_p = b.param_ptr("bin_count", HostElem::I32, true);
+    let first_p = b.param_ptr("bin_first", HostElem::I32, true);
+    let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let cap_p = b.param_u32("work_capacity");
+    let bins_p = b.param_u32("bins");
+    let warp_totals = b.shared_array("warp_totals", 128, 16);
+
+    let metadata = b.ld_param_ptr(&metadata_p);
+    let work_count = b.ld_param_ptr(&work_count_p);
+    let desc = b.ld_param_ptr(&desc_p);
+    let task_ends = b.ld_param_ptr(&task_ends_p);
+    let cap = b.ld_param(&cap_p);
+    let bins = b.ld_param(&bins_p);
+    let tid = b.sreg(SReg::TidX);
+
+    b.comment("num_work = clamp(work_count, 0, work_capacity)");
+    let wc = b.ld::<S32, _>(&global(work_count, 0));
+    let wc = b.max(wc, 0i32);
+    let wc = b.bitcast::<U32, S32>(wc);
+    let num_work = b.min(wc, cap);
+
+    b.comment("task_ends[w] = sum over items <= w of ceil(q_count / 8)");
+    let total = tiled_scan(
+        b,
+        num_work,
+        tid,
+        &warp_totals,
+        |b, i, live| {
+            load_if(b, live, |b| {
+                let field = b.mad_lo(i, 6u32, 3u32);
+                let q_count = load_u32(b, metadata, field);
+                div_ceil(b, q_count, QUERY_CHUNK)
+            })
+        },
+        |b, i, live, before, v| {
+            b.if_then(live, "store_end", |b| {
+                let end = b.add(before, v);
+                store_u32(b, task_ends, i, end);
+            });
+        },
+    );
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "desc", |b| {
+        b.st::<U32, _>(&global(desc, 20), num_work);
+        b.st::<U32, _>(&global(desc, 24), total);
+        b.st::<U32, _>(&global(desc, 28), 0u32);
+    });
+
+    b.comment("clear the bins: count 0, first INT32_MAX, last -1");
+    let count = b.ld_param_ptr(&count_p);
+    let first = b.ld_param_ptr(&first_p);
+    let last = b.ld_param_ptr(&last_p);
+    b.for_range(tid, bins, SCAN_THREADS, "clear_bins", |b, i| {
+        store_u32(b, count, i, 0u32);
+        store_u32(b, first, i, i32::MAX as u32);
+        store_u32(b, last, i, u32::MAX);
+    });
+    b.ret();
+}
+
+/// Loads the decode inputs shared by the per-task kernels' parameters.
+struct TaskParams {
+    q_indices: Reg<U64>,
+    cu_seqlens: Reg<U64>,
+    ws_starts: Reg<U64>,
+    edge_capacity: Reg<U32>,
+    num_windows: Reg<U32>,
+    num_kblocks: Reg<U32>,
+}
+
+fn assign_segments(b: &mut KernelBuilder) {
+    b.grid("[ceil(capacity / 256), 1, 1]");
+    let metadata_p = b.param_ptr("scheduler_metadata", HostElem::I32, false);
+    let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
+    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, false);
+    let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
+    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
+    let desc_p = b.param_ptr("desc", HostElem::I32, false);
+    let task_ends_p = b.param_ptr("task_ends", HostElem::I32, false);
+    let segments_p = b.param_ptr("segments", HostElem::I32, true);
+    let decode_p = b.param_ptr("decode", HostElem::I32, true);
+    let count_p = b.param_ptr("bin_count", HostElem::I32, true);
+    let first_p = b.param_ptr("bin_first", HostElem::I32, true);
+    let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let rows_p = b.param_u32("rows");
+    let edge_cap_p = b.param_u32("edge_capacity");
+    let cap_p = b.param_u32("capacity");
+    let windows_p = b.param_u32("num_windows");
+    let kblocks_p = b.param_u32("num_kblocks");
+
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let j = b.mad_lo(cta, TASK_THREADS, tid);
+    let desc = b.ld_param_ptr(&desc_p);
+    let num_work = b.ld::<U32, _>(&global(desc, 20));
+    let total = b.ld::<U32, _>(&global(desc, 24));
+    let cap = b.ld_param(&cap_p);
+    let limit = b.min(total, cap);
+    let live = b.setp(Cmp::Lt, j, limit);
+    b.if_then(live, "task_done", |b| {
+        let task_ends = b.ld_param_ptr(&task_ends_p);
+        b.comment("work item w: the first with task_ends[w] > j (lower bound)");
+        let lo = b.mov::<U32>(0u32);
+        let hi = b.mov::<U32>(num_work);
+        let top = b.label("search");
+        let done = b.label("search_done");
+        b.place(&top);
+        let more = b.setp(Cmp::Lt, lo, hi);
+        b.bra_unless(more, &done);
+        let mid = b.add(lo, hi);
+        let mid = b.shr(mid, 1u32);
+        let end = load_u32(b, task_ends, mid);
+        let right = b.setp(Cmp::Le, end, j);
+        let mid1 = b.add(mid, 1u32);
+        let new_lo = b.selp(mid1, lo, right);
+        let new_hi = b.selp(hi, mid, right);
+        b.set(lo, new_lo);
+        b.set(hi, new_hi);
+        b.bra(&top);
+        b.place(&done);
+        let w = lo;
+        let has_prev = b.setp(Cmp::Gt, w, 0u32);
+        let prev = load_if(b, has_prev, |b| {
+            let wm1 = b.sub(w, 1u32);
+            load_u32(b, task_ends, wm1)
+        });
+        let local = b.sub(j, prev);
+
+        let metadata = b.ld_param_ptr(&metadata_p);
+        let md0 = b.mul_lo(w, 6u32);
+        let field = |b: &mut KernelBuilder, c: u32| {
+            let i = b.add(md0, c);
+            load_u32(b, metadata, i)
+        };
+        let head = field(b, 0);
+        let row = field(b, 1);
+        let q_begin = field(b, 2);
+        let q_count = field(b, 3);
+        let doc = field(b, 4);
+        let local_kblock = field(b, 5);
+
+        let skip = b.mul_lo(local, QUERY_CHUNK);
+        let left = b.sub(q_count, skip);
+        let valid = b.min(left, QUERY_CHUNK);
+        let row_ptr = b.ld_param_ptr(&row_ptr_p);
+        let rows = b.ld_param(&rows_p);
+        let stride = b.add(rows, 1u32);
+        let rp_idx = b.mad_lo(head, stride, row);
+        let rp = load_u32(b, row_ptr, rp_idx);
+        let edge_start = b.add(rp, q_begin);
+        let edge_start = b.add(edge_start, skip);
+
+        let p = task_params(
+            b,
+            &q_indices_p,
+            &cu_p,
+            &ws_p,
+            &edge_cap_p,
+            &windows_p,
+            &kblocks_p,
+        );
+        let edge = b.mad_lo(head, p.edge_capacity, edge_start);
+        let q0 = load_u32(b, p.q_indices, edge);
+        let cu = load_u32(b, p.cu_seqlens, doc);
+        let first_query = b.add(cu, q0);
+        let ws = load_u32(b, p.ws_starts, doc);
+        let kb = b.shr(ws, 7u32);
+        let kblock = b.add(kb, local_kblock);
+        let window = b.div(first_query, LOCALITY_WINDOW);
+        let seg = b.mad_lo(head, p.num_windows, window);
+        let seg = b.mad_lo(seg, p.num_kblocks, kblock);
+
+        let segments = b.ld_param_ptr(&segments_p);
+        store_u32(b, segments, j, seg);
+        let decode = b.ld_param_ptr(&decode_p);
+        let d0 = b.mul_lo(j, 3u32);
+        store_u32(b, decode, d0, valid);
+        let d1 = b.add(d0, 1u32);
+        store_u32(b, decode, d1, edge_start);
+        let d2 = b.add(d0, 2u32);
+        store_u32(b, decode, d2, doc);
+
+        let count = b.ld_param_ptr(&count_p);
+        let first = b.ld_param_ptr(&first_p);
+        let last = b.ld_param_ptr(&last_p);
+        let js = b.bitcast::<S32, U32>(j);
+        let a = elem::<U32>(b, count, seg);
+        b.red::<U32, _>(AtomOp::Add, &a, 1u32);
+        let a = elem::<S32>(b, first, seg);
+        b.red::<S32, _>(AtomOp::Min, &a, js);
+        let a = elem::<S32>(b, last, seg);
+        b.red::<S32, _>(AtomOp::Max, &a, js);
+    });
+    b.ret();
+}
+
+fn task_params(
+    b: &mut KernelBuilder,
+    q_indices: &ParamRef<U64>,
+    cu: &ParamRef<U64>,
+    ws: &ParamRef<U64>,
+    edge_cap: &ParamRef<U32>,
+    windows: &ParamRef<U32>,
+    kblocks: &ParamRef<U32>,
+) -> TaskParams {
+    TaskParams {
+        q_indices: b.ld_param_ptr(q_indices),
+        cu_seqlens: b.ld_param_ptr(cu),
+        ws_starts: b.ld_param_ptr(ws),
+        edge_capacity: b.ld_param(edge_cap),
+        num_windows: b.ld_param(windows),
+        num_kblocks: b.ld_param(kblocks),
+    }
+}
+
+fn scan_bins(b: &mut KernelBuilder) {
+    b.grid("[1, 1, 1]");
+    let count_p = b.param_ptr("bin_count", HostElem::I32, false);
+    let first_p = b.param_ptr("bin_first", HostElem::I32, false);
+    let last_p = b.param_ptr("bin_last", HostElem::I32, false);
+    let offset_p = b.param_ptr("bin_offset", HostElem::I32, true);
+    let desc_p = b.param_ptr("desc", HostElem::I32, true);
+    let bins_p = b.param_u32("bins");
+    let warp_totals = b.shared_array("warp_totals", 128, 16);
+
+    let count = b.ld_param_ptr(&count_p);
+    let first = b.ld_param_ptr(&first_p);
+    let last = b.ld_param_ptr(&last_p);
+    let offset = b.ld_param_ptr(&offset_p);
+    let desc = b.ld_param_ptr(&desc_p);
+    let bins = b.ld_param(&bins_p);
+    let tid = b.sreg(SReg::TidX);
+    tiled_scan(
+        b,
+        bins,
+        tid,
+        &warp_totals,
+        |b, i, live| {
+            load_if(b, live, |b| {
+                let c = load_u32(b, count, i);
+                // A segment whose tasks are not one run in forward order cannot be placed
+                // by `offset + (task - first)`: flag it, and the tables keep source order.
+                let nonempty = b.setp(Cmp::Gt, c, 0u32);
+                b.if_then(nonempty, "contiguous", |b| {
+                    let f = load_u32(b, first, i);
+                    let l = load_u32(b, last, i);
+                    let span = b.sub(l, f);
+                    let span = b.add(span, 1u32);
+                    let split = b.setp(Cmp::Ne, span, c);
+                    b.if_then(split, "flag", |b| {
+                        b.red::<U32, _>(AtomOp::Or, &global(desc, 28), FLAG_NONCONTIGUOUS_SEGMENTS);
+                    });
+                });
+                c
+            })
+        },
+        |b, i, live, before, _| {
+            b.if_then(live, "store_offset", |b| store_u32(b, offset, i, before));
+        },
+    );
+    b.ret();
+}
+
+fn scatter_tables(b: &mut KernelBuilder) {
+    b.grid("[ceil(capacity / 256), 1, 1]");
+    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, false);
+    let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
+    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
+    let desc_p = b.param_ptr("desc", HostElem::I32, true);
+    let segments_p = b.param_ptr("segments", HostElem::I32, false);
+    let decode_p = b.param_ptr("decode", HostElem::I32, false);
+    let first_p = b.param_ptr("bin_first", HostElem::I32, false);
+    let offset_p = b.param_ptr("bin_offset", HostElem::I32, false);
+    let meta_p = b.param_ptr("task_meta", HostElem::I32, true);
+    let qrows_p = b.param_ptr("task_qrows", HostElem::I32, true);
+    let qpos_p = b.param_ptr("task_qpos", HostElem::I32, true);
+    let edge_cap_p = b.param_u32("edge_capacity");
+    let cap_p = b.param_u32("capacity");
+    let windows_p = b.param_u32("num_windows");
+    let kblocks_p = b.param_u32("num_kblocks");
+    let sms_p = b.param_u32("num_sms");
+
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let j = b.mad_lo(cta, TASK_THREADS, tid);
+    let desc = b.ld_param_ptr(&desc_p);
+    let total = b.ld::<U32, _>(&global(desc, 24));
+    let flags = b.ld::<U32, _>(&global(desc, 28));
+    let cap = b.ld_param(&cap_p);
+    let overflow = b.setp(Cmp::Gt, total, cap);
+
+    b.comment("thread 0 writes the CTA-walk descriptor (words 0-4) and the overflow flag");
+    let leader = b.setp(Cmp::Eq, j, 0u32);
+    b.if_then(leader, "walk", |b| {
+        let n = b.selp(0u32, total, overflow);
+        let r = common::rows_per_cta(
+            b,
+            n,
+            ROWS_PER_CTA_SWITCH,
+            ROWS_PER_CTA_SMALL,
+            ROWS_PER_CTA_LARGE,
+        );
+        let sms = b.ld_param(&sms_p);
+        let (full, tail, grid) = common::chunk_map(b, n, r, sms);
+        b.st_v(&global(desc, 0), [n, r, full, tail]);
+        b.st::<U32, _>(&global(desc, 16), grid);
+        let over = b.selp(FLAG_CAPACITY_OVERFLOW, 0u32, overflow);
+        let f = b.or(flags, over);
+        b.st::<U32, _>(&global(desc, 28), f);
+    });
+
+    let in_range = b.setp(Cmp::Lt, j, total);
+    let fits = b.setp(Cmp::Le, total, cap);
+    let live = b.and_pred(in_range, fits);
+    b.if_then(live, "task_done", |b| {
+        let segments = b.ld_param_ptr(&segments_p);
+        let seg = load_u32(b, segments, j);
+        let split = b.and(flags, FLAG_NONCONTIGUOUS_SEGMENTS);
+        let first = b.ld_param_ptr(&first_p);
+        let offset = b.ld_param_ptr(&offset_p);
+        let row = b.mov::<U32>(j);
+        let grouped = b.setp(Cmp::Eq, split, 0u32);
+        b.if_then(grouped, "grouped", |b| {
+            let f = load_u32(b, first, seg);
+            let o = load_u32(b, offset, seg);
+            let r = b.sub(j, f);
+            let r = b.add(r, o);
+            b.set(row, r);
+        });
+
+        let p = task_params(
+            b,
+            &q_indices_p,
+            &cu_p,
+            &ws_p,
+            &edge_cap_p,
+            &windows_p,
+            &kblocks_p,
+        );
+        let hw = b.div(seg, p.num_kblocks);
+        let head = b.div(hw, p.num_windows);
+        let kblock = b.rem(seg, p.num_kblocks);
+        let decode = b.ld_param_ptr(&decode_p);
+        let d0 = b.mul_lo(j, 3u32);
+        let valid = load_u32(b, decode, d0);
+        let d1 = b.add(d0, 1u32);
+        let edge_start = load_u32(b, decode, d1);
+        let d2 = b.add(d0, 2u32);
+        let doc = load_u32(b, decode, d2);
+
+        let meta = b.ld_param_ptr(&meta_p);
+        let zero = b.mov::<U32>(0u32);
+        let a = common::elem_bytes(b, meta, row, 16);
+        b.st_v(&a, [zero, head, kblock, valid]);
+
+        let cu = load_u32(b, p.cu_seqlens, doc);
+        let ws = load_u32(b, p.ws_starts, doc);
+        let edge0 = b.mad_lo(head, p.edge_capacity, edge_start);
+        let mut qrow = Vec::new();
+        let mut qpos = Vec::new();
+        for s in 0..QUERY_CHUNK {
+            let has = b.setp(Cmp::Gt, valid, s);
+            let qi = load_if(b, has, |b| {
+                let e = b.add(edge0, s);
+                load_u32(b, p.q_indices, e)
+            });
+            let r = b.add(cu, qi);
+            let q = b.add(ws, qi);
+            qrow.push(b.selp(r, u32::MAX, has));
+            qpos.push(b.selp(q, u32::MAX, has));
+        }
+        let qrows = b.ld_param_ptr(&qrows_p);
+        let qpos_base = b.ld_param_ptr(&qpos_p);
+        for (base, v) in [(qrows, &qrow), (qpos_base, &qpos)] {
+            let a = common::elem_bytes(b, base, row, 32);
+            b.st_v(&a, [v[0], v[1], v[2], v[3]]);
+            b.st_v(&a.offset(16), [v[4], v[5], v[6], v[7]]);
+        }
+    });
+    b.ret();
+}
