@@ -7,6 +7,7 @@
 
 pub mod bindings;
 pub mod kernels;
+pub mod plan;
 pub mod ptx;
 pub mod summary;
 pub mod target;

@@ -83,6 +83,44 @@ pub enum RuntimeError {
     /// The schedule is invalid.
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
+    /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.
+    #[error("tensor map `{map}`: {what} is {found}, expected {expected}")]
+    TensorMap {
+        /// The tensor the map describes (`q`, `grad_out`, `k_aligned`, `v_aligned`).
+        map: &'static str,
+        /// The parameter, e.g. `base address` or `globalDim[2]`.
+        what: &'static str,
+        /// The value found.
+        found: String,
+        /// What the rules require.
+        expected: String,
+    },
+    /// `cuTensorMapEncodeTiled` refused a descriptor the host-side checks accepted.
+    #[error("cuTensorMapEncodeTiled failed for tensor map `{map}` ({params}): {source}")]
+    TensorMapEncode {
+        /// The tensor the map describes.
+        map: &'static str,
+        /// The parameters passed, for the report.
+        params: String,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// The device's architecture is planned but its kernel is not shipped yet.
+    #[error(
+        "kernel `{kernel}` for compute capability {major}.{minor} (device {ordinal}) is not shipped yet; supported now: {supported}"
+    )]
+    KernelNotShipped {
+        /// The missing kernel.
+        kernel: &'static str,
+        /// Device ordinal.
+        ordinal: usize,
+        /// Capability major.
+        major: i32,
+        /// Capability minor.
+        minor: i32,
+        /// The capabilities that run today.
+        supported: String,
+    },
 }
 
 impl RuntimeError {

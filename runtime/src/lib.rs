@@ -4,6 +4,7 @@
 //! an f32 CPU reference of the attention ([`reference`]), and the CUDA driver glue that JIT-loads
 //! the PTX in `generated/` and launches it.
 
+pub mod backward;
 pub mod contract;
 pub mod device;
 pub mod error;
@@ -34,6 +35,7 @@ pub mod tma {
     unsafe impl DeviceRepr for TensorMap {}
 }
 
+pub use backward::{run_backward, Gradients, MsaBackward};
 pub use contract::*;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;

@@ -137,3 +137,29 @@ pub fn rows_per_cta(
     let is_small = b.setp(Cmp::Le, n, switch);
     b.selp(small, large, is_small)
 }
+
+/// CTA `cta`'s task rows `[lo, hi)` from the descriptor words `(n, r, full, tail, grid)`:
+/// the device mirror of the host contract's `cta_interval` (seed-design §2.4).
+pub fn cta_interval(
+    b: &mut KernelBuilder,
+    cta: Reg<U32>,
+    n: Reg<U32>,
+    r: Reg<U32>,
+    full: Reg<U32>,
+    tail: Reg<U32>,
+    grid: Reg<U32>,
+) -> (Reg<U32>, Reg<U32>) {
+    let in_full = b.setp(Cmp::Lt, cta, full);
+    let full_lo = b.mul_lo(cta, r);
+    let tail_base = b.mul_lo(full, r);
+    let tail_index = b.sub(cta, full);
+    let tail_lo = b.mad_lo(tail_index, tail, tail_base);
+    let lo = b.selp(full_lo, tail_lo, in_full);
+    let lo = b.min(lo, n);
+    let len = b.selp(r, tail, in_full);
+    let end = b.add(lo, len);
+    let hi = b.min(end, n);
+    // CTAs past the grid (the launch is an upper bound) get an empty interval.
+    let outside = b.setp(Cmp::Ge, cta, grid);
+    (b.selp(n, lo, outside), b.selp(n, hi, outside))
+}

@@ -365,7 +365,14 @@ impl KernelBuilder {
     }
 
     /// A comment line in the body, to mark sections for a reviewer.
+    ///
+    /// PTX must be ASCII (the driver's JIT rejects anything else), so other text is an error.
     pub fn comment(&mut self, text: &str) {
+        if !text.is_ascii() {
+            self.error(format!(
+                "comment {text:?} is not ASCII; the driver's PTX JIT rejects it"
+            ));
+        }
         self.body.push(Stmt::Comment(text.to_string()));
     }
 
@@ -474,12 +481,19 @@ impl KernelBuilder {
         d
     }
 
-    /// The generic address of a tensor-map parameter (the TMA descriptor operand).
+    /// The generic address of a tensor-map parameter (the TMA descriptor operand): the
+    /// parameter's address converted from the param window (`cvta.param`, PTX 7.7).
     pub fn tensor_map_addr(&mut self, p: &TensorMapRef) -> Reg<U64> {
-        let d = self.fresh::<U64>();
+        let param = self.fresh::<U64>();
         self.inst(
             "mov.u64".into(),
-            vec![Operand::Reg(d.name()), Operand::Symbol(p.name.clone())],
+            vec![Operand::Reg(param.name()), Operand::Symbol(p.name.clone())],
+        );
+        let d = self.fresh::<U64>();
+        self.push(
+            "cvta.param.u64".into(),
+            vec![Operand::Reg(d.name()), Operand::Reg(param.name())],
+            PtxVersion(7, 7),
         );
         d
     }
@@ -971,6 +985,15 @@ impl KernelBuilder {
         self.inst("bar.sync".into(), ops);
     }
 
+    /// `bar.sync id, threads` with the barrier id in a register (a role-dependent barrier).
+    pub fn bar_sync_reg(&mut self, id: Reg<U32>, threads: u32) {
+        self.check_barrier(0, Some(threads));
+        self.inst(
+            "bar.sync".into(),
+            vec![id.operand(), Operand::Int(threads as i64)],
+        );
+    }
+
     /// `bar.arrive id, threads`: signals without waiting.
     pub fn bar_arrive(&mut self, id: u32, threads: u32) {
         self.check_barrier(id, Some(threads));
@@ -1041,6 +1064,14 @@ impl KernelBuilder {
         self.place(&skip);
     }
 
+    /// Runs `body` only in threads where `p` does not hold.
+    pub fn unless(&mut self, p: Reg<Pred>, hint: &'static str, body: impl FnOnce(&mut Self)) {
+        let skip = self.label(hint);
+        self.bra_if(p, &skip);
+        body(self);
+        self.place(&skip);
+    }
+
     /// Predicates every instruction `body` emits with `p` (or `!p` when `negate`).
     pub fn predicated(&mut self, p: Reg<Pred>, negate: bool, body: impl FnOnce(&mut Self)) {
         if self.guard.is_some() {
@@ -1076,6 +1107,209 @@ impl KernelBuilder {
     /// `ret`.
     pub fn ret(&mut self) {
         self.inst("ret".into(), vec![]);
+    }
+
+    // ---- async machinery: mbarriers, TMA, proxies -----------------------------------
+
+    /// `mbarrier.init` with the arrival count of one phase.
+    pub fn mbarrier_init(&mut self, bar: &SharedAddr, count: u32) {
+        self.inst(
+            "mbarrier.init.shared::cta.b64".into(),
+            vec![bar.operand(), Operand::Int(count as i64)],
+        );
+    }
+
+    /// Makes barrier initialisation visible to the async proxy and other threads.
+    pub fn fence_mbarrier_init(&mut self) {
+        self.inst("fence.mbarrier_init.release.cluster".into(), vec![]);
+    }
+
+    /// One arrival on `bar`.
+    pub fn mbarrier_arrive(&mut self, bar: &SharedAddr) {
+        self.inst(
+            "mbarrier.arrive.shared::cta.b64".into(),
+            vec![Operand::Symbol("_".into()), bar.operand()],
+        );
+    }
+
+    /// One arrival on `bar` that also expects `bytes` of transactions in this phase.
+    pub fn mbarrier_arrive_expect_tx(&mut self, bar: &SharedAddr, bytes: u32) {
+        self.inst(
+            "mbarrier.arrive.expect_tx.shared::cta.b64".into(),
+            vec![
+                Operand::Symbol("_".into()),
+                bar.operand(),
+                Operand::Int(bytes as i64),
+            ],
+        );
+    }
+
+    /// Waits until the phase of `bar` with parity `parity` has completed.
+    pub fn mbarrier_wait(&mut self, bar: &SharedAddr, parity: impl Src<U32>) {
+        let top = self.label("mbar_wait");
+        self.place(&top);
+        let done = self.fresh::<Pred>();
+        self.inst(
+            "mbarrier.try_wait.parity.shared::cta.b64".into(),
+            vec![Operand::Reg(done.name()), bar.operand(), parity.operand()],
+        );
+        self.bra_unless(done, &top);
+    }
+
+    /// A 3-D TMA tile load of the box at `coords` (innermost first) into `dst`, completing
+    /// its bytes on `bar`.
+    pub fn tma_load_3d(
+        &mut self,
+        dst: &SharedAddr,
+        tensor_map: Reg<U64>,
+        coords: [Reg<S32>; 3],
+        bar: &SharedAddr,
+    ) {
+        self.inst(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                .into(),
+            vec![
+                dst.operand(),
+                Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
+                bar.operand(),
+            ],
+        );
+    }
+
+    /// Orders this thread's generic-proxy shared-memory writes before later async-proxy
+    /// (TMA, wgmma, tcgen05) accesses.
+    pub fn fence_proxy_async_shared(&mut self) {
+        self.inst("fence.proxy.async.shared::cta".into(), vec![]);
+    }
+
+    /// `setmaxnreg`: every warp of a warpgroup must execute the same value.
+    pub fn setmaxnreg(&mut self, increase: bool, regs: u32) {
+        if !(24..=256).contains(&regs) || !regs.is_multiple_of(8) {
+            self.error(format!(
+                "setmaxnreg {regs}: must be a multiple of 8 in 24..=256"
+            ));
+        }
+        let dir = if increase { "inc" } else { "dec" };
+        self.inst(
+            format!("setmaxnreg.{dir}.sync.aligned.u32"),
+            vec![Operand::Int(regs as i64)],
+        );
+    }
+
+    /// `{lo, hi}` as one 64-bit value.
+    pub fn pack_b64(&mut self, lo: Reg<U32>, hi: impl Src<U32>) -> Reg<B64> {
+        let hi = match hi.operand() {
+            Operand::Reg(r) => r,
+            imm => {
+                let r = self.fresh::<U32>();
+                self.inst("mov.u32".into(), vec![Operand::Reg(r.name()), imm]);
+                r.name()
+            }
+        };
+        let d = self.fresh::<B64>();
+        self.inst(
+            "mov.b64".into(),
+            vec![Operand::Reg(d.name()), Operand::Vector(vec![lo.name(), hi])],
+        );
+        d
+    }
+
+    // ---- Hopper warpgroup MMA -------------------------------------------------------
+
+    fn require(&mut self, what: &str, target: Target) {
+        if self.target != target {
+            self.error(format!(
+                "{what} is only available on {target}, not {}",
+                self.target
+            ));
+        }
+    }
+
+    /// `wgmma.fence`: orders register accesses of the accumulators and A fragments before
+    /// the following wgmma.
+    pub fn wgmma_fence(&mut self) {
+        self.require("wgmma", Target::Sm90a);
+        self.inst("wgmma.fence.sync.aligned".into(), vec![]);
+    }
+
+    /// Closes the current group of wgmma operations.
+    pub fn wgmma_commit(&mut self) {
+        self.require("wgmma", Target::Sm90a);
+        self.inst("wgmma.commit_group.sync.aligned".into(), vec![]);
+    }
+
+    /// Waits until at most `pending` wgmma groups are in flight.
+    pub fn wgmma_wait(&mut self, pending: u32) {
+        self.require("wgmma", Target::Sm90a);
+        self.inst(
+            "wgmma.wait_group.sync.aligned".into(),
+            vec![Operand::Int(pending as i64)],
+        );
+    }
+
+    fn wgmma_shape(&mut self, acc: &[Reg<F32>]) -> u32 {
+        let n = acc.len() as u32 * 2;
+        if !(8..=256).contains(&n) || !n.is_multiple_of(8) {
+            self.error(format!(
+                "wgmma m64: {} accumulators per thread is not a legal N",
+                acc.len()
+            ));
+        }
+        n
+    }
+
+    /// `D (+)= A·B` with A and B in shared memory (descriptors), bf16 inputs, f32
+    /// accumulators `acc` (N/2 registers per thread). `accumulate` false overwrites D.
+    pub fn wgmma_ss(
+        &mut self,
+        acc: &[Reg<F32>],
+        a_desc: Reg<B64>,
+        b_desc: Reg<B64>,
+        accumulate: Reg<Pred>,
+        transpose_a: bool,
+        transpose_b: bool,
+    ) {
+        self.require("wgmma", Target::Sm90a);
+        let n = self.wgmma_shape(acc);
+        self.inst(
+            format!("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"),
+            vec![
+                Operand::Vector(acc.iter().map(|r| r.name()).collect()),
+                a_desc.operand(),
+                b_desc.operand(),
+                accumulate.operand(),
+                Operand::Int(1),
+                Operand::Int(1),
+                Operand::Int(transpose_a as i64),
+                Operand::Int(transpose_b as i64),
+            ],
+        );
+    }
+
+    /// `D (+)= A·B` with A from registers (four bf16x2 per thread, the m64k16 fragment) and B
+    /// in shared memory.
+    pub fn wgmma_rs(
+        &mut self,
+        acc: &[Reg<F32>],
+        a: [Reg<Bf16x2>; 4],
+        b_desc: Reg<B64>,
+        accumulate: Reg<Pred>,
+        transpose_b: bool,
+    ) {
+        self.require("wgmma", Target::Sm90a);
+        let n = self.wgmma_shape(acc);
+        self.inst(
+            format!("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"),
+            vec![
+                Operand::Vector(acc.iter().map(|r| r.name()).collect()),
+                Operand::Vector(a.iter().map(|r| r.name()).collect()),
+                b_desc.operand(),
+                accumulate.operand(),
+                Operand::Int(1),
+                Operand::Int(1),
+                Operand::Int(transpose_b as i64),
+            ],
+        );
     }
 
     // ---- finishing -----------------------------------------------------------------

@@ -26,6 +26,8 @@ pub enum Operand {
     Label(Label),
     /// A module symbol (parameter or shared variable) used as a value.
     Symbol(String),
+    /// A tensor-map operand with its coordinates: `[%rd, {%s0, %s1, %s2}]`.
+    TensorCoords(RegName, Vec<RegName>),
 }
 
 /// Base of a memory operand.
@@ -271,6 +273,9 @@ impl fmt::Display for Operand {
             }
             Operand::Label(l) => write!(f, "{l}"),
             Operand::Symbol(s) => f.write_str(s),
+            Operand::TensorCoords(map, coords) => {
+                write!(f, "[{map}, {}]", Operand::Vector(coords.clone()))
+            }
         }
     }
 }

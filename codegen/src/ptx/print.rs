@@ -55,8 +55,11 @@ pub fn module(kernel: &Kernel) -> Result<String, CodegenError> {
         })
         .collect();
     ctx.insert("regs", &regs);
-    let shared: Vec<String> = kernel.shared.iter().map(|s| s.decl()).collect();
-    ctx.insert("shared", &shared);
+    // The dynamic (`.extern`) array must live at module scope; sized arrays stay in the entry.
+    let (dynamic, sized): (Vec<_>, Vec<_>) = kernel.shared.iter().partition(|s| s.dynamic);
+    let decls = |v: Vec<&super::ir::SharedDecl>| v.iter().map(|s| s.decl()).collect::<Vec<_>>();
+    ctx.insert("module_shared", &decls(dynamic));
+    ctx.insert("entry_shared", &decls(sized));
     ctx.insert("body", &body(kernel));
     tera.render("module.ptx", &ctx)
         .map_err(|e| CodegenError::Template(format!("{e:?}")))

@@ -1,13 +1,29 @@
 //! Sparse attention forward and backward over the selected blocks only.
+//!
+//! Work is split into jobs of one kv group × one chunk of [`QUERY_CHUNK_TOKENS`] queries on a
+//! fixed token grid, run on a small worker pool. Forward jobs and dQ write disjoint rows. dK/dV
+//! of a job go to a private partial buffer; partials are summed in job order afterwards. The
+//! grid is a constant, so results depend only on the inputs, never on the core count.
 
 use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 
 use super::layout::{preprocess_delta, to_aligned};
-use super::{blocks_of, check_len, num_tokens, ReferenceError, KV_ROW, Q_ROW};
+use super::{check_len, num_tokens, ReferenceError, KV_ROW, Q_ROW};
 use crate::contract::{
     BLOCK_SIZE, HEAD_DIM, MAIN_HEADS_PER_INDEX, NUM_KV_HEADS, NUM_Q_HEADS, SOFTMAX_SCALE,
     TOPK_BLOCKS,
 };
+
+/// Queries per job. Fixed (see the module doc); large enough that the per-job dK/dV partials
+/// and their reduction stay cheap next to the attention work.
+const QUERY_CHUNK_TOKENS: usize = 1024;
+
+/// q-heads of one kv group, processed together.
+const HEADS: usize = MAIN_HEADS_PER_INDEX;
+
+/// Most kept keys of one query: 16 full blocks.
+const MAX_KEYS: usize = TOPK_BLOCKS * BLOCK_SIZE;
 
 /// Output of [`forward`].
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +51,9 @@ pub struct Gradients {
     pub workspace_rows: usize,
 }
 
+/// One head's row of 128 elements.
+type Row = [f32; HEAD_DIM];
+
 /// Validated inputs shared by forward and backward.
 struct Problem<'a> {
     q: &'a [f32],
@@ -57,13 +76,8 @@ impl<'a> Problem<'a> {
         check_len("q", q.len(), tokens, Q_ROW, "[T,64,128]")?;
         check_len("k", k.len(), tokens, KV_ROW, "[T,4,128]")?;
         check_len("v", v.len(), tokens, KV_ROW, "[T,4,128]")?;
-        check_len(
-            "q2k",
-            q2k.len(),
-            tokens,
-            NUM_KV_HEADS * TOPK_BLOCKS,
-            "[4,T,16]",
-        )?;
+        let q2k_row = NUM_KV_HEADS * TOPK_BLOCKS;
+        check_len("q2k", q2k.len(), tokens, q2k_row, "[4,T,16]")?;
         let p = Problem {
             q,
             k,
@@ -80,10 +94,10 @@ impl<'a> Problem<'a> {
     /// own block are legal: causality removes all their keys.
     fn check_block_ids(&self) -> Result<(), ReferenceError> {
         for d in 0..self.cu.len() - 1 {
-            let docs = self.doc_range(d);
-            let blocks = blocks_of(docs.len());
+            let doc = self.doc_range(d);
+            let blocks = doc.len().div_ceil(BLOCK_SIZE);
             for g in 0..NUM_KV_HEADS {
-                for t in docs.clone() {
+                for t in doc.clone() {
                     for (j, &id) in self.selection(g, t).iter().enumerate() {
                         if id < -1 || (id >= 0 && id as usize >= blocks) {
                             return Err(ReferenceError::Value {
@@ -103,9 +117,26 @@ impl<'a> Problem<'a> {
         self.cu[d] as usize..self.cu[d + 1] as usize
     }
 
+    /// The documents holding queries of `queries` (non-empty), each with its part of them.
+    fn doc_pieces(&self, queries: &Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
+        // The last document starting at or before the first query is the one holding it
+        // (cu[0] = 0 <= start < T = cu[docs], so this skips empty documents and stays in range).
+        let mut d = self.cu.partition_point(|&c| c as usize <= queries.start) - 1;
+        let mut pieces = Vec::new();
+        while d + 1 < self.cu.len() && (self.cu[d] as usize) < queries.end {
+            let doc = self.doc_range(d);
+            let piece = doc.start.max(queries.start)..doc.end.min(queries.end);
+            if !piece.is_empty() {
+                pieces.push((doc, piece));
+            }
+            d += 1;
+        }
+        pieces
+    }
+
     fn selection(&self, g: usize, t: usize) -> &[i32] {
-        let row = (g * self.tokens + t) * TOPK_BLOCKS;
-        &self.q2k[row..row + TOPK_BLOCKS]
+        let at = (g * self.tokens + t) * TOPK_BLOCKS;
+        &self.q2k[at..at + TOPK_BLOCKS]
     }
 
     fn q_row(&self, t: usize, h: usize) -> &Row {
@@ -120,15 +151,15 @@ impl<'a> Problem<'a> {
         row(self.v, (s * NUM_KV_HEADS + g) * HEAD_DIM)
     }
 
-    /// The kept keys of query `t` (in document `docs`) for group `g`, as ascending compact
-    /// ranges, one per distinct selected block that holds a key `<= t`.
+    /// The kept keys of query `t` (in document `doc`) for group `g`, as ascending compact
+    /// ranges, one per distinct selected block that holds a key `<= t`. Returns their count.
     ///
     /// `q2k` is a set (seed-design §1.4 (a)): order is irrelevant and a repeated id counts once.
     fn kept_keys(
         &self,
         g: usize,
         t: usize,
-        docs: &Range<usize>,
+        doc: &Range<usize>,
         ranges: &mut [Range<usize>; TOPK_BLOCKS],
     ) -> usize {
         let mut ids = [0usize; TOPK_BLOCKS];
@@ -144,64 +175,44 @@ impl<'a> Problem<'a> {
         let mut count = 0;
         let mut prev = None;
         for &b in ids.iter() {
-            let lo = docs.start + b * BLOCK_SIZE;
+            let lo = doc.start + b * BLOCK_SIZE;
             if prev == Some(b) || lo > t {
                 continue;
             }
             prev = Some(b);
-            let hi = (lo + BLOCK_SIZE).min(docs.end).min(t + 1);
-            ranges[count] = lo..hi;
+            ranges[count] = lo..(lo + BLOCK_SIZE).min(doc.end).min(t + 1);
             count += 1;
         }
         count
     }
 
-    /// Splits the documents into at most `parts` runs of whole documents, balanced by tokens.
-    fn document_runs(&self, parts: usize) -> Vec<Range<usize>> {
-        let docs = self.cu.len() - 1;
-        let parts = parts.clamp(1, docs.max(1));
-        let target = self.tokens.div_ceil(parts).max(1);
-        let mut runs = Vec::with_capacity(parts);
-        let mut first = 0;
-        for d in 0..docs {
-            let filled = self.cu[d + 1] as usize - self.cu[first] as usize;
-            if filled >= target && runs.len() + 1 < parts {
-                runs.push(first..d + 1);
-                first = d + 1;
-            }
-        }
-        runs.push(first..docs);
-        runs
-    }
-
-    fn tokens_of(&self, docs: &Range<usize>) -> Range<usize> {
-        self.cu[docs.start] as usize..self.cu[docs.end] as usize
+    /// The query chunks of the job grid.
+    fn chunks(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (0..self.tokens.div_ceil(QUERY_CHUNK_TOKENS))
+            .map(|c| c * QUERY_CHUNK_TOKENS..((c + 1) * QUERY_CHUNK_TOKENS).min(self.tokens))
     }
 }
 
-/// Jobs per kv group: enough to keep every core busy. Results do not depend on it.
-fn runs_per_group() -> usize {
+/// Runs every job on a pool of at most one worker per core.
+fn run_jobs<J: Send>(jobs: Vec<J>, work: impl Fn(J) + Sync) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cores.div_ceil(NUM_KV_HEADS)
+    let workers = cores.min(jobs.len());
+    let queue = Mutex::new(jobs.into_iter());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                // A poisoned queue only means another worker panicked; the scope re-raises it.
+                let job = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+                match job {
+                    Some(job) => work(job),
+                    None => break,
+                }
+            });
+        }
+    });
 }
 
-/// Splits a per-group buffer with `width` elements per token into one slice per document run.
-fn split_runs<'b>(
-    mut buf: &'b mut [f32],
-    p: &Problem,
-    runs: &[Range<usize>],
-    width: usize,
-) -> Vec<&'b mut [f32]> {
-    let mut parts = Vec::with_capacity(runs.len());
-    for run in runs {
-        let (head, rest) = buf.split_at_mut(p.tokens_of(run).len() * width);
-        parts.push(head);
-        buf = rest;
-    }
-    parts
-}
-
-/// Moves per-group buffers `[T, heads_per_group, 128]` into one `[T, groups·heads_per_group, 128]`.
+/// Moves per-group buffers `[T, n, 128]` into one `[T, groups·n, 128]` (`row = n·128`).
 fn merge_groups(groups: &[Vec<f32>], tokens: usize, row: usize) -> Vec<f32> {
     let mut merged = vec![0.0; tokens * row * groups.len()];
     for (g, buf) in groups.iter().enumerate() {
@@ -215,9 +226,6 @@ fn merge_groups(groups: &[Vec<f32>], tokens: usize, row: usize) -> Vec<f32> {
 
 // The unrolled loops below step by 8 and 4.
 const _: () = assert!(HEAD_DIM / 8 * 8 == HEAD_DIM);
-
-/// One head's row of 128 elements.
-type Row = [f32; HEAD_DIM];
 
 /// The `HEAD_DIM` elements of `data` at `at`, as a fixed-size row.
 #[inline]
@@ -234,9 +242,8 @@ fn row_mut(data: &mut [f32], at: usize) -> &mut Row {
         .expect("a HEAD_DIM slice converts to a HEAD_DIM array")
 }
 
-// The two inner loops below are written with plain indices on fixed-size rows rather than
-// iterator chains: same machine code in release (it vectorises), but several times faster in
-// unoptimised test builds.
+// The two inner loops below use plain indices on fixed-size rows rather than iterator chains:
+// they vectorise in release and run several times faster in unoptimised test builds.
 
 /// f32 dot product of two rows with eight interleaved partial sums (fixed order).
 #[inline]
@@ -260,13 +267,22 @@ pub(super) fn dot(a: &Row, b: &Row) -> f32 {
 /// `y += a·x`.
 #[inline]
 fn axpy(y: &mut Row, a: f32, x: &Row) {
-    let mut i = 0;
-    while i < HEAD_DIM {
-        y[i] += a * x[i];
-        y[i + 1] += a * x[i + 1];
-        y[i + 2] += a * x[i + 2];
-        y[i + 3] += a * x[i + 3];
-        i += 4;
+    // Each element is one multiply-add, so both loop forms give bit-identical results. The
+    // plain loop vectorises cleanly in release (the unrolled one does not); the unrolled one
+    // is ~3× faster in unoptimised test builds.
+    if cfg!(debug_assertions) {
+        let mut i = 0;
+        while i < HEAD_DIM {
+            y[i] += a * x[i];
+            y[i + 1] += a * x[i + 1];
+            y[i + 2] += a * x[i + 2];
+            y[i + 3] += a * x[i + 3];
+            i += 4;
+        }
+    } else {
+        for i in 0..HEAD_DIM {
+            y[i] += a * x[i];
+        }
     }
 }
 
@@ -287,60 +303,71 @@ pub fn forward(
     cu_seqlens: &[i32],
 ) -> Result<Forward, ReferenceError> {
     let p = Problem::new(q, k, v, q2k, cu_seqlens)?;
-    let runs = p.document_runs(runs_per_group());
-    let group_out = MAIN_HEADS_PER_INDEX * HEAD_DIM;
-    let mut outs = vec![vec![0.0f32; p.tokens * group_out]; NUM_KV_HEADS];
-    let mut lses = vec![vec![f32::NEG_INFINITY; p.tokens * MAIN_HEADS_PER_INDEX]; NUM_KV_HEADS];
-    std::thread::scope(|scope| {
-        for (g, (out, lse)) in outs.iter_mut().zip(lses.iter_mut()).enumerate() {
-            let outs = split_runs(out, &p, &runs, group_out);
-            let lses = split_runs(lse, &p, &runs, MAIN_HEADS_PER_INDEX);
-            for ((run, out), lse) in runs.iter().zip(outs).zip(lses) {
-                let p = &p;
-                scope.spawn(move || forward_run(p, g, run.clone(), out, lse));
-            }
+    let mut outs = vec![vec![0.0f32; p.tokens * HEADS * HEAD_DIM]; NUM_KV_HEADS];
+    let mut lses = vec![vec![f32::NEG_INFINITY; p.tokens * HEADS]; NUM_KV_HEADS];
+    let mut jobs = Vec::new();
+    for (g, (out, lse)) in outs.iter_mut().zip(lses.iter_mut()).enumerate() {
+        let outs = out.chunks_mut(QUERY_CHUNK_TOKENS * HEADS * HEAD_DIM);
+        let lses = lse.chunks_mut(QUERY_CHUNK_TOKENS * HEADS);
+        for ((queries, out), lse) in p.chunks().zip(outs).zip(lses) {
+            jobs.push((g, queries, out, lse));
         }
+    }
+    run_jobs(jobs, |(g, queries, out, lse)| {
+        forward_chunk(&p, g, queries, out, lse)
     });
     Ok(Forward {
-        out: merge_groups(&outs, p.tokens, group_out),
-        lse: merge_groups(&lses, p.tokens, MAIN_HEADS_PER_INDEX),
+        out: merge_groups(&outs, p.tokens, HEADS * HEAD_DIM),
+        lse: merge_groups(&lses, p.tokens, HEADS),
     })
 }
 
-/// Forward of group `g` over a run of documents; `out`/`lse` start at the run's first token.
-fn forward_run(p: &Problem, g: usize, docs: Range<usize>, out: &mut [f32], lse: &mut [f32]) {
-    let base = p.tokens_of(&docs).start;
+/// Forward of group `g` for `queries`; `out [n,16,128]` / `lse [n,16]` start at its first query.
+///
+/// The 16 heads of the group share one key set, so each K/V row is loaded once per query and
+/// used for all 16 heads (16× less memory traffic than a loop per head). Per head, the
+/// arithmetic and its order are those of a plain per-head loop over ascending keys.
+fn forward_chunk(p: &Problem, g: usize, queries: Range<usize>, out: &mut [f32], lse: &mut [f32]) {
+    let base = queries.start;
     let mut ranges: [Range<usize>; TOPK_BLOCKS] = Default::default();
-    // Scaled scores, then probabilities, of one (query, head): at most 16 blocks of keys.
-    let mut scores = Vec::with_capacity(TOPK_BLOCKS * BLOCK_SIZE);
-    for d in docs {
-        let doc = p.doc_range(d);
-        for t in doc.clone() {
+    // Scaled scores, then probabilities, `[16 heads][MAX_KEYS]`; allocated once per job.
+    let mut scores = vec![0.0f32; HEADS * MAX_KEYS];
+    for (doc, piece) in p.doc_pieces(&queries) {
+        for t in piece {
             let n = p.kept_keys(g, t, &doc, &mut ranges);
             if n == 0 {
                 continue; // out stays 0, lse stays -inf
             }
             let kept = &ranges[..n];
-            for hl in 0..MAIN_HEADS_PER_INDEX {
-                let q_row = p.q_row(t, g * MAIN_HEADS_PER_INDEX + hl);
-                scores.clear();
-                for s in kept.iter().flat_map(Range::clone) {
-                    scores.push(SOFTMAX_SCALE * dot(q_row, p.k_row(s, g)));
+            let keys = kept.iter().map(Range::len).sum::<usize>();
+            let q_rows: [&Row; HEADS] = std::array::from_fn(|hl| p.q_row(t, g * HEADS + hl));
+            for (i, s) in kept.iter().flat_map(Range::clone).enumerate() {
+                let k_row = p.k_row(s, g);
+                for (hl, q_row) in q_rows.iter().enumerate() {
+                    scores[hl * MAX_KEYS + i] = SOFTMAX_SCALE * dot(q_row, k_row);
                 }
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            }
+            let mut inv_sum = [0.0f32; HEADS];
+            for (hl, inv) in inv_sum.iter_mut().enumerate() {
+                let head = &mut scores[hl * MAX_KEYS..hl * MAX_KEYS + keys];
+                let max = head.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0f32;
-                for x in scores.iter_mut() {
+                for x in head.iter_mut() {
                     *x = (*x - max).exp();
                     sum += *x;
                 }
-                let row = (t - base) * MAIN_HEADS_PER_INDEX + hl;
-                lse[row] = max + sum.ln();
-                let o = row_mut(out, row * HEAD_DIM);
-                for (s, &pr) in kept.iter().flat_map(Range::clone).zip(scores.iter()) {
-                    axpy(o, pr, p.v_row(s, g));
+                lse[(t - base) * HEADS + hl] = max + sum.ln();
+                *inv = 1.0 / sum;
+            }
+            let o = &mut out[(t - base) * HEADS * HEAD_DIM..][..HEADS * HEAD_DIM];
+            for (i, s) in kept.iter().flat_map(Range::clone).enumerate() {
+                let v_row = p.v_row(s, g);
+                for hl in 0..HEADS {
+                    axpy(row_mut(o, hl * HEAD_DIM), scores[hl * MAX_KEYS + i], v_row);
                 }
-                let inv = 1.0 / sum;
-                o.iter_mut().for_each(|x| *x *= inv);
+            }
+            for (o_row, inv) in o.chunks_exact_mut(HEAD_DIM).zip(inv_sum) {
+                o_row.iter_mut().for_each(|x| *x *= inv);
             }
         }
     }
@@ -352,8 +379,8 @@ fn forward_run(p: &Problem, g: usize, docs: Range<usize>, out: &mut [f32], lse: 
 /// `lse [T,64]` and `dout [T,64,128]`. With `P = exp(scale·S − lse)` over the kept keys,
 /// `Delta = rowsum(O∘dO)` ([`preprocess_delta`]) and `dS = P∘(dO·Vᵀ − Delta)`:
 /// `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`, `dV = Pᵀ·dO`, summed over the 16 q-heads of each
-/// kv group. A row whose `lse` is `-inf` (no kept key) contributes nothing. `dK`/`dV` are
-/// returned both compact and scattered into the aligned `[W,4,128]` workspace layout.
+/// kv group. A row whose `lse` is `-inf` contributes nothing (`P = 0`, as the kernel treats
+/// it). `dK`/`dV` are returned both compact and scattered into the aligned `[W,4,128]` layout.
 ///
 /// # Errors
 /// As [`forward`], plus a length mismatch of `out`, `lse` or `dout`.
@@ -379,30 +406,44 @@ pub fn backward(
         dout,
     };
 
-    let runs = p.document_runs(runs_per_group());
-    let group_q = MAIN_HEADS_PER_INDEX * HEAD_DIM;
-    let mut dqs = vec![vec![0.0f32; p.tokens * group_q]; NUM_KV_HEADS];
-    let mut dks = vec![vec![0.0f32; p.tokens * HEAD_DIM]; NUM_KV_HEADS];
-    let mut dvs = vec![vec![0.0f32; p.tokens * HEAD_DIM]; NUM_KV_HEADS];
-    std::thread::scope(|scope| {
-        let groups = dqs.iter_mut().zip(dks.iter_mut()).zip(dvs.iter_mut());
-        for (g, ((dq, dk), dv)) in groups.enumerate() {
-            let dq = split_runs(dq, &p, &runs, group_q);
-            let dk = split_runs(dk, &p, &runs, HEAD_DIM);
-            let dv = split_runs(dv, &p, &runs, HEAD_DIM);
-            for (run, ((dq, dk), dv)) in runs.iter().zip(dq.into_iter().zip(dk).zip(dv)) {
-                let (p, rows) = (&p, &rows);
-                let grads = RunGrads { dq, dk, dv };
-                scope.spawn(move || backward_run(p, rows, g, run.clone(), grads));
-            }
+    let mut dqs = vec![vec![0.0f32; p.tokens * HEADS * HEAD_DIM]; NUM_KV_HEADS];
+    let mut jobs = Vec::new();
+    for (g, dq) in dqs.iter_mut().enumerate() {
+        let dqs = dq.chunks_mut(QUERY_CHUNK_TOKENS * HEADS * HEAD_DIM);
+        for (c, (queries, dq)) in p.chunks().zip(dqs).enumerate() {
+            jobs.push((g, c, queries, dq));
         }
+    }
+    let partials = Mutex::new(Vec::with_capacity(jobs.len()));
+    run_jobs(jobs, |(g, c, queries, dq)| {
+        let partial = backward_chunk(&p, &rows, g, queries, dq);
+        let mut partials = partials.lock().unwrap_or_else(PoisonError::into_inner);
+        partials.push(((c, g), partial));
     });
+
+    // Sum the partials in chunk order, so the result does not depend on scheduling.
+    let mut partials = partials
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    partials.sort_unstable_by_key(|(key, _)| *key);
+    let mut dks = vec![vec![0.0f32; p.tokens * HEAD_DIM]; NUM_KV_HEADS];
+    let mut dvs = dks.clone();
+    for ((_, g), part) in &partials {
+        let at = part.first_key * HEAD_DIM;
+        for (acc, x) in dks[*g][at..].iter_mut().zip(&part.dk) {
+            *acc += x;
+        }
+        for (acc, x) in dvs[*g][at..].iter_mut().zip(&part.dv) {
+            *acc += x;
+        }
+    }
+    drop(partials);
 
     let dk = merge_groups(&dks, p.tokens, HEAD_DIM);
     let dv = merge_groups(&dvs, p.tokens, HEAD_DIM);
     let (_, workspace_rows) = crate::schedule::workspace_layout(cu_seqlens)?;
     Ok(Gradients {
-        dq: merge_groups(&dqs, p.tokens, group_q),
+        dq: merge_groups(&dqs, p.tokens, HEADS * HEAD_DIM),
         dk_aligned: to_aligned(&dk, cu_seqlens, NUM_KV_HEADS)?,
         dv_aligned: to_aligned(&dv, cu_seqlens, NUM_KV_HEADS)?,
         dk,
@@ -418,43 +459,66 @@ struct RowInputs<'a> {
     dout: &'a [f32],
 }
 
-/// One job's gradient slices, starting at the run's first token: `dq [n,16,128]`,
-/// `dk`/`dv [n,128]` of one kv group.
-struct RunGrads<'b> {
-    dq: &'b mut [f32],
-    dk: &'b mut [f32],
-    dv: &'b mut [f32],
+/// dK/dV of one kv group from one chunk of queries, `[n,128]` for keys `first_key..`.
+struct PartialKv {
+    first_key: usize,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
 }
 
-/// Backward of group `g` over a run of documents. Keys only receive gradient from queries of
-/// their own document, so the run owns every dK/dV row it writes.
-fn backward_run(p: &Problem, rows: &RowInputs, g: usize, docs: Range<usize>, out: RunGrads) {
-    let base = p.tokens_of(&docs).start;
+/// Backward of group `g` for `queries`: writes their dQ (`dq [n,16,128]`, starting at the first
+/// query) and returns their dK/dV contributions. Keys only receive gradient from queries of
+/// their own document at or after them, so the partial spans the first query's document start
+/// up to the last query.
+///
+/// As in [`forward_chunk`], each K/V row is loaded once per query for all 16 heads. Within the
+/// chunk every accumulator sees its terms in the order of a plain (query, head, key) loop.
+fn backward_chunk(
+    p: &Problem,
+    rows: &RowInputs,
+    g: usize,
+    queries: Range<usize>,
+    dq_out: &mut [f32],
+) -> PartialKv {
+    let pieces = p.doc_pieces(&queries);
+    let first_key = pieces.first().map_or(queries.start, |(doc, _)| doc.start);
+    let keys = queries.end - first_key;
+    let mut part = PartialKv {
+        first_key,
+        dk: vec![0.0; keys * HEAD_DIM],
+        dv: vec![0.0; keys * HEAD_DIM],
+    };
     let mut ranges: [Range<usize>; TOPK_BLOCKS] = Default::default();
-    for d in docs {
-        let doc = p.doc_range(d);
-        for t in doc.clone() {
+    for (doc, piece) in pieces {
+        for t in piece {
             let n = p.kept_keys(g, t, &doc, &mut ranges);
-            for hl in 0..MAIN_HEADS_PER_INDEX {
-                let h = g * MAIN_HEADS_PER_INDEX + hl;
-                let lse = rows.lse[t * NUM_Q_HEADS + h];
-                if n == 0 || lse == f32::NEG_INFINITY {
-                    continue; // no kept key: P = 0, so every gradient term is 0
-                }
-                let delta = rows.delta[t * NUM_Q_HEADS + h];
-                let q_row = p.q_row(t, h);
-                let do_row = row(rows.dout, (t * NUM_Q_HEADS + h) * HEAD_DIM);
-                let dq = row_mut(out.dq, ((t - base) * MAIN_HEADS_PER_INDEX + hl) * HEAD_DIM);
-                for s in ranges[..n].iter().flat_map(Range::clone) {
-                    let (k_row, v_row) = (p.k_row(s, g), p.v_row(s, g));
-                    let pr = (SOFTMAX_SCALE * dot(q_row, k_row) - lse).exp();
-                    let ds = pr * (dot(do_row, v_row) - delta);
-                    let key = (s - base) * HEAD_DIM;
-                    axpy(row_mut(out.dv, key), pr, do_row);
-                    axpy(row_mut(out.dk, key), SOFTMAX_SCALE * ds, q_row);
-                    axpy(dq, SOFTMAX_SCALE * ds, k_row);
+            let first = t * NUM_Q_HEADS + g * HEADS; // [t, 16g] in [T,64]
+            let lse = &rows.lse[first..first + HEADS];
+            let delta = &rows.delta[first..first + HEADS];
+            // A row with lse = -inf has P = 0 (no kept key, or marked empty as in the kernel):
+            // every term it would add is 0.
+            let live: [bool; HEADS] = std::array::from_fn(|hl| lse[hl] != f32::NEG_INFINITY);
+            if n == 0 || !live.contains(&true) {
+                continue;
+            }
+            let q_rows: [&Row; HEADS] = std::array::from_fn(|hl| p.q_row(t, g * HEADS + hl));
+            let do_rows: [&Row; HEADS] =
+                std::array::from_fn(|hl| row(rows.dout, (first + hl) * HEAD_DIM));
+            let dq = &mut dq_out[(t - queries.start) * HEADS * HEAD_DIM..][..HEADS * HEAD_DIM];
+            for s in ranges[..n].iter().flat_map(Range::clone) {
+                let (k_row, v_row) = (p.k_row(s, g), p.v_row(s, g));
+                let key = (s - first_key) * HEAD_DIM;
+                let dk = row_mut(&mut part.dk, key);
+                let dv = row_mut(&mut part.dv, key);
+                for hl in (0..HEADS).filter(|&hl| live[hl]) {
+                    let pr = (SOFTMAX_SCALE * dot(q_rows[hl], k_row) - lse[hl]).exp();
+                    let ds = pr * (dot(do_rows[hl], v_row) - delta[hl]);
+                    axpy(dv, pr, do_rows[hl]);
+                    axpy(dk, SOFTMAX_SCALE * ds, q_rows[hl]);
+                    axpy(row_mut(dq, hl * HEAD_DIM), SOFTMAX_SCALE * ds, k_row);
                 }
             }
         }
     }
+    part
 }

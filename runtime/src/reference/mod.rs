@@ -9,9 +9,9 @@
 //! and (c) `s <= t`. A row with no kept key has `O = 0`, `LSE = -inf` and zero gradients.
 //!
 //! Numerics: all arithmetic is f32 (dot products use eight interleaved f32 partial sums, softmax
-//! and accumulations are f32; no f64 anywhere). Results do not depend on the thread count: work is
-//! split by (kv group, run of whole documents), and every key only receives gradient from queries
-//! of its own document, always in the same order.
+//! and accumulations are f32; no f64 anywhere). Work runs on all cores, split by kv group and a
+//! fixed grid of query chunks; dK/dV partials of the chunks are summed in a fixed order, so
+//! results are deterministic and independent of the core count.
 //!
 //! The module also holds the exact CPU models of the small kernels around the main one
 //! ([`preprocess_delta`], [`postprocess`]), the aligned-workspace scatter/gather
@@ -32,7 +32,7 @@ pub use layout::{
     to_aligned,
 };
 
-use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::schedule::ScheduleError;
 
 /// Why the reference rejected its inputs.
@@ -97,9 +97,4 @@ fn num_tokens(cu_seqlens: &[i32]) -> Result<usize, ReferenceError> {
     crate::schedule::workspace_layout(cu_seqlens)?;
     // Non-decreasing from 0, so the last entry is non-negative.
     Ok(cu_seqlens.last().map_or(0, |&t| t as usize))
-}
-
-/// Number of document-local key blocks of a document of `len` tokens.
-fn blocks_of(len: usize) -> usize {
-    len.div_ceil(BLOCK_SIZE)
 }

@@ -14,7 +14,10 @@
 //!    with `qmin` the compact row of slot 0. If the forward indices of any segment's tasks are
 //!    not one contiguous run, flag [`FLAG_NONCONTIGUOUS_SEGMENTS`] and keep forward order.
 //! 4. **Order.** Otherwise rows are sorted by `key = segment·512 + qmin%512` (unique on a
-//!    valid schedule).
+//!    valid schedule). The device's scatter rule `row = offsets[seg] + (task − first[seg])`
+//!    gives the same order whenever each segment's forward order ascends in `qmin`, as with
+//!    [`build_schedule`](crate::schedule::build_schedule)'s order; for a contiguous segment
+//!    whose forward order does not ascend, the oracle follows the §2.2 argsort.
 //! 5. **Descriptor.** `[n, rows_per_cta(n), chunk_map(n, ..)…, num_work, total, flags]`.
 
 use crate::contract::{
@@ -34,8 +37,8 @@ pub const TASK_META_COLUMNS: usize = 4;
 
 /// The task tables and CTA-walk descriptor of one schedule, as the device build writes them.
 ///
-/// Row-major int32, `n = desc[0]` rows (only the rows the device writes; its buffers are
-/// sized by the capacity):
+/// Row-major int32 with `n = desc[0]` rows: only the rows the device writes (its buffers are
+/// sized by the capacity and the rest is never read).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TaskTables {
     /// `[n, 4]`: `(0, index_head, workspace_global_kblock, valid)`; column 0 is the batch
@@ -62,12 +65,11 @@ impl TaskTables {
 
 /// Upper bound on the tasks of a schedule: `4·edge_capacity/8 + work_capacity`.
 ///
-/// A valid [`Schedule`] never reaches it: its valid items cover disjoint edges, at most
-/// `4·edge_capacity` in all, and `Σ ceil(q_count/8) <= Σ q_count/8 + num_work`. So
-/// [`build_task_tables`] never flags [`FLAG_CAPACITY_OVERFLOW`];
-/// [`build_task_tables_with_capacity`] exercises that path.
+/// A valid [`Schedule`] never exceeds it: its valid items cover disjoint edges, at most
+/// `4·edge_capacity` in all, so `Σ ceil(q_count/8) <= Σ floor(q_count/8) + num_work
+/// <= floor(4·edge_capacity/8) + work_capacity`. [`build_task_tables`] therefore never flags
+/// [`FLAG_CAPACITY_OVERFLOW`]; [`build_task_tables_with_capacity`] reaches that path.
 pub fn task_capacity(schedule: &Schedule) -> usize {
-    // `q_indices` holds exactly `4·edge_capacity` words.
     (NUM_INDEX_HEADS * schedule.edge_capacity() / QUERY_CHUNK)
         .saturating_add(schedule.work_capacity())
 }

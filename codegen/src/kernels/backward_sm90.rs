@@ -1,0 +1,591 @@
+//! `msa_backward_sm90`: the main backward kernel for Hopper (sm_90a).
+//!
+//! # Design
+//! The kernel consumes the task tables and descriptor of the device task build and walks
+//! CTAs with the same rule as the SM100 kernel (seed-design §2.4, §3.3). One task row is a
+//! 128×128 tile: 128 keys of one key block × 128 folded rows (8 query slots × 16 heads of the
+//! bucket's index head, column `n = slot·16 + h`), head dim 128.
+//!
+//! - **Warpgroups.** 384 threads. Warpgroup 0 is the producer: after `setmaxnreg.dec` its
+//!   thread 0 issues every TMA load (K/V once per segment, Q/dO as 16-head × 64-d boxes,
+//!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it). Warpgroups 1 and 2
+//!   are consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
+//! - **Pipelines.** mbarriers: K/V one stage (full: 1 arrival + 64 KiB tx; empty: one
+//!   arrival per consumer warpgroup), Q/dO two stages (same counts). Parities are derived
+//!   from running counters, never written by hand.
+//! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
+//!   halves of the folded rows:
+//!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128.
+//!   - `P^T = exp2(S^T·scale·log2e − lse·log2e)` with the causal predicate
+//!     `qpos ≥ key_pos` in workspace coordinates; invalid slots have −lse·log2e = −∞.
+//!   - `dS^T = bf16(P^T ∘ (dP^T − Delta) · scale)`: the softmax scale is folded into dS.
+//!   - `dV_c += P^T·dO_h` and `dK_c += dS^T·Q_h`: m64n128k16 with A from registers (the
+//!     accumulator layout of S^T is the wgmma A-fragment layout) and B an MN-major
+//!     descriptor over the same Q/dO bytes. dK/dV stay in registers across a segment.
+//!   - dS^T is also stored to shared memory (SW128, MN-major panels); after both consumers
+//!     have written it, `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves,
+//!     both operands MN-major, to keep the accumulator small next to dK/dV; consumer
+//!     `c` owns head dims `64c .. 64c+64`).
+//! - **Writes.** dQ^T columns come in head pairs (2m, 2m+1) in one thread, so each pair is
+//!   one `red.global.add.noftz.bf16x2` into the head-pair-interleaved pool, with an L2
+//!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
+//!   after a lane-pair exchange that gives each lane four consecutive head dims.
+
+use super::common::{self, elem_bytes};
+use super::KernelSpec;
+use crate::ptx::*;
+use crate::Target;
+
+/// Threads per CTA: one producer warpgroup and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+/// Registers of the producer warpgroup after `setmaxnreg.dec`.
+pub const PRODUCER_REGS: u32 = 24;
+/// Registers of each consumer warpgroup after `setmaxnreg.inc`.
+pub const CONSUMER_REGS: u32 = 240;
+
+const TILE_BYTES: u32 = 128 * 128 * 2;
+const PANEL_BYTES: u32 = 128 * 128;
+const SK: u32 = 0;
+const SV: u32 = TILE_BYTES;
+const SQ: u32 = 2 * TILE_BYTES;
+const SDO: u32 = 4 * TILE_BYTES;
+const SDS: u32 = 6 * TILE_BYTES;
+const BARS: u32 = 7 * TILE_BYTES;
+const KV_FULL: u32 = BARS;
+const KV_EMPTY: u32 = BARS + 8;
+const Q_FULL: u32 = BARS + 16;
+const Q_EMPTY: u32 = BARS + 32;
+/// Dynamic shared memory: sK, sV, sQ×2, sdO×2, sdS (32 KiB each) plus the barriers, and
+/// 1 KiB of slack to align the tiles to the 1024-B swizzle atom at run time.
+pub const SMEM_BYTES: u32 = BARS + 1024 + 1024;
+/// Bytes one K/V stage receives: two 128-key × 64-d boxes of K and of V.
+pub const KV_TX_BYTES: u32 = 2 * TILE_BYTES;
+/// Bytes one Q/dO stage receives: 8 slots × 2 d-halves × 2 tensors × (16 × 64 bf16).
+pub const Q_TX_BYTES: u32 = 8 * 2 * 2 * 16 * 64 * 2;
+
+/// 128^-0.5, exactly rounded: (1/√2)/8, and the division by 8 is exact.
+const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
+const LOG2E: f64 = std::f64::consts::LOG2_E;
+
+/// The Hopper main kernel.
+pub const SPEC: KernelSpec = KernelSpec {
+    name: "msa_backward_sm90",
+    about:
+        "MSA backward main kernel for Hopper: TMA + mbarrier pipelines, wgmma, dK/dV in registers",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe,
+};
+
+struct Params {
+    tmap_q: TensorMapRef,
+    tmap_do: TensorMapRef,
+    tmap_k: TensorMapRef,
+    tmap_v: TensorMapRef,
+    lse: ParamRef<U64>,
+    delta: ParamRef<U64>,
+    meta: ParamRef<U64>,
+    qrows: ParamRef<U64>,
+    qpos: ParamRef<U64>,
+    dq: ParamRef<U64>,
+    dk: ParamRef<U64>,
+    dv: ParamRef<U64>,
+}
+
+/// The CTA's task-row interval and a row's bucket.
+struct Walk {
+    lo: Reg<U32>,
+    hi: Reg<U32>,
+}
+
+fn describe(b: &mut KernelBuilder) {
+    b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
+    b.min_ctas_per_sm(1);
+    let tmap_q = b.param_tensor_map("tmap_q");
+    let tmap_do = b.param_tensor_map("tmap_do");
+    let tmap_k = b.param_tensor_map("tmap_k");
+    let tmap_v = b.param_tensor_map("tmap_v");
+    let lse = b.param_ptr("lse", HostElem::F32, false);
+    let delta = b.param_ptr("delta", HostElem::F32, false);
+    let meta = b.param_ptr("task_meta", HostElem::I32, false);
+    let qrows = b.param_ptr("task_qrows", HostElem::I32, false);
+    let qpos = b.param_ptr("task_qpos", HostElem::I32, false);
+    let desc_p = b.param_ptr("desc", HostElem::I32, false);
+    let p = Params {
+        tmap_q,
+        tmap_do,
+        tmap_k,
+        tmap_v,
+        lse,
+        delta,
+        meta,
+        qrows,
+        qpos,
+        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
+        dk: b.param_ptr("dk_pool", HostElem::F32, true),
+        dv: b.param_ptr("dv_pool", HostElem::F32, true),
+    };
+    let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
+    // The 128B swizzle is a function of absolute address bits: align the tiles to its
+    // 1024-B atom whatever base the dynamic window gets.
+    let raw = b.shared_base(&smem);
+    let base = b.add(raw, 1023u32);
+    let base = b.and(base, !1023u32);
+    let tid = b.sreg(SReg::TidX);
+
+    b.comment("thread 0 initialises the pipeline barriers");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| {
+        b.mbarrier_init(&shared(base, KV_FULL as i64), 1);
+        b.mbarrier_init(&shared(base, KV_EMPTY as i64), 2);
+        for s in 0..2 {
+            b.mbarrier_init(&shared(base, (Q_FULL + 8 * s) as i64), 1);
+            b.mbarrier_init(&shared(base, (Q_EMPTY + 8 * s) as i64), 2);
+        }
+        b.fence_mbarrier_init();
+    });
+    b.bar_sync(0, None);
+
+    b.comment("the CTA walk: this CTA's interval of task rows");
+    let desc = b.ld_param_ptr(&desc_p);
+    let walk = cta_interval(b, desc);
+
+    let wg = b.shr(tid, 7u32);
+    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
+    let consumers = b.label("consumers");
+    b.bra_unless(is_producer, &consumers);
+    b.setmaxnreg(false, PRODUCER_REGS);
+    b.if_then(leader, "producer", |b| producer(b, &p, base, &walk));
+    b.ret();
+
+    b.place(&consumers);
+    b.setmaxnreg(true, CONSUMER_REGS);
+    consumer(b, &p, base, tid, &walk);
+    b.ret();
+}
+
+/// CTA `b`'s rows `[lo, hi)` from the descriptor (the device mirror of `cta_interval`).
+fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
+    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
+    let [n, r, full, tail] = words;
+    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let cta = b.sreg(SReg::CtaidX);
+    let (lo, hi) = common::cta_interval(b, cta, n, r, full, tail, grid);
+    Walk { lo, hi }
+}
+
+fn bar(base: Reg<U32>, offset: u32) -> SharedAddr {
+    shared(base, offset as i64)
+}
+
+/// Reads `(index_head, kblock, valid)` of task row `row`.
+fn task_meta(b: &mut KernelBuilder, meta: Reg<U64>, row: Reg<U32>) -> [Reg<U32>; 4] {
+    let a = elem_bytes(b, meta, row, 16);
+    b.ld_v(&a)
+}
+
+/// A row's bucket `(index_head, kblock)` packed in one word (kblock < 2^24).
+fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
+    let h = b.shl(m[1], 24u32);
+    b.or(h, m[2])
+}
+
+fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
+    let meta = b.ld_param_ptr(&p.meta);
+    let qrows = b.ld_param_ptr(&p.qrows);
+    let tq = b.tensor_map_addr(&p.tmap_q);
+    let tdo = b.tensor_map_addr(&p.tmap_do);
+    let tk = b.tensor_map_addr(&p.tmap_k);
+    let tv = b.tensor_map_addr(&p.tmap_v);
+    let prev = b.mov::<U32>(u32::MAX);
+    let segments = b.mov::<U32>(0u32);
+    let tasks = b.mov::<U32>(0u32);
+    b.for_range(walk.lo, walk.hi, 1, "producer_row", |b, row| {
+        let m = task_meta(b, meta, row);
+        let cur = bucket(b, &m);
+        let same = b.setp(Cmp::Eq, cur, prev);
+        b.unless(same, "kv_load", |b| {
+            // A new segment: wait until both consumers released the previous K/V.
+            let parity = b.and(segments, 1u32);
+            let parity = b.xor(parity, 1u32);
+            b.mbarrier_wait(&bar(base, KV_EMPTY), parity);
+            b.mbarrier_arrive_expect_tx(&bar(base, KV_FULL), KV_TX_BYTES);
+            let head = b.bitcast::<S32, U32>(m[1]);
+            let key0 = b.shl(m[2], 7u32);
+            let key0 = b.bitcast::<S32, U32>(key0);
+            for (map, tile) in [(tk, SK), (tv, SV)] {
+                for panel in 0..2u32 {
+                    let d0 = b.mov::<S32>((panel * 64) as i32);
+                    b.tma_load_3d(
+                        &shared(base, (tile + panel * PANEL_BYTES) as i64),
+                        map,
+                        [d0, head, key0],
+                        &bar(base, KV_FULL),
+                    );
+                }
+            }
+            let next = b.add(segments, 1u32);
+            b.set(segments, next);
+            b.set(prev, cur);
+        });
+        let stage = b.and(tasks, 1u32);
+        let phase = b.shr(tasks, 1u32);
+        let phase = b.and(phase, 1u32);
+        let parity = b.xor(phase, 1u32);
+        let stage8 = b.shl(stage, 3u32);
+        let empty = b.add(base, stage8);
+        b.mbarrier_wait(&shared(empty, Q_EMPTY as i64), parity);
+        b.mbarrier_arrive_expect_tx(&shared(empty, Q_FULL as i64), Q_TX_BYTES);
+        let stage_off = b.mul_lo(stage, TILE_BYTES);
+        let q_tile = b.add(base, stage_off);
+        let head16 = b.shl(m[1], 4u32);
+        let head16 = b.bitcast::<S32, U32>(head16);
+        let rows_at = elem_bytes(b, qrows, row, 32);
+        let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
+        let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
+        let slots = [
+            lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
+        ];
+        for (slot, qrow) in slots.into_iter().enumerate() {
+            for panel in 0..2u32 {
+                let d0 = b.mov::<S32>((panel * 64) as i32);
+                let off = panel * PANEL_BYTES + slot as u32 * 2048;
+                for (map, tile) in [(tq, SQ), (tdo, SDO)] {
+                    b.tma_load_3d(
+                        &shared(q_tile, (tile + off) as i64),
+                        map,
+                        [d0, head16, qrow],
+                        &shared(empty, Q_FULL as i64),
+                    );
+                }
+            }
+        }
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}
+
+/// A 64-bit wgmma shared-memory descriptor for a 128B-swizzled operand at `addr`.
+/// K-major: LBO unused (16 B); MN-major: LBO = the stride between 64-element panels.
+fn smem_desc(b: &mut KernelBuilder, addr: Reg<U32>, lbo_bytes: u32) -> Reg<B64> {
+    let lo = b.shr(addr, 4u32);
+    let lo = b.and(lo, 0x3FFFu32);
+    let lo = b.or(lo, (lbo_bytes >> 4) << 16);
+    // SBO = 1024 B (8 rows of 128 B) in bits 32-45, 128B swizzle (1) in bits 62-63.
+    b.pack_b64(lo, 0x4000_0040u32)
+}
+
+fn desc_at(b: &mut KernelBuilder, base: Reg<U32>, offset: u32, lbo: u32) -> Reg<B64> {
+    let a = b.add(base, offset);
+    smem_desc(b, a, lbo)
+}
+
+/// The descriptor of the same operand `bytes` further (the start address is in 16-B units
+/// in the low bits, and stays inside its 14-bit field for shared addresses).
+fn desc_step(b: &mut KernelBuilder, desc: Reg<B64>, bytes: u32) -> Reg<B64> {
+    if bytes == 0 {
+        return desc;
+    }
+    let d = b.bitcast::<U64, B64>(desc);
+    let d = b.add(d, (bytes >> 4) as u64);
+    b.bitcast::<B64, U64>(d)
+}
+
+/// K-major operand: 16-wide K steps move 32 B inside a 128-B row, then to the next panel.
+fn k_major_step(k: u32) -> u32 {
+    (k / 4) * PANEL_BYTES + (k % 4) * 32
+}
+
+#[allow(clippy::too_many_lines)]
+fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
+    let t = b.sub(tid, 128u32);
+    let c = b.shr(t, 7u32); // consumer index 0/1: keys 64c.., head dims 64c..
+    let tw = b.and(t, 127u32);
+    let warp = b.shr(tw, 5u32);
+    let lane = b.and(tw, 31u32);
+    let quad = b.shr(lane, 2u32);
+    let pair = b.and(lane, 3u32);
+    let col0 = b.shl(pair, 1u32); // first column of this thread inside an 8-column group
+    let row0 = b.mad_lo(warp, 16u32, quad); // accumulator row (and row + 8)
+    let key_local = b.mad_lo(c, 64u32, row0); // key inside the block (and + 8)
+    let elected = b.setp(Cmp::Eq, tw, 0u32);
+    let wg_bar = b.add(c, 2u32); // named barrier 2 + c: one consumer warpgroup
+    let zero = b.mov::<U32>(0u32);
+    let always = b.setp(Cmp::Eq, zero, 0u32);
+    let never = b.setp(Cmp::Ne, zero, 0u32);
+    let neg_inf = f32::NEG_INFINITY;
+    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let neg_log2e = -(LOG2E as f32);
+
+    // Pointers are re-read from the parameter bank where used: holding all eight across the
+    // loop costs 16 registers the accumulators need.
+
+    let c_panel = b.mul_lo(c, PANEL_BYTES);
+    let c_rows = b.mul_lo(c, 64 * 128);
+    let dv_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+    let dk_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+    let prev = b.mov::<U32>(u32::MAX);
+    let segments = b.mov::<U32>(0u32);
+    let tasks = b.mov::<U32>(0u32);
+
+    b.for_range(walk.lo, walk.hi, 1, "task", |b, row| {
+        let meta = b.ld_param_ptr(&p.meta);
+        let m = task_meta(b, meta, row);
+        let head = m[1];
+        let kb = m[2];
+        let cur = bucket(b, &m);
+        // `same` also marks the segment's first task, whose first dV/dK MMA overwrites.
+        let same = b.setp(Cmp::Eq, cur, prev);
+        b.unless(same, "kv_wait", |b| {
+            let parity = b.and(segments, 1u32);
+            b.mbarrier_wait(&bar(base, KV_FULL), parity);
+            b.set(prev, cur);
+        });
+        // The segment ends at the interval's end or where the next row changes bucket.
+        let next_row = b.add(row, 1u32);
+        let last = b.setp(Cmp::Ge, next_row, walk.hi);
+        let seg_end = b.mov::<U32>(1u32);
+        b.unless(last, "next_bucket", |b| {
+            let meta = b.ld_param_ptr(&p.meta);
+            let nm = task_meta(b, meta, next_row);
+            let next = bucket(b, &nm);
+            let cont = b.setp(Cmp::Eq, next, prev);
+            let v = b.selp(0u32, 1u32, cont);
+            b.set(seg_end, v);
+        });
+
+        let stage = b.and(tasks, 1u32);
+        let phase = b.shr(tasks, 1u32);
+        let phase = b.and(phase, 1u32);
+        let stage8 = b.shl(stage, 3u32);
+        let stage_bar = b.add(base, stage8);
+        b.mbarrier_wait(&shared(stage_bar, Q_FULL as i64), phase);
+        let stage_off = b.mul_lo(stage, TILE_BYTES);
+        let q_tile = b.add(base, stage_off);
+        let q_base = b.add(q_tile, SQ);
+        let do_base = b.add(q_tile, SDO);
+
+        let key_pos = b.shl(kb, 7u32);
+        let key_pos = b.add(key_pos, key_local);
+        let key_pos8 = b.add(key_pos, 8u32);
+        // Slot words are re-read where needed (L1 hits) rather than held in 16 registers.
+        let slot_word = |b: &mut KernelBuilder, table: &ParamRef<U64>, slot: usize| {
+            let table = b.ld_param_ptr(table);
+            let a = elem_bytes(b, table, row, 32);
+            b.ld::<S32, _>(&a.offset(4 * slot as i64))
+        };
+        let head16 = b.shl(head, 4u32);
+        let key_pos_s = b.bitcast::<S32, U32>(key_pos);
+        let key_pos8_s = b.bitcast::<S32, U32>(key_pos8);
+
+        for half in 0..2u32 {
+            b.comment(&format!(
+                "half {half}: S^T and dP^T for folded rows {}..{}",
+                64 * half,
+                64 * half + 64
+            ));
+            let s_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
+            let dp_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
+            b.wgmma_fence();
+            for (acc, a_tile, b_tile) in [(&s_acc, SK, q_base), (&dp_acc, SV, do_base)] {
+                let a_addr = b.add(base, a_tile);
+                let a_addr = b.add(a_addr, c_rows);
+                let a0 = smem_desc(b, a_addr, 16);
+                let b0 = desc_at(b, b_tile, half * 64 * 128, 16);
+                for k in 0..8u32 {
+                    let a_desc = desc_step(b, a0, k_major_step(k));
+                    let b_desc = desc_step(b, b0, k_major_step(k));
+                    let acc_p = if k == 0 { never } else { always };
+                    b.wgmma_ss(acc, a_desc, b_desc, acc_p, false, false);
+                }
+            }
+            b.wgmma_commit();
+            b.wgmma_wait(0);
+
+            b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate; dS^T");
+            let mut p_frag = Vec::new();
+            let mut ds_frag = Vec::new();
+            for j in 0..8u32 {
+                // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e.
+                let slot = (4 * half + j / 2) as usize;
+                let slot_qrow = slot_word(b, &p.qrows, slot);
+                let slot_qpos = slot_word(b, &p.qpos, slot);
+                let mut p_pair = [[None; 2]; 2];
+                let mut ds_pair = [[None; 2]; 2];
+                for e in 0..2u32 {
+                    let h_local = b.add(col0, 8 * (j % 2) + e);
+                    let head_g = b.add(head16, h_local);
+                    let valid = b.setp(Cmp::Ge, slot_qrow, 0i32);
+                    let nl = b.mov::<F32>(neg_inf);
+                    let dl = b.mov::<F32>(0.0f32);
+                    // Branched rather than predicated: predicated loads let ptxas hoist all
+                    // of them above the exp2 work, and the extra live values spill.
+                    b.if_then(valid, "lse", |b| {
+                        let r = b.bitcast::<U32, S32>(slot_qrow);
+                        let idx = b.mad_lo(r, 64u32, head_g);
+                        let lse = b.ld_param_ptr(&p.lse);
+                        let a = common::elem::<F32>(b, lse, idx);
+                        let l = b.ld::<F32, _>(&a);
+                        let l = b.fmul(l, neg_log2e);
+                        b.set(nl, l);
+                        let delta = b.ld_param_ptr(&p.delta);
+                        let a = common::elem::<F32>(b, delta, idx);
+                        let d = b.ld::<F32, _>(&a);
+                        b.set(dl, d);
+                    });
+                    for rr in 0..2usize {
+                        let i = (4 * j) as usize + 2 * rr + e as usize;
+                        let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
+                        let v = b.fma(s_acc[i], scale_log2e, nl);
+                        let seen = b.setp(Cmp::Ge, slot_qpos, kp);
+                        let v = b.selp(v, neg_inf, seen);
+                        let pv = b.ex2_approx(v);
+                        let dd = b.sub(dp_acc[i], dl);
+                        let ds = b.fmul(pv, dd);
+                        let ds = b.fmul(ds, SCALE);
+                        p_pair[rr][e as usize] = Some(pv);
+                        ds_pair[rr][e as usize] = Some(ds);
+                    }
+                }
+                for rr in 0..2 {
+                    let [lo, hi] = p_pair[rr].map(|v| v.expect("filled above"));
+                    p_frag.push(b.cvt_bf16x2(hi, lo));
+                    let [lo, hi] = ds_pair[rr].map(|v| v.expect("filled above"));
+                    ds_frag.push(b.cvt_bf16x2(hi, lo));
+                }
+            }
+
+            b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded]");
+            for j in 0..8u32 {
+                for rr in 0..2u32 {
+                    // Row = key (64c + row0 + 8rr); column = folded 64·half + 8j + col0.
+                    let key = b.add(key_local, 8 * rr);
+                    let row_off = b.shl(key, 7u32);
+                    let chunk = b.and(key, 7u32);
+                    let chunk = b.xor(chunk, j);
+                    let chunk = b.shl(chunk, 4u32);
+                    let within = b.shl(col0, 1u32);
+                    let off = b.add(row_off, chunk);
+                    let off = b.add(off, within);
+                    let off = b.add(off, SDS + half * PANEL_BYTES);
+                    let addr = b.add(base, off);
+                    b.st(&shared(addr, 0), ds_frag[(2 * j + rr) as usize]);
+                }
+            }
+
+            b.comment("dV += P^T*dO_h, dK += dS^T*Q_h (A from registers, B MN-major)");
+            b.wgmma_fence();
+            for (acc, frags, tile) in [(&dv_acc, &p_frag, do_base), (&dk_acc, &ds_frag, q_base)] {
+                let b0 = desc_at(b, tile, half * 64 * 128, PANEL_BYTES);
+                for k in 0..4u32 {
+                    let b_desc = desc_step(b, b0, k * 2048);
+                    let a = [
+                        frags[(4 * k) as usize],
+                        frags[(4 * k + 1) as usize],
+                        frags[(4 * k + 2) as usize],
+                        frags[(4 * k + 3) as usize],
+                    ];
+                    let acc_p = if half == 0 && k == 0 { same } else { always };
+                    b.wgmma_rs(acc, a, b_desc, acc_p, true);
+                }
+            }
+            b.wgmma_commit();
+            b.wgmma_wait(0);
+        }
+
+        b.comment("release the Q/dO stage once the whole warpgroup is done with it");
+        b.bar_sync_reg(wg_bar, 128);
+        b.predicated(elected, false, |b| {
+            b.mbarrier_arrive(&shared(stage_bar, Q_EMPTY as i64))
+        });
+
+        b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
+        b.fence_proxy_async_shared();
+        b.bar_sync(1, Some(256));
+        // Two 64-column halves of dQ^T keep the accumulator at 32 registers next to dK/dV.
+        let a_addr = b.add(base, SK);
+        let a_addr = b.add(a_addr, c_panel);
+        let a0 = smem_desc(b, a_addr, PANEL_BYTES);
+        let d_row = b.mad_lo(c, 64u32, row0);
+        let policy = b.policy_evict_last(1.0);
+        for nh in 0..2u32 {
+            let dq_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
+            let b0 = desc_at(b, base, SDS + nh * PANEL_BYTES, PANEL_BYTES);
+            b.wgmma_fence();
+            for k in 0..8u32 {
+                let a_desc = desc_step(b, a0, k * 2048);
+                let b_desc = desc_step(b, b0, k * 2048);
+                let acc_p = if k == 0 { never } else { always };
+                b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
+            }
+            b.wgmma_commit();
+            b.wgmma_wait(0);
+            if nh == 1 {
+                // Both consumers must finish reading sdS before the next task overwrites it.
+                b.bar_sync(1, Some(256));
+            }
+
+            b.comment("dQ: head pairs to the bf16x2 pool");
+            for j in 0..8u32 {
+                // Folded column 64nh + 8j + col0 (+1): slot 4nh + j/2, heads 2hp, 2hp+1.
+                let slot = (4 * nh + j / 2) as usize;
+                let hp = b.shl(head, 3u32);
+                let hp = b.add(hp, pair);
+                let hp = b.add(hp, 4 * (j % 2));
+                let slot_qrow = slot_word(b, &p.qrows, slot);
+                let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
+                let r = b.bitcast::<U32, S32>(slot_qrow);
+                for rr in 0..2u32 {
+                    let i = (4 * j + 2 * rr) as usize;
+                    let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
+                    let d = b.add(d_row, 8 * rr);
+                    let word = b.mad_lo(r, 32u32, hp);
+                    let word = b.mad_lo(word, 128u32, d);
+                    let dq = b.ld_param_ptr(&p.dq);
+                    let a = common::elem::<U32>(b, dq, word);
+                    b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
+                }
+            }
+        }
+
+        let is_end = b.setp(Cmp::Ne, seg_end, 0u32);
+        b.if_then(is_end, "flush", |b| {
+            b.comment("segment end: dK/dV to the fp32 pools, four head dims per lane");
+            let odd = b.and(lane, 1u32);
+            let is_odd = b.setp(Cmp::Ne, odd, 0u32);
+            let kv_row = b.shl(kb, 7u32);
+            let kv_row = b.add(kv_row, key_local);
+            for (acc, pool_p) in [(&dv_acc, &p.dv), (&dk_acc, &p.dk)] {
+                let pool = b.ld_param_ptr(pool_p);
+                for j in 0..16u32 {
+                    let i = (4 * j) as usize;
+                    // Even lanes keep row r and take the partner's columns c+2, c+3; odd
+                    // lanes keep row r+8 and take the partner's columns c-2, c-1.
+                    let send0 = b.selp(acc[i], acc[i + 2], is_odd);
+                    let send1 = b.selp(acc[i + 1], acc[i + 3], is_odd);
+                    let got0 = b.shfl(Shfl::Bfly, send0, 1u32, 0x1f);
+                    let got1 = b.shfl(Shfl::Bfly, send1, 1u32, 0x1f);
+                    let v0 = b.selp(got0, acc[i], is_odd);
+                    let v1 = b.selp(got1, acc[i + 1], is_odd);
+                    let v2 = b.selp(acc[i + 2], got0, is_odd);
+                    let v3 = b.selp(acc[i + 3], got1, is_odd);
+                    let row_add = b.selp(8u32, 0u32, is_odd);
+                    let key_row = b.add(kv_row, row_add);
+                    let col_sub = b.shl(odd, 1u32);
+                    let col = b.add(col0, 8 * j);
+                    let col = b.sub(col, col_sub);
+                    let idx = b.mad_lo(key_row, 4u32, head);
+                    let idx = b.mad_lo(idx, 128u32, col);
+                    let a = common::elem::<F32>(b, pool, idx);
+                    b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
+                }
+            }
+            b.bar_sync_reg(wg_bar, 128);
+            b.predicated(elected, false, |b| b.mbarrier_arrive(&bar(base, KV_EMPTY)));
+            let next = b.add(segments, 1u32);
+            b.set(segments, next);
+        });
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}

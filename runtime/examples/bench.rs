@@ -1,0 +1,633 @@
+//! Times `msa_runtime::run_backward` on the benchmark cases of `bench/` (see `bench/README.md`).
+//!
+//! ```sh
+//! cargo run -p msa-runtime --release --example bench                       # all timed cases
+//! cargo run -p msa-runtime --release --example bench -- --cases doc8k --json ours.json
+//! cargo run -p msa-runtime --release --example bench -- --inputs-only      # no GPU needed
+//! ```
+//!
+//! Cases (identical to `bench/msa_inputs.py`): `doc8k` (one document of 8192 tokens), `doc32k`
+//! (one of 32768), `packed64k` (65536 tokens in 10 documents of 2K–16K), each with the random
+//! top-16 selection of the shared splitmix64 recipe; the small `check*` cases exist too.
+//!
+//! Options:
+//! - `--cases a,b,…`  cases to run (default `doc8k,doc32k,packed64k`)
+//! - `--seed N`       selection seed (default 20261129, as in `bench/msa_inputs.py`)
+//! - `--reps R`       timed calls per case (default 20), `--warmup W` untimed calls first (default 3)
+//! - `--inputs DIR`   compare the generated `q2k`/`cu_seqlens` with the raw files
+//!   `DIR/<case>.q2k.i32` / `DIR/<case>.cu_seqlens.i32` that `bench/baselines.py` writes; exit 1 on
+//!   any difference
+//! - `--json PATH`    also write the results as JSON
+//! - `--ceiling TFLOPS` matmul ceiling (e.g. from `bench/baselines.py`'s JSON) for the fraction
+//!   column
+//! - `--no-flush`     do not overwrite a 256 MiB buffer (L2 flush) before each timed call
+//! - `--inputs-only`  print each case's size, keys attended, task count and q2k checksum, and
+//!   stop (no GPU needed)
+//!
+//! What is timed: one `run_backward` call between two CUDA events on the stream: delta
+//! preprocess, pool zeroing, the schedule upload, the device task build, the main kernel and the
+//! postprocess, plus the stream-ordered allocation of the three outputs. The host-side
+//! `build_schedule` is not timed. Median and minimum over the timed calls.
+//!
+//! Inputs: q, dO, out random bf16 uniform in [-√3, √3) (unit variance), k/v likewise, scattered
+//! into the aligned workspace with zero padding rows. `out` and `lse` are synthetic (not the
+//! forward's): lse[t, h] = ln(keys attended by (t, h)) + 1/2, which is what unit-variance scores
+//! give on average, so every value stays finite; the gradients are therefore not meaningful and
+//! are not checked here (the GPU tests check numerics). The sparse work does not depend on the
+//! values.
+//!
+//! Without a GPU (no libcuda, no device, or an error opening it) it says so and exits 0.
+
+use cudarc::driver::{sys, CudaSlice, CudaStream};
+use half::bf16;
+use msa_runtime::contract::{
+    BLOCK_SIZE, HEAD_DIM, NUM_INDEX_HEADS, NUM_KV_HEADS, NUM_Q_HEADS, QUERY_CHUNK, TOPK_BLOCKS,
+};
+use msa_runtime::{build_schedule, driver_present, run_backward, workspace_layout, Device};
+use std::error::Error;
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+// ---------------------------------------------------------------------------------------------
+// The shared input recipe (bench/msa_inputs.py; bench/README.md "Inputs")
+
+const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+const DEFAULT_SEED: u64 = 20_261_129;
+/// Key-index stride per (head, token): candidate blocks `c < 65536`.
+const CAND_STRIDE: u64 = 65_536;
+const MUL1: u64 = 0xbf58_476d_1ce4_e5b9;
+const MUL2: u64 = 0x94d0_49bb_1331_11eb;
+
+/// Documents of the packed case: 65536 tokens, 2K–16K each, not multiples of 128.
+const PACKED_64K: [i32; 10] = [9000, 2048, 16384, 5123, 3001, 12000, 2500, 7777, 4100, 3603];
+
+/// (name, document lengths, topk); the first three are the timed cases.
+fn case_table() -> Vec<(&'static str, Vec<i32>, usize)> {
+    vec![
+        ("doc8k", vec![8192], 16),
+        ("doc32k", vec![32768], 16),
+        ("packed64k", PACKED_64K.to_vec(), 16),
+        ("check2doc_top16", vec![700, 1348], 16),
+        ("check2doc_top4", vec![700, 1348], 4),
+        ("check1doc_top4", vec![2048], 4),
+    ]
+}
+const TIMED_CASES: &str = "doc8k,doc32k,packed64k";
+
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(MUL1);
+    z = (z ^ (z >> 27)).wrapping_mul(MUL2);
+    z ^ (z >> 31)
+}
+
+/// The i-th (0-based) output of splitmix64 seeded with `seed`.
+fn rand(seed: u64, i: u64) -> u64 {
+    mix64(seed.wrapping_add(i.wrapping_add(1).wrapping_mul(GAMMA)))
+}
+
+fn cu_seqlens(docs: &[i32]) -> Vec<i32> {
+    let mut cu = vec![0i32];
+    for &n in docs {
+        cu.push(cu[cu.len() - 1] + n);
+    }
+    cu
+}
+
+/// `q2k [4, T, 16]`: slot 0 the own block, then the `min(topk-1, own)` earlier blocks with the
+/// smallest `(rand(seed, (h·T + t)·65536 + c), c)`, then -1.
+fn make_q2k(cu: &[i32], seed: u64, topk: usize) -> Vec<i32> {
+    let t_total = cu[cu.len() - 1] as usize;
+    let mut q2k = vec![-1i32; NUM_INDEX_HEADS * t_total * TOPK_BLOCKS];
+    let mut cand: Vec<(u64, u32)> = Vec::new();
+    for h in 0..NUM_INDEX_HEADS {
+        for w in cu.windows(2) {
+            let (start, end) = (w[0] as usize, w[1] as usize);
+            for t in start..end {
+                let own = (t - start) / BLOCK_SIZE;
+                let slots = &mut q2k[(h * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
+                slots[0] = own as i32;
+                let n = own.min(topk.saturating_sub(1));
+                if n == 0 {
+                    continue;
+                }
+                let row = (h * t_total + t) as u64 * CAND_STRIDE;
+                cand.clear();
+                cand.extend((0..own as u32).map(|c| (rand(seed, row + u64::from(c)), c)));
+                cand.sort_unstable();
+                for (slot, &(_, c)) in slots[1..=n].iter_mut().zip(&cand) {
+                    *slot = c as i32;
+                }
+            }
+        }
+    }
+    q2k
+}
+
+/// `Σ_i mix64((i << 32) | (q2k[i] as u32))` (wrapping), as in `msa_inputs.q2k_checksum`.
+fn q2k_checksum(q2k: &[i32]) -> u64 {
+    q2k.iter().enumerate().fold(0u64, |acc, (i, &v)| {
+        acc.wrapping_add(mix64(((i as u64) << 32) | u64::from(v as u32)))
+    })
+}
+
+/// Kept keys per (index head, token): causal keys inside the selected blocks, `[4, T]`.
+fn kept_keys(q2k: &[i32], cu: &[i32]) -> Vec<usize> {
+    let t_total = cu[cu.len() - 1] as usize;
+    let mut kept = vec![0usize; NUM_INDEX_HEADS * t_total];
+    for g in 0..NUM_INDEX_HEADS {
+        for w in cu.windows(2) {
+            let (start, end) = (w[0] as usize, w[1] as usize);
+            for t in start..end {
+                let local = t - start;
+                let ids = &q2k[(g * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
+                kept[g * t_total + t] = ids
+                    .iter()
+                    .filter(|&&b| b >= 0 && b as usize * BLOCK_SIZE <= local)
+                    .map(|&b| (local + 1 - b as usize * BLOCK_SIZE).min(BLOCK_SIZE))
+                    .sum();
+            }
+        }
+    }
+    kept
+}
+
+/// Useful backward FLOP (MSA convention): 10·128 per (query head, attended key), 16 query heads
+/// per index head.
+fn useful_flop(keys: usize) -> f64 {
+    keys as f64 * 10.0 * HEAD_DIM as f64 * (NUM_Q_HEADS / NUM_INDEX_HEADS) as f64
+}
+
+/// FLOP one 128-key × (8 queries × 16 heads) task tile executes: 5 GEMMs of 2·128³.
+const TILE_FLOP: f64 = 5.0 * 2.0 * 128.0 * 128.0 * 128.0;
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+struct Options {
+    cases: Vec<String>,
+    seed: u64,
+    reps: usize,
+    warmup: usize,
+    inputs: Option<String>,
+    json: Option<String>,
+    ceiling: Option<f64>,
+    flush: bool,
+    inputs_only: bool,
+}
+
+const USAGE: &str = "usage: bench [--cases a,b] [--seed N] [--reps R] [--warmup W] [--inputs DIR] \
+[--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only]";
+
+fn parse_args() -> Result<Options, String> {
+    let mut o = Options {
+        cases: TIMED_CASES.split(',').map(String::from).collect(),
+        seed: DEFAULT_SEED,
+        reps: 20,
+        warmup: 3,
+        inputs: None,
+        json: None,
+        ceiling: None,
+        flush: true,
+        inputs_only: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| -> Result<String, String> {
+            args.next().ok_or_else(|| format!("{name} needs a value"))
+        };
+        let number = |name: &str, v: String| -> Result<u64, String> {
+            v.parse()
+                .map_err(|_| format!("{name} needs a non-negative integer, got `{v}`"))
+        };
+        match a.as_str() {
+            "--cases" => {
+                let v = value("--cases")?;
+                o.cases = v
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect();
+            }
+            "--seed" => o.seed = number("--seed", value("--seed")?)?,
+            "--reps" => o.reps = number("--reps", value("--reps")?)?.max(1) as usize,
+            "--warmup" => o.warmup = number("--warmup", value("--warmup")?)? as usize,
+            "--inputs" => o.inputs = Some(value("--inputs")?),
+            "--json" => o.json = Some(value("--json")?),
+            "--ceiling" => {
+                let v = value("--ceiling")?;
+                o.ceiling = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|x| *x > 0.0)
+                        .ok_or_else(|| format!("--ceiling needs a positive number, got `{v}`"))?,
+                );
+            }
+            "--no-flush" => o.flush = false,
+            "--inputs-only" => o.inputs_only = true,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
+        }
+    }
+    let known: Vec<&str> = case_table().iter().map(|c| c.0).collect();
+    for c in &o.cases {
+        if !known.contains(&c.as_str()) {
+            return Err(format!("unknown case `{c}`; known: {}", known.join(", ")));
+        }
+    }
+    Ok(o)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases
+
+struct Case {
+    name: String,
+    docs: Vec<i32>,
+    topk: usize,
+    cu: Vec<i32>,
+    q2k: Vec<i32>,
+    kept: Vec<usize>,
+    keys: usize,
+    checksum: u64,
+}
+
+fn make_case(name: &str, seed: u64) -> Case {
+    let (_, docs, topk) = case_table()
+        .into_iter()
+        .find(|c| c.0 == name)
+        .expect("validated case name");
+    let cu = cu_seqlens(&docs);
+    let q2k = make_q2k(&cu, seed, topk);
+    let kept = kept_keys(&q2k, &cu);
+    Case {
+        name: name.to_string(),
+        docs,
+        topk,
+        keys: kept.iter().sum(),
+        checksum: q2k_checksum(&q2k),
+        cu,
+        q2k,
+        kept,
+    }
+}
+
+fn read_i32s(path: &str) -> Res<Vec<i32>> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+    if bytes.len() % 4 != 0 {
+        return Err(format!(
+            "{path}: {} bytes is not a whole number of int32",
+            bytes.len()
+        )
+        .into());
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Compares the case with the raw files `bench/baselines.py` wrote.
+fn compare_inputs(dir: &str, case: &Case) -> Res<()> {
+    let cu = read_i32s(&format!("{dir}/{}.cu_seqlens.i32", case.name))?;
+    if cu != case.cu {
+        return Err(format!("{}: cu_seqlens differ from {dir}", case.name).into());
+    }
+    let q2k = read_i32s(&format!("{dir}/{}.q2k.i32", case.name))?;
+    if q2k.len() != case.q2k.len() {
+        return Err(format!(
+            "{}: q2k in {dir} has {} entries, expected {}",
+            case.name,
+            q2k.len(),
+            case.q2k.len()
+        )
+        .into());
+    }
+    if let Some(i) = q2k.iter().zip(&case.q2k).position(|(a, b)| a != b) {
+        let per_head = case.q2k.len() / NUM_INDEX_HEADS;
+        let (h, rest) = (i / per_head, i % per_head);
+        return Err(format!(
+            "{}: q2k differs at flat index {i} (head {h}, token {}, slot {}): file {} vs generated {}",
+            case.name,
+            rest / TOPK_BLOCKS,
+            rest % TOPK_BLOCKS,
+            q2k[i],
+            case.q2k[i]
+        )
+        .into());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+/// Random bf16 uniform in [-√3, √3), filled in parallel; chunk j uses splitmix64 seeded with
+/// `rand(seed, j)`.
+fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    let mut v = vec![bf16::ZERO; n];
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |p| p.get())
+        .min(32);
+    let chunk = n.div_ceil(threads).max(1 << 16);
+    std::thread::scope(|s| {
+        for (j, part) in v.chunks_mut(chunk).enumerate() {
+            s.spawn(move || {
+                let mut state = rand(seed, j as u64);
+                let scale = 3f32.sqrt();
+                for x in part {
+                    state = state.wrapping_add(GAMMA);
+                    let u = (mix64(state) >> 40) as f32 / (1u64 << 24) as f32;
+                    *x = bf16::from_f32((u * 2.0 - 1.0) * scale);
+                }
+            });
+        }
+    });
+    v
+}
+
+/// Compact `[T, 4, 128]` rows scattered into the aligned `[W, 4, 128]` layout, zero padding.
+fn to_aligned(compact: &[bf16], cu: &[i32], starts: &[i32], w: usize) -> Vec<bf16> {
+    let row = NUM_KV_HEADS * HEAD_DIM;
+    let mut out = vec![bf16::ZERO; w * row];
+    for (d, &ws) in starts.iter().enumerate() {
+        let (lo, hi) = (cu[d] as usize, cu[d + 1] as usize);
+        let at = ws as usize * row;
+        out[at..at + (hi - lo) * row].copy_from_slice(&compact[lo * row..hi * row]);
+    }
+    out
+}
+
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(f32::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+struct Timing {
+    tokens: usize,
+    workspace_rows: usize,
+    work_items: usize,
+    tasks: usize,
+    samples: Vec<f32>,
+    median_ms: f32,
+    min_ms: f32,
+}
+
+fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> Res<Timing> {
+    let schedule = build_schedule(&case.q2k, &case.cu, 64)?;
+    let (t, w) = (schedule.num_tokens(), schedule.workspace_rows());
+    let tasks: usize = schedule
+        .work_items()
+        .map(|it| it.q_count.div_ceil(QUERY_CHUNK))
+        .sum();
+    let (starts, w2) = workspace_layout(&case.cu)?;
+    assert_eq!(w, w2, "workspace rows");
+
+    let q_len = t * NUM_Q_HEADS * HEAD_DIM;
+    let kv_len = t * NUM_KV_HEADS * HEAD_DIM;
+    let q = random_bf16(q_len, seed ^ 1);
+    let dout = random_bf16(q_len, seed ^ 2);
+    let out = random_bf16(q_len, seed ^ 3);
+    let k = to_aligned(&random_bf16(kv_len, seed ^ 4), &case.cu, &starts, w);
+    let v = to_aligned(&random_bf16(kv_len, seed ^ 5), &case.cu, &starts, w);
+    let heads_per_group = NUM_Q_HEADS / NUM_KV_HEADS;
+    let lse: Vec<f32> = (0..t * NUM_Q_HEADS)
+        .map(|row| {
+            let (tok, h) = (row / NUM_Q_HEADS, row % NUM_Q_HEADS);
+            (case.kept[(h / heads_per_group) * t + tok].max(1) as f32).ln() + 0.5
+        })
+        .collect();
+
+    let d_q = stream.clone_htod(&q)?;
+    let d_k = stream.clone_htod(&k)?;
+    let d_v = stream.clone_htod(&v)?;
+    let d_out = stream.clone_htod(&out)?;
+    let d_dout = stream.clone_htod(&dout)?;
+    let d_lse = stream.clone_htod(&lse)?;
+    drop((q, k, v, out, dout, lse));
+    let mut flush: Option<CudaSlice<u8>> = if o.flush {
+        Some(stream.alloc_zeros::<u8>(256 << 20)?)
+    } else {
+        None
+    };
+
+    let call = || {
+        run_backward(
+            stream,
+            &d_q.as_view(),
+            &d_k.as_view(),
+            &d_v.as_view(),
+            &d_dout.as_view(),
+            &d_lse.as_view(),
+            &d_out.as_view(),
+            &schedule,
+        )
+    };
+    for _ in 0..o.warmup {
+        drop(call()?);
+    }
+    stream.synchronize()?;
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut samples = Vec::with_capacity(o.reps);
+    for _ in 0..o.reps {
+        if let Some(buf) = flush.as_mut() {
+            stream.memset_zeros(buf)?;
+        }
+        let start = stream.record_event(timing)?;
+        let grads = call()?;
+        let end = stream.record_event(timing)?;
+        samples.push(start.elapsed_ms(&end)?);
+        drop(grads);
+    }
+    stream.synchronize()?;
+    let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
+    Ok(Timing {
+        tokens: t,
+        workspace_rows: w,
+        work_items: schedule.num_work(),
+        tasks,
+        median_ms: median(samples.clone()),
+        min_ms,
+        samples,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output
+
+fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
+    let mut s = String::new();
+    let docs: Vec<String> = case.docs.iter().map(i32::to_string).collect();
+    let cu: Vec<String> = case.cu.iter().map(i32::to_string).collect();
+    let flop = useful_flop(case.keys);
+    let _ = write!(
+        s,
+        "{{\"name\": \"{}\", \"tokens\": {}, \"documents\": {}, \"doc_lengths\": [{}], \
+         \"cu_seqlens\": [{}], \"seed\": {}, \"topk\": {}, \"q2k_checksum\": \"{:016x}\", \
+         \"keys_attended\": {}, \"useful_flop\": {:.6e}",
+        case.name,
+        case.cu[case.cu.len() - 1],
+        case.docs.len(),
+        docs.join(", "),
+        cu.join(", "),
+        o.seed,
+        case.topk,
+        case.checksum,
+        case.keys,
+        flop
+    );
+    if let Some(tm) = tm {
+        let samples: Vec<String> = tm.samples.iter().map(|x| format!("{x:.4}")).collect();
+        let tile_flop = tm.tasks as f64 * TILE_FLOP;
+        let useful = flop / (f64::from(tm.median_ms) * 1e-3) / 1e12;
+        let _ = write!(
+            s,
+            ", \"workspace_rows\": {}, \"work_items\": {}, \"tile_tasks\": {}, \
+             \"tile_flop\": {:.6e}, \"ms_median\": {:.4}, \"ms_min\": {:.4}, \
+             \"useful_tflops\": {:.2}, \"tile_tflops\": {:.2}, \"fraction_of_ceiling\": {}, \
+             \"samples_ms\": [{}]",
+            tm.workspace_rows,
+            tm.work_items,
+            tm.tasks,
+            tile_flop,
+            tm.median_ms,
+            tm.min_ms,
+            useful,
+            tile_flop / (f64::from(tm.median_ms) * 1e-3) / 1e12,
+            o.ceiling
+                .map_or("null".to_string(), |c| format!("{:.4}", useful / c)),
+            samples.join(", ")
+        );
+    }
+    s.push('}');
+    s
+}
+
+fn write_json(o: &Options, device: &str, entries: &[String]) -> Res<()> {
+    let Some(path) = &o.json else { return Ok(()) };
+    let ceiling = o.ceiling.map_or("null".to_string(), |c| format!("{c:.2}"));
+    let text = format!(
+        "{{\n\"method\": \"msa_runtime::run_backward\",\n\"device\": \"{}\",\n\"reps\": {},\n\
+         \"warmup\": {},\n\"l2_flush\": {},\n\"matmul_ceiling_tflops\": {ceiling},\n\
+         \"cases\": [\n{}\n]\n}}\n",
+        device.replace('"', "'"),
+        o.reps,
+        o.warmup,
+        o.flush,
+        entries.join(",\n")
+    );
+    std::fs::write(path, text).map_err(|e| format!("{path}: {e}"))?;
+    println!("wrote {path}");
+    Ok(())
+}
+
+fn run(o: &Options) -> Res<()> {
+    let cases: Vec<Case> = o.cases.iter().map(|n| make_case(n, o.seed)).collect();
+    if let Some(dir) = &o.inputs {
+        for c in &cases {
+            compare_inputs(dir, c)?;
+        }
+        println!("inputs: q2k and cu_seqlens identical to the files in {dir}");
+    }
+    if o.inputs_only {
+        for c in &cases {
+            let schedule = build_schedule(&c.q2k, &c.cu, 64)?;
+            let tasks: usize = schedule
+                .work_items()
+                .map(|it| it.q_count.div_ceil(QUERY_CHUNK))
+                .sum();
+            println!(
+                "{:16} T={:6} docs={:2} topk={:2} keys={:12} tasks={:8} useful_flop={:.4e} \
+                 checksum={:016x}",
+                c.name,
+                c.cu[c.cu.len() - 1],
+                c.docs.len(),
+                c.topk,
+                c.keys,
+                tasks,
+                useful_flop(c.keys),
+                c.checksum
+            );
+        }
+        let entries: Vec<String> = cases.iter().map(|c| json_case(c, None, o)).collect();
+        return write_json(o, "none (--inputs-only)", &entries);
+    }
+
+    if !driver_present() {
+        println!("no CUDA driver (libcuda.so) on this machine; nothing to time");
+        return Ok(());
+    }
+    let device = match Device::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("no usable GPU ({e}); nothing to time");
+            return Ok(());
+        }
+    };
+    let (major, minor) = device.capability();
+    let name = device.context().name().unwrap_or_else(|_| "?".into());
+    let device_desc = format!(
+        "{name} (compute capability {major}.{minor}, {} SMs)",
+        device.sm_count()
+    );
+    println!("device 0: {device_desc}");
+    let stream = device.context().default_stream();
+
+    println!(
+        "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "case", "T", "docs", "tasks", "keys", "ms_med", "ms_min", "useful", "tile", "frac"
+    );
+    let mut entries = Vec::new();
+    for c in &cases {
+        let tm = time_case(&stream, c, o, o.seed)?;
+        let useful = useful_flop(c.keys) / (f64::from(tm.median_ms) * 1e-3) / 1e12;
+        let tile = tm.tasks as f64 * TILE_FLOP / (f64::from(tm.median_ms) * 1e-3) / 1e12;
+        println!(
+            "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9.3} {:>9.3} {:>8.1} {:>8.1} {:>8}",
+            c.name,
+            tm.tokens,
+            c.docs.len(),
+            tm.tasks,
+            c.keys,
+            tm.median_ms,
+            tm.min_ms,
+            useful,
+            tile,
+            o.ceiling
+                .map_or("-".to_string(), |x| format!("{:.3}", useful / x))
+        );
+        entries.push(json_case(c, Some(&tm), o));
+    }
+    println!(
+        "ms: median / min of {} run_backward calls after {} warm-up{}; useful and tile in TFLOP/s; \
+         frac = useful / matmul ceiling",
+        o.reps,
+        o.warmup,
+        if o.flush { ", L2 flushed before each" } else { "" }
+    );
+    write_json(o, &device_desc, &entries)
+}
+
+fn main() -> ExitCode {
+    let options = match parse_args() {
+        Ok(o) => o,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

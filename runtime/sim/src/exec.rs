@@ -1,0 +1,1482 @@
+//! The executor: a grid of CTAs run one at a time, warps of 32 lanes in lockstep.
+//!
+//! Every thread has its own PC. A warp step picks the smallest PC among the warp's runnable
+//! lanes and executes that instruction for every runnable lane at that PC; lanes that took the
+//! other side of a branch wait at higher PCs and rejoin when the others get there (min-PC
+//! reconvergence, exact for the structured control flow the codegen emits). Warps are
+//! scheduled round-robin, each until it blocks or a quantum runs out. A thread that reaches
+//! `bar.sync` blocks until the barrier completes; when no warp has a runnable lane and some
+//! thread is still alive, the CTA is deadlocked and the error names every warp's PCs and the
+//! barriers they wait on.
+
+use crate::error::{
+    FaultKind, Location, MemoryFault, MemoryFaultKind, SimError, Stall, StuckLanes, WarpState,
+};
+use crate::ir::*;
+use crate::memory::{DevPtr, Element, GlobalMemory};
+use crate::module::Kernel;
+use crate::numeric::*;
+
+/// Limits of the simulated device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most threads in one CTA.
+    pub max_threads_per_cta: u32,
+    /// Most shared memory (static + dynamic) of one CTA: 227 KiB on sm_90 / sm_100.
+    pub max_shared_bytes: u32,
+    /// Warp instructions one CTA may execute before the launch fails with
+    /// [`SimError::StepLimit`] (catches infinite loops).
+    pub max_steps_per_cta: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_threads_per_cta: 1024,
+            max_shared_bytes: 227 * 1024,
+            max_steps_per_cta: 50_000_000,
+        }
+    }
+}
+
+/// Grid and block shape and dynamic shared memory of a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// CTAs per dimension.
+    pub grid: [u32; 3],
+    /// Threads per CTA per dimension.
+    pub block: [u32; 3],
+    /// Bytes of dynamic shared memory.
+    pub dynamic_shared_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// A launch of `grid` CTAs of `block` threads without dynamic shared memory.
+    pub fn new(grid: (u32, u32, u32), block: (u32, u32, u32)) -> Self {
+        LaunchConfig {
+            grid: [grid.0, grid.1, grid.2],
+            block: [block.0, block.1, block.2],
+            dynamic_shared_bytes: 0,
+        }
+    }
+
+    /// The same launch with `bytes` of dynamic shared memory.
+    pub fn with_dynamic_shared(mut self, bytes: u32) -> Self {
+        self.dynamic_shared_bytes = bytes;
+        self
+    }
+}
+
+/// A kernel argument.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arg {
+    /// A device pointer (for `.u64`/`.b64` parameters).
+    Ptr(DevPtr),
+    /// `.u32` / `.b32`
+    U32(u32),
+    /// `.s32`
+    I32(i32),
+    /// `.u64` / `.b64`
+    U64(u64),
+    /// `.s64`
+    I64(i64),
+    /// `.f32`
+    F32(f32),
+    /// An opaque blob for an array parameter (e.g. a 128-byte tensor map).
+    Bytes(Vec<u8>),
+}
+
+/// What a launch executed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchStats {
+    /// CTAs run.
+    pub ctas: u64,
+    /// Warp instructions issued.
+    pub warp_instructions: u64,
+    /// Thread instructions executed (lanes whose guard was true).
+    pub thread_instructions: u64,
+}
+
+/// A simulated GPU: global memory plus the ability to launch kernels.
+#[derive(Debug, Clone, Default)]
+pub struct Gpu {
+    mem: GlobalMemory,
+    limits: Limits,
+}
+
+impl Gpu {
+    /// A GPU with empty memory and default [`Limits`].
+    pub fn new() -> Gpu {
+        Gpu::default()
+    }
+
+    /// A GPU with the given limits.
+    pub fn with_limits(limits: Limits) -> Gpu {
+        Gpu {
+            mem: GlobalMemory::default(),
+            limits,
+        }
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Allocates `bytes` zeroed bytes; `name` appears in fault messages.
+    pub fn alloc(&mut self, name: &str, bytes: usize) -> DevPtr {
+        self.mem.alloc(name, bytes)
+    }
+
+    /// Allocates and fills a buffer with `data`.
+    pub fn upload<T: Element>(&mut self, name: &str, data: &[T]) -> DevPtr {
+        let p = self.mem.alloc(name, data.len() * T::SIZE);
+        self.mem
+            .write(p, data)
+            .expect("a fresh allocation holds its data");
+        p
+    }
+
+    /// Copies `data` to `ptr`.
+    pub fn write<T: Element>(&mut self, ptr: DevPtr, data: &[T]) -> Result<(), SimError> {
+        self.mem.write(ptr, data).map_err(SimError::Host)
+    }
+
+    /// Copies `len` elements from `ptr`.
+    pub fn read<T: Element>(&self, ptr: DevPtr, len: usize) -> Result<Vec<T>, SimError> {
+        self.mem.read(ptr, len).map_err(SimError::Host)
+    }
+
+    /// The global memory.
+    pub fn memory(&self) -> &GlobalMemory {
+        &self.mem
+    }
+
+    /// Runs `kernel` on `cfg` with `args`; CTAs run one after another in `x, y, z` order.
+    pub fn launch(
+        &mut self,
+        kernel: &Kernel,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+    ) -> Result<LaunchStats, SimError> {
+        if let Some(e) = &kernel.unsupported {
+            return Err(SimError::Parse(e.clone()));
+        }
+        let launch_err = |message: String| SimError::Launch {
+            kernel: kernel.name.clone(),
+            message,
+        };
+        let threads = cfg.block.iter().map(|&d| d as u64).product::<u64>();
+        if threads == 0 || threads > self.limits.max_threads_per_cta as u64 {
+            return Err(launch_err(format!(
+                "block {:?} has {threads} threads; 1..={} allowed",
+                cfg.block, self.limits.max_threads_per_cta
+            )));
+        }
+        if let Some(m) = kernel.maxntid {
+            let max = m.iter().map(|&d| d as u64).product::<u64>();
+            if threads > max {
+                return Err(launch_err(format!(
+                    "block {:?} has {threads} threads, more than .maxntid {m:?}",
+                    cfg.block
+                )));
+            }
+        }
+        if let Some(r) = kernel.reqntid {
+            if r != cfg.block {
+                return Err(launch_err(format!(
+                    "block {:?} differs from .reqntid {r:?}",
+                    cfg.block
+                )));
+            }
+        }
+        if cfg.grid.contains(&0) {
+            return Err(launch_err(format!("empty grid {:?}", cfg.grid)));
+        }
+        let shared_bytes = match kernel.dynamic_base {
+            Some(base) => base as u64 + cfg.dynamic_shared_bytes as u64,
+            None => kernel.static_shared as u64 + cfg.dynamic_shared_bytes as u64,
+        };
+        if shared_bytes > self.limits.max_shared_bytes as u64 {
+            return Err(launch_err(format!(
+                "{shared_bytes} bytes of shared memory (static {} + dynamic {}), more than {}",
+                kernel.static_shared, cfg.dynamic_shared_bytes, self.limits.max_shared_bytes
+            )));
+        }
+        let params = param_buffer(kernel, args).map_err(launch_err)?;
+
+        let mut cta = Cta::new(
+            kernel,
+            &mut self.mem,
+            &params,
+            cfg,
+            shared_bytes as usize,
+            self.limits.max_steps_per_cta,
+        );
+        let mut stats = LaunchStats::default();
+        for z in 0..cfg.grid[2] {
+            for y in 0..cfg.grid[1] {
+                for x in 0..cfg.grid[0] {
+                    cta.reset([x, y, z]);
+                    cta.run()?;
+                    stats.ctas += 1;
+                    stats.warp_instructions += cta.steps;
+                    stats.thread_instructions += cta.thread_steps;
+                }
+            }
+        }
+        Ok(stats)
+    }
+}
+
+fn param_buffer(kernel: &Kernel, args: &[Arg]) -> Result<Vec<u8>, String> {
+    if args.len() != kernel.params.len() {
+        return Err(format!(
+            "{} arguments given, the kernel declares {} parameters ({})",
+            args.len(),
+            kernel.params.len(),
+            kernel
+                .params
+                .iter()
+                .map(|p| p.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let mut buf = vec![0u8; kernel.param_bytes as usize];
+    for (i, (p, a)) in kernel.params.iter().zip(args).enumerate() {
+        let bytes: Vec<u8> = match (p.array, p.size, a) {
+            (None, 8, Arg::Ptr(v)) => v.0.to_le_bytes().to_vec(),
+            (None, 8, Arg::U64(v)) => v.to_le_bytes().to_vec(),
+            (None, 8, Arg::I64(v)) => v.to_le_bytes().to_vec(),
+            (None, 4, Arg::U32(v)) => v.to_le_bytes().to_vec(),
+            (None, 4, Arg::I32(v)) => v.to_le_bytes().to_vec(),
+            (None, 4, Arg::F32(v)) => v.to_le_bytes().to_vec(),
+            (Some(_), n, Arg::Bytes(b)) if b.len() == n as usize => b.clone(),
+            _ => {
+                return Err(format!(
+                    "argument {i} for parameter `{}` ({} bytes{}) has the wrong kind: {a:?}",
+                    p.name,
+                    p.size,
+                    if p.ptr { ", pointer" } else { "" }
+                ))
+            }
+        };
+        let at = p.offset as usize;
+        buf[at..at + bytes.len()].copy_from_slice(&bytes);
+    }
+    Ok(buf)
+}
+
+const NOT_BLOCKED: u8 = u8::MAX;
+/// Warp instructions a warp runs before the scheduler moves on.
+const QUANTUM: u32 = 4096;
+
+#[derive(Debug, Clone, Default)]
+struct Barrier {
+    /// Lanes that arrived in the current phase, per warp.
+    arrived: Vec<u32>,
+    /// PC each warp arrived from.
+    pc: Vec<u32>,
+    /// Expected threads of the current phase (`None`: all threads of the CTA).
+    count: Option<u32>,
+    /// Any arrival in the current phase.
+    active: bool,
+}
+
+struct Cta<'a> {
+    k: &'a Kernel,
+    mem: &'a mut GlobalMemory,
+    params: &'a [u8],
+    block: [u32; 3],
+    grid: [u32; 3],
+    ctaid: [u32; 3],
+    nwarps: usize,
+    nregs: usize,
+    regs: Vec<u64>,
+    pc: Vec<u32>,
+    blocked_on: Vec<u8>,
+    ready: Vec<u32>,
+    /// Whether every ready lane of the warp is at `wpc` (then `pc` is stale for them).
+    uniform: Vec<bool>,
+    wpc: Vec<u32>,
+    exited: Vec<u32>,
+    present: Vec<u32>,
+    shared: Vec<u8>,
+    bars: Vec<Barrier>,
+    max_steps: u64,
+    steps: u64,
+    thread_steps: u64,
+}
+
+#[inline]
+fn lanes(mask: u32) -> impl Iterator<Item = usize> {
+    let mut m = mask;
+    std::iter::from_fn(move || {
+        if m == 0 {
+            None
+        } else {
+            let l = m.trailing_zeros() as usize;
+            m &= m - 1;
+            Some(l)
+        }
+    })
+}
+
+impl<'a> Cta<'a> {
+    fn new(
+        k: &'a Kernel,
+        mem: &'a mut GlobalMemory,
+        params: &'a [u8],
+        cfg: &LaunchConfig,
+        shared_bytes: usize,
+        max_steps: u64,
+    ) -> Self {
+        let nthreads = cfg.block.iter().product::<u32>() as usize;
+        let nwarps = nthreads.div_ceil(32);
+        let nregs = k.reg_names.len();
+        let present = (0..nwarps)
+            .map(|w| {
+                let n = (nthreads - w * 32).min(32);
+                if n == 32 {
+                    u32::MAX
+                } else {
+                    (1u32 << n) - 1
+                }
+            })
+            .collect();
+        Cta {
+            k,
+            mem,
+            params,
+            block: cfg.block,
+            grid: cfg.grid,
+            ctaid: [0; 3],
+            nwarps,
+            nregs,
+            regs: vec![0; nwarps * nregs * 32],
+            pc: vec![0; nwarps * 32],
+            blocked_on: vec![NOT_BLOCKED; nwarps * 32],
+            ready: vec![0; nwarps],
+            uniform: vec![false; nwarps],
+            wpc: vec![0; nwarps],
+            exited: vec![0; nwarps],
+            present,
+            shared: vec![0; shared_bytes],
+            bars: vec![
+                Barrier {
+                    arrived: vec![0; nwarps],
+                    pc: vec![0; nwarps],
+                    count: None,
+                    active: false,
+                };
+                16
+            ],
+            max_steps,
+            steps: 0,
+            thread_steps: 0,
+        }
+    }
+
+    fn reset(&mut self, ctaid: [u32; 3]) {
+        self.ctaid = ctaid;
+        self.regs.fill(0);
+        self.pc.fill(0);
+        self.blocked_on.fill(NOT_BLOCKED);
+        self.ready.copy_from_slice(&self.present);
+        self.uniform.fill(true);
+        self.wpc.fill(0);
+        self.exited.fill(0);
+        self.shared.fill(0);
+        for b in &mut self.bars {
+            b.arrived.fill(0);
+            b.count = None;
+            b.active = false;
+        }
+        self.steps = 0;
+        self.thread_steps = 0;
+    }
+
+    fn run(&mut self) -> Result<(), SimError> {
+        loop {
+            let mut progressed = false;
+            for w in 0..self.nwarps {
+                let mut n = 0;
+                while self.ready[w] != 0 && n < QUANTUM {
+                    if self.steps >= self.max_steps {
+                        return Err(SimError::StepLimit {
+                            limit: self.max_steps,
+                            stall: Box::new(self.stall()),
+                        });
+                    }
+                    self.step(w)?;
+                    n += 1;
+                }
+                progressed |= n > 0;
+            }
+            if !progressed {
+                if self.exited == self.present {
+                    return Ok(());
+                }
+                return Err(SimError::Deadlock(Box::new(self.stall())));
+            }
+        }
+    }
+
+    fn stall(&self) -> Stall {
+        let mut warps = Vec::new();
+        for w in 0..self.nwarps {
+            let live = self.present[w] & !self.exited[w];
+            if live == 0 {
+                continue;
+            }
+            let mut groups: Vec<StuckLanes> = Vec::new();
+            for l in lanes(live) {
+                let t = w * 32 + l;
+                let b = self.blocked_on[t];
+                let pc = if b == NOT_BLOCKED {
+                    self.lane_pc(w, l) as usize
+                } else {
+                    self.pc[t] as usize - 1
+                };
+                let waiting_for = if b == NOT_BLOCKED {
+                    "runnable".to_string()
+                } else {
+                    self.describe_barrier(b as usize)
+                };
+                match groups
+                    .iter_mut()
+                    .find(|g| g.pc == pc && g.waiting_for == waiting_for)
+                {
+                    Some(g) => g.lanes |= 1 << l,
+                    None => {
+                        let src = &self.k.source[pc];
+                        groups.push(StuckLanes {
+                            lanes: 1 << l,
+                            pc,
+                            line: src.line,
+                            instruction: src.text.clone(),
+                            waiting_for,
+                        })
+                    }
+                }
+            }
+            warps.push(WarpState {
+                warp: w as u32,
+                groups,
+            });
+        }
+        Stall {
+            kernel: self.k.name.clone(),
+            cta: self.ctaid,
+            warps,
+        }
+    }
+
+    fn describe_barrier(&self, id: usize) -> String {
+        let b = &self.bars[id];
+        let arrived: u32 = b.arrived.iter().map(|m| m.count_ones()).sum();
+        match b.count {
+            Some(n) => format!("blocked on barrier {id} ({arrived} of {n} threads arrived)"),
+            None => {
+                let live: u32 = (0..self.nwarps)
+                    .map(|w| (self.present[w] & !self.exited[w]).count_ones())
+                    .sum();
+                format!(
+                    "blocked on barrier {id} (all threads of the CTA; {arrived} of {live} live threads arrived)"
+                )
+            }
+        }
+    }
+
+    fn location(&self, pc: usize, w: usize, lane: usize) -> Box<Location> {
+        let t = (w * 32 + lane) as u32;
+        let [bx, by, _] = self.block;
+        let src = &self.k.source[pc];
+        Box::new(Location {
+            kernel: self.k.name.clone(),
+            pc,
+            line: src.line,
+            instruction: src.text.clone(),
+            cta: self.ctaid,
+            thread: [t % bx, (t / bx) % by, t / (bx * by)],
+        })
+    }
+
+    fn fault(&self, pc: usize, w: usize, lane: usize, kind: FaultKind) -> SimError {
+        SimError::Fault {
+            at: self.location(pc, w, lane),
+            kind,
+        }
+    }
+
+    #[inline]
+    fn ri(&self, w: usize, r: Reg) -> usize {
+        (w * self.nregs + r as usize) * 32
+    }
+
+    #[inline]
+    fn special(&self, s: Special, w: usize, lane: usize) -> u64 {
+        let t = (w * 32 + lane) as u32;
+        let [bx, by, _] = self.block;
+        let tid = [t % bx, (t / bx) % by, t / (bx * by)];
+        let l = lane as u32;
+        (match s {
+            Special::Tid(a) => tid[a.index()],
+            Special::Ntid(a) => self.block[a.index()],
+            Special::Ctaid(a) => self.ctaid[a.index()],
+            Special::Nctaid(a) => self.grid[a.index()],
+            Special::LaneId => l,
+            Special::WarpId => w as u32,
+            Special::LaneMaskEq => 1 << l,
+            Special::LaneMaskLt => (1u32 << l) - 1,
+            Special::LaneMaskLe => ((1u64 << (l + 1)) - 1) as u32,
+            Special::LaneMaskGt => !(((1u64 << (l + 1)) - 1) as u32),
+            Special::LaneMaskGe => !((1u32 << l) - 1),
+        }) as u64
+    }
+
+    #[inline(always)]
+    fn gather(&self, w: usize, s: Src) -> [u64; 32] {
+        match s {
+            Src::Reg(r) => {
+                let i = self.ri(w, r);
+                let mut out = [0u64; 32];
+                out.copy_from_slice(&self.regs[i..i + 32]);
+                out
+            }
+            Src::Imm(v) => [v; 32],
+            Src::Special(sp) => std::array::from_fn(|l| self.special(sp, w, l)),
+        }
+    }
+
+    #[inline]
+    fn pred_mask(&self, w: usize, p: PredSrc) -> u32 {
+        let v = self.gather(w, p.src);
+        let mut m = 0u32;
+        for (l, x) in v.iter().enumerate() {
+            m |= ((*x != 0) as u32) << l;
+        }
+        if p.negate {
+            !m
+        } else {
+            m
+        }
+    }
+
+    #[inline(always)]
+    fn put(&mut self, w: usize, d: Reg, exec: u32, vals: &[u64; 32], bits: u32) {
+        let m = if bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        };
+        let i = self.ri(w, d);
+        let dst = &mut self.regs[i..i + 32];
+        if exec == u32::MAX {
+            for (d, v) in dst.iter_mut().zip(vals) {
+                *d = v & m;
+            }
+        } else {
+            for (l, (d, v)) in dst.iter_mut().zip(vals).enumerate() {
+                let sel = 0u64.wrapping_sub(((exec >> l) & 1) as u64);
+                *d = (v & m & sel) | (*d & !sel);
+            }
+        }
+    }
+
+    /// Writes the bits of `m` as predicates.
+    #[inline(always)]
+    fn put_mask(&mut self, w: usize, d: Reg, exec: u32, m: u32) {
+        let mut out = [0u64; 32];
+        for (l, o) in out.iter_mut().enumerate() {
+            *o = (m >> l & 1) as u64;
+        }
+        self.put(w, d, exec, &out, 1);
+    }
+
+    /// `f` on every lane (inactive lanes compute garbage that [`Cta::put`] drops).
+    #[inline(always)]
+    fn map1(&mut self, w: usize, exec: u32, d: Reg, a: Src, bits: u32, f: impl Fn(u64) -> u64) {
+        let av = self.gather(w, a);
+        let mut out = [0u64; 32];
+        for l in 0..32 {
+            out[l] = f(av[l]);
+        }
+        self.put(w, d, exec, &out, bits);
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn map2(
+        &mut self,
+        w: usize,
+        exec: u32,
+        d: Reg,
+        a: Src,
+        b: Src,
+        bits: u32,
+        f: impl Fn(u64, u64) -> u64,
+    ) {
+        let av = self.gather(w, a);
+        let bv = self.gather(w, b);
+        let mut out = [0u64; 32];
+        for l in 0..32 {
+            out[l] = f(av[l], bv[l]);
+        }
+        self.put(w, d, exec, &out, bits);
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn map3(
+        &mut self,
+        w: usize,
+        exec: u32,
+        d: Reg,
+        a: Src,
+        b: Src,
+        c: Src,
+        bits: u32,
+        f: impl Fn(u64, u64, u64) -> u64,
+    ) {
+        let av = self.gather(w, a);
+        let bv = self.gather(w, b);
+        let cv = self.gather(w, c);
+        let mut out = [0u64; 32];
+        for l in 0..32 {
+            out[l] = f(av[l], bv[l], cv[l]);
+        }
+        self.put(w, d, exec, &out, bits);
+    }
+
+    /// Moves the lanes of `group` to the next instruction.
+    #[inline(always)]
+    fn advance(&mut self, w: usize, group: u32) {
+        if self.uniform[w] {
+            debug_assert_eq!(group, self.ready[w]);
+            self.wpc[w] += 1;
+            return;
+        }
+        let base = w * 32;
+        for l in lanes(group) {
+            self.pc[base + l] += 1;
+        }
+    }
+
+    /// The PC of lane `l` of warp `w`.
+    fn lane_pc(&self, w: usize, l: usize) -> u32 {
+        if self.uniform[w] && self.ready[w] >> l & 1 == 1 {
+            self.wpc[w]
+        } else {
+            self.pc[w * 32 + l]
+        }
+    }
+
+    /// Leaves the uniform fast path: writes the warp PC back to every ready lane.
+    #[inline]
+    fn materialize(&mut self, w: usize) {
+        if self.uniform[w] {
+            let base = w * 32;
+            let pc = self.wpc[w];
+            for l in lanes(self.ready[w]) {
+                self.pc[base + l] = pc;
+            }
+            self.uniform[w] = false;
+        }
+    }
+
+    #[inline]
+    fn lane_addr(&self, w: usize, lane: usize, a: &Addr) -> u64 {
+        let base = match a.base {
+            AddrBase::Reg(r) => self.regs[self.ri(w, r) + lane],
+            AddrBase::Abs(v) => v,
+        };
+        base.wrapping_add(a.offset as u64)
+    }
+
+    /// Checks an access and returns where it lands.
+    fn locate(
+        &self,
+        space: Space,
+        addr: u64,
+        size: usize,
+        access: &'static str,
+    ) -> Result<Place, MemoryFault> {
+        let fault = |kind, space, detail: String| MemoryFault {
+            kind,
+            access,
+            space,
+            address: addr,
+            size: size as u32,
+            detail,
+        };
+        // Access sizes are powers of two.
+        if addr & (size as u64 - 1) != 0 {
+            return Err(fault(
+                MemoryFaultKind::Misaligned,
+                space,
+                format!("needs {size}-byte alignment"),
+            ));
+        }
+        let space = match space {
+            Space::Generic => {
+                if (SHARED_WINDOW..SHARED_WINDOW + (1 << 32)).contains(&addr) {
+                    return self
+                        .locate(Space::Shared, addr - SHARED_WINDOW, size, access)
+                        .map_err(|mut f| {
+                            f.space = Space::Generic;
+                            f.address = addr;
+                            f
+                        });
+                }
+                if (PARAM_WINDOW..PARAM_WINDOW + (1 << 32)).contains(&addr) {
+                    Space::Param
+                } else {
+                    Space::Global
+                }
+            }
+            s => s,
+        };
+        match space {
+            Space::Shared => {
+                let end = addr.checked_add(size as u64);
+                if end.is_some_and(|e| e <= self.shared.len() as u64) {
+                    Ok(Place::Shared(addr as usize))
+                } else {
+                    Err(fault(
+                        MemoryFaultKind::OutOfBounds,
+                        space,
+                        format!("the CTA has {} bytes of shared memory", self.shared.len()),
+                    ))
+                }
+            }
+            Space::Param => {
+                let off = addr.wrapping_sub(PARAM_WINDOW);
+                if addr >= PARAM_WINDOW && off + size as u64 <= self.params.len() as u64 {
+                    Ok(Place::Param(off as usize))
+                } else {
+                    Err(fault(
+                        MemoryFaultKind::OutOfBounds,
+                        space,
+                        format!(
+                            "the parameter buffer is [{PARAM_WINDOW:#x}, +{})",
+                            self.params.len()
+                        ),
+                    ))
+                }
+            }
+            _ => {
+                if self.mem.slice(addr, size).is_some() {
+                    Ok(Place::Global(addr))
+                } else {
+                    Err(fault(
+                        MemoryFaultKind::OutOfBounds,
+                        Space::Global,
+                        self.mem.describe(addr),
+                    ))
+                }
+            }
+        }
+    }
+
+    fn read_bytes(&self, p: Place, out: &mut [u8]) {
+        let n = out.len();
+        match p {
+            Place::Shared(o) => out.copy_from_slice(&self.shared[o..o + n]),
+            Place::Param(o) => out.copy_from_slice(&self.params[o..o + n]),
+            Place::Global(a) => out.copy_from_slice(self.mem.slice(a, n).expect("located")),
+        }
+    }
+
+    fn write_bytes(&mut self, p: Place, data: &[u8]) {
+        let n = data.len();
+        match p {
+            Place::Shared(o) => self.shared[o..o + n].copy_from_slice(data),
+            Place::Param(_) => unreachable!("param stores are rejected before"),
+            Place::Global(a) => self
+                .mem
+                .slice_mut(a, n)
+                .expect("located")
+                .copy_from_slice(data),
+        }
+    }
+
+    fn step(&mut self, w: usize) -> Result<(), SimError> {
+        let k = self.k;
+        let base = w * 32;
+        let (pc, group) = if self.uniform[w] {
+            (self.wpc[w], self.ready[w])
+        } else {
+            let mut pc = u32::MAX;
+            let mut group = 0u32;
+            for l in lanes(self.ready[w]) {
+                let p = self.pc[base + l];
+                if p < pc {
+                    pc = p;
+                    group = 1 << l;
+                } else if p == pc {
+                    group |= 1 << l;
+                }
+            }
+            if group == self.ready[w] {
+                self.uniform[w] = true;
+                self.wpc[w] = pc;
+            }
+            (pc, group)
+        };
+        let pcu = pc as usize;
+        let inst = &k.code[pcu];
+        let exec = match inst.guard {
+            None => group,
+            Some(g) => {
+                group
+                    & self.pred_mask(
+                        w,
+                        PredSrc {
+                            src: Src::Reg(g.reg),
+                            negate: g.negate,
+                        },
+                    )
+            }
+        };
+        self.steps += 1;
+        self.thread_steps += exec.count_ones() as u64;
+        match &inst.op {
+            Op::Mov { bits, d, a } => {
+                let bits = *bits as u32;
+                self.map1(w, exec, *d, *a, bits, |x| x);
+            }
+            Op::Pack {
+                elem_bits,
+                d,
+                parts,
+            } => {
+                let eb = *elem_bits as u32;
+                let mut out = [0u64; 32];
+                for (i, p) in parts.iter().enumerate() {
+                    let v = self.gather(w, *p);
+                    for l in lanes(exec) {
+                        out[l] |= mask(eb, v[l]) << (i as u32 * eb);
+                    }
+                }
+                self.put(w, *d, exec, &out, eb * parts.len() as u32);
+            }
+            Op::Unpack { elem_bits, dst, a } => {
+                let eb = *elem_bits as u32;
+                let v = self.gather(w, *a);
+                for (i, d) in dst.iter().enumerate() {
+                    if let Dst::Reg(r) = d {
+                        let mut out = [0u64; 32];
+                        for l in lanes(exec) {
+                            out[l] = v[l] >> (i as u32 * eb);
+                        }
+                        self.put(w, *r, exec, &out, eb);
+                    }
+                }
+            }
+            Op::Cvta {
+                to,
+                space,
+                bits,
+                d,
+                a,
+            } => {
+                let (to, space) = (*to, *space);
+                self.map1(w, exec, *d, *a, *bits as u32, |x| match (space, to) {
+                    (Space::Shared, true) => x.wrapping_sub(SHARED_WINDOW),
+                    (Space::Shared, false) => x.wrapping_add(SHARED_WINDOW),
+                    _ => x,
+                });
+            }
+            Op::Int { op, ty, d, a, b } => {
+                let (op, ty) = (*op, *ty);
+                let av = self.gather(w, *a);
+                let bv = self.gather(w, *b);
+                if matches!(op, IntOp::Div | IntOp::Rem) {
+                    for l in lanes(exec) {
+                        if mask(ty.bits as u32, bv[l]) == 0 {
+                            return Err(self.fault(pcu, w, l, FaultKind::DivisionByZero));
+                        }
+                    }
+                }
+                let out = int_lanes(op, ty, &av, &bv);
+                self.put(w, *d, exec, &out, ty.bits as u32);
+            }
+            Op::IntUn { op, ty, d, a } => {
+                let (op, ty) = (*op, *ty);
+                let bits = ty.bits as u32;
+                self.map1(w, exec, *d, *a, bits, |x| match op {
+                    IntUnOp::Not => !x,
+                    IntUnOp::Neg => x.wrapping_neg(),
+                    IntUnOp::Abs => sext(x, bits).wrapping_abs() as u64,
+                });
+            }
+            Op::MulWide { ty, d, a, b } => {
+                let ty = *ty;
+                let bits = ty.bits as u32;
+                self.map2(w, exec, *d, *a, *b, bits * 2, |x, y| {
+                    if ty.signed {
+                        sext(x, bits).wrapping_mul(sext(y, bits)) as u64
+                    } else {
+                        mask(bits, x).wrapping_mul(mask(bits, y))
+                    }
+                });
+            }
+            Op::Mad {
+                mode,
+                ty,
+                d,
+                a,
+                b,
+                c,
+            } => {
+                let (mode, ty) = (*mode, *ty);
+                let bits = ty.bits as u32;
+                let out_bits = if mode == MadMode::Wide {
+                    bits * 2
+                } else {
+                    bits
+                };
+                self.map3(w, exec, *d, *a, *b, *c, out_bits, |x, y, z| {
+                    let prod = match mode {
+                        MadMode::Lo => x.wrapping_mul(y),
+                        MadMode::Hi => int_op(IntOp::MulHi, ty, x, y).unwrap_or(0),
+                        MadMode::Wide => {
+                            if ty.signed {
+                                sext(x, bits).wrapping_mul(sext(y, bits)) as u64
+                            } else {
+                                mask(bits, x).wrapping_mul(mask(bits, y))
+                            }
+                        }
+                    };
+                    prod.wrapping_add(z)
+                });
+            }
+            Op::Float { op, ftz, d, a, b } => {
+                let (op, ftz) = (*op, *ftz);
+                self.map2(w, exec, *d, *a, *b, 32, |x, y| {
+                    let (mut x, mut y) = (f32_of(x), f32_of(y));
+                    if ftz {
+                        x = flush(x);
+                        y = flush(y);
+                    }
+                    let r = match op {
+                        FloatOp::Add => x + y,
+                        FloatOp::Sub => x - y,
+                        FloatOp::Mul => x * y,
+                        FloatOp::Min => fminmax(x, y, false),
+                        FloatOp::Max => fminmax(x, y, true),
+                    };
+                    canon(if ftz { flush(r) } else { r })
+                });
+            }
+            Op::Fma { ftz, d, a, b, c } => {
+                let ftz = *ftz;
+                self.map3(w, exec, *d, *a, *b, *c, 32, |x, y, z| {
+                    let (mut x, mut y, mut z) = (f32_of(x), f32_of(y), f32_of(z));
+                    if ftz {
+                        x = flush(x);
+                        y = flush(y);
+                        z = flush(z);
+                    }
+                    let r = x.mul_add(y, z);
+                    canon(if ftz { flush(r) } else { r })
+                });
+            }
+            Op::FloatUn { op, ftz, d, a } => {
+                let (op, ftz) = (*op, *ftz);
+                self.map1(w, exec, *d, *a, 32, |x| {
+                    let x = if ftz { flush(f32_of(x)) } else { f32_of(x) };
+                    match op {
+                        FloatUnOp::Ex2 => canon(ex2(x, ftz)),
+                        FloatUnOp::Neg => (-x).to_bits() as u64,
+                        FloatUnOp::Abs => x.abs().to_bits() as u64,
+                    }
+                });
+            }
+            Op::Setp { cmp, ty, d, a, b } => {
+                let (cmp, ty) = (*cmp, *ty);
+                self.map2(w, exec, *d, *a, *b, 1, |x, y| compare(cmp, ty, x, y) as u64);
+            }
+            Op::Selp { bits, d, a, b, p } => {
+                let pm = self.pred_mask(w, *p);
+                let av = self.gather(w, *a);
+                let bv = self.gather(w, *b);
+                let mut out = [0u64; 32];
+                for l in 0..32 {
+                    out[l] = if pm >> l & 1 == 1 { av[l] } else { bv[l] };
+                }
+                self.put(w, *d, exec, &out, *bits as u32);
+            }
+            Op::Pred { op, d, a, b } => {
+                let (ma, mb) = (self.pred_mask(w, *a), self.pred_mask(w, *b));
+                let m = match op {
+                    PredOp::And => ma & mb,
+                    PredOp::Or => ma | mb,
+                    PredOp::Xor => ma ^ mb,
+                };
+                self.put_mask(w, *d, exec, m);
+            }
+            Op::PredNot { d, a } => {
+                let m = !self.pred_mask(w, *a);
+                self.put_mask(w, *d, exec, m);
+            }
+            Op::Cvt { conv, d, a } => {
+                let conv = *conv;
+                let bits = match conv {
+                    Conversion::Int { to, .. } | Conversion::F32ToInt { to, .. } => to.bits as u32,
+                    Conversion::F32ToBf16 | Conversion::F32ToF16 => 16,
+                    _ => 32,
+                };
+                self.map1(w, exec, *d, *a, bits, |x| match conv {
+                    Conversion::Int { from, .. } => {
+                        if from.signed {
+                            sext(x, from.bits as u32) as u64
+                        } else {
+                            mask(from.bits as u32, x)
+                        }
+                    }
+                    Conversion::IntToF32 { from } => {
+                        let f = if from.signed {
+                            sext(x, from.bits as u32) as f32
+                        } else {
+                            mask(from.bits as u32, x) as f32
+                        };
+                        f.to_bits() as u64
+                    }
+                    Conversion::F32ToInt { to, round } => f32_to_int(f32_of(x), round, to),
+                    Conversion::F32Round(r) => canon(round_int(f32_of(x), r)),
+                    Conversion::Bf16ToF32 => bf16_to_f32(x as u16).to_bits() as u64,
+                    Conversion::F32ToBf16 => bf16_rne(f32_of(x)) as u64,
+                    Conversion::F16ToF32 => {
+                        half::f16::from_bits(x as u16).to_f32().to_bits() as u64
+                    }
+                    Conversion::F32ToF16 => f16_rne(f32_of(x)) as u64,
+                });
+            }
+            Op::CvtBf16x2 { d, hi, lo } => {
+                self.map2(w, exec, *d, *hi, *lo, 32, |h, l| {
+                    (bf16_rne(f32_of(h)) as u64) << 16 | bf16_rne(f32_of(l)) as u64
+                });
+            }
+            Op::Prmt { d, a, b, c } => {
+                self.map3(w, exec, *d, *a, *b, *c, 32, |x, y, z| {
+                    prmt(x as u32, y as u32, z as u32) as u64
+                });
+            }
+            Op::Shfl {
+                mode,
+                d,
+                p,
+                a,
+                b,
+                c,
+                mask: mk,
+            } => self.shfl(pcu, w, group, exec, *mode, *d, *p, [*a, *b, *c, *mk])?,
+            Op::Bar { kind, id, count } => {
+                self.bar(pcu, w, group, exec, *kind, *id, *count)?;
+                return Ok(());
+            }
+            Op::Ld {
+                space,
+                ty,
+                dst,
+                dst_bits,
+                addr,
+            } => {
+                let esize = ty.bytes() as usize;
+                let n = dst.len();
+                let mut buf = [0u8; 64];
+                for l in lanes(exec) {
+                    let at = self.lane_addr(w, l, addr);
+                    let place = self
+                        .locate(*space, at, esize * n, "load")
+                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
+                    self.read_bytes(place, &mut buf[..esize * n]);
+                    for (i, dd) in dst.iter().enumerate() {
+                        let Dst::Reg(r) = dd else { continue };
+                        let mut raw = [0u8; 8];
+                        raw[..esize].copy_from_slice(&buf[i * esize..(i + 1) * esize]);
+                        let mut v = u64::from_le_bytes(raw);
+                        if ty.is_signed() {
+                            v = mask(*dst_bits as u32, sext(v, ty.bits()) as u64);
+                        }
+                        let ri = self.ri(w, *r);
+                        self.regs[ri + l] = v;
+                    }
+                }
+            }
+            Op::St {
+                space,
+                ty,
+                addr,
+                src,
+            } => {
+                let esize = ty.bytes() as usize;
+                let n = src.len();
+                let vals: Vec<[u64; 32]> = src.iter().map(|s| self.gather(w, *s)).collect();
+                let mut buf = [0u8; 64];
+                for l in lanes(exec) {
+                    let at = self.lane_addr(w, l, addr);
+                    let place = self
+                        .locate(*space, at, esize * n, "store")
+                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
+                    if let Place::Param(_) = place {
+                        return Err(self.fault(
+                            pcu,
+                            w,
+                            l,
+                            FaultKind::Memory(MemoryFault {
+                                kind: MemoryFaultKind::OutOfBounds,
+                                access: "store",
+                                space: Space::Param,
+                                address: at,
+                                size: (esize * n) as u32,
+                                detail: "kernel parameters are read-only".to_string(),
+                            }),
+                        ));
+                    }
+                    for (i, v) in vals.iter().enumerate() {
+                        buf[i * esize..(i + 1) * esize]
+                            .copy_from_slice(&v[l].to_le_bytes()[..esize]);
+                    }
+                    self.write_bytes(place, &buf[..esize * n]);
+                }
+            }
+            Op::Atom {
+                space,
+                op,
+                ty,
+                d,
+                addr,
+                b,
+                c,
+                noftz: _,
+            } => {
+                let esize = ty.bytes() as usize;
+                let n = b.len();
+                let bv: Vec<[u64; 32]> = b.iter().map(|s| self.gather(w, *s)).collect();
+                let cv = c.map(|c| self.gather(w, c));
+                for l in lanes(exec) {
+                    let at = self.lane_addr(w, l, addr);
+                    let place = self
+                        .locate(*space, at, esize * n, "atomic")
+                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
+                    if let Place::Param(_) = place {
+                        return Err(self.fault(
+                            pcu,
+                            w,
+                            l,
+                            FaultKind::Sync("atomic on the parameter buffer".to_string()),
+                        ));
+                    }
+                    let mut buf = [0u8; 32];
+                    self.read_bytes(place, &mut buf[..esize * n]);
+                    for (i, bvals) in bv.iter().enumerate() {
+                        let mut raw = [0u8; 8];
+                        raw[..esize].copy_from_slice(&buf[i * esize..(i + 1) * esize]);
+                        let old = u64::from_le_bytes(raw);
+                        let new = atom_apply(*op, *ty, old, bvals[l], cv.map_or(0, |c| c[l]));
+                        buf[i * esize..(i + 1) * esize]
+                            .copy_from_slice(&new.to_le_bytes()[..esize]);
+                        if let Some(Dst::Reg(r)) = d.as_ref().and_then(|d| d.get(i)) {
+                            let ri = self.ri(w, *r);
+                            self.regs[ri + l] = old;
+                        }
+                    }
+                    self.write_bytes(place, &buf[..esize * n]);
+                }
+            }
+            Op::CreatePolicy { d } => {
+                self.put(w, *d, exec, &[0x1000_0000_0000_0000; 32], 64);
+            }
+            Op::Bra { target } => {
+                let t = *target;
+                if self.uniform[w] && (exec == group || exec == 0) {
+                    self.wpc[w] = if exec == group { t } else { pc + 1 };
+                    return Ok(());
+                }
+                self.materialize(w);
+                for l in lanes(group) {
+                    self.pc[base + l] = if exec >> l & 1 == 1 { t } else { pc + 1 };
+                }
+                return Ok(());
+            }
+            Op::Exit => {
+                self.materialize(w);
+                self.advance(w, group & !exec);
+                self.exited[w] |= exec;
+                self.ready[w] &= !exec;
+                for id in 0..self.bars.len() {
+                    if self.bars[id].active {
+                        self.try_complete(id);
+                    }
+                }
+                return Ok(());
+            }
+        }
+        self.advance(w, group);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn shfl(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        mode: ShflMode,
+        d: Dst,
+        p: Option<Reg>,
+        srcs: [Src; 4],
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        let [a, b, c, mk] = srcs.map(|s| self.gather(w, s));
+        let first = exec.trailing_zeros() as usize;
+        let member = mk[first] as u32;
+        for l in lanes(exec) {
+            if mk[l] as u32 != member {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "shfl.sync membermask {:#010x} differs from lane {first}'s {member:#010x}",
+                        mk[l] as u32
+                    )),
+                ));
+            }
+            if member >> l & 1 == 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "shfl.sync executed by lane {l}, which is not in membermask {member:#010x}"
+                    )),
+                ));
+            }
+        }
+        let missing = member & !exec;
+        if missing != 0 {
+            let l = missing.trailing_zeros() as usize;
+            let why = if self.present[w] >> l & 1 == 0 {
+                "does not exist (partial warp)".to_string()
+            } else if self.exited[w] >> l & 1 == 1 {
+                "has exited".to_string()
+            } else if self.blocked_on[w * 32 + l] != NOT_BLOCKED {
+                format!("is blocked on barrier {}", self.blocked_on[w * 32 + l])
+            } else if group >> l & 1 == 1 {
+                "has a false guard".to_string()
+            } else {
+                let at = self.lane_pc(w, l) as usize;
+                format!(
+                    "is not converged (at pc {at}, line {})",
+                    self.k.source[at].line
+                )
+            };
+            return Err(self.fault(
+                pc,
+                w,
+                first,
+                FaultKind::Sync(format!(
+                    "shfl.sync with membermask {member:#010x}: lane {l} {why}"
+                )),
+            ));
+        }
+        let mut val = [0u64; 32];
+        let mut pv = [0u64; 32];
+        for l in lanes(exec) {
+            let (j, ok) = shfl_source(mode, l as u32, b[l] as u32, c[l] as u32);
+            if exec >> j & 1 == 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "shfl.sync reads lane {j}, which does not take part"
+                    )),
+                ));
+            }
+            val[l] = a[j as usize];
+            pv[l] = ok as u64;
+        }
+        if let Dst::Reg(r) = d {
+            self.put(w, r, exec, &val, 32);
+        }
+        if let Some(r) = p {
+            self.put(w, r, exec, &pv, 1);
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn bar(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        kind: BarKind,
+        id: Src,
+        count: Option<Src>,
+    ) -> Result<(), SimError> {
+        self.materialize(w);
+        self.advance(w, group);
+        if exec == 0 {
+            return Ok(());
+        }
+        let ids = self.gather(w, id);
+        let counts = count.map(|c| self.gather(w, c));
+        let first = exec.trailing_zeros() as usize;
+        let bid = ids[first] as u32;
+        let cnt = counts.map(|c| c[first] as u32);
+        let sync = |msg: String| FaultKind::Sync(msg);
+        for l in lanes(exec) {
+            if ids[l] as u32 != bid || counts.map(|c| c[l] as u32) != cnt {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    sync("bar: barrier id or thread count differs across the warp".to_string()),
+                ));
+            }
+        }
+        if bid >= 16 {
+            return Err(self.fault(
+                pc,
+                w,
+                first,
+                sync(format!("barrier id {bid} is not in 0..16")),
+            ));
+        }
+        if let Some(n) = cnt {
+            if n == 0 || n % 32 != 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    first,
+                    sync(format!(
+                        "barrier thread count {n} is not a positive multiple of 32"
+                    )),
+                ));
+            }
+        }
+        let id = bid as usize;
+        let b = &mut self.bars[id];
+        if b.active {
+            if b.count != cnt {
+                let msg = format!(
+                    "barrier {id}: thread count {cnt:?} differs from {:?} of the threads already waiting",
+                    b.count
+                );
+                return Err(self.fault(pc, w, first, sync(msg)));
+            }
+            if b.arrived[w] != 0 && b.pc[w] != pc as u32 {
+                let msg = format!(
+                    "barrier {id}: warp {w} arrives from pc {pc} and from pc {} (bar.sync is .aligned)",
+                    b.pc[w]
+                );
+                return Err(self.fault(pc, w, first, sync(msg)));
+            }
+        } else {
+            b.active = true;
+            b.count = cnt;
+        }
+        b.arrived[w] |= exec;
+        b.pc[w] = pc as u32;
+        if kind == BarKind::Sync {
+            self.ready[w] &= !exec;
+            for l in lanes(exec) {
+                self.blocked_on[w * 32 + l] = id as u8;
+            }
+        }
+        self.try_complete(id);
+        Ok(())
+    }
+
+    fn try_complete(&mut self, id: usize) {
+        let b = &self.bars[id];
+        let full =
+            |w: usize| b.arrived[w] != 0 && (b.arrived[w] | self.exited[w]) == self.present[w];
+        let done = match b.count {
+            None => (0..self.nwarps).all(|w| self.exited[w] == self.present[w] || full(w)),
+            Some(n) => {
+                (0..self.nwarps)
+                    .filter(|&w| full(w))
+                    .map(|w| self.present[w].count_ones())
+                    .sum::<u32>()
+                    >= n
+            }
+        };
+        if !done {
+            return;
+        }
+        let release: Vec<usize> = (0..self.nwarps).filter(|&w| full(w)).collect();
+        for w in release {
+            self.materialize(w);
+            let arrived = self.bars[id].arrived[w];
+            for l in lanes(arrived) {
+                if self.blocked_on[w * 32 + l] == id as u8 {
+                    self.blocked_on[w * 32 + l] = NOT_BLOCKED;
+                    self.ready[w] |= 1 << l;
+                }
+            }
+            self.bars[id].arrived[w] = 0;
+        }
+        let b = &mut self.bars[id];
+        if b.arrived.iter().all(|&m| m == 0) {
+            b.active = false;
+            b.count = None;
+        }
+    }
+}
+
+/// A binary integer operation on all 32 lanes, with the common operations as tight loops.
+#[inline(always)]
+fn int_lanes(op: IntOp, ty: IntTy, a: &[u64; 32], b: &[u64; 32]) -> [u64; 32] {
+    let mut o = [0u64; 32];
+    macro_rules! lanewise {
+        (|$x:ident, $y:ident| $e:expr) => {
+            for l in 0..32 {
+                let ($x, $y) = (a[l], b[l]);
+                o[l] = $e;
+            }
+        };
+    }
+    let bits = ty.bits as u32;
+    match op {
+        IntOp::Add => lanewise!(|x, y| x.wrapping_add(y)),
+        IntOp::Sub => lanewise!(|x, y| x.wrapping_sub(y)),
+        IntOp::MulLo => lanewise!(|x, y| x.wrapping_mul(y)),
+        IntOp::And => lanewise!(|x, y| x & y),
+        IntOp::Or => lanewise!(|x, y| x | y),
+        IntOp::Xor => lanewise!(|x, y| x ^ y),
+        IntOp::Shl => lanewise!(|x, y| if (y as u32) < bits {
+            x << (y as u32)
+        } else {
+            0
+        }),
+        IntOp::Shr if !ty.signed => lanewise!(|x, y| if (y as u32) < bits {
+            mask(bits, x) >> (y as u32)
+        } else {
+            0
+        }),
+        IntOp::Min if !ty.signed => lanewise!(|x, y| mask(bits, x).min(mask(bits, y))),
+        IntOp::Max if !ty.signed => lanewise!(|x, y| mask(bits, x).max(mask(bits, y))),
+        // Division by zero was checked on the active lanes; inactive lanes give 0.
+        _ => lanewise!(|x, y| int_op(op, ty, x, y).unwrap_or(0)),
+    }
+    o
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    Shared(usize),
+    Param(usize),
+    Global(u64),
+}

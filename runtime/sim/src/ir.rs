@@ -1,0 +1,807 @@
+//! The decoded instruction set: what the parser turns PTX text into, once, before execution.
+//!
+//! Every operand is resolved at decode time: registers are slots of the per-thread register
+//! file, symbols are addresses (shared offsets or param-window addresses), labels are
+//! instruction indices and immediates are raw bits of the instruction's type. Execution never
+//! looks at a string.
+//!
+//! Stage 2 (Hopper async machinery) plugs in as new [`Op`] variants (`MbarrierInit`,
+//! `MbarrierArrive`, `MbarrierTryWait`, `CpAsyncBulkTensor`, `Wgmma*`, `Fence`, `SetMaxNReg`):
+//! the operand forms they need ([`Addr`], [`TensorRef`], vectors of [`Dst`]/[`Src`]) already
+//! exist here.
+
+use std::fmt;
+
+/// A register slot in the per-thread register file (`.pred` registers included).
+pub type Reg = u32;
+
+/// Base of the generic-address window that maps the kernel parameter buffer.
+///
+/// `mov.u64 %rd, param_name` yields `PARAM_WINDOW + offset`; `ld.param` accepts these.
+pub const PARAM_WINDOW: u64 = 0x0000_7e00_0000_0000;
+
+/// Base of the generic-address window that maps the CTA's shared memory (`cvta.shared`).
+pub const SHARED_WINDOW: u64 = 0x0000_7d00_0000_0000;
+
+/// The axis of a special register such as `%tid.x`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Axis {
+    /// `.x`
+    X,
+    /// `.y`
+    Y,
+    /// `.z`
+    Z,
+}
+
+impl Axis {
+    /// 0, 1 or 2.
+    pub fn index(self) -> usize {
+        match self {
+            Axis::X => 0,
+            Axis::Y => 1,
+            Axis::Z => 2,
+        }
+    }
+}
+
+/// A read-only special register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Special {
+    /// `%tid.{x,y,z}`
+    Tid(Axis),
+    /// `%ntid.{x,y,z}`
+    Ntid(Axis),
+    /// `%ctaid.{x,y,z}`
+    Ctaid(Axis),
+    /// `%nctaid.{x,y,z}`
+    Nctaid(Axis),
+    /// `%laneid`
+    LaneId,
+    /// `%warpid` (the warp's index in the CTA; hardware may differ, PTX says it is volatile)
+    WarpId,
+    /// `%lanemask_eq`
+    LaneMaskEq,
+    /// `%lanemask_lt`
+    LaneMaskLt,
+    /// `%lanemask_le`
+    LaneMaskLe,
+    /// `%lanemask_gt`
+    LaneMaskGt,
+    /// `%lanemask_ge`
+    LaneMaskGe,
+}
+
+impl Special {
+    /// Parses `%tid.x` etc.
+    pub fn from_name(name: &str) -> Option<Special> {
+        let axis = |s: &str| match s {
+            "x" => Some(Axis::X),
+            "y" => Some(Axis::Y),
+            "z" => Some(Axis::Z),
+            _ => None,
+        };
+        if let Some((base, ax)) = name.split_once('.') {
+            let ax = axis(ax)?;
+            return match base {
+                "%tid" => Some(Special::Tid(ax)),
+                "%ntid" => Some(Special::Ntid(ax)),
+                "%ctaid" => Some(Special::Ctaid(ax)),
+                "%nctaid" => Some(Special::Nctaid(ax)),
+                _ => None,
+            };
+        }
+        match name {
+            "%laneid" => Some(Special::LaneId),
+            "%warpid" => Some(Special::WarpId),
+            "%lanemask_eq" => Some(Special::LaneMaskEq),
+            "%lanemask_lt" => Some(Special::LaneMaskLt),
+            "%lanemask_le" => Some(Special::LaneMaskLe),
+            "%lanemask_gt" => Some(Special::LaneMaskGt),
+            "%lanemask_ge" => Some(Special::LaneMaskGe),
+            _ => None,
+        }
+    }
+}
+
+/// A source operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Src {
+    /// A register (its low bits per the instruction type).
+    Reg(Reg),
+    /// Raw bits of an immediate, already converted to the instruction type.
+    Imm(u64),
+    /// A special register.
+    Special(Special),
+}
+
+/// A destination operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dst {
+    /// A register.
+    Reg(Reg),
+    /// `_`: the result is discarded.
+    Sink,
+}
+
+/// A predicate guard `@%p` / `@!%p`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guard {
+    /// The predicate register.
+    pub reg: Reg,
+    /// `@!%p`.
+    pub negate: bool,
+}
+
+/// A state space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Space {
+    /// `.global`
+    Global,
+    /// `.shared` (`.shared::cta`)
+    Shared,
+    /// `.param` (kernel parameters)
+    Param,
+    /// No space qualifier: generic addressing, resolved through the windows.
+    Generic,
+}
+
+impl fmt::Display for Space {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Space::Global => "global",
+            Space::Shared => "shared",
+            Space::Param => "param",
+            Space::Generic => "generic",
+        })
+    }
+}
+
+/// The base of an address operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddrBase {
+    /// `[%r]`: the register's value (all 64 bits for a 64-bit register).
+    Reg(Reg),
+    /// A resolved symbol or absolute address.
+    Abs(u64),
+}
+
+/// `[base+offset]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Addr {
+    /// The base.
+    pub base: AddrBase,
+    /// The signed byte offset.
+    pub offset: i64,
+}
+
+/// A tensor operand `[%rd, {%c0, %c1, ...}]` (stage 2: `cp.async.bulk.tensor`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorRef {
+    /// The tensor-map address.
+    pub map: Addr,
+    /// The coordinates, innermost first.
+    pub coords: Vec<Src>,
+}
+
+/// A scalar type as named by an instruction suffix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ty {
+    /// `.pred`
+    Pred,
+    /// `.b8`, `.b16`, `.b32`, `.b64`
+    B(u8),
+    /// `.u8` .. `.u64`
+    U(u8),
+    /// `.s8` .. `.s64`
+    S(u8),
+    /// `.f16`
+    F16,
+    /// `.bf16`
+    Bf16,
+    /// `.f32`
+    F32,
+    /// `.f64`
+    F64,
+    /// `.f16x2`
+    F16x2,
+    /// `.bf16x2`
+    Bf16x2,
+}
+
+impl Ty {
+    /// Parses a type suffix without the dot.
+    pub fn from_suffix(s: &str) -> Option<Ty> {
+        Some(match s {
+            "pred" => Ty::Pred,
+            "b8" => Ty::B(8),
+            "b16" => Ty::B(16),
+            "b32" => Ty::B(32),
+            "b64" => Ty::B(64),
+            "u8" => Ty::U(8),
+            "u16" => Ty::U(16),
+            "u32" => Ty::U(32),
+            "u64" => Ty::U(64),
+            "s8" => Ty::S(8),
+            "s16" => Ty::S(16),
+            "s32" => Ty::S(32),
+            "s64" => Ty::S(64),
+            "f16" => Ty::F16,
+            "bf16" => Ty::Bf16,
+            "f32" => Ty::F32,
+            "f64" => Ty::F64,
+            "f16x2" => Ty::F16x2,
+            "bf16x2" => Ty::Bf16x2,
+            _ => return None,
+        })
+    }
+
+    /// Width in bits (1 for `.pred`).
+    pub fn bits(self) -> u32 {
+        match self {
+            Ty::Pred => 1,
+            Ty::B(n) | Ty::U(n) | Ty::S(n) => n as u32,
+            Ty::F16 | Ty::Bf16 => 16,
+            Ty::F32 | Ty::F16x2 | Ty::Bf16x2 => 32,
+            Ty::F64 => 64,
+        }
+    }
+
+    /// Width in bytes (`.pred` counts as 1).
+    pub fn bytes(self) -> u32 {
+        self.bits().div_ceil(8)
+    }
+
+    /// Whether the type is a floating-point type (packed included).
+    pub fn is_float(self) -> bool {
+        matches!(
+            self,
+            Ty::F16 | Ty::Bf16 | Ty::F32 | Ty::F64 | Ty::F16x2 | Ty::Bf16x2
+        )
+    }
+
+    /// Whether the type is a signed integer.
+    pub fn is_signed(self) -> bool {
+        matches!(self, Ty::S(_))
+    }
+}
+
+/// An integer type of an arithmetic instruction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntTy {
+    /// 16, 32 or 64.
+    pub bits: u8,
+    /// `.sNN` (arithmetic shifts, signed compares, signed division).
+    pub signed: bool,
+}
+
+/// Binary integer and bit operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntOp {
+    /// `add`
+    Add,
+    /// `sub`
+    Sub,
+    /// `mul.lo`
+    MulLo,
+    /// `mul.hi`
+    MulHi,
+    /// `div` (division by zero is a fault)
+    Div,
+    /// `rem` (division by zero is a fault)
+    Rem,
+    /// `min`
+    Min,
+    /// `max`
+    Max,
+    /// `and`
+    And,
+    /// `or`
+    Or,
+    /// `xor`
+    Xor,
+    /// `shl` (shift amounts past the width give 0)
+    Shl,
+    /// `shr` (logical for `.b`/`.u`, arithmetic for `.s`)
+    Shr,
+}
+
+/// Unary integer operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntUnOp {
+    /// `not`
+    Not,
+    /// `neg`
+    Neg,
+    /// `abs`
+    Abs,
+}
+
+/// `mad` variants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MadMode {
+    /// `mad.lo`: low half of `a·b`, plus `c`.
+    Lo,
+    /// `mad.hi`: high half of `a·b`, plus `c`.
+    Hi,
+    /// `mad.wide`: the full product at twice the width, plus `c`.
+    Wide,
+}
+
+/// Binary f32 operations (round to nearest even).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatOp {
+    /// `add.f32`
+    Add,
+    /// `sub.f32`
+    Sub,
+    /// `mul.f32`
+    Mul,
+    /// `min.f32` (NaN-ignoring, `-0 < +0`)
+    Min,
+    /// `max.f32` (NaN-ignoring, `-0 < +0`)
+    Max,
+}
+
+/// Unary f32 operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatUnOp {
+    /// `ex2.approx.f32`: modelled as `exp2` computed in f64 and rounded to f32.
+    Ex2,
+    /// `neg.f32`
+    Neg,
+    /// `abs.f32`
+    Abs,
+}
+
+/// A comparison of `setp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cmp {
+    /// `eq`
+    Eq,
+    /// `ne`
+    Ne,
+    /// `lt` (`lo` for unsigned)
+    Lt,
+    /// `le` (`ls` for unsigned)
+    Le,
+    /// `gt` (`hi` for unsigned)
+    Gt,
+    /// `ge` (`hs` for unsigned)
+    Ge,
+    /// float `equ`
+    Equ,
+    /// float `neu`
+    Neu,
+    /// float `ltu`
+    Ltu,
+    /// float `leu`
+    Leu,
+    /// float `gtu`
+    Gtu,
+    /// float `geu`
+    Geu,
+    /// float `num` (neither is NaN)
+    Num,
+    /// float `nan` (either is NaN)
+    Nan,
+}
+
+/// Predicate logic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PredOp {
+    /// `and.pred`
+    And,
+    /// `or.pred`
+    Or,
+    /// `xor.pred`
+    Xor,
+}
+
+/// A predicate source, possibly negated (`!%p`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PredSrc {
+    /// The predicate (a register or an immediate 0/1).
+    pub src: Src,
+    /// `!`
+    pub negate: bool,
+}
+
+/// A conversion of `cvt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conversion {
+    /// Integer to integer: truncate to `to` bits, then sign- or zero-extend from `from` bits.
+    Int {
+        /// Source type.
+        from: IntTy,
+        /// Destination type.
+        to: IntTy,
+    },
+    /// Integer to f32 with round to nearest even (`cvt.rn.f32.{u,s}NN`).
+    IntToF32 {
+        /// Source type.
+        from: IntTy,
+    },
+    /// f32 to integer with the given rounding (`cvt.rzi.s32.f32` etc.), saturating; NaN gives 0.
+    F32ToInt {
+        /// Destination type.
+        to: IntTy,
+        /// Rounding.
+        round: RoundInt,
+    },
+    /// `cvt.rXi.f32.f32`: round to an integral value.
+    F32Round(RoundInt),
+    /// `cvt.f32.bf16`: exact.
+    Bf16ToF32,
+    /// `cvt.rn.bf16.f32`: round to nearest even, NaN to the canonical `0x7fff`.
+    F32ToBf16,
+    /// `cvt.f32.f16`: exact.
+    F16ToF32,
+    /// `cvt.rn.f16.f32`: round to nearest even.
+    F32ToF16,
+}
+
+/// Integer rounding of float-to-integer conversions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundInt {
+    /// `.rni`: nearest, ties to even.
+    Nearest,
+    /// `.rzi`: towards zero.
+    Zero,
+    /// `.rmi`: towards −∞.
+    Down,
+    /// `.rpi`: towards +∞.
+    Up,
+}
+
+/// `shfl.sync` mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShflMode {
+    /// `.up`
+    Up,
+    /// `.down`
+    Down,
+    /// `.bfly`
+    Bfly,
+    /// `.idx`
+    Idx,
+}
+
+/// Atomic / reduction operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomOp {
+    /// `.add`
+    Add,
+    /// `.min`
+    Min,
+    /// `.max`
+    Max,
+    /// `.and`
+    And,
+    /// `.or`
+    Or,
+    /// `.xor`
+    Xor,
+    /// `.exch`
+    Exch,
+    /// `.cas` (compare `b`, swap in `c`)
+    Cas,
+    /// `.inc` (wraps to 0 past `b`)
+    Inc,
+    /// `.dec` (wraps to `b` at 0 or past `b`)
+    Dec,
+}
+
+/// `bar` flavours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BarKind {
+    /// `bar.sync` / `barrier.sync`: arrive and wait.
+    Sync,
+    /// `bar.arrive` / `barrier.arrive`: arrive without waiting (needs a thread count).
+    Arrive,
+}
+
+/// One decoded operation.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Op {
+    /// `ld[.space][.nc][.vN].type`
+    Ld {
+        /// State space.
+        space: Space,
+        /// Element type.
+        ty: Ty,
+        /// Destinations (1, 2 or 4).
+        dst: Vec<Dst>,
+        /// Bits of each destination register (for sign extension of sub-word loads).
+        dst_bits: u8,
+        /// Address.
+        addr: Addr,
+    },
+    /// `st[.space][.vN].type`
+    St {
+        /// State space.
+        space: Space,
+        /// Element type.
+        ty: Ty,
+        /// Address.
+        addr: Addr,
+        /// Values (1, 2 or 4).
+        src: Vec<Src>,
+    },
+    /// `mov.type d, a` (also `mov` of a symbol's address).
+    Mov {
+        /// Width in bits (1 for `.pred`).
+        bits: u8,
+        /// Destination.
+        d: Reg,
+        /// Source.
+        a: Src,
+    },
+    /// `mov.bNN d, {a, b, ...}`: pack, first element in the low bits.
+    Pack {
+        /// Bits of each element.
+        elem_bits: u8,
+        /// Destination.
+        d: Reg,
+        /// Elements, low first.
+        parts: Vec<Src>,
+    },
+    /// `mov.bNN {a, b, ...}, s`: unpack, first element from the low bits.
+    Unpack {
+        /// Bits of each element.
+        elem_bits: u8,
+        /// Destinations, low first.
+        dst: Vec<Dst>,
+        /// Source.
+        a: Src,
+    },
+    /// `cvta[.to].space.uNN`
+    Cvta {
+        /// `.to`: generic to `space`; otherwise `space` to generic.
+        to: bool,
+        /// The non-generic space.
+        space: Space,
+        /// 32 or 64.
+        bits: u8,
+        /// Destination.
+        d: Reg,
+        /// Source.
+        a: Src,
+    },
+    /// Binary integer or bit operation.
+    Int {
+        /// Operation.
+        op: IntOp,
+        /// Type.
+        ty: IntTy,
+        /// Destination.
+        d: Reg,
+        /// First operand.
+        a: Src,
+        /// Second operand.
+        b: Src,
+    },
+    /// Unary integer or bit operation.
+    IntUn {
+        /// Operation.
+        op: IntUnOp,
+        /// Type.
+        ty: IntTy,
+        /// Destination.
+        d: Reg,
+        /// Operand.
+        a: Src,
+    },
+    /// `mul.wide.{u,s}NN`: full product at twice the width.
+    MulWide {
+        /// Source type.
+        ty: IntTy,
+        /// Destination.
+        d: Reg,
+        /// First factor.
+        a: Src,
+        /// Second factor.
+        b: Src,
+    },
+    /// `mad.{lo,hi,wide}.type d, a, b, c`
+    Mad {
+        /// Which half of the product.
+        mode: MadMode,
+        /// Type of `a` and `b`.
+        ty: IntTy,
+        /// Destination.
+        d: Reg,
+        /// First factor.
+        a: Src,
+        /// Second factor.
+        b: Src,
+        /// Addend.
+        c: Src,
+    },
+    /// Binary f32 operation.
+    Float {
+        /// Operation.
+        op: FloatOp,
+        /// `.ftz`
+        ftz: bool,
+        /// Destination.
+        d: Reg,
+        /// First operand.
+        a: Src,
+        /// Second operand.
+        b: Src,
+    },
+    /// `fma.rn[.ftz].f32` (single rounding).
+    Fma {
+        /// `.ftz`
+        ftz: bool,
+        /// Destination.
+        d: Reg,
+        /// First factor.
+        a: Src,
+        /// Second factor.
+        b: Src,
+        /// Addend.
+        c: Src,
+    },
+    /// Unary f32 operation.
+    FloatUn {
+        /// Operation.
+        op: FloatUnOp,
+        /// `.ftz`
+        ftz: bool,
+        /// Destination.
+        d: Reg,
+        /// Operand.
+        a: Src,
+    },
+    /// `setp.cmp.type d, a, b`
+    Setp {
+        /// Comparison.
+        cmp: Cmp,
+        /// Operand type.
+        ty: Ty,
+        /// Destination predicate.
+        d: Reg,
+        /// First operand.
+        a: Src,
+        /// Second operand.
+        b: Src,
+    },
+    /// `selp.type d, a, b, p`: `p ? a : b`.
+    Selp {
+        /// Width in bits.
+        bits: u8,
+        /// Destination.
+        d: Reg,
+        /// Taken when `p`.
+        a: Src,
+        /// Taken when `!p`.
+        b: Src,
+        /// Selector.
+        p: PredSrc,
+    },
+    /// `and/or/xor.pred d, a, b`
+    Pred {
+        /// Operation.
+        op: PredOp,
+        /// Destination.
+        d: Reg,
+        /// First operand.
+        a: PredSrc,
+        /// Second operand.
+        b: PredSrc,
+    },
+    /// `not.pred d, a` (and `mov.pred d, !a`).
+    PredNot {
+        /// Destination.
+        d: Reg,
+        /// Operand.
+        a: PredSrc,
+    },
+    /// `cvt`
+    Cvt {
+        /// Conversion.
+        conv: Conversion,
+        /// Destination.
+        d: Reg,
+        /// Source.
+        a: Src,
+    },
+    /// `cvt.rn.bf16x2.f32 d, hi, lo`: `hi` lands in the upper half.
+    CvtBf16x2 {
+        /// Destination.
+        d: Reg,
+        /// Upper element (first operand).
+        hi: Src,
+        /// Lower element (second operand).
+        lo: Src,
+    },
+    /// `prmt.b32 d, a, b, c` (default mode).
+    Prmt {
+        /// Destination.
+        d: Reg,
+        /// Bytes 0–3.
+        a: Src,
+        /// Bytes 4–7.
+        b: Src,
+        /// Selector.
+        c: Src,
+    },
+    /// `shfl.sync.mode.b32 d[|p], a, b, c, membermask`
+    Shfl {
+        /// Mode.
+        mode: ShflMode,
+        /// Destination value.
+        d: Dst,
+        /// Destination predicate (source lane in range).
+        p: Option<Reg>,
+        /// Value.
+        a: Src,
+        /// Lane / delta / mask.
+        b: Src,
+        /// Clamp and segment mask.
+        c: Src,
+        /// Member mask.
+        mask: Src,
+    },
+    /// `bar.sync a{, b}` / `bar.arrive a, b` / `barrier.sync`
+    Bar {
+        /// Sync or arrive.
+        kind: BarKind,
+        /// Barrier id 0..15.
+        id: Src,
+        /// Thread count (all threads of the CTA when absent).
+        count: Option<Src>,
+    },
+    /// `atom` / `red` on global or shared memory.
+    Atom {
+        /// State space.
+        space: Space,
+        /// Operation.
+        op: AtomOp,
+        /// Element type.
+        ty: Ty,
+        /// Old value(s) (`atom`); `None` for `red`.
+        d: Option<Vec<Dst>>,
+        /// Address.
+        addr: Addr,
+        /// Operand(s) (a vector for `.v2`/`.v4`).
+        b: Vec<Src>,
+        /// Swap value of `.cas`.
+        c: Option<Src>,
+        /// `.noftz` (f16/bf16 only); `.f32` adds flush subnormals.
+        noftz: bool,
+    },
+    /// `createpolicy...b64 d, ...`: an opaque cache policy value.
+    CreatePolicy {
+        /// Destination.
+        d: Reg,
+    },
+    /// `bra target`
+    Bra {
+        /// Instruction index.
+        target: u32,
+    },
+    /// `ret` / `exit`
+    Exit,
+}
+
+/// One instruction: an optional guard and the operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inst {
+    /// `@p` / `@!p`.
+    pub guard: Option<Guard>,
+    /// The operation.
+    pub op: Op,
+}
+
+/// Where an instruction came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceLoc {
+    /// 1-based line in the PTX text.
+    pub line: usize,
+    /// The statement's text, trimmed.
+    pub text: String,
+}

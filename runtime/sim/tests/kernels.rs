@@ -1,0 +1,352 @@
+//! The shipped PTX (the `VARIANTS` the runtime JIT-loads) run through the simulator against
+//! the CPU references of `msa_runtime`. No GPU needed.
+
+use std::time::Instant;
+
+use half::bf16;
+use msa_runtime::kernels::{bwd_postprocess, bwd_preprocess};
+use msa_runtime::reference::{postprocess, preprocess_delta, tasks::build_task_tables};
+use msa_runtime::schedule::Schedule;
+use msa_runtime::{build_schedule, causal_support};
+use msa_sim::task_build::{task_build_modules, Arch, TaskBuild};
+use msa_sim::{Arg, Gpu, LaunchConfig, Module};
+
+const ARCHES: [Arch; 2] = [Arch::Sm90, Arch::Sm100];
+
+/// splitmix64: a tiny deterministic PRNG.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A bf16 of random sign, significand and exponent in `2^[-6, 2)`.
+    fn bf16(&mut self) -> bf16 {
+        let r = self.next();
+        let sign = (r & 1) as u16;
+        let exp = 127 - 6 + ((r >> 1) % 8) as u16;
+        let man = ((r >> 8) & 0x7f) as u16;
+        bf16::from_bits(sign << 15 | exp << 7 | man)
+    }
+
+    fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+}
+
+fn module(variants: &[((i32, i32), &'static str)], arch: Arch) -> Module {
+    Module::parse(arch.ptx(variants).expect("a variant for the arch")).expect("parses")
+}
+
+fn block(t: (u32, u32, u32)) -> (u32, u32, u32) {
+    t
+}
+
+// ---------------------------------------------------------------------------------------------
+// bwd_preprocess
+// ---------------------------------------------------------------------------------------------
+
+/// The kernel's own summation order: lane `l` of a row's 16 lanes accumulates elements
+/// `8l..8l+8` with `fma.rn` from 0, then a butterfly over lanes 1, 2, 4, 8.
+fn delta_in_kernel_order(o: &[bf16], d: &[bf16]) -> f32 {
+    let mut part = [0f32; 16];
+    for (l, p) in part.iter_mut().enumerate() {
+        for i in 8 * l..8 * l + 8 {
+            *p = o[i].to_f32().mul_add(d[i].to_f32(), *p);
+        }
+    }
+    for step in [1, 2, 4, 8] {
+        let prev = part;
+        for (l, p) in part.iter_mut().enumerate() {
+            *p = prev[l] + prev[l ^ step];
+        }
+    }
+    part[0]
+}
+
+#[test]
+fn preprocess_matches_the_reference() {
+    const HEADS: usize = 64;
+    const DIM: usize = 128;
+    for arch in ARCHES {
+        // 300 tokens: three CTAs along x, the last one partial.
+        let tokens = 300;
+        let n = tokens * HEADS * DIM;
+        let mut rng = Rng(11 + arch as u64);
+        let out: Vec<bf16> = (0..n).map(|_| rng.bf16()).collect();
+        let dout: Vec<bf16> = (0..n).map(|_| rng.bf16()).collect();
+
+        let m = module(bwd_preprocess::VARIANTS, arch);
+        let k = m.kernel(bwd_preprocess::NAME).expect("entry");
+        let mut gpu = Gpu::new();
+        let o_d = gpu.upload("out", &out);
+        let do_d = gpu.upload("dout", &dout);
+        // Poisoned so that a row the kernel skips would show.
+        let delta_d = gpu.upload("delta", &vec![f32::NAN; tokens * HEADS]);
+        let cfg = LaunchConfig::new(
+            (tokens.div_ceil(128) as u32, HEADS as u32, 1),
+            block(bwd_preprocess::THREADS),
+        );
+        let t0 = Instant::now();
+        let stats = gpu
+            .launch(
+                k,
+                &cfg,
+                &[
+                    Arg::Ptr(o_d),
+                    Arg::Ptr(do_d),
+                    Arg::Ptr(delta_d),
+                    Arg::U32(tokens as u32),
+                ],
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        println!("{arch:?} bwd_preprocess: {stats:?} in {:?}", t0.elapsed());
+        let got: Vec<f32> = gpu.read(delta_d, tokens * HEADS).expect("read");
+
+        let of: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
+        let dof: Vec<f32> = dout.iter().map(|x| x.to_f32()).collect();
+        let expected = preprocess_delta(&of, &dof, tokens).expect("reference");
+        let mut worst = 0f64;
+        for r in 0..tokens * HEADS {
+            let row = r * DIM..(r + 1) * DIM;
+            // Bit-exact against the kernel's own order...
+            let exact = delta_in_kernel_order(&out[row.clone()], &dout[row.clone()]);
+            assert_eq!(
+                got[r].to_bits(),
+                exact.to_bits(),
+                "{arch:?} row {r}: {} vs kernel-order {}",
+                got[r],
+                exact
+            );
+            // ...and within a few ulps of Σ|o·do| of the reference (a different order).
+            let scale: f64 = row
+                .map(|i| (of[i] as f64 * dof[i] as f64).abs())
+                .sum::<f64>();
+            let err = (got[r] as f64 - expected[r] as f64).abs() / (scale * f32::EPSILON as f64);
+            worst = worst.max(err);
+            assert!(
+                err <= 4.0,
+                "{arch:?} row {r}: {} vs {} ({err} ulp of Σ|o·do|)",
+                got[r],
+                expected[r]
+            );
+        }
+        println!("{arch:?} bwd_preprocess: worst |sim − reference| = {worst:.3} ε·Σ|o·do|");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bwd_postprocess
+// ---------------------------------------------------------------------------------------------
+
+/// f32 values that exercise round-to-nearest-even: ties both ways, subnormals, overflow.
+fn tricky_f32(rng: &mut Rng, i: usize) -> f32 {
+    match i % 16 {
+        0 => f32::from_bits(0x3f80_8000), // 1 + 2^-8: tie, stays 1.0
+        1 => f32::from_bits(0x3f81_8000), // tie, rounds up
+        2 => f32::from_bits(0xbf80_8001), // just above the tie
+        3 => f32::from_bits(0x0000_0001), // smallest subnormal
+        4 => f32::from_bits(0x0040_8000), // subnormal tie
+        5 => f32::MAX,                    // rounds to +inf
+        6 => -0.0,
+        7 => f32::NEG_INFINITY,
+        8 => f32::from_bits(0x7f7f_8000), // tie at the top: to inf
+        _ => rng.f32_in(-3.0, 3.0) * 2f32.powi((rng.next() % 40) as i32 - 20),
+    }
+}
+
+#[test]
+fn postprocess_is_bit_exact() {
+    const ROW: usize = 64 * 128;
+    const KV_ROW: usize = 4 * 128;
+    for arch in ARCHES {
+        // dq-bound (2T > W/2) and kv-bound (W/2 > 2T) grids.
+        for (tokens, ws_rows) in [(37usize, 128usize), (20, 256)] {
+            let mut rng = Rng(5 + tokens as u64);
+            let dq_pool: Vec<bf16> = (0..tokens * ROW).map(|_| rng.bf16()).collect();
+            let dk_pool: Vec<f32> = (0..ws_rows * KV_ROW)
+                .map(|i| tricky_f32(&mut rng, i))
+                .collect();
+            let dv_pool: Vec<f32> = (0..ws_rows * KV_ROW)
+                .map(|i| tricky_f32(&mut rng, i + 3))
+                .collect();
+
+            let m = module(bwd_postprocess::VARIANTS, arch);
+            let k = m.kernel(bwd_postprocess::NAME).expect("entry");
+            let mut gpu = Gpu::new();
+            let a = [
+                gpu.upload("dq_pool", &dq_pool),
+                gpu.upload("dk_pool", &dk_pool),
+                gpu.upload("dv_pool", &dv_pool),
+            ];
+            let poison = |n| vec![bf16::from_bits(0x7fc1); n];
+            let o = [
+                gpu.upload("dq", &poison(tokens * ROW)),
+                gpu.upload("dk", &poison(ws_rows * KV_ROW)),
+                gpu.upload("dv", &poison(ws_rows * KV_ROW)),
+            ];
+            let blocks = (2 * tokens).max(ws_rows / 2) as u32;
+            let cfg = LaunchConfig::new((blocks, 2, 1), block(bwd_postprocess::THREADS));
+            let t0 = Instant::now();
+            let mut args: Vec<Arg> = a.iter().chain(&o).map(|p| Arg::Ptr(*p)).collect();
+            args.extend([Arg::U32(tokens as u32), Arg::U32(ws_rows as u32)]);
+            let stats = gpu.launch(k, &cfg, &args).unwrap_or_else(|e| panic!("{e}"));
+            println!(
+                "{arch:?} bwd_postprocess T={tokens} W={ws_rows}: {stats:?} in {:?}",
+                t0.elapsed()
+            );
+
+            let (dq, dk, dv) = postprocess(&dq_pool, &dk_pool, &dv_pool).expect("reference");
+            for (name, ptr, want) in [("dq", o[0], dq), ("dk", o[1], dk), ("dv", o[2], dv)] {
+                let got: Vec<bf16> = gpu.read(ptr, want.len()).expect("read");
+                if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                    panic!(
+                        "{arch:?} T={tokens} W={ws_rows} {name}[{i}]: {:#06x} vs reference {:#06x}",
+                        got[i].to_bits(),
+                        want[i].to_bits()
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Task build
+// ---------------------------------------------------------------------------------------------
+
+fn cu_of(lengths: &[i32]) -> Vec<i32> {
+    let mut cu = vec![0];
+    for &l in lengths {
+        cu.push(cu[cu.len() - 1] + l);
+    }
+    cu
+}
+
+fn causal(lengths: &[i32]) -> Schedule {
+    let cu = cu_of(lengths);
+    build_schedule(&causal_support(&cu), &cu, 16).expect("valid schedule")
+}
+
+fn check_task_build(what: &str, schedule: &Schedule, num_sms: usize) {
+    let expected = build_task_tables(schedule, num_sms);
+    for arch in ARCHES {
+        let modules = task_build_modules(arch).expect("the task kernels parse");
+        let mut gpu = Gpu::new();
+        let t0 = Instant::now();
+        let build = TaskBuild::run(&mut gpu, &modules, schedule, num_sms)
+            .unwrap_or_else(|e| panic!("{what} on {arch:?}: {e}"));
+        let elapsed = t0.elapsed();
+        let got = build.read_tables(&gpu).expect("read back");
+        let warp_instructions: u64 = build.stats.iter().map(|s| s.warp_instructions).sum();
+        println!(
+            "{what}, {num_sms} SMs, {arch:?}: {} rows, desc {:?}, {warp_instructions} warp instructions in {elapsed:?}",
+            got.desc[0], got.desc
+        );
+        assert_eq!(got.desc, expected.desc, "{what} {arch:?}: descriptor");
+        let rows = expected.num_rows();
+        for (name, got, want, width) in [
+            ("task_meta", &got.meta, &expected.meta, 4),
+            ("task_qrows", &got.qrows, &expected.qrows, 8),
+            ("task_qpos", &got.qpos, &expected.qpos, 8),
+        ] {
+            assert_eq!(got.len(), rows * width, "{what} {arch:?}: {name} rows");
+            if let Some(r) =
+                (0..rows).find(|&r| got[r * width..][..width] != want[r * width..][..width])
+            {
+                panic!(
+                    "{what} {arch:?}: {name} row {r}: {:?} vs oracle {:?}",
+                    &got[r * width..][..width],
+                    &want[r * width..][..width]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn task_build_matches_the_oracle() {
+    // The case of the issue: documents (127,129,1,2,3,5,128), 8 SMs.
+    let s = causal(&[127, 129, 1, 2, 3, 5, 128]);
+    check_task_build("docs (127,129,1,2,3,5,128)", &s, 8);
+}
+
+#[test]
+fn task_build_matches_the_oracle_for_other_sm_counts() {
+    let s = causal(&[127, 129, 1, 2, 3, 5, 128]);
+    for sms in [1, 3, 148] {
+        check_task_build("docs (127,129,1,2,3,5,128)", &s, sms);
+    }
+}
+
+#[test]
+fn task_build_matches_the_oracle_with_64_rows_per_cta() {
+    // More than 2400 tasks: the walk switches to 64 rows per CTA; several scan tiles of bins.
+    let s = causal(&[1500, 700, 300]);
+    let tasks = build_task_tables(&s, 132).num_rows();
+    assert!(tasks > 2400, "{tasks} tasks");
+    check_task_build("docs (1500,700,300)", &s, 132);
+}
+
+/// `s` with its work items (metadata rows) reordered by `order`.
+fn reorder_items(s: &Schedule, order: &[usize]) -> Schedule {
+    let meta = s.scheduler_metadata();
+    let items: Vec<&[i32]> = (0..s.num_work()).map(|i| &meta[6 * i..6 * i + 6]).collect();
+    let mut new: Vec<i32> = order
+        .iter()
+        .flat_map(|&i| items[i].iter().copied())
+        .collect();
+    new.resize(meta.len(), 0);
+    Schedule::new(
+        s.row_ptr().to_vec(),
+        s.q_indices().to_vec(),
+        new,
+        s.work_count(),
+        s.cu_seqlens().to_vec(),
+        s.document_workspace_starts().to_vec(),
+    )
+    .expect("a reordering of valid items is valid")
+}
+
+#[test]
+fn task_build_matches_the_oracle_when_a_segment_is_split() {
+    // Item 1 moved to the back: segment (head 0, window 0, kblock 0) is no longer one run,
+    // so the device flags it and keeps forward order.
+    let s = causal(&[700, 300]);
+    let n = s.num_work();
+    let mut order: Vec<usize> = (0..n).collect();
+    let moved = order.remove(1);
+    order.push(moved);
+    let split = reorder_items(&s, &order);
+    let tables = build_task_tables(&split, 8);
+    assert_eq!(tables.desc[7], 2, "the oracle flags the split segment");
+    check_task_build("split segment", &split, 8);
+}
+
+#[test]
+fn task_build_matches_the_oracle_when_rows_are_shuffled() {
+    // Whole (head, row) runs of items in another order: segments stay contiguous.
+    let s = causal(&[700, 300, 45]);
+    let meta = s.scheduler_metadata();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for i in 0..s.num_work() {
+        let key = &meta[6 * i..6 * i + 2];
+        match groups.last_mut() {
+            Some(g) if &meta[6 * g[0]..6 * g[0] + 2] == key => g.push(i),
+            _ => groups.push(vec![i]),
+        }
+    }
+    let mut rng = Rng(3);
+    for i in (1..groups.len()).rev() {
+        groups.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let order: Vec<usize> = groups.concat();
+    let shuffled = reorder_items(&s, &order);
+    assert_eq!(build_task_tables(&shuffled, 8).desc[7], 0);
+    check_task_build("shuffled rows", &shuffled, 8);
+}
