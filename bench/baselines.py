@@ -483,7 +483,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="timed runs per method and case (>= 20 advised)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed runs first (after compile/autotune)")
     ap.add_argument("--seed", type=int, default=mi.DEFAULT_SEED)
-    ap.add_argument("--json", default="bench_baselines.json", help="output JSON path")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "baselines.json"),
+                    help="output JSON path (default $OUT/baselines.json, else ./baselines.json)")
     ap.add_argument("--inputs-dir", default="/tmp/msa_bench_inputs",
                     help="where to write <case>.q2k.i32 / .cu_seqlens.i32 / .npz ('' = do not write)")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed run")
@@ -566,15 +567,32 @@ def main(argv=None):
 
     impl = {}
     passed = {}
-    if "fla" in methods:
-        impl["fla"] = Fla()
-        env["fla"] = impl["fla"].version
-    if "flex" in methods:
-        impl["flex"] = Flex()
-        log("checking flex (compiles the T=2048 shape)")
-        report["checks"]["flex"], passed["flex"] = run_checks("flex", impl["flex"],
-                                                              ["check2doc_top16", "check2doc_top4"])
+
+    def failed(method, exc):
+        import traceback
+
+        traceback.print_exc()
+        msg = f"{type(exc).__name__}: {exc}"[:2000]
+        log(f"  {method}: ERROR {msg[:300]}")
+        report["checks"][method] = {"passed": False, "error": msg}
+        passed[method] = False
         save()
+
+    if "fla" in methods:
+        try:
+            impl["fla"] = Fla()
+            env["fla"] = impl["fla"].version
+        except Exception as exc:  # noqa: BLE001 - e.g. the wheel is not installed
+            failed("fla", exc)
+    if "flex" in methods:
+        try:
+            impl["flex"] = Flex()
+            log("checking flex (compiles the T=2048 shape)")
+            report["checks"]["flex"], passed["flex"] = run_checks(
+                "flex", impl["flex"], ["check2doc_top16", "check2doc_top4"])
+            save()
+        except Exception as exc:  # noqa: BLE001 - still try to time it
+            failed("flex", exc)
     if "sdpa" in methods:
         s = Sdpa()
         c, ref = checks["check2doc_top16"]

@@ -8,9 +8,13 @@ Checks at small sizes, on the CPU:
   against the fp32 reference of the exact MSA semantics (FlexAttention has no CPU backward; the
   gradients go through the same fold/unfold maps, which are checked by a round trip);
 * the dense per-document SDPA path (math backend) against the same reference on a selection that
-  covers every causal block.
+  covers every causal block;
+* with --fla: fla's parallel_nsa forward and backward wiring (block_indices layout, varlen
+  token/chunk indices, single-document path) in fp32 through the Triton interpreter
+  (TRITON_INTERPRET=1; autotuning stubbed to the first config; needs numpy < 2.3, whose int()
+  of a one-element array the interpreter relies on). Slow: a few minutes.
 
-    python3 bench/cpu_smoke.py [--compile]
+    python3 bench/cpu_smoke.py [--compile] [--fla]
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import argparse
 import os
 import sys
 
+if "--fla" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines as B  # noqa: E402
 import msa_inputs as mi  # noqa: E402
@@ -47,9 +53,36 @@ def reference_mask(c):
     return allowed & (c.doc_id[:, None] == c.doc_id[None, :]) & (ar[None, :] <= ar[:, None])
 
 
+def check_fla():
+    """fla through the Triton interpreter, fp32 inputs (the interpreter has no bf16)."""
+    import gc
+
+    from triton.runtime.autotuner import Autotuner
+
+    fla = B.Fla()
+    for obj in gc.get_objects():
+        if isinstance(obj, Autotuner):
+            obj.do_bench = lambda fn, quantiles=None: [1.0, 1.0, 1.0]   # no device to time on
+    failures = 0
+    for name, docs, topk in [("2doc_top2", [600, 424], 2), ("1doc_top3", [640], 3)]:
+        c = B.Case(name, docs, topk, mi.DEFAULT_SEED)
+        for a in ("q", "k", "v", "do"):
+            setattr(c, a, getattr(c, a).float())
+        ref = B.reference(c)
+        fla.reset_autotune()
+        bwd, result, extra = fla.setup(c)
+        res, _ = B.compare(result(bwd()), ref, tol=False)
+        ok = all(v["max_abs"] < 1e-3 and v["l2_rel"] < 1e-5 for v in res.values())
+        print(f"{name:11s} fla (interpreter, fp32, varlen={extra['varlen']}) {'ok' if ok else 'FAIL'} "
+              f"{B.fmt_cmp(res)}")
+        failures += not ok
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile", action="store_true", help="torch.compile flex (CPU inductor)")
+    ap.add_argument("--fla", action="store_true", help="also run fla through the Triton interpreter")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import SDPBackend
@@ -94,6 +127,8 @@ def main():
                 res, ok = B.compare(got, ref)
                 print(f"{'':11s} sdpa {'ok' if ok else 'FAIL'} {B.fmt_cmp(res)} [{s.backend}, gqa={s.gqa}]")
                 failures += not ok
+    if args.fla:
+        failures += check_fla()
     print("PASS" if failures == 0 else f"{failures} FAILURE(S)")
     return 1 if failures else 0
 

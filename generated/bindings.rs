@@ -420,3 +420,63 @@ pub mod msa_backward_sm90 {
         unsafe { builder.launch(cfg) }.map(|_| ())
     }
 }
+/// `msa_backward_sm100`: MSA backward main kernel for Blackwell: warp-specialised tcgen05 GEMMs with TMEM accumulators, TMA + mbarrier pipelines.
+pub mod msa_backward_sm100 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_backward_sm100";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (512, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 232448;
+    /// PTX of `msa_backward_sm100` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("msa_backward_sm100.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((10, 0), PTX_SM_100A)];
+    /// Launches the kernel on `stream` with the parameters in declaration order.
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    ///
+    /// # Safety
+    /// Every buffer must hold the elements the kernel addresses for the scalar
+    /// arguments given (see the kernel's manifest); the types and order are fixed here.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        stream: &CudaStream,
+        func: &CudaFunction,
+        grid: (u32, u32, u32),
+        tmap_q: &crate::tma::TensorMap,
+        tmap_do: &crate::tma::TensorMap,
+        tmap_k: &crate::tma::TensorMap,
+        tmap_v: &crate::tma::TensorMap,
+        lse: &CudaView<'_, f32>,
+        delta: &CudaView<'_, f32>,
+        task_meta: &CudaView<'_, i32>,
+        task_qrows: &CudaView<'_, i32>,
+        task_qpos: &CudaView<'_, i32>,
+        desc: &CudaView<'_, i32>,
+        dq_pool: &mut CudaViewMut<'_, bf16>,
+        dk_pool: &mut CudaViewMut<'_, f32>,
+        dv_pool: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), DriverError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: THREADS,
+            shared_mem_bytes: DYNAMIC_SHARED_BYTES,
+        };
+        let mut builder = stream.launch_builder(func);
+        builder.arg(tmap_q);
+        builder.arg(tmap_do);
+        builder.arg(tmap_k);
+        builder.arg(tmap_v);
+        builder.arg(lse);
+        builder.arg(delta);
+        builder.arg(task_meta);
+        builder.arg(task_qrows);
+        builder.arg(task_qpos);
+        builder.arg(desc);
+        builder.arg(dq_pool);
+        builder.arg(dk_pool);
+        builder.arg(dv_pool);
+        unsafe { builder.launch(cfg) }.map(|_| ())
+    }
+}

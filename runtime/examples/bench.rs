@@ -514,10 +514,10 @@ fn write_json(o: &Options, device: &str, entries: &[String]) -> Res<()> {
     let Some(path) = &o.json else { return Ok(()) };
     let ceiling = o.ceiling.map_or("null".to_string(), |c| format!("{c:.2}"));
     let text = format!(
-        "{{\n\"method\": \"msa_runtime::run_backward\",\n\"device\": \"{}\",\n\"reps\": {},\n\
+        "{{\n\"method\": \"msa_runtime::run_backward\",\n\"device\": {},\n\"reps\": {},\n\
          \"warmup\": {},\n\"l2_flush\": {},\n\"matmul_ceiling_tflops\": {ceiling},\n\
          \"cases\": [\n{}\n]\n}}\n",
-        device.replace('"', "'"),
+        json_str(device),
         o.reps,
         o.warmup,
         o.flush,
@@ -585,8 +585,21 @@ fn run(o: &Options) -> Res<()> {
         "case", "T", "docs", "tasks", "keys", "ms_med", "ms_min", "useful", "tile", "frac"
     );
     let mut entries = Vec::new();
+    let mut failed = 0usize;
     for c in &cases {
-        let tm = time_case(&stream, c, o, o.seed)?;
+        let tm = match time_case(&stream, c, o, o.seed) {
+            Ok(tm) => tm,
+            Err(e) => {
+                eprintln!("{}: error: {e}", c.name);
+                failed += 1;
+                let mut entry = json_case(c, None, o);
+                entry.pop();
+                entry.push_str(&format!(", \"error\": {}}}", json_str(&e.to_string())));
+                entries.push(entry);
+                write_json(o, &device_desc, &entries)?;
+                continue;
+            }
+        };
         let useful = useful_flop(c.keys) / (f64::from(tm.median_ms) * 1e-3) / 1e12;
         let tile = tm.tasks as f64 * TILE_FLOP / (f64::from(tm.median_ms) * 1e-3) / 1e12;
         println!(
@@ -604,6 +617,8 @@ fn run(o: &Options) -> Res<()> {
                 .map_or("-".to_string(), |x| format!("{:.3}", useful / x))
         );
         entries.push(json_case(c, Some(&tm), o));
+        // after every case, so a run cut short keeps what it finished
+        write_json(o, &device_desc, &entries)?;
     }
     println!(
         "ms: median / min of {} run_backward calls after {} warm-up{}; useful and tile in TFLOP/s; \
@@ -612,7 +627,28 @@ fn run(o: &Options) -> Res<()> {
         o.warmup,
         if o.flush { ", L2 flushed before each" } else { "" }
     );
-    write_json(o, &device_desc, &entries)
+    if failed > 0 {
+        return Err(format!("{failed} case(s) failed").into());
+    }
+    Ok(())
+}
+
+/// A JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 fn main() -> ExitCode {

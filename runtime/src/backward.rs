@@ -10,8 +10,8 @@ use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::device::{driver_present, Device};
 use crate::error::RuntimeError;
 use crate::kernels::{
-    bwd_postprocess, bwd_preprocess, msa_backward_sm90, task_assign_segments, task_scan_bins,
-    task_scan_work, task_scatter_tables,
+    bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90, task_assign_segments,
+    task_scan_bins, task_scan_work, task_scatter_tables,
 };
 use crate::ops::{run_postprocess, run_preprocess};
 use crate::schedule::Schedule;
@@ -403,7 +403,7 @@ pub struct Gradients {
 #[derive(Default)]
 pub struct MsaBackward {
     context: Option<Arc<CudaContext>>,
-    main: Option<CudaFunction>,
+    main: Option<(MainKernel, CudaFunction)>,
     aux_loaded: bool,
     pools: Option<GradientPools>,
     tasks: Option<TaskWorkspace>,
@@ -423,8 +423,15 @@ impl std::fmt::Debug for MsaBackward {
     }
 }
 
-/// The capabilities the main kernel runs on today, for error messages.
-const SUPPORTED: &str = "9.0 (msa_backward_sm90)";
+/// The capabilities the main kernel has a variant for, for error messages.
+const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
+
+/// Which main kernel a device runs; both take the same parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MainKernel {
+    Sm90,
+    Sm100,
+}
 
 /// Checks that `view` holds `expected` elements.
 fn check_len(
@@ -512,8 +519,8 @@ impl MsaBackward {
     /// # Errors
     /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, a
     ///   buffer of another context, or a workspace too large to address.
-    /// - [`RuntimeError::KernelNotShipped`] on compute capability 10.0 (the SM100 main kernel is
-    ///   not shipped yet), [`RuntimeError::UnsupportedArch`] on any other capability but 9.0.
+    /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 (`msa_backward_sm90`) and
+    ///   10.0 (`msa_backward_sm100`, which has been assembled by ptxas but never executed).
     /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
     ///   [`RuntimeError::TooManyBins`], [`RuntimeError::Jit`] and [`RuntimeError::Driver`].
     #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
@@ -580,7 +587,7 @@ impl MsaBackward {
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         let device = Device::of(stream.context())?;
         self.bind(stream.context());
-        let main = self.main_function(&device)?;
+        let (main_kind, main) = self.main_function(&device)?;
         if t == 0 {
             // No tokens: nothing to launch (a validated Schedule always has T >= 1).
             let alloc = |source| RuntimeError::Driver {
@@ -663,8 +670,12 @@ impl MsaBackward {
             // were checked; lse, delta and the pools are [T,64], [T,64], [T,64,128] and
             // [W,4,128]; the task tables come from a workspace built for `sizes`, whose grid
             // bound is `grid`.
+            let launch = match main_kind {
+                MainKernel::Sm90 => msa_backward_sm90::launch,
+                MainKernel::Sm100 => msa_backward_sm100::launch,
+            };
             unsafe {
-                msa_backward_sm90::launch(
+                launch(
                     stream,
                     &main,
                     (grid, 1, 1),
@@ -683,7 +694,9 @@ impl MsaBackward {
                     &mut pools.dv_pool.slice_mut(..kv_len),
                 )
             }
-            .map_err(RuntimeError::driver("cuLaunchKernel(msa_backward_sm90)"))?;
+            .map_err(RuntimeError::driver(
+                "cuLaunchKernel(msa_backward main kernel)",
+            ))?;
         }
         drop((q_guard, do_guard, k_guard, v_guard));
         run_postprocess(
@@ -725,23 +738,28 @@ impl MsaBackward {
 
     /// The main kernel for the device's capability, with its dynamic shared memory limit set
     /// (once; the attribute belongs to the loaded function).
-    fn main_function(&mut self, device: &Device) -> Result<CudaFunction, RuntimeError> {
-        if let Some(f) = &self.main {
-            return Ok(f.clone());
+    fn main_function(
+        &mut self,
+        device: &Device,
+    ) -> Result<(MainKernel, CudaFunction), RuntimeError> {
+        if let Some(main) = &self.main {
+            return Ok(main.clone());
         }
         let (major, minor) = device.capability();
         let ordinal = device.context().ordinal();
-        match (major, minor) {
-            (9, 0) => {}
-            (10, 0) => {
-                return Err(RuntimeError::KernelNotShipped {
-                    kernel: "msa_backward_sm100",
-                    ordinal,
-                    major,
-                    minor,
-                    supported: SUPPORTED.into(),
-                })
-            }
+        let (kind, name, variants, smem) = match (major, minor) {
+            (9, 0) => (
+                MainKernel::Sm90,
+                msa_backward_sm90::NAME,
+                msa_backward_sm90::VARIANTS,
+                msa_backward_sm90::DYNAMIC_SHARED_BYTES,
+            ),
+            (10, 0) => (
+                MainKernel::Sm100,
+                msa_backward_sm100::NAME,
+                msa_backward_sm100::VARIANTS,
+                msa_backward_sm100::DYNAMIC_SHARED_BYTES,
+            ),
             _ => {
                 return Err(RuntimeError::UnsupportedArch {
                     kernel: "msa_backward",
@@ -751,17 +769,17 @@ impl MsaBackward {
                     supported: SUPPORTED.into(),
                 })
             }
-        }
-        let f = device.function(msa_backward_sm90::NAME, msa_backward_sm90::VARIANTS)?;
+        };
+        let f = device.function(name, variants)?;
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            msa_backward_sm90::DYNAMIC_SHARED_BYTES as i32,
+            smem as i32,
         )
         .map_err(RuntimeError::driver(
             "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
         ))?;
-        self.main = Some(f.clone());
-        Ok(f)
+        self.main = Some((kind, f.clone()));
+        Ok((kind, f))
     }
 
     /// JIT-loads the helper kernels once, so a JIT failure surfaces before anything is

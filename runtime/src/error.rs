@@ -105,22 +105,6 @@ pub enum RuntimeError {
         /// The driver's error.
         source: DriverError,
     },
-    /// The device's architecture is planned but its kernel is not shipped yet.
-    #[error(
-        "kernel `{kernel}` for compute capability {major}.{minor} (device {ordinal}) is not shipped yet; supported now: {supported}"
-    )]
-    KernelNotShipped {
-        /// The missing kernel.
-        kernel: &'static str,
-        /// Device ordinal.
-        ordinal: usize,
-        /// Capability major.
-        major: i32,
-        /// Capability minor.
-        minor: i32,
-        /// The capabilities that run today.
-        supported: String,
-    },
 }
 
 impl RuntimeError {

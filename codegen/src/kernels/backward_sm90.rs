@@ -10,9 +10,11 @@
 //!   thread 0 issues every TMA load (K/V once per segment, Q/dO as 16-head × 64-d boxes,
 //!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it). Warpgroups 1 and 2
 //!   are consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
-//! - **Pipelines.** mbarriers: K/V one stage (full: 1 arrival + 64 KiB tx; empty: one
-//!   arrival per consumer warpgroup), Q/dO two stages (same counts). Parities are derived
-//!   from running counters, never written by hand.
+//! - **Pipelines** are the typed [`Pipeline`] values the SM100 plan uses: K/V one stage
+//!   (full: 1 arrival + the tx bytes of its four TMA boxes; empty: one arrival per consumer
+//!   warpgroup), Q/dO two stages (32 boxes). Stage indices and parities come from
+//!   [`Pipe`] over running counters, never written by hand; the operand descriptors are the
+//!   plan's [`SmemDesc`] SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
 //!   halves of the folded rows:
 //!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128.
@@ -33,6 +35,10 @@
 
 use super::common::{self, elem_bytes};
 use super::KernelSpec;
+use crate::plan::gemm::SmemDesc;
+use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
+use crate::plan::roles::Role;
+use crate::plan::smem::Major;
 use crate::ptx::*;
 use crate::Target;
 
@@ -51,17 +57,51 @@ const SQ: u32 = 2 * TILE_BYTES;
 const SDO: u32 = 4 * TILE_BYTES;
 const SDS: u32 = 6 * TILE_BYTES;
 const BARS: u32 = 7 * TILE_BYTES;
-const KV_FULL: u32 = BARS;
-const KV_EMPTY: u32 = BARS + 8;
-const Q_FULL: u32 = BARS + 16;
-const Q_EMPTY: u32 = BARS + 32;
 /// Dynamic shared memory: sK, sV, sQ×2, sdO×2, sdS (32 KiB each) plus the barriers, and
 /// 1 KiB of slack to align the tiles to the 1024-B swizzle atom at run time.
 pub const SMEM_BYTES: u32 = BARS + 1024 + 1024;
-/// Bytes one K/V stage receives: two 128-key × 64-d boxes of K and of V.
-pub const KV_TX_BYTES: u32 = 2 * TILE_BYTES;
-/// Bytes one Q/dO stage receives: 8 slots × 2 d-halves × 2 tensors × (16 × 64 bf16).
-pub const Q_TX_BYTES: u32 = 8 * 2 * 2 * 16 * 64 * 2;
+
+/// The K/V pipeline: one stage per segment, two 128-key × 64-d boxes each of K and V; each
+/// consumer warpgroup releases it once.
+pub fn kv_pipeline() -> Pipeline {
+    let mut p = Pipeline::new("kv", 1, Role::Load, &[Role::Compute], 1, 2);
+    p.tx = vec![
+        TmaBox {
+            dims: vec![64, 1, 128],
+            elem_bytes: 2
+        };
+        4
+    ];
+    p
+}
+
+/// The Q/dO pipeline: two stages, 8 slots × 2 d-halves × 2 tensors of 16 heads × 64 d.
+pub fn qdo_pipeline() -> Pipeline {
+    let mut p = Pipeline::new("q_do", 2, Role::Load, &[Role::Compute], 1, 2);
+    p.tx = vec![
+        TmaBox {
+            dims: vec![64, 16, 1],
+            elem_bytes: 2
+        };
+        32
+    ];
+    p
+}
+
+/// Barrier slots: K/V full/empty at 0/1, Q/dO full at 2-3 and empty at 4-5.
+const KV_SLOT: u32 = 0;
+const QDO_SLOT: u32 = 2;
+
+fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
+    b.require("tcgen05.commit", Target::Sm100a);
+}
+
+fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
+    Barriers {
+        base: b.add(base, BARS),
+        umma_commit: no_umma,
+    }
+}
 
 /// 128^-0.5, exactly rounded: (1/√2)/8, and the division by 8 is exact.
 const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
@@ -136,11 +176,14 @@ fn describe(b: &mut KernelBuilder) {
     b.comment("thread 0 initialises the pipeline barriers");
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     b.if_then(leader, "init", |b| {
-        b.mbarrier_init(&shared(base, KV_FULL as i64), 1);
-        b.mbarrier_init(&shared(base, KV_EMPTY as i64), 2);
-        for s in 0..2 {
-            b.mbarrier_init(&shared(base, (Q_FULL + 8 * s) as i64), 1);
-            b.mbarrier_init(&shared(base, (Q_EMPTY + 8 * s) as i64), 2);
+        let bars = barriers(b, base);
+        for (pipeline, slot) in [(kv_pipeline(), KV_SLOT), (qdo_pipeline(), QDO_SLOT)] {
+            for s in 0..pipeline.stages {
+                let full = shared(bars.base, (8 * (slot + s)) as i64);
+                let empty = shared(bars.base, (8 * (slot + pipeline.stages + s)) as i64);
+                b.mbarrier_init(&full, pipeline.producer_arrivals);
+                b.mbarrier_init(&empty, pipeline.consumer_arrivals);
+            }
         }
         b.fence_mbarrier_init();
     });
@@ -174,10 +217,6 @@ fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
     Walk { lo, hi }
 }
 
-fn bar(base: Reg<U32>, offset: u32) -> SharedAddr {
-    shared(base, offset as i64)
-}
-
 /// Reads `(index_head, kblock, valid)` of task row `row`.
 fn task_meta(b: &mut KernelBuilder, meta: Reg<U64>, row: Reg<U32>) -> [Reg<U32>; 4] {
     let a = elem_bytes(b, meta, row, 16);
@@ -197,6 +236,16 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
     let tdo = b.tensor_map_addr(&p.tmap_do);
     let tk = b.tensor_map_addr(&p.tmap_k);
     let tv = b.tensor_map_addr(&p.tmap_v);
+    let (kv, qdo) = (kv_pipeline(), qdo_pipeline());
+    let kv = Pipe {
+        pipeline: &kv,
+        slot: KV_SLOT,
+    };
+    let qdo = Pipe {
+        pipeline: &qdo,
+        slot: QDO_SLOT,
+    };
+    let bars = barriers(b, base);
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
@@ -206,10 +255,7 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_load", |b| {
             // A new segment: wait until both consumers released the previous K/V.
-            let parity = b.and(segments, 1u32);
-            let parity = b.xor(parity, 1u32);
-            b.mbarrier_wait(&bar(base, KV_EMPTY), parity);
-            b.mbarrier_arrive_expect_tx(&bar(base, KV_FULL), KV_TX_BYTES);
+            let st = kv.producer_acquire(b, &bars, segments);
             let head = b.bitcast::<S32, U32>(m[1]);
             let key0 = b.shl(m[2], 7u32);
             let key0 = b.bitcast::<S32, U32>(key0);
@@ -220,7 +266,7 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
                         &shared(base, (tile + panel * PANEL_BYTES) as i64),
                         map,
                         [d0, head, key0],
-                        &bar(base, KV_FULL),
+                        &st.full,
                     );
                 }
             }
@@ -228,15 +274,8 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
             b.set(segments, next);
             b.set(prev, cur);
         });
-        let stage = b.and(tasks, 1u32);
-        let phase = b.shr(tasks, 1u32);
-        let phase = b.and(phase, 1u32);
-        let parity = b.xor(phase, 1u32);
-        let stage8 = b.shl(stage, 3u32);
-        let empty = b.add(base, stage8);
-        b.mbarrier_wait(&shared(empty, Q_EMPTY as i64), parity);
-        b.mbarrier_arrive_expect_tx(&shared(empty, Q_FULL as i64), Q_TX_BYTES);
-        let stage_off = b.mul_lo(stage, TILE_BYTES);
+        let st = qdo.producer_acquire(b, &bars, tasks);
+        let stage_off = b.mul_lo(st.index, TILE_BYTES);
         let q_tile = b.add(base, stage_off);
         let head16 = b.shl(m[1], 4u32);
         let head16 = b.bitcast::<S32, U32>(head16);
@@ -255,7 +294,7 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
                         &shared(q_tile, (tile + off) as i64),
                         map,
                         [d0, head16, qrow],
-                        &shared(empty, Q_FULL as i64),
+                        &st.full,
                     );
                 }
             }
@@ -265,35 +304,13 @@ fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
     });
 }
 
-/// A 64-bit wgmma shared-memory descriptor for a 128B-swizzled operand at `addr`.
-/// K-major: LBO unused (16 B); MN-major: LBO = the stride between 64-element panels.
-fn smem_desc(b: &mut KernelBuilder, addr: Reg<U32>, lbo_bytes: u32) -> Reg<B64> {
-    let lo = b.shr(addr, 4u32);
-    let lo = b.and(lo, 0x3FFFu32);
-    let lo = b.or(lo, (lbo_bytes >> 4) << 16);
-    // SBO = 1024 B (8 rows of 128 B) in bits 32-45, 128B swizzle (1) in bits 62-63.
-    b.pack_b64(lo, 0x4000_0040u32)
+/// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
+fn k_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
 }
 
-fn desc_at(b: &mut KernelBuilder, base: Reg<U32>, offset: u32, lbo: u32) -> Reg<B64> {
-    let a = b.add(base, offset);
-    smem_desc(b, a, lbo)
-}
-
-/// The descriptor of the same operand `bytes` further (the start address is in 16-B units
-/// in the low bits, and stays inside its 14-bit field for shared addresses).
-fn desc_step(b: &mut KernelBuilder, desc: Reg<B64>, bytes: u32) -> Reg<B64> {
-    if bytes == 0 {
-        return desc;
-    }
-    let d = b.bitcast::<U64, B64>(desc);
-    let d = b.add(d, (bytes >> 4) as u64);
-    b.bitcast::<B64, U64>(d)
-}
-
-/// K-major operand: 16-wide K steps move 32 B inside a 128-B row, then to the next panel.
-fn k_major_step(k: u32) -> u32 {
-    (k / 4) * PANEL_BYTES + (k % 4) * 32
+fn mn_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
 }
 
 #[allow(clippy::too_many_lines)]
@@ -320,6 +337,16 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
     // Pointers are re-read from the parameter bank where used: holding all eight across the
     // loop costs 16 registers the accumulators need.
 
+    let (kv, qdo) = (kv_pipeline(), qdo_pipeline());
+    let kv = Pipe {
+        pipeline: &kv,
+        slot: KV_SLOT,
+    };
+    let qdo = Pipe {
+        pipeline: &qdo,
+        slot: QDO_SLOT,
+    };
+    let bars = barriers(b, base);
     let c_panel = b.mul_lo(c, PANEL_BYTES);
     let c_rows = b.mul_lo(c, 64 * 128);
     let dv_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
@@ -337,8 +364,7 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
         // `same` also marks the segment's first task, whose first dV/dK MMA overwrites.
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_wait", |b| {
-            let parity = b.and(segments, 1u32);
-            b.mbarrier_wait(&bar(base, KV_FULL), parity);
+            kv.consumer_wait(b, &bars, segments);
             b.set(prev, cur);
         });
         // The segment ends at the interval's end or where the next row changes bucket.
@@ -354,13 +380,8 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
             b.set(seg_end, v);
         });
 
-        let stage = b.and(tasks, 1u32);
-        let phase = b.shr(tasks, 1u32);
-        let phase = b.and(phase, 1u32);
-        let stage8 = b.shl(stage, 3u32);
-        let stage_bar = b.add(base, stage8);
-        b.mbarrier_wait(&shared(stage_bar, Q_FULL as i64), phase);
-        let stage_off = b.mul_lo(stage, TILE_BYTES);
+        let qst = qdo.consumer_wait(b, &bars, tasks);
+        let stage_off = b.mul_lo(qst.index, TILE_BYTES);
         let q_tile = b.add(base, stage_off);
         let q_base = b.add(q_tile, SQ);
         let do_base = b.add(q_tile, SDO);
@@ -390,11 +411,12 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
             for (acc, a_tile, b_tile) in [(&s_acc, SK, q_base), (&dp_acc, SV, do_base)] {
                 let a_addr = b.add(base, a_tile);
                 let a_addr = b.add(a_addr, c_rows);
-                let a0 = smem_desc(b, a_addr, 16);
-                let b0 = desc_at(b, b_tile, half * 64 * 128, 16);
+                let a0 = k_major().emit(b, a_addr);
+                let b_addr = b.add(b_tile, half * 64 * 128);
+                let b0 = k_major().emit(b, b_addr);
                 for k in 0..8u32 {
-                    let a_desc = desc_step(b, a0, k_major_step(k));
-                    let b_desc = desc_step(b, b0, k_major_step(k));
+                    let a_desc = k_major().emit_step(b, a0, k);
+                    let b_desc = k_major().emit_step(b, b0, k);
                     let acc_p = if k == 0 { never } else { always };
                     b.wgmma_ss(acc, a_desc, b_desc, acc_p, false, false);
                 }
@@ -476,9 +498,10 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
             b.comment("dV += P^T*dO_h, dK += dS^T*Q_h (A from registers, B MN-major)");
             b.wgmma_fence();
             for (acc, frags, tile) in [(&dv_acc, &p_frag, do_base), (&dk_acc, &ds_frag, q_base)] {
-                let b0 = desc_at(b, tile, half * 64 * 128, PANEL_BYTES);
+                let b_addr = b.add(tile, half * 64 * 128);
+                let b0 = mn_major().emit(b, b_addr);
                 for k in 0..4u32 {
-                    let b_desc = desc_step(b, b0, k * 2048);
+                    let b_desc = mn_major().emit_step(b, b0, k);
                     let a = [
                         frags[(4 * k) as usize],
                         frags[(4 * k + 1) as usize],
@@ -495,9 +518,7 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
 
         b.comment("release the Q/dO stage once the whole warpgroup is done with it");
         b.bar_sync_reg(wg_bar, 128);
-        b.predicated(elected, false, |b| {
-            b.mbarrier_arrive(&shared(stage_bar, Q_EMPTY as i64))
-        });
+        b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
 
         b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
         b.fence_proxy_async_shared();
@@ -505,16 +526,17 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
         // Two 64-column halves of dQ^T keep the accumulator at 32 registers next to dK/dV.
         let a_addr = b.add(base, SK);
         let a_addr = b.add(a_addr, c_panel);
-        let a0 = smem_desc(b, a_addr, PANEL_BYTES);
+        let a0 = mn_major().emit(b, a_addr);
         let d_row = b.mad_lo(c, 64u32, row0);
         let policy = b.policy_evict_last(1.0);
         for nh in 0..2u32 {
             let dq_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
-            let b0 = desc_at(b, base, SDS + nh * PANEL_BYTES, PANEL_BYTES);
+            let b_addr = b.add(base, SDS + nh * PANEL_BYTES);
+            let b0 = mn_major().emit(b, b_addr);
             b.wgmma_fence();
             for k in 0..8u32 {
-                let a_desc = desc_step(b, a0, k * 2048);
-                let b_desc = desc_step(b, b0, k * 2048);
+                let a_desc = mn_major().emit_step(b, a0, k);
+                let b_desc = mn_major().emit_step(b, b0, k);
                 let acc_p = if k == 0 { never } else { always };
                 b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
             }
@@ -581,7 +603,8 @@ fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, wa
                 }
             }
             b.bar_sync_reg(wg_bar, 128);
-            b.predicated(elected, false, |b| b.mbarrier_arrive(&bar(base, KV_EMPTY)));
+            let st = kv.locate(b, &bars, segments.into());
+            b.predicated(elected, false, |b| kv.consumer_release(b, &bars, &st));
             let next = b.add(segments, 1u32);
             b.set(segments, next);
         });

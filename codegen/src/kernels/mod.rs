@@ -1,6 +1,7 @@
 //! Kernel descriptions. Each is a [`KernelSpec`]: a name, the targets it is emitted for, its
 //! CTA shape, and a function that describes its body against the typed builder.
 
+pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
 pub mod postprocess;
@@ -43,5 +44,6 @@ pub fn all() -> &'static [KernelSpec] {
         task_build::SCAN_BINS,
         task_build::SCATTER_TABLES,
         backward_sm90::SPEC,
+        backward_sm100::SPEC,
     ]
 }

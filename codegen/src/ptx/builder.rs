@@ -335,11 +335,11 @@ impl KernelBuilder {
         self.max_regs = Some(n);
     }
 
-    fn error(&mut self, msg: String) {
+    pub(crate) fn error(&mut self, msg: String) {
         self.errors.push(msg);
     }
 
-    fn fresh<T: Ty>(&mut self) -> Reg<T> {
+    pub(crate) fn fresh<T: Ty>(&mut self) -> Reg<T> {
         let c = self.counters.entry(T::PREFIX).or_insert(0);
         let r = Reg::new(*c);
         *c += 1;
@@ -351,7 +351,7 @@ impl KernelBuilder {
         self.fresh()
     }
 
-    fn push(&mut self, opcode: String, operands: Vec<Operand>, min_version: PtxVersion) {
+    pub(crate) fn push(&mut self, opcode: String, operands: Vec<Operand>, min_version: PtxVersion) {
         self.body.push(Stmt::Inst(Inst {
             guard: self.guard,
             opcode,
@@ -360,7 +360,7 @@ impl KernelBuilder {
         }));
     }
 
-    fn inst(&mut self, opcode: String, operands: Vec<Operand>) {
+    pub(crate) fn inst(&mut self, opcode: String, operands: Vec<Operand>) {
         self.push(opcode, operands, PtxVersion(0, 0));
     }
 
@@ -1216,7 +1216,7 @@ impl KernelBuilder {
 
     // ---- Hopper warpgroup MMA -------------------------------------------------------
 
-    fn require(&mut self, what: &str, target: Target) {
+    pub(crate) fn require(&mut self, what: &str, target: Target) {
         if self.target != target {
             self.error(format!(
                 "{what} is only available on {target}, not {}",

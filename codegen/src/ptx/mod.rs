@@ -4,6 +4,7 @@
 pub mod builder;
 pub mod ir;
 pub mod print;
+pub mod tcgen05;
 pub mod types;
 
 pub use builder::*;

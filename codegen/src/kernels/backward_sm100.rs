@@ -1,0 +1,1056 @@
+//! `msa_backward_sm100`: the main backward kernel for Blackwell (sm_100a).
+//!
+//! # Design
+//! The same work as [`super::backward_sm90`] — the CTA walk over task rows from the
+//! descriptor, buckets `(index_head, kblock)` and segments of consecutive rows of one bucket,
+//! one 128×128 tile per task row (128 keys × 8 query slots · 16 heads, head dim 128) — with
+//! the tensor-core work moved to `tcgen05` and tensor memory (seed-design §3.3–§3.5). Every
+//! resource comes from the typed plans of [`crate::plan`]: warp roles and `setmaxnreg`
+//! values, the TMEM regions, the shared-memory offsets, the mbarrier pipelines with their
+//! generated parity bookkeeping, the named barriers, and the GEMM, instruction and
+//! shared-memory descriptors.
+//!
+//! - **Warps** (512 threads, one CTA per SM). Warpgroup 0 idles. Warps 4–7 *compute*: thread
+//!   = TMEM lane = key row; warp 4 allocates all 512 TMEM columns, relinquishes the permit and
+//!   hands the address to compute, reduce and MMA over named barrier 1, and frees TMEM after
+//!   named barrier 6. Warps 8–11 *reduce*. Warp 12 issues every MMA, warp 13 every TMA load,
+//!   warp 14 gathers the per-row scalars; warp 15 idles.
+//! - **Scalar warp**: per task, `sLSE = −lse·log2e` (−∞ for an invalid slot), `sDelta`,
+//!   `sQRows`, `sQPos` into the row stage (lane = slot·4 + part fills 4 folded rows).
+//! - **Load warp**: K/V (two 64-d boxes each) once per segment; per task 32 Q/dO boxes of one
+//!   query row's 16 heads × 64 d; a −1 row is out of bounds and zero-filled.
+//! - **MMA warp** (one lane picked by `elect.sync` issues every `tcgen05.mma` and every
+//!   `tcgen05.commit`): per task `S^T = K·Q^T` (commit S), after reduce's `t2r_dQ_done`
+//!   `dP^T = V·dO^T` (commit dP), then per chunk stage `dV += P^T·dO` and `dK += dS^T·Q` with
+//!   A from TMEM (overwriting at a segment's first task), release Q/dO, `dQ^T = K^T·dS^T`
+//!   over the dP columns (commit dQ), release the chunk stages; at a segment's end release
+//!   K/V and commit dK/dV.
+//! - **Compute warps**: per 32-column chunk, `tcgen05.ld` S, `P = exp2(S·scale·log2e +
+//!   sLSE)` under the causal predicate `qpos ≥ kb·128 + key` (workspace coordinates),
+//!   `tcgen05.ld` dP, `dS = P·(dP − Delta)·scale`; P and dS go to TMEM as packed bf16 (P over
+//!   S, dS over dP: the A operands of dV and dK) and dS to `sPdS` (the B operand of dQ^T),
+//!   published per chunk stage after `tcgen05.wait::st` and `fence.proxy.async.shared::cta`.
+//! - **Reduce warps**: per task, `tcgen05.ld` dQ^T (lane = head dim), pack head pairs to
+//!   bf16x2, arrive `t2r_dQ_done` and release dQ, then `red.add.bf16x2` with an evict_last
+//!   policy into the head-pair-interleaved pool. At a segment's end, dV then dK: a 4×4
+//!   in-quad transpose gives each lane 4 consecutive head dims of one key row, flushed with
+//!   `red.global.add.v4.f32` into the fp32 pools.
+//!
+//! Shared memory: the plan's layout needs 231,748 B. The kernel requests the per-CTA maximum
+//! (232,448 B) and aligns the dynamic base up to 1024 B at run time; the 700 B of slack cover
+//! any base offset up to 700 B, and a base needing more traps instead of corrupting memory
+//! (the `.align 1024` declaration makes the offset 0 in practice).
+
+use super::common::{self, elem_bytes};
+use super::KernelSpec;
+use crate::plan::gemm::Gemm;
+use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
+use crate::plan::roles::Role;
+use crate::plan::smem::{Buf, Placed, PANEL_BYTES};
+use crate::plan::tmem::TmemRegion;
+use crate::plan::KernelPlan;
+use crate::ptx::tcgen05::TmemAddr;
+use crate::ptx::*;
+use crate::Target;
+use std::ops::Range;
+
+/// Threads per CTA: 16 warps.
+pub const THREADS: u32 = crate::plan::roles::THREADS;
+/// Dynamic shared memory requested: the per-CTA maximum, which leaves 700 B above the plan's
+/// layout for aligning the base to 1024 B at run time.
+pub const SMEM_BYTES: u32 = MAX_SHARED_BYTES;
+
+/// 128^-0.5, exactly rounded (as in the Hopper kernel).
+const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
+const LOG2E: f64 = std::f64::consts::LOG2_E;
+/// Folded columns of one compute chunk (one `tcgen05.ld.32x32b.x32`).
+const CHUNK_COLS: u32 = 32;
+/// Heads per query slot: folded column `n = slot·16 + h`.
+const HEADS_PER_SLOT: u32 = 16;
+
+/// The Blackwell main kernel.
+pub const SPEC: KernelSpec = KernelSpec {
+    name: "msa_backward_sm100",
+    about: "MSA backward main kernel for Blackwell: warp-specialised tcgen05 GEMMs with TMEM \
+            accumulators, TMA + mbarrier pipelines",
+    targets: &[Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe,
+};
+
+struct Params {
+    tmap_q: TensorMapRef,
+    tmap_do: TensorMapRef,
+    tmap_k: TensorMapRef,
+    tmap_v: TensorMapRef,
+    lse: ParamRef<U64>,
+    delta: ParamRef<U64>,
+    meta: ParamRef<U64>,
+    qrows: ParamRef<U64>,
+    qpos: ParamRef<U64>,
+    dq: ParamRef<U64>,
+    dk: ParamRef<U64>,
+    dv: ParamRef<U64>,
+}
+
+/// Everything the roles need from the plan, resolved once.
+struct Layout<'a> {
+    k: Placed,
+    v: Placed,
+    q: Placed,
+    d_o: Placed,
+    pds: Placed,
+    lse: Placed,
+    delta: Placed,
+    qrows: Placed,
+    qpos: Placed,
+    barriers: u32,
+    tmem_word: u32,
+    alloc_cols: u32,
+    col_s: u32,
+    col_p: u32,
+    col_dp: u32,
+    col_ds: u32,
+    col_dq: u32,
+    col_dv: u32,
+    col_dk: u32,
+    plan: &'a KernelPlan,
+    g_s: &'a Gemm,
+    g_dp: &'a Gemm,
+    g_dv: &'a Gemm,
+    g_dk: &'a Gemm,
+    g_dq: &'a Gemm,
+    kv: Pipe<'a>,
+    q_do: Pipe<'a>,
+    rows: Pipe<'a>,
+    s: Pipe<'a>,
+    dp: Pipe<'a>,
+    dq: Pipe<'a>,
+    dkv: Pipe<'a>,
+    chunk: Pipe<'a>,
+    groups: ChunkGroups,
+    nb_alloc: &'a NamedBarrier,
+    nb_reduce: &'a NamedBarrier,
+    nb_t2r: &'a NamedBarrier,
+    nb_dealloc: &'a NamedBarrier,
+    compute_wg: u32,
+    reduce_wg: u32,
+    mma_warp: u32,
+    load_warp: u32,
+    scalar_warp: u32,
+}
+
+fn resolve(plan: &KernelPlan) -> Result<Layout<'_>, String> {
+    let smem = plan.smem();
+    let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
+    let col = |id| {
+        plan.tmem()
+            .region(id)
+            .map(|r| r.col)
+            .map_err(|e| e.to_string())
+    };
+    let gemm = |name| {
+        plan.gemm(name)
+            .ok_or(format!("the plan has no GEMM `{name}`"))
+    };
+    let pipe = |name| plan.pipelines().get(name).map_err(|e| e.to_string());
+    let nb = |name| {
+        plan.barrier(name)
+            .ok_or(format!("the plan has no named barrier `{name}`"))
+    };
+    let chunk = pipe("chunk")?;
+    let groups = chunk
+        .pipeline
+        .chunk_groups
+        .clone()
+        .ok_or("the chunk pipeline has no chunk groups")?;
+    if groups.chunks * CHUNK_COLS != crate::plan::smem::TILE_ROWS {
+        return Err(format!(
+            "{} chunks of {CHUNK_COLS} columns do not cover a 128-column tile",
+            groups.chunks
+        ));
+    }
+    // A role that owns TMEM lanes must be one whole warpgroup (thread = lane), and the
+    // single-warp roles must share warpgroup 3 so one `setmaxnreg` serves them.
+    let warps = plan.warps();
+    let group_of = |role: Role| -> Result<u32, String> {
+        let ws = warps.warps_of(role);
+        let w0 = ws[0];
+        if !w0.is_multiple_of(4) || ws != (w0..w0 + 4).collect::<Vec<_>>() {
+            return Err(format!("the {role} warps {ws:?} are not one warpgroup"));
+        }
+        Ok(w0 / 4)
+    };
+    let single = |role: Role| -> Result<u32, String> {
+        let w = warps.warps_of(role)[0];
+        if w / 4 != 3 {
+            return Err(format!("the {role} warp {w} is not in warpgroup 3"));
+        }
+        Ok(w)
+    };
+    let compute_wg = group_of(Role::Compute)?;
+    let reduce_wg = group_of(Role::Reduce)?;
+    if compute_wg == 3 || reduce_wg == 3 || warps.role(0) != Role::Idle {
+        return Err("warpgroup 0 must idle and warpgroup 3 hold the single-warp roles".into());
+    }
+    for w in warps.warps_of(Role::Compute) {
+        plan.tmem()
+            .check_access(w, 32 * (w % 4)..32 * (w % 4) + 32)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(Layout {
+        k: buf(Buf::K)?,
+        v: buf(Buf::V)?,
+        q: buf(Buf::Q)?,
+        d_o: buf(Buf::DO)?,
+        pds: buf(Buf::PdS)?,
+        lse: buf(Buf::Lse)?,
+        delta: buf(Buf::Delta)?,
+        qrows: buf(Buf::QRows)?,
+        qpos: buf(Buf::QPos)?,
+        barriers: buf(Buf::Barriers)?.offset,
+        tmem_word: buf(Buf::TmemAddr)?.offset,
+        alloc_cols: plan.tmem().alloc_cols(),
+        col_s: col(TmemRegion::S)?,
+        col_p: col(TmemRegion::P)?,
+        col_dp: col(TmemRegion::DP)?,
+        col_ds: col(TmemRegion::DS)?,
+        col_dq: col(TmemRegion::DQ)?,
+        col_dv: col(TmemRegion::DV)?,
+        col_dk: col(TmemRegion::DK)?,
+        plan,
+        g_s: gemm("s_t")?,
+        g_dp: gemm("dp_t")?,
+        g_dv: gemm("dv")?,
+        g_dk: gemm("dk")?,
+        g_dq: gemm("dq_t")?,
+        kv: pipe("kv")?,
+        q_do: pipe("q_do")?,
+        rows: pipe("rows")?,
+        s: pipe("s")?,
+        dp: pipe("dp")?,
+        dq: pipe("dq")?,
+        dkv: pipe("dkv")?,
+        chunk,
+        groups,
+        nb_alloc: nb("tmem_alloc")?,
+        nb_reduce: nb("reduce_sync")?,
+        nb_t2r: nb("t2r_dq_done")?,
+        nb_dealloc: nb("tmem_dealloc")?,
+        compute_wg,
+        reduce_wg,
+        mma_warp: single(Role::Mma)?,
+        load_warp: single(Role::Load)?,
+        scalar_warp: single(Role::Scalar)?,
+    })
+}
+
+/// The CTA's task-row interval.
+struct Walk {
+    lo: Reg<U32>,
+    hi: Reg<U32>,
+}
+
+/// What every role reads.
+struct Ctx<'a> {
+    lay: &'a Layout<'a>,
+    p: &'a Params,
+    base: Reg<U32>,
+    bars: Barriers,
+    tid: Reg<U32>,
+    warp: Reg<U32>,
+    walk: Walk,
+}
+
+fn umma_commit(b: &mut KernelBuilder, bar: &SharedAddr) {
+    b.tcgen05_commit(bar);
+}
+
+fn describe(b: &mut KernelBuilder) {
+    b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
+    // With `.maxntid 512` this fixes the entry register count at 128, so ptxas applies
+    // `setmaxnreg` (sm100-ptx.md §8).
+    b.min_ctas_per_sm(1);
+    let tmap_q = b.param_tensor_map("tmap_q");
+    let tmap_do = b.param_tensor_map("tmap_do");
+    let tmap_k = b.param_tensor_map("tmap_k");
+    let tmap_v = b.param_tensor_map("tmap_v");
+    let lse = b.param_ptr("lse", HostElem::F32, false);
+    let delta = b.param_ptr("delta", HostElem::F32, false);
+    let meta = b.param_ptr("task_meta", HostElem::I32, false);
+    let qrows = b.param_ptr("task_qrows", HostElem::I32, false);
+    let qpos = b.param_ptr("task_qpos", HostElem::I32, false);
+    let desc_p = b.param_ptr("desc", HostElem::I32, false);
+    let p = Params {
+        tmap_q,
+        tmap_do,
+        tmap_k,
+        tmap_v,
+        lse,
+        delta,
+        meta,
+        qrows,
+        qpos,
+        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
+        dk: b.param_ptr("dk_pool", HostElem::F32, true),
+        dv: b.param_ptr("dv_pool", HostElem::F32, true),
+    };
+    let plan = match KernelPlan::design() {
+        Ok(plan) => plan,
+        Err(e) => return b.error(format!("SM100 plan: {e}")),
+    };
+    let lay = match resolve(&plan) {
+        Ok(lay) => lay,
+        Err(e) => return b.error(format!("SM100 plan: {e}")),
+    };
+    let total = plan.smem().total();
+    if total > SMEM_BYTES {
+        return b.error(format!(
+            "the shared-memory plan needs {total} B, above {SMEM_BYTES} B"
+        ));
+    }
+
+    let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
+    b.comment("align the dynamic base to the 1024-B SW128 atom; trap if the slack is short");
+    let raw = b.shared_base(&smem);
+    let base = b.add(raw, 1023u32);
+    let base = b.and(base, !1023u32);
+    let pad = b.sub(base, raw);
+    let short = b.setp(Cmp::Gt, pad, SMEM_BYTES - total);
+    b.if_then(short, "smem_guard", |b| b.inst("trap".into(), vec![]));
+    let tid = b.sreg(SReg::TidX);
+    let warp = b.shr(tid, 5u32);
+    let bars = Barriers {
+        base: b.add(base, lay.barriers),
+        umma_commit,
+    };
+
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
+    b.bar_sync(0, None);
+
+    b.comment("the CTA walk: this CTA's interval of task rows");
+    let desc = b.ld_param_ptr(&desc_p);
+    let walk = cta_interval(b, desc);
+    let cx = Ctx {
+        lay: &lay,
+        p: &p,
+        base,
+        bars,
+        tid,
+        warp,
+        walk,
+    };
+
+    let warps = plan.warps();
+    let wg = b.shr(warp, 2u32);
+    let l_compute = b.label("compute");
+    let l_reduce = b.label("reduce");
+    let l_wg3 = b.label("warpgroup3");
+    for (group, label) in [
+        (lay.compute_wg, &l_compute),
+        (lay.reduce_wg, &l_reduce),
+        (3, &l_wg3),
+    ] {
+        let is = b.setp(Cmp::Eq, wg, group);
+        b.bra_if(is, label);
+    }
+    role(b, "idle", |b| warps.emit_setmaxnreg(b, Role::Idle));
+    b.ret();
+
+    b.place(&l_compute);
+    role(b, "compute", |b| {
+        warps.emit_setmaxnreg(b, Role::Compute);
+        compute(b, &cx);
+    });
+    b.ret();
+
+    b.place(&l_reduce);
+    role(b, "reduce", |b| {
+        warps.emit_setmaxnreg(b, Role::Reduce);
+        reduce(b, &cx);
+    });
+    b.ret();
+
+    b.place(&l_wg3);
+    // One instruction for all four warps of warpgroup 3 (the plan gives MMA, load, scalar
+    // and idle warp 15 one value, checked by `WarpPlan::new`).
+    warps.emit_setmaxnreg(b, Role::Mma);
+    let l_mma = b.label("mma");
+    let l_load = b.label("load");
+    let l_scalar = b.label("scalar");
+    for (w, label) in [
+        (lay.mma_warp, &l_mma),
+        (lay.load_warp, &l_load),
+        (lay.scalar_warp, &l_scalar),
+    ] {
+        let is = b.setp(Cmp::Eq, warp, w);
+        b.bra_if(is, label);
+    }
+    b.ret();
+    b.place(&l_mma);
+    role(b, "mma", |b| mma(b, &cx));
+    b.ret();
+    b.place(&l_load);
+    role(b, "load", |b| load(b, &cx));
+    b.ret();
+    b.place(&l_scalar);
+    role(b, "scalar", |b| scalar(b, &cx));
+    b.ret();
+}
+
+/// Brackets a role's code with the markers the structure tests split the PTX by.
+fn role(b: &mut KernelBuilder, name: &str, body: impl FnOnce(&mut KernelBuilder)) {
+    b.comment(&format!("role {name}: begin"));
+    body(b);
+    b.comment(&format!("role {name}: end"));
+}
+
+/// CTA `b`'s rows `[lo, hi)` from the descriptor.
+fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
+    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
+    let [n, r, full, tail] = words;
+    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let cta = b.sreg(SReg::CtaidX);
+    let (lo, hi) = common::cta_interval(b, cta, n, r, full, tail, grid);
+    Walk { lo, hi }
+}
+
+/// `(batch, index_head, kblock, valid)` of task row `row`.
+fn task_meta(b: &mut KernelBuilder, p: &Params, row: Reg<U32>) -> [Reg<U32>; 4] {
+    let meta = b.ld_param_ptr(&p.meta);
+    let a = elem_bytes(b, meta, row, 16);
+    b.ld_v(&a)
+}
+
+/// A row's bucket `(index_head, kblock)` in one word (kblock < 2^24).
+fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
+    let h = b.shl(m[1], 24u32);
+    b.or(h, m[2])
+}
+
+/// Whether the segment ends at `row`: the interval ends, or the next row is another bucket.
+fn segment_ends(b: &mut KernelBuilder, cx: &Ctx, row: Reg<U32>, cur: Reg<U32>) -> Reg<Pred> {
+    let next_row = b.add(row, 1u32);
+    let last = b.setp(Cmp::Ge, next_row, cx.walk.hi);
+    let end = b.mov::<U32>(1u32);
+    b.unless(last, "next_bucket", |b| {
+        let nm = task_meta(b, cx.p, next_row);
+        let next = bucket(b, &nm);
+        let cont = b.setp(Cmp::Eq, next, cur);
+        let v = b.selp(0u32, 1u32, cont);
+        b.set(end, v);
+    });
+    b.setp(Cmp::Ne, end, 0u32)
+}
+
+/// `n += 1`.
+fn bump(b: &mut KernelBuilder, n: Reg<U32>) {
+    let next = b.add(n, 1u32);
+    b.set(n, next);
+}
+
+/// The cursor of chunk stage `stage` in round `round`.
+fn round(b: &mut KernelBuilder, pipe: &Pipe, stage: u32, round: Reg<U32>) -> Cursor {
+    pipe.round(stage, round).unwrap_or_else(|e| {
+        b.error(e.to_string());
+        Cursor::iter(round)
+    })
+}
+
+/// Reads the TMEM base address after the allocation hand-off (named barrier 1).
+fn tmem_base(b: &mut KernelBuilder, cx: &Ctx) -> Reg<U32> {
+    cx.lay.nb_alloc.sync(b);
+    b.tcgen05_fence_after_thread_sync();
+    b.ld::<U32, _>(&shared(cx.base, cx.lay.tmem_word as i64))
+}
+
+/// The TMEM address of this warp's lane quadrant: base + (32·(warp % 4)) << 16.
+fn quadrant(b: &mut KernelBuilder, tbase: Reg<U32>, warp: Reg<U32>) -> TmemAddr {
+    let q = b.and(warp, 3u32);
+    let q = b.shl(q, 21u32);
+    let a = b.add(tbase, q);
+    TmemAddr::new(b.bitcast::<B32, U32>(a))
+}
+
+// ---- compute warps ---------------------------------------------------------------------
+
+fn compute(b: &mut KernelBuilder, cx: &Ctx) {
+    let lay = cx.lay;
+    let bars = &cx.bars;
+    b.comment("warp 4 allocates TMEM and hands the address over named barrier 1");
+    let tmem_word = shared(cx.base, lay.tmem_word as i64);
+    let is_alloc = b.setp(Cmp::Eq, cx.warp, 4 * lay.compute_wg);
+    b.if_then(is_alloc, "tmem_alloc", |b| {
+        b.tcgen05_alloc(&tmem_word, lay.alloc_cols);
+        b.tcgen05_relinquish_alloc_permit();
+    });
+    b.tcgen05_fence_before_thread_sync();
+    let tbase = tmem_base(b, cx);
+    let tm = quadrant(b, tbase, cx.warp);
+    let key = b.and(cx.tid, 127u32);
+    // sPdS row of this key: [key][64 folded] SW128 panels.
+    let key_row = b.shl(key, 7u32);
+    let pds_row = b.add(cx.base, key_row);
+    let pds_row = b.add(pds_row, lay.pds.offset);
+    let key7 = b.and(key, 7u32);
+    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let t = b.mov::<U32>(0u32);
+
+    b.for_range(cx.walk.lo, cx.walk.hi, 1, "compute_task", |b, row| {
+        let m = task_meta(b, cx.p, row);
+        let key_pos = b.shl(m[2], 7u32);
+        let key_pos = b.add(key_pos, key);
+        let key_pos = b.bitcast::<S32, U32>(key_pos);
+        let rows_st = lay.rows.consumer_wait(b, bars, t);
+        let lse_a = lay.lse.emit_stage_addr(b, cx.base, rows_st.index);
+        let delta_a = lay.delta.emit_stage_addr(b, cx.base, rows_st.index);
+        let qpos_a = lay.qpos.emit_stage_addr(b, cx.base, rows_st.index);
+        b.comment("own every chunk stage of this tile (the previous tile's MMAs are done)");
+        let chunk_st: Vec<Stage> = (0..lay.chunk.pipeline.stages)
+            .map(|s| {
+                let at = round(b, &lay.chunk, s, t);
+                lay.chunk.producer_acquire(b, bars, at)
+            })
+            .collect();
+        let s_st = lay.s.consumer_wait(b, bars, t);
+        b.tcgen05_fence_after_thread_sync();
+        let mut dp_st = None;
+        for c in 0..lay.groups.chunks {
+            b.comment(&format!(
+                "chunk {c}: folded columns {}..{}",
+                32 * c,
+                32 * c + 32
+            ));
+            let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_s + CHUNK_COLS * c));
+            b.tcgen05_wait_ld();
+            let slot0 = CHUNK_COLS * c / HEADS_PER_SLOT;
+            let seen: [Reg<Pred>; 2] = std::array::from_fn(|i| {
+                let qp = b.ld::<S32, _>(&shared(qpos_a, 4 * (slot0 + i as u32) as i64));
+                b.setp(Cmp::Ge, qp, key_pos)
+            });
+            let mut p = Vec::with_capacity(32);
+            for g in 0..8u32 {
+                let l: [Reg<F32>; 4] =
+                    b.ld_v(&shared(lse_a, (4 * (CHUNK_COLS * c + 4 * g)) as i64));
+                for (e, &le) in l.iter().enumerate() {
+                    let i = 4 * g as usize + e;
+                    let v = b.fma(s[i], scale_log2e, le);
+                    let v = b.selp(v, f32::NEG_INFINITY, seen[i / HEADS_PER_SLOT as usize]);
+                    p.push(b.ex2_approx(v));
+                }
+            }
+            if c == 0 {
+                // Deferred to here so G2 overlaps the first exp2 work.
+                dp_st = Some(lay.dp.consumer_wait(b, bars, t));
+                b.tcgen05_fence_after_thread_sync();
+            }
+            let dp: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_dp + CHUNK_COLS * c));
+            b.tcgen05_wait_ld();
+            let mut ds = Vec::with_capacity(32);
+            for g in 0..8u32 {
+                let dl: [Reg<F32>; 4] =
+                    b.ld_v(&shared(delta_a, (4 * (CHUNK_COLS * c + 4 * g)) as i64));
+                for (e, &de) in dl.iter().enumerate() {
+                    let i = 4 * g as usize + e;
+                    let dd = b.sub(dp[i], de);
+                    let x = b.fmul(p[i], dd);
+                    ds.push(b.fmul(x, SCALE));
+                }
+            }
+            // Folded column 2j in the low half, 2j+1 in the high half of packed word j.
+            let p_pack: [Reg<Bf16x2>; 16] =
+                std::array::from_fn(|j| b.cvt_bf16x2(p[2 * j + 1], p[2 * j]));
+            let ds_pack: [Reg<Bf16x2>; 16] =
+                std::array::from_fn(|j| b.cvt_bf16x2(ds[2 * j + 1], ds[2 * j]));
+            b.comment("P^T over S and dS^T over dP (packed bf16: the TS-MMA A operands)");
+            b.tcgen05_st_32x32b(tm.col(lay.col_p + CHUNK_COLS / 2 * c), p_pack);
+            b.tcgen05_st_32x32b(tm.col(lay.col_ds + CHUNK_COLS / 2 * c), ds_pack);
+            b.comment("dS^T to sPdS: SW128 panels [folded/64][key][64 folded]");
+            for q in 0..4u32 {
+                let j = 4 * (c % 2) + q;
+                let x = b.xor(key7, j);
+                let x = b.shl(x, 4u32);
+                let a = b.add(pds_row, x);
+                let v = [0, 1, 2, 3].map(|i| ds_pack[(4 * q + i) as usize]);
+                b.st_v(&shared(a, ((c / 2) * PANEL_BYTES) as i64), v);
+            }
+            if let Some(stage) = lay.groups.publishes_after(c) {
+                b.comment(&format!("publish chunk stage {stage}"));
+                b.tcgen05_wait_st();
+                b.fence_proxy_async_shared();
+                b.tcgen05_fence_before_thread_sync();
+                lay.chunk
+                    .producer_commit(b, bars, &chunk_st[stage as usize]);
+            }
+        }
+        b.comment("S, dP and the row stage are read: release them");
+        b.tcgen05_fence_before_thread_sync();
+        lay.s.consumer_release(b, bars, &s_st);
+        if let Some(st) = dp_st {
+            lay.dp.consumer_release(b, bars, &st);
+        }
+        lay.rows.consumer_release(b, bars, &rows_st);
+        bump(b, t);
+    });
+
+    b.comment(
+        "every TMEM access of compute and reduce is done (MMAs: reduce waited their commits)",
+    );
+    b.tcgen05_fence_before_thread_sync();
+    lay.nb_dealloc.sync(b);
+    b.if_then(is_alloc, "tmem_dealloc", |b| {
+        b.tcgen05_fence_after_thread_sync();
+        let t = b.bitcast::<B32, U32>(tbase);
+        b.tcgen05_dealloc(t, lay.alloc_cols);
+    });
+}
+
+// ---- MMA warp --------------------------------------------------------------------------
+
+/// Issues K steps `ks` of GEMM `g` from the elected lane: `a_addr` is A's tile (None for a
+/// TMEM A), `b_addr` B's tile; `acc(k)` is the enable-input-D predicate of step `k`.
+#[allow(clippy::too_many_arguments)]
+fn issue_gemm(
+    b: &mut KernelBuilder,
+    cx: &Ctx,
+    tm: TmemAddr,
+    elect: Reg<Pred>,
+    g: &Gemm,
+    a_addr: Option<Reg<U32>>,
+    b_addr: Reg<U32>,
+    ks: Range<u32>,
+    acc: impl Fn(u32) -> Reg<Pred>,
+) {
+    let plan = cx.lay.plan;
+    let idesc = match g.instr_desc() {
+        Ok(d) => d.bits(),
+        Err(e) => return b.error(e.to_string()),
+    };
+    let d_col = match plan.tmem().region(g.d) {
+        Ok(r) => r.col,
+        Err(e) => return b.error(e.to_string()),
+    };
+    let bd = g.b_desc(Target::Sm100a);
+    let b0 = bd.emit(b, b_addr);
+    let a0 = match (g.a_desc(Target::Sm100a), a_addr) {
+        (Some(ad), Some(addr)) => Some((ad, ad.emit(b, addr))),
+        (None, None) => None,
+        _ => return b.error(format!("GEMM `{}`: A operand mismatch", g.name)),
+    };
+    for k in ks {
+        let bk = bd.emit_step(b, b0, k);
+        let p = acc(k);
+        match a0 {
+            Some((ad, a0)) => {
+                let ak = ad.emit_step(b, a0, k);
+                b.predicated(elect, false, |b| {
+                    b.tcgen05_mma_ss(tm.col(d_col), ak, bk, idesc, p)
+                });
+            }
+            None => {
+                let col = match g.a_tmem_col(plan.tmem(), k) {
+                    Ok(Some(col)) => col,
+                    Ok(None) => return b.error(format!("GEMM `{}` has no TMEM A", g.name)),
+                    Err(e) => return b.error(e.to_string()),
+                };
+                b.predicated(elect, false, |b| {
+                    b.tcgen05_mma_ts(tm.col(d_col), tm.col(col), bk, idesc, p)
+                });
+            }
+        }
+    }
+}
+
+fn mma(b: &mut KernelBuilder, cx: &Ctx) {
+    let lay = cx.lay;
+    let bars = &cx.bars;
+    let tbase = tmem_base(b, cx);
+    let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
+    b.comment("one lane issues every MMA and every commit");
+    let elect = b.elect_sync();
+    let zero = b.mov::<U32>(0u32);
+    let always = b.setp(Cmp::Eq, zero, 0u32);
+    let never = b.setp(Cmp::Ne, zero, 0u32);
+    let first_k = |k: u32| if k == 0 { never } else { always };
+    let prev = b.mov::<U32>(u32::MAX);
+    let seg = b.mov::<U32>(0u32);
+    let t = b.mov::<U32>(0u32);
+    let k_addr = b.add(cx.base, lay.k.offset);
+    let v_addr = b.add(cx.base, lay.v.offset);
+    let pds_addr = b.add(cx.base, lay.pds.offset);
+
+    b.for_range(cx.walk.lo, cx.walk.hi, 1, "mma_task", |b, row| {
+        let m = task_meta(b, cx.p, row);
+        let cur = bucket(b, &m);
+        // `same` is false at a segment's first task, whose dV/dK MMAs overwrite.
+        let same = b.setp(Cmp::Eq, cur, prev);
+        let seg_end = segment_ends(b, cx, row, cur);
+        b.unless(same, "kv_wait", |b| {
+            lay.kv.consumer_wait(b, bars, seg);
+            b.set(prev, cur);
+        });
+        let qd = lay.q_do.consumer_wait(b, bars, t);
+        let q_addr = lay.q.emit_stage_addr(b, cx.base, qd.index);
+        let do_addr = lay.d_o.emit_stage_addr(b, cx.base, qd.index);
+        let s_st = lay.s.producer_acquire(b, bars, t);
+        b.tcgen05_fence_after_thread_sync();
+        b.comment("G1: S^T = K*Q^T");
+        issue_gemm(
+            b,
+            cx,
+            tm,
+            elect,
+            lay.g_s,
+            Some(k_addr),
+            q_addr,
+            0..lay.g_s.k_steps(),
+            first_k,
+        );
+        b.predicated(elect, false, |b| lay.s.producer_commit(b, bars, &s_st));
+
+        b.comment("G2 overwrites dQ^T of the previous tile: wait until reduce has read it");
+        let first = b.setp(Cmp::Eq, t, 0u32);
+        b.unless(first, "t2r_wait", |b| {
+            lay.nb_t2r.sync(b);
+            b.tcgen05_fence_after_thread_sync();
+        });
+        let dp_st = lay.dp.locate(b, bars, t.into());
+        b.comment("G2: dP^T = V*dO^T");
+        issue_gemm(
+            b,
+            cx,
+            tm,
+            elect,
+            lay.g_dp,
+            Some(v_addr),
+            do_addr,
+            0..lay.g_dp.k_steps(),
+            first_k,
+        );
+        b.predicated(elect, false, |b| lay.dp.producer_commit(b, bars, &dp_st));
+
+        b.unless(same, "dkv_acquire", |b| {
+            lay.dkv.producer_acquire(b, bars, seg);
+            b.tcgen05_fence_after_thread_sync();
+        });
+        let mut chunk_st = Vec::new();
+        for s in 0..lay.chunk.pipeline.stages {
+            let at = round(b, &lay.chunk, s, t);
+            chunk_st.push(lay.chunk.consumer_wait(b, bars, at));
+            b.tcgen05_fence_after_thread_sync();
+            for c in lay.groups.chunks_of(s) {
+                let ks = 2 * c..2 * c + 2;
+                let acc = |k: u32| if k == 0 { same } else { always };
+                b.comment(&format!("chunk {c}: G3 dV += P^T*dO, G4 dK += dS^T*Q"));
+                issue_gemm(b, cx, tm, elect, lay.g_dv, None, do_addr, ks.clone(), acc);
+                issue_gemm(b, cx, tm, elect, lay.g_dk, None, q_addr, ks, acc);
+            }
+        }
+        b.predicated(elect, false, |b| lay.q_do.consumer_release(b, bars, &qd));
+
+        b.comment("G5 overwrites dP^T/dS^T: compute has read dP, reduce has read the last dQ");
+        let t1 = b.add(t, 1u32);
+        lay.dp.producer_acquire(b, bars, t1);
+        let dq_st = lay.dq.producer_acquire(b, bars, t);
+        b.tcgen05_fence_after_thread_sync();
+        b.comment("G5: dQ^T = K^T*dS^T");
+        issue_gemm(
+            b,
+            cx,
+            tm,
+            elect,
+            lay.g_dq,
+            Some(k_addr),
+            pds_addr,
+            0..lay.g_dq.k_steps(),
+            first_k,
+        );
+        b.predicated(elect, false, |b| {
+            lay.dq.producer_commit(b, bars, &dq_st);
+            for st in &chunk_st {
+                lay.chunk.consumer_release(b, bars, st);
+            }
+        });
+
+        b.if_then(seg_end, "segment_end", |b| {
+            let kv_st = lay.kv.locate(b, bars, seg.into());
+            let dkv_st = lay.dkv.locate(b, bars, seg.into());
+            b.predicated(elect, false, |b| {
+                lay.kv.consumer_release(b, bars, &kv_st);
+                lay.dkv.producer_commit(b, bars, &dkv_st);
+            });
+            bump(b, seg);
+        });
+        bump(b, t);
+    });
+    b.comment("the last tile's t2r_dQ_done");
+    let any = b.setp(Cmp::Ne, t, 0u32);
+    b.if_then(any, "t2r_last", |b| lay.nb_t2r.sync(b));
+}
+
+// ---- load warp -------------------------------------------------------------------------
+
+fn load(b: &mut KernelBuilder, cx: &Ctx) {
+    let lay = cx.lay;
+    let bars = &cx.bars;
+    let p = cx.p;
+    let lane = b.and(cx.tid, 31u32);
+    let lead = b.setp(Cmp::Eq, lane, 0u32);
+    b.if_then(lead, "load_lane", |b| {
+        let tq = b.tensor_map_addr(&p.tmap_q);
+        let tdo = b.tensor_map_addr(&p.tmap_do);
+        let tk = b.tensor_map_addr(&p.tmap_k);
+        let tv = b.tensor_map_addr(&p.tmap_v);
+        let prev = b.mov::<U32>(u32::MAX);
+        let seg = b.mov::<U32>(0u32);
+        let t = b.mov::<U32>(0u32);
+        b.for_range(cx.walk.lo, cx.walk.hi, 1, "load_task", |b, row| {
+            let m = task_meta(b, p, row);
+            let cur = bucket(b, &m);
+            let same = b.setp(Cmp::Eq, cur, prev);
+            b.unless(same, "kv_load", |b| {
+                let st = lay.kv.producer_acquire(b, bars, seg);
+                let head = b.bitcast::<S32, U32>(m[1]);
+                let key0 = b.shl(m[2], 7u32);
+                let key0 = b.bitcast::<S32, U32>(key0);
+                for (map, buf) in [(tk, lay.k), (tv, lay.v)] {
+                    for panel in 0..2u32 {
+                        let d0 = b.mov::<S32>((panel * 64) as i32);
+                        let dst = shared(cx.base, (buf.offset + panel * PANEL_BYTES) as i64);
+                        b.tma_load_3d(&dst, map, [d0, head, key0], &st.full);
+                    }
+                }
+                bump(b, seg);
+                b.set(prev, cur);
+            });
+            let st = lay.q_do.producer_acquire(b, bars, t);
+            let q_tile = lay.q.emit_stage_addr(b, cx.base, st.index);
+            let do_tile = lay.d_o.emit_stage_addr(b, cx.base, st.index);
+            let head16 = b.shl(m[1], 4u32);
+            let head16 = b.bitcast::<S32, U32>(head16);
+            let qrows = b.ld_param_ptr(&p.qrows);
+            let rows_at = elem_bytes(b, qrows, row, 32);
+            let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
+            let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
+            let slots = [
+                lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
+            ];
+            for (slot, qrow) in slots.into_iter().enumerate() {
+                for panel in 0..2u32 {
+                    let d0 = b.mov::<S32>((panel * 64) as i32);
+                    let off = panel * PANEL_BYTES + slot as u32 * HEADS_PER_SLOT * 128;
+                    for (map, tile) in [(tq, q_tile), (tdo, do_tile)] {
+                        b.tma_load_3d(&shared(tile, off as i64), map, [d0, head16, qrow], &st.full);
+                    }
+                }
+            }
+            bump(b, t);
+        });
+    });
+}
+
+// ---- scalar-gather warp ----------------------------------------------------------------
+
+fn scalar(b: &mut KernelBuilder, cx: &Ctx) {
+    let lay = cx.lay;
+    let bars = &cx.bars;
+    let p = cx.p;
+    let lane = b.and(cx.tid, 31u32);
+    // Lane = slot·4 + part fills folded rows slot·16 + part·4 .. +4, i.e. 4·lane .. +4.
+    let slot = b.shr(lane, 2u32);
+    let part4 = b.and(lane, 3u32);
+    let part4 = b.shl(part4, 2u32);
+    let lane16 = b.shl(lane, 4u32);
+    let word_lane = b.setp(Cmp::Lt, lane, 8u32);
+    let neg_log2e = -(LOG2E as f32);
+    let t = b.mov::<U32>(0u32);
+    b.for_range(cx.walk.lo, cx.walk.hi, 1, "scalar_task", |b, row| {
+        let st = lay.rows.producer_acquire(b, bars, t);
+        let m = task_meta(b, p, row);
+        let head16 = b.shl(m[1], 4u32);
+        let hcol = b.add(head16, part4);
+        let row8 = b.shl(row, 3u32);
+        let qrows = b.ld_param_ptr(&p.qrows);
+        let idx = b.add(row8, slot);
+        let a = common::elem::<S32>(b, qrows, idx);
+        let qrow = b.ld::<S32, _>(&a);
+        let l4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
+        let d4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(0.0f32));
+        let valid = b.setp(Cmp::Ge, qrow, 0i32);
+        b.if_then(valid, "gather", |b| {
+            let r = b.bitcast::<U32, S32>(qrow);
+            let i = b.mad_lo(r, 64u32, hcol);
+            let lse = b.ld_param_ptr(&p.lse);
+            let a = common::elem::<F32>(b, lse, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+            for (dst, x) in l4.iter().zip(v) {
+                let y = b.fmul(x, neg_log2e);
+                b.set(*dst, y);
+            }
+            let delta = b.ld_param_ptr(&p.delta);
+            let a = common::elem::<F32>(b, delta, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+            for (dst, x) in d4.iter().zip(v) {
+                b.set(*dst, x);
+            }
+        });
+        let lse_a = lay.lse.emit_stage_addr(b, cx.base, st.index);
+        let lse_a = b.add(lse_a, lane16);
+        b.st_v(&shared(lse_a, 0), l4);
+        let delta_a = lay.delta.emit_stage_addr(b, cx.base, st.index);
+        let delta_a = b.add(delta_a, lane16);
+        b.st_v(&shared(delta_a, 0), d4);
+        b.if_then(word_lane, "slot_words", |b| {
+            let idx = b.add(row8, lane);
+            let lane4 = b.shl(lane, 2u32);
+            for (table, buf) in [(&p.qrows, lay.qrows), (&p.qpos, lay.qpos)] {
+                let ptr = b.ld_param_ptr(table);
+                let a = common::elem::<S32>(b, ptr, idx);
+                let v = b.ld::<S32, _>(&a);
+                let s = buf.emit_stage_addr(b, cx.base, st.index);
+                let s = b.add(s, lane4);
+                b.st(&shared(s, 0), v);
+            }
+        });
+        lay.rows.producer_commit(b, bars, &st);
+        bump(b, t);
+    });
+}
+
+// ---- reduce warps ----------------------------------------------------------------------
+
+/// In-place 4×4 transpose of four 4-float blocks across the 4 lanes of a quad: lane `i`
+/// holds (row i, block k) in `v[4k..4k+4]` before and (row k, block i) after. Two butterfly
+/// stages; in the stage over lane bit `m`, each lane trades the block whose bit `m` differs
+/// from its own.
+fn quad_transpose(b: &mut KernelBuilder, v: &mut [Reg<F32>; 16], bits: [Reg<Pred>; 2]) {
+    for (mask, hi) in [(1u32, bits[0]), (2u32, bits[1])] {
+        for k0 in (0..4u32).filter(|k| k & mask == 0) {
+            let k1 = k0 | mask;
+            for e in 0..4usize {
+                let (i0, i1) = (4 * k0 as usize + e, 4 * k1 as usize + e);
+                let send = b.selp(v[i0], v[i1], hi);
+                let got = b.shfl(Shfl::Bfly, send, mask, 0x1f);
+                let n0 = b.selp(got, v[i0], hi);
+                let n1 = b.selp(v[i1], got, hi);
+                v[i0] = n0;
+                v[i1] = n1;
+            }
+        }
+    }
+}
+
+fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
+    let lay = cx.lay;
+    let bars = &cx.bars;
+    let p = cx.p;
+    let tbase = tmem_base(b, cx);
+    let tm = quadrant(b, tbase, cx.warp);
+    // Lane of TMEM: head dim for dQ^T, key row for dK/dV.
+    let lane128 = b.and(cx.tid, 127u32);
+    let lane = b.and(cx.tid, 31u32);
+    let quad_bits: [Reg<Pred>; 2] = [1u32, 2u32].map(|m| {
+        let x = b.and(lane, m);
+        b.setp(Cmp::Ne, x, 0u32)
+    });
+    let policy = b.policy_evict_last(1.0);
+    let prev = b.mov::<U32>(u32::MAX);
+    let seg = b.mov::<U32>(0u32);
+    let t = b.mov::<U32>(0u32);
+
+    b.for_range(cx.walk.lo, cx.walk.hi, 1, "reduce_task", |b, row| {
+        let m = task_meta(b, p, row);
+        let head = m[1];
+        let kb = m[2];
+        let cur = bucket(b, &m);
+        let same = b.setp(Cmp::Eq, cur, prev);
+        let seg_end = segment_ends(b, cx, row, cur);
+        b.unless(same, "new_segment", |b| b.set(prev, cur));
+        let st = lay.rows.consumer_wait(b, bars, t);
+        let qr_a = lay.qrows.emit_stage_addr(b, cx.base, st.index);
+        let lo4: [Reg<S32>; 4] = b.ld_v(&shared(qr_a, 0));
+        let hi4: [Reg<S32>; 4] = b.ld_v(&shared(qr_a, 16));
+        lay.rows.consumer_release(b, bars, &st);
+
+        b.comment("dQ^T to registers: lane = head dim, column = folded (slot, head)");
+        let dq_st = lay.dq.consumer_wait(b, bars, t);
+        b.tcgen05_fence_after_thread_sync();
+        let mut words = Vec::with_capacity(64);
+        for pass in 0..4u32 {
+            let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_dq + CHUNK_COLS * pass));
+            b.tcgen05_wait_ld();
+            // Heads 2m (low half) and 2m+1 (high half) of one slot.
+            for j in 0..16 {
+                words.push(b.cvt_bf16x2(v[2 * j + 1], v[2 * j]));
+            }
+        }
+        b.tcgen05_fence_before_thread_sync();
+        lay.nb_t2r.arrive(b);
+        lay.dq.consumer_release(b, bars, &dq_st);
+
+        b.comment("dQ: head pairs into the bf16x2 pool [T][32][128][2]");
+        let head_d = b.mad_lo(head, 1024u32, lane128);
+        for (slot, qrow) in lo4.into_iter().chain(hi4).enumerate() {
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let r = b.bitcast::<U32, S32>(qrow);
+            let word = b.mad_lo(r, 4096u32, head_d);
+            let pool = b.ld_param_ptr(&p.dq);
+            let a = common::elem::<U32>(b, pool, word);
+            b.predicated(live, false, |b| {
+                for m in 0..8 {
+                    b.red_add_bf16x2(&a.offset(512 * m as i64), words[8 * slot + m], Some(policy));
+                }
+            });
+        }
+
+        b.if_then(seg_end, "flush", |b| {
+            b.comment("segment end: dV and dK to the fp32 pools [W][4][128]");
+            let st = lay.dkv.consumer_wait(b, bars, seg);
+            b.tcgen05_fence_after_thread_sync();
+            // Key row of quad lane 0: kb·128 + 32·(warp % 4) + 4·(lane / 4).
+            let w3 = b.and(cx.warp, 3u32);
+            let quad = b.shr(lane, 2u32);
+            let r = b.shl(kb, 7u32);
+            let r = b.mad_lo(w3, 32u32, r);
+            let r = b.mad_lo(quad, 4u32, r);
+            let col4 = b.and(lane, 3u32);
+            let col4 = b.shl(col4, 2u32);
+            let idx = b.mad_lo(r, 512u32, col4);
+            let idx = b.mad_lo(head, 128u32, idx);
+            let regions = [(lay.col_dv, &p.dv), (lay.col_dk, &p.dk)];
+            for (which, (col, pool_p)) in regions.into_iter().enumerate() {
+                let pool = b.ld_param_ptr(pool_p);
+                let a = common::elem::<F32>(b, pool, idx);
+                for pass in 0..4u32 {
+                    let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(col + CHUNK_COLS * pass));
+                    b.tcgen05_wait_ld();
+                    if which == 1 && pass == 3 {
+                        b.comment(
+                            "the last TMEM read of dK/dV: release the slot before the atomics",
+                        );
+                        b.tcgen05_fence_before_thread_sync();
+                        lay.dkv.consumer_release(b, bars, &st);
+                    }
+                    for blk in 0..2usize {
+                        let mut x: [Reg<F32>; 16] = std::array::from_fn(|e| v[16 * blk + e]);
+                        quad_transpose(b, &mut x, quad_bits);
+                        for k in 0..4usize {
+                            let off =
+                                2048 * k + 4 * (CHUNK_COLS as usize * pass as usize + 16 * blk);
+                            let vals = [x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]];
+                            b.red_add_v4_f32(&a.offset(off as i64), vals, None);
+                        }
+                    }
+                }
+            }
+            lay.nb_reduce.sync(b);
+            bump(b, seg);
+        });
+        bump(b, t);
+    });
+
+    b.tcgen05_fence_before_thread_sync();
+    lay.nb_dealloc.sync(b);
+}
