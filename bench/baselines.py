@@ -627,6 +627,7 @@ def main(argv=None):
         fla_grads = None
         for m in methods:
             if m not in impl:
+                entry["methods"][m] = {"label": m, "error": "not available: " + str(report["checks"].get(m))[:500]}
                 continue
             obj = impl[m]
             rec = {"label": obj.label}
@@ -690,11 +691,13 @@ def main(argv=None):
                 log(f"  {m}: ERROR {rec['error'][:300]}")
             entry["methods"][m] = rec
             bwd = result = None
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
             save()
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - a sticky CUDA error; later methods record theirs
+                log(f"  after {m}: {type(exc).__name__}: {str(exc)[:300]}")
         del fla_grads, c
-        torch.cuda.empty_cache()
 
     # -- table ------------------------------------------------------------------------------------
     print()

@@ -13,7 +13,7 @@ use crate::kernels::{
     bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90, task_assign_segments,
     task_scan_bins, task_scan_work, task_scatter_tables,
 };
-use crate::ops::{run_postprocess, run_preprocess};
+use crate::ops::{check_len, run_postprocess, run_preprocess};
 use crate::schedule::Schedule;
 use crate::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use crate::tma::TensorMap;
@@ -431,24 +431,6 @@ const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
 enum MainKernel {
     Sm90,
     Sm100,
-}
-
-/// Checks that `view` holds `expected` elements.
-fn check_len(
-    field: &'static str,
-    len: usize,
-    expected: usize,
-    shape: &str,
-) -> Result<(), RuntimeError> {
-    if len == expected {
-        Ok(())
-    } else {
-        Err(RuntimeError::input(
-            field,
-            format!("{len} elements"),
-            format!("{expected} elements ({shape})"),
-        ))
-    }
 }
 
 /// Checks that `view` lives on the stream's context.

@@ -8,7 +8,8 @@ use crate::kernels::{bwd_postprocess, bwd_preprocess};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
 use half::bf16;
 
-fn check_len(
+/// Checks that a buffer of `len` elements holds the `expected` elements of `shape`.
+pub(crate) fn check_len(
     field: &'static str,
     len: usize,
     expected: usize,

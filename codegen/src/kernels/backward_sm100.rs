@@ -41,7 +41,7 @@
 //! any base offset up to 700 B, and a base needing more traps instead of corrupting memory
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
-use super::common::{self, elem_bytes};
+use super::common::{self, elem_bytes, MainParams};
 use super::KernelSpec;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
@@ -77,21 +77,6 @@ pub const SPEC: KernelSpec = KernelSpec {
     threads: (THREADS, 1, 1),
     describe,
 };
-
-struct Params {
-    tmap_q: TensorMapRef,
-    tmap_do: TensorMapRef,
-    tmap_k: TensorMapRef,
-    tmap_v: TensorMapRef,
-    lse: ParamRef<U64>,
-    delta: ParamRef<U64>,
-    meta: ParamRef<U64>,
-    qrows: ParamRef<U64>,
-    qpos: ParamRef<U64>,
-    dq: ParamRef<U64>,
-    dk: ParamRef<U64>,
-    dv: ParamRef<U64>,
-}
 
 /// Everything the roles need from the plan, resolved once.
 struct Layout<'a> {
@@ -254,7 +239,7 @@ struct Walk {
 /// What every role reads.
 struct Ctx<'a> {
     lay: &'a Layout<'a>,
-    p: &'a Params,
+    p: &'a MainParams,
     base: Reg<U32>,
     bars: Barriers,
     tid: Reg<U32>,
@@ -271,30 +256,7 @@ fn describe(b: &mut KernelBuilder) {
     // With `.maxntid 512` this fixes the entry register count at 128, so ptxas applies
     // `setmaxnreg` (sm100-ptx.md §8).
     b.min_ctas_per_sm(1);
-    let tmap_q = b.param_tensor_map("tmap_q");
-    let tmap_do = b.param_tensor_map("tmap_do");
-    let tmap_k = b.param_tensor_map("tmap_k");
-    let tmap_v = b.param_tensor_map("tmap_v");
-    let lse = b.param_ptr("lse", HostElem::F32, false);
-    let delta = b.param_ptr("delta", HostElem::F32, false);
-    let meta = b.param_ptr("task_meta", HostElem::I32, false);
-    let qrows = b.param_ptr("task_qrows", HostElem::I32, false);
-    let qpos = b.param_ptr("task_qpos", HostElem::I32, false);
-    let desc_p = b.param_ptr("desc", HostElem::I32, false);
-    let p = Params {
-        tmap_q,
-        tmap_do,
-        tmap_k,
-        tmap_v,
-        lse,
-        delta,
-        meta,
-        qrows,
-        qpos,
-        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
-        dk: b.param_ptr("dk_pool", HostElem::F32, true),
-        dv: b.param_ptr("dv_pool", HostElem::F32, true),
-    };
+    let p = common::main_params(b);
     let plan = match KernelPlan::design() {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM100 plan: {e}")),
@@ -331,7 +293,7 @@ fn describe(b: &mut KernelBuilder) {
     b.bar_sync(0, None);
 
     b.comment("the CTA walk: this CTA's interval of task rows");
-    let desc = b.ld_param_ptr(&desc_p);
+    let desc = b.ld_param_ptr(&p.desc);
     let walk = cta_interval(b, desc);
     let cx = Ctx {
         lay: &lay,
@@ -418,7 +380,7 @@ fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
 }
 
 /// `(batch, index_head, kblock, valid)` of task row `row`.
-fn task_meta(b: &mut KernelBuilder, p: &Params, row: Reg<U32>) -> [Reg<U32>; 4] {
+fn task_meta(b: &mut KernelBuilder, p: &MainParams, row: Reg<U32>) -> [Reg<U32>; 4] {
     let meta = b.ld_param_ptr(&p.meta);
     let a = elem_bytes(b, meta, row, 16);
     b.ld_v(&a)

@@ -33,7 +33,7 @@
 //!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
 //!   after a lane-pair exchange that gives each lane four consecutive head dims.
 
-use super::common::{self, elem_bytes};
+use super::common::{self, elem_bytes, MainParams};
 use super::KernelSpec;
 use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
@@ -117,21 +117,6 @@ pub const SPEC: KernelSpec = KernelSpec {
     describe,
 };
 
-struct Params {
-    tmap_q: TensorMapRef,
-    tmap_do: TensorMapRef,
-    tmap_k: TensorMapRef,
-    tmap_v: TensorMapRef,
-    lse: ParamRef<U64>,
-    delta: ParamRef<U64>,
-    meta: ParamRef<U64>,
-    qrows: ParamRef<U64>,
-    qpos: ParamRef<U64>,
-    dq: ParamRef<U64>,
-    dk: ParamRef<U64>,
-    dv: ParamRef<U64>,
-}
-
 /// The CTA's task-row interval and a row's bucket.
 struct Walk {
     lo: Reg<U32>,
@@ -141,30 +126,7 @@ struct Walk {
 fn describe(b: &mut KernelBuilder) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
-    let tmap_q = b.param_tensor_map("tmap_q");
-    let tmap_do = b.param_tensor_map("tmap_do");
-    let tmap_k = b.param_tensor_map("tmap_k");
-    let tmap_v = b.param_tensor_map("tmap_v");
-    let lse = b.param_ptr("lse", HostElem::F32, false);
-    let delta = b.param_ptr("delta", HostElem::F32, false);
-    let meta = b.param_ptr("task_meta", HostElem::I32, false);
-    let qrows = b.param_ptr("task_qrows", HostElem::I32, false);
-    let qpos = b.param_ptr("task_qpos", HostElem::I32, false);
-    let desc_p = b.param_ptr("desc", HostElem::I32, false);
-    let p = Params {
-        tmap_q,
-        tmap_do,
-        tmap_k,
-        tmap_v,
-        lse,
-        delta,
-        meta,
-        qrows,
-        qpos,
-        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
-        dk: b.param_ptr("dk_pool", HostElem::F32, true),
-        dv: b.param_ptr("dv_pool", HostElem::F32, true),
-    };
+    let p = common::main_params(b);
     let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
     // The 128B swizzle is a function of absolute address bits: align the tiles to its
     // 1024-B atom whatever base the dynamic window gets.
@@ -190,7 +152,7 @@ fn describe(b: &mut KernelBuilder) {
     b.bar_sync(0, None);
 
     b.comment("the CTA walk: this CTA's interval of task rows");
-    let desc = b.ld_param_ptr(&desc_p);
+    let desc = b.ld_param_ptr(&p.desc);
     let walk = cta_interval(b, desc);
 
     let wg = b.shr(tid, 7u32);
@@ -229,7 +191,7 @@ fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
     b.or(h, m[2])
 }
 
-fn producer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, walk: &Walk) {
+fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) {
     let meta = b.ld_param_ptr(&p.meta);
     let qrows = b.ld_param_ptr(&p.qrows);
     let tq = b.tensor_map_addr(&p.tmap_q);
@@ -314,7 +276,7 @@ fn mn_major() -> SmemDesc {
 }
 
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, p: &Params, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
+fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
     let t = b.sub(tid, 128u32);
     let c = b.shr(t, 7u32); // consumer index 0/1: keys 64c.., head dims 64c..
     let tw = b.and(t, 127u32);

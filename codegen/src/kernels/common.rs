@@ -163,3 +163,53 @@ pub fn cta_interval(
     let outside = b.setp(Cmp::Ge, cta, grid);
     (b.selp(n, lo, outside), b.selp(n, hi, outside))
 }
+
+/// The parameters both main backward kernels take, in their shared order: the runtime
+/// launches either with the same arguments.
+pub struct MainParams {
+    /// Q `[T, 64, 128]` bf16, boxes of 16 heads × 64 d.
+    pub tmap_q: TensorMapRef,
+    /// dO, as Q.
+    pub tmap_do: TensorMapRef,
+    /// K `[W, 4, 128]` bf16, boxes of 128 keys × 64 d.
+    pub tmap_k: TensorMapRef,
+    /// V, as K.
+    pub tmap_v: TensorMapRef,
+    /// LSE `[T, 64]` fp32 (natural log).
+    pub lse: ParamRef<U64>,
+    /// Delta `[T, 64]` fp32.
+    pub delta: ParamRef<U64>,
+    /// `task_meta [capacity, 4]`.
+    pub meta: ParamRef<U64>,
+    /// `task_qrows [capacity, 8]`.
+    pub qrows: ParamRef<U64>,
+    /// `task_qpos [capacity, 8]`.
+    pub qpos: ParamRef<U64>,
+    /// The CTA-walk descriptor `int32[8]`.
+    pub desc: ParamRef<U64>,
+    /// The bf16 dQ pool `[T, 32, 128, 2]`.
+    pub dq: ParamRef<U64>,
+    /// The fp32 dK pool `[W, 4, 128]`.
+    pub dk: ParamRef<U64>,
+    /// The fp32 dV pool `[W, 4, 128]`.
+    pub dv: ParamRef<U64>,
+}
+
+/// Declares the main kernels' parameters.
+pub fn main_params(b: &mut KernelBuilder) -> MainParams {
+    MainParams {
+        tmap_q: b.param_tensor_map("tmap_q"),
+        tmap_do: b.param_tensor_map("tmap_do"),
+        tmap_k: b.param_tensor_map("tmap_k"),
+        tmap_v: b.param_tensor_map("tmap_v"),
+        lse: b.param_ptr("lse", HostElem::F32, false),
+        delta: b.param_ptr("delta", HostElem::F32, false),
+        meta: b.param_ptr("task_meta", HostElem::I32, false),
+        qrows: b.param_ptr("task_qrows", HostElem::I32, false),
+        qpos: b.param_ptr("task_qpos", HostElem::I32, false),
+        desc: b.param_ptr("desc", HostElem::I32, false),
+        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
+        dk: b.param_ptr("dk_pool", HostElem::F32, true),
+        dv: b.param_ptr("dv_pool", HostElem::F32, true),
+    }
+}
