@@ -54,9 +54,10 @@ fn describe(b: &mut KernelBuilder) {
         b.comment(&format!("rows first + {}", pass * ROWS_PER_PASS));
         let t = b.add(first, pass * ROWS_PER_PASS);
         let live = b.setp(Cmp::Lt, t, tokens);
-        b.if_then(live, "row_done", |b| {
-            // (t * 64 + head) is the row index of both O and dO, and the delta index.
-            let row = b.mad_lo(t, HEADS, head);
+        // (t * 64 + head) is the row index of both O and dO, and the delta index.
+        let row = b.mad_lo(t, HEADS, head);
+        let sum = b.mov::<F32>(0.0f32);
+        b.if_then(live, "row_loaded", |b| {
             let row_bytes = b.mul_wide(row, HEAD_DIM * 2);
             let off = b.add(row_bytes, lane_bytes);
             let o_addr = b.add(out, off);
@@ -70,14 +71,19 @@ fn describe(b: &mut KernelBuilder) {
                 acc = b.fma(o_lo, d_lo, acc);
                 acc = b.fma(o_hi, d_hi, acc);
             }
-            for dist in [1u32, 2, 4, 8] {
-                let other = b.shfl(Shfl::Bfly, acc, dist, 0x1f);
-                acc = b.add(acc, other);
-            }
-            let row_f32 = b.mul_wide(row, 4u32);
-            let dst = b.add(delta, row_f32);
-            b.predicated(leader, false, |b| b.st(&global(dst, 0), acc));
+            b.set(sum, acc);
         });
+        // The butterfly runs in every lane: a warp holds two rows, and when only the first
+        // is below T the other half-warp must still take part in the full-mask shuffles.
+        let mut acc = sum;
+        for dist in [1u32, 2, 4, 8] {
+            let other = b.shfl(Shfl::Bfly, acc, dist, 0x1f);
+            acc = b.add(acc, other);
+        }
+        let store = b.and_pred(live, leader);
+        let row_f32 = b.mul_wide(row, 4u32);
+        let dst = b.add(delta, row_f32);
+        b.predicated(store, false, |b| b.st(&global(dst, 0), acc));
     }
     b.ret();
 }

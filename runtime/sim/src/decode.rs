@@ -786,6 +786,50 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
             Op::Bar { kind, id, count }
         }
         "atom" | "red" => decode_atom(name == "atom", &mut m, ops, ctx)?,
+        "mbarrier" => decode_mbarrier(&mut m, ops, ctx)?,
+        "cp" => decode_tma(&mut m, ops, ctx)?,
+        "wgmma" => decode_wgmma(&mut m, ops, ctx)?,
+        "setmaxnreg" => {
+            let inc = match m.take_any(&["inc", "dec"]) {
+                Some(d) => d == "inc",
+                None => return malformed("setmaxnreg needs .inc or .dec"),
+            };
+            if !(m.take("sync") && m.take("aligned")) {
+                return malformed("setmaxnreg is .sync.aligned");
+            }
+            if m.one_type()? != Ty::U(32) {
+                return malformed("setmaxnreg is .u32");
+            }
+            m.finish()?;
+            arity(ops, 1)?;
+            let Operand::Int(n) = ops[0] else {
+                return malformed("setmaxnreg takes an immediate register count");
+            };
+            let count = u32::try_from(n)
+                .map_err(|_| DecodeError::Malformed(format!("register count {n} out of range")))?;
+            Op::SetMaxNReg { inc, count }
+        }
+        "fence" => {
+            let kind = if m.take("proxy") {
+                if !m.take("async") {
+                    return unsupported("only fence.proxy.async is modelled among proxy fences");
+                }
+                m.take_any(&["shared::cta", "shared", "global"]);
+                FenceKind::ProxyAsync
+            } else if m.take("mbarrier_init") {
+                m.take("release");
+                m.take("cluster");
+                FenceKind::MbarrierInit
+            } else if m.take_any(&["sc", "acq_rel"]).is_some() {
+                m.take_any(&["cta", "gpu", "sys", "cluster"]);
+                FenceKind::Memory
+            } else {
+                return unsupported("fence flavour");
+            };
+            m.finish()?;
+            arity(ops, 0)?;
+            Op::Fence(kind)
+        }
         "createpolicy" => {
             if !m.take("fractional") {
                 return unsupported("only createpolicy.fractional is modelled");
@@ -818,6 +862,30 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
             match ctx.labels.get(l) {
                 Some(&target) => Op::Bra { target },
                 None => return malformed(format!("unknown label `{l}`")),
+            }
+        }
+        "trap" => {
+            m.finish()?;
+            arity(ops, 0)?;
+            Op::Trap
+        }
+        "elect" => {
+            if !m.take("sync") {
+                return malformed("elect is .sync");
+            }
+            m.finish()?;
+            arity(ops, 2)?;
+            let (d, p) = match &ops[0] {
+                Operand::Pair(d, p) => (
+                    ctx.dst(&Operand::Name(d.clone()))?,
+                    Some(ctx.pred_reg(&Operand::Name(p.clone()))?),
+                ),
+                o => (ctx.dst(o)?, None),
+            };
+            Op::Elect {
+                d,
+                p,
+                mask: ctx.src(&ops[1], Ty::B(32))?,
             }
         }
         "ret" | "exit" => {
@@ -990,4 +1058,258 @@ fn decode_atom(atom: bool, m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> 
         c,
         noftz,
     })
+}
+
+/// `.shared`, `.shared::cta` or no space (generic) for the mbarrier operand.
+fn mbarrier_space(m: &mut Mods<'_>) -> Result<Space> {
+    if m.take("shared") || m.take("shared::cta") {
+        Ok(Space::Shared)
+    } else if let Some(s) = m.take_any(&["shared::cluster", "global", "local", "const", "param"]) {
+        unsupported(format!("mbarrier in state space `.{s}`"))
+    } else {
+        Ok(Space::Generic)
+    }
+}
+
+fn decode_mbarrier(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    let Some(kind) = m.take_any(&[
+        "init",
+        "arrive",
+        "expect_tx",
+        "complete_tx",
+        "try_wait",
+        "test_wait",
+    ]) else {
+        return unsupported(format!(
+            "mbarrier operation `.{}`",
+            m.list.first().copied().unwrap_or_default()
+        ));
+    };
+    let expect = kind == "arrive" && m.take("expect_tx");
+    if matches!(kind, "try_wait" | "test_wait") && !m.take("parity") {
+        return unsupported(format!(
+            "mbarrier.{kind} with a state token (only .parity is modelled)"
+        ));
+    }
+    // Memory-order and scope qualifiers: the simulator is sequentially consistent and runs
+    // one CTA at a time.
+    m.ignore(&["release", "acquire", "relaxed", "cta", "cluster"]);
+    let space = mbarrier_space(m)?;
+    let ty = m.one_type()?;
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    if ty != Ty::B(64) {
+        return malformed("mbarrier operations are .b64");
+    }
+    let u32t = Ty::U(32);
+    Ok(match kind {
+        "init" => {
+            arity(ops, 2)?;
+            Op::MbarrierInit {
+                space,
+                addr: ctx.addr(&ops[0])?,
+                count: ctx.src(&ops[1], u32t)?,
+            }
+        }
+        "arrive" => {
+            if !(2..=3).contains(&ops.len()) || (expect && ops.len() != 3) {
+                return malformed("mbarrier.arrive takes state, [addr] and an optional count");
+            }
+            let extra = ops.get(2).map(|o| ctx.src(o, u32t)).transpose()?;
+            Op::MbarrierArrive {
+                space,
+                state: ctx.dst(&ops[0])?,
+                addr: ctx.addr(&ops[1])?,
+                count: if expect { None } else { extra },
+                tx: if expect { extra } else { None },
+            }
+        }
+        "expect_tx" | "complete_tx" => {
+            arity(ops, 2)?;
+            Op::MbarrierExpectTx {
+                space,
+                addr: ctx.addr(&ops[0])?,
+                tx: ctx.src(&ops[1], u32t)?,
+                complete: kind == "complete_tx",
+            }
+        }
+        _ => {
+            let test = kind == "test_wait";
+            if !(3..=3 + !test as usize).contains(&ops.len()) {
+                return malformed(
+                    "mbarrier wait takes p, [addr], parity (and a hint for try_wait)",
+                );
+            }
+            Op::MbarrierTryWait {
+                test,
+                space,
+                p: ctx.pred_reg(&ops[0])?,
+                addr: ctx.addr(&ops[1])?,
+                parity: ctx.src(&ops[2], u32t)?,
+            }
+        }
+    })
+}
+
+fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    if !(m.take("async") && m.take("bulk") && m.take("tensor")) {
+        return unsupported("only cp.async.bulk.tensor is modelled among cp instructions");
+    }
+    let rank = match m.take_any(&["1d", "2d", "3d", "4d", "5d"]) {
+        Some(d) => d.as_bytes()[0] - b'0',
+        None => return malformed("cp.async.bulk.tensor needs a dimension"),
+    };
+    if m.take_any(&["shared::cluster", "shared::cta"]).is_none() || !m.take("global") {
+        return unsupported("only global-to-shared tensor copies are modelled");
+    }
+    m.take("tile");
+    if !m.take("mbarrier::complete_tx::bytes") {
+        return unsupported("only mbarrier::complete_tx::bytes completion is modelled");
+    }
+    let hint = m.take("L2::cache_hint");
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    arity(ops, 3 + hint as usize)?;
+    let Operand::Tensor(map, coords) = &ops[1] else {
+        return malformed("expected a tensor operand [map, {c0, ...}]");
+    };
+    if coords.len() != rank as usize {
+        return malformed(format!("a {rank}d copy with {} coordinates", coords.len()));
+    }
+    Ok(Op::CpAsyncBulkTensor(Box::new(TmaLoad {
+        dst: ctx.addr(&ops[0])?,
+        tensor: TensorRef {
+            map: ctx.addr_of(map)?,
+            coords: coords
+                .iter()
+                .map(|c| ctx.src(c, Ty::S(32)))
+                .collect::<Result<_>>()?,
+        },
+        mbar: ctx.addr(&ops[2])?,
+    })))
+}
+
+fn imm_of(op: &Operand, allowed: &[i128], what: &str) -> Result<i128> {
+    match op {
+        Operand::Int(v) if allowed.contains(v) => Ok(*v),
+        _ => malformed(format!("{what} must be one of {allowed:?}, found {op:?}")),
+    }
+}
+
+fn decode_wgmma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    let kind = m.take_any(&["fence", "commit_group", "wait_group", "mma_async"]);
+    if !(m.take("sync") && m.take("aligned")) {
+        return malformed("wgmma instructions are .sync.aligned");
+    }
+    let sync = match kind {
+        Some("fence") => Some(WgmmaSync::Fence),
+        Some("commit_group") => Some(WgmmaSync::Commit),
+        Some("wait_group") => {
+            arity(ops, 1)?;
+            let Operand::Int(n) = ops[0] else {
+                return malformed("wgmma.wait_group takes an immediate");
+            };
+            Some(WgmmaSync::Wait(u32::try_from(n).map_err(|_| {
+                DecodeError::Malformed(format!("wait_group {n} out of range"))
+            })?))
+        }
+        Some(_) => None,
+        None => return unsupported("wgmma variant"),
+    };
+    if let Some(s) = sync {
+        let m = Mods {
+            list: std::mem::take(&mut m.list),
+        };
+        m.finish()?;
+        if !matches!(s, WgmmaSync::Wait(_)) {
+            arity(ops, 0)?;
+        }
+        return Ok(Op::WgmmaSync(s));
+    }
+    let shape = m
+        .list
+        .iter()
+        .position(|x| x.starts_with('m') && x.contains('n') && x.contains('k'));
+    let Some(i) = shape else {
+        return malformed("wgmma.mma_async needs a shape");
+    };
+    let shape = m.list.remove(i);
+    let n = shape
+        .strip_prefix("m64n")
+        .and_then(|r| r.strip_suffix("k16"))
+        .and_then(|n| n.parse::<u32>().ok())
+        .filter(|n| n % 8 == 0 && (8..=256).contains(n));
+    let Some(n) = n else {
+        return unsupported(format!(
+            "wgmma shape `.{shape}` (only m64nNk16 is modelled)"
+        ));
+    };
+    let input = match m.types().as_slice() {
+        [Ty::F32, Ty::Bf16, Ty::Bf16] => WgmmaInput::Bf16,
+        [Ty::F32, Ty::F16, Ty::F16] => WgmmaInput::F16,
+        t => {
+            return unsupported(format!(
+                "wgmma types {t:?} (only .f32.bf16.bf16 and .f32.f16.f16)"
+            ))
+        }
+    };
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    let d = match &ops.first() {
+        Some(Operand::Vector(items)) => items
+            .iter()
+            .map(|x| ctx.reg(x))
+            .collect::<Result<Vec<_>>>()?,
+        _ => return malformed("wgmma.mma_async needs a vector accumulator"),
+    };
+    if d.len() != n as usize / 2 {
+        return malformed(format!(
+            "m64n{n}k16 needs {} accumulator registers, found {}",
+            n / 2,
+            d.len()
+        ));
+    }
+    let b64 = Ty::B(64);
+    let rs = matches!(ops.get(1), Some(Operand::Vector(_)));
+    arity(ops, if rs { 7 } else { 8 })?;
+    let a = if let Operand::Vector(items) = &ops[1] {
+        if items.len() != 4 {
+            return malformed("the A fragment of m64nNk16 is four .b32 registers");
+        }
+        let r = items
+            .iter()
+            .map(|x| ctx.src(x, Ty::B(32)))
+            .collect::<Result<Vec<_>>>()?;
+        WgmmaA::Regs([r[0], r[1], r[2], r[3]])
+    } else {
+        WgmmaA::Desc(ctx.src(&ops[1], b64)?)
+    };
+    let scale_a = imm_of(&ops[4], &[1, -1], "imm-scale-a")?;
+    let scale_b = imm_of(&ops[5], &[1, -1], "imm-scale-b")?;
+    let (trans_a, trans_b) = if rs {
+        (false, imm_of(&ops[6], &[0, 1], "imm-trans-b")? == 1)
+    } else {
+        (
+            imm_of(&ops[6], &[0, 1], "imm-trans-a")? == 1,
+            imm_of(&ops[7], &[0, 1], "imm-trans-b")? == 1,
+        )
+    };
+    Ok(Op::Wgmma(Box::new(Wgmma {
+        n,
+        input,
+        d,
+        a,
+        b: ctx.src(&ops[2], b64)?,
+        scale_d: ctx.pred_src(&ops[3])?,
+        negate_a: scale_a == -1,
+        negate_b: scale_b == -1,
+        trans_a,
+        trans_b,
+    })))
 }

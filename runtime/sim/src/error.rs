@@ -113,9 +113,24 @@ pub enum FaultKind {
     Memory(MemoryFault),
     /// Integer `div`/`rem` by zero.
     DivisionByZero,
-    /// A warp-synchronous instruction (`shfl.sync`, `bar.sync`) whose participants were not
-    /// converged, or another violation of its contract.
+    /// A warp-synchronous instruction (`shfl.sync`, `bar.sync`, a warpgroup-collective
+    /// `wgmma` or `setmaxnreg`) whose participants were not converged, or another violation
+    /// of its contract.
     Sync(String),
+    /// Misuse of an mbarrier: not initialised, more arrivals or more transaction bytes in a
+    /// phase than it expects, a store over a live mbarrier.
+    Mbarrier(String),
+    /// A bad TMA copy: the tensor map, coordinates, destination, or a copy still in flight
+    /// when the CTA exits.
+    Tma(String),
+    /// A bad `wgmma`: descriptor, layout, a register accessed while an MMA that uses it is in
+    /// flight, a missing `wgmma.fence`, shared operands changing before `wgmma.wait_group`.
+    Wgmma(String),
+    /// A thread executed `trap`.
+    Trap,
+    /// Shared memory written through the generic proxy (`st.shared`) and read through the
+    /// async proxy (wgmma, TMA) without a `fence.proxy.async` by the writer in between.
+    Proxy(String),
 }
 
 impl fmt::Display for FaultKind {
@@ -124,6 +139,11 @@ impl fmt::Display for FaultKind {
             FaultKind::Memory(m) => m.fmt(f),
             FaultKind::DivisionByZero => f.write_str("integer division by zero"),
             FaultKind::Sync(s) => f.write_str(s),
+            FaultKind::Trap => f.write_str("trap executed"),
+            FaultKind::Mbarrier(s) => write!(f, "mbarrier: {s}"),
+            FaultKind::Tma(s) => write!(f, "TMA: {s}"),
+            FaultKind::Wgmma(s) => write!(f, "wgmma: {s}"),
+            FaultKind::Proxy(s) => write!(f, "async proxy: {s}"),
         }
     }
 }

@@ -8,6 +8,26 @@
 //! `bar.sync` blocks until the barrier completes; when no warp has a runnable lane and some
 //! thread is still alive, the CTA is deadlocked and the error names every warp's PCs and the
 //! barriers they wait on.
+//!
+//! # Asynchronous machinery (sm_90a)
+//!
+//! - **mbarriers** live in a side table keyed by their shared address, with the phase, the
+//!   pending arrivals and the transaction count. `mbarrier.try_wait.parity` blocks the lane
+//!   until the phase of that parity completes (a deadlock names the mbarrier, the parity and
+//!   its state). More arrivals or more transaction bytes than a phase expects are faults.
+//! - **TMA** (`cp.async.bulk.tensor`) is validated when issued and completed late: by default
+//!   when a thread waits on its mbarrier and the phase is not complete yet (or when every
+//!   thread is blocked), so that a consumer that skips the wait reads stale shared memory.
+//!   [`TmaCompletion::Immediate`] completes at issue instead, so that a producer that
+//!   overwrites a stage still being read is caught. See [`crate::tensor_map`] for the map.
+//! - **wgmma** and **setmaxnreg** are warpgroup collectives: the four warps meet at the same
+//!   instruction (a different instruction is a fault), then it runs for the warpgroup. An MMA
+//!   snapshots its shared operands at issue and computes at the `wgmma.wait_group` that
+//!   retires it, after re-reading the operands: a change in between is a fault, as is any
+//!   access to its accumulator or A registers while in flight and a register access since
+//!   the last `wgmma.fence`.
+//! - **Proxy ordering**: a generic `st.shared` read by a wgmma before the *writing* thread
+//!   executed `fence.proxy.async` is a fault.
 
 use crate::error::{
     FaultKind, Location, MemoryFault, MemoryFaultKind, SimError, Stall, StuckLanes, WarpState,
@@ -16,6 +36,9 @@ use crate::ir::*;
 use crate::memory::{DevPtr, Element, GlobalMemory};
 use crate::module::Kernel;
 use crate::numeric::*;
+
+mod mbarrier;
+mod wgmma;
 
 /// Limits of the simulated device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +50,23 @@ pub struct Limits {
     /// Warp instructions one CTA may execute before the launch fails with
     /// [`SimError::StepLimit`] (catches infinite loops).
     pub max_steps_per_cta: u64,
+    /// Registers of one SM's pool that `setmaxnreg` redistributes: 65536 on sm_90 / sm_100.
+    pub register_pool: u32,
+    /// When a TMA copy lands in shared memory and completes its bytes on the mbarrier.
+    pub tma_completion: TmaCompletion,
+}
+
+/// When the simulator completes a TMA copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TmaCompletion {
+    /// As late as possible: when a thread waits on the copy's mbarrier and the phase has not
+    /// completed, or when every live thread is blocked. A consumer that reads the stage
+    /// without waiting sees stale data.
+    #[default]
+    Deferred,
+    /// At issue. A producer that overwrites a stage before its consumers released it
+    /// corrupts what they read (or trips the wgmma operand check).
+    Immediate,
 }
 
 impl Default for Limits {
@@ -35,6 +75,8 @@ impl Default for Limits {
             max_threads_per_cta: 1024,
             max_shared_bytes: 227 * 1024,
             max_steps_per_cta: 50_000_000,
+            register_pool: 65536,
+            tma_completion: TmaCompletion::Deferred,
         }
     }
 }
@@ -211,7 +253,7 @@ impl Gpu {
             &params,
             cfg,
             shared_bytes as usize,
-            self.limits.max_steps_per_cta,
+            &self.limits,
         );
         let mut stats = LaunchStats::default();
         for z in 0..cfg.grid[2] {
@@ -269,6 +311,11 @@ fn param_buffer(kernel: &Kernel, args: &[Arg]) -> Result<Vec<u8>, String> {
 }
 
 const NOT_BLOCKED: u8 = u8::MAX;
+/// `blocked_on` of a lane in `mbarrier.try_wait` (details in `mbar_wait`); the lane re-executes
+/// the wait when woken.
+const BLOCK_MBAR: u8 = 16;
+/// `blocked_on` of a lane whose warp waits for its warpgroup at a collective instruction.
+const BLOCK_WARPGROUP: u8 = 17;
 /// Warp instructions a warp runs before the scheduler moves on.
 const QUANTUM: u32 = 4096;
 
@@ -307,6 +354,30 @@ struct Cta<'a> {
     max_steps: u64,
     steps: u64,
     thread_steps: u64,
+    /// (shared address, parity) of each lane blocked in `mbarrier.try_wait`.
+    mbar_wait: Vec<(u32, u8)>,
+    mbars: Vec<mbarrier::Mbarrier>,
+    tmas: Vec<mbarrier::PendingTma>,
+    tma_completion: TmaCompletion,
+    wgs: Vec<wgmma::Warpgroup>,
+    /// Per-thread registers at launch (what `setmaxnreg` starts from).
+    launch_regs: u32,
+    register_pool: u32,
+    /// Per warp and register: how many in-flight MMAs use it (accumulator or A fragment).
+    inflight: Vec<u16>,
+    /// Per warp: in-flight MMAs.
+    inflight_ops: Vec<u32>,
+    /// Per warp and register: the warp's fence generation when last accessed.
+    touched: Vec<u32>,
+    /// Per warp: incremented by every `wgmma.fence` (starts at 1).
+    fence_gen: Vec<u32>,
+    /// Per shared 4-byte word: 1 + the thread whose generic store is not yet fenced, or 0.
+    unfenced: Vec<u32>,
+    /// PC of that store.
+    unfenced_pc: Vec<u32>,
+    /// Per thread: the words it stored since its last `fence.proxy.async`.
+    unfenced_list: Vec<Vec<u32>>,
+    unfenced_total: usize,
 }
 
 #[inline]
@@ -330,7 +401,7 @@ impl<'a> Cta<'a> {
         params: &'a [u8],
         cfg: &LaunchConfig,
         shared_bytes: usize,
-        max_steps: u64,
+        limits: &Limits,
     ) -> Self {
         let nthreads = cfg.block.iter().product::<u32>() as usize;
         let nwarps = nthreads.div_ceil(32);
@@ -372,9 +443,40 @@ impl<'a> Cta<'a> {
                 };
                 16
             ],
-            max_steps,
+            max_steps: limits.max_steps_per_cta,
             steps: 0,
             thread_steps: 0,
+            mbar_wait: vec![(0, 0); nwarps * 32],
+            mbars: Vec::new(),
+            tmas: Vec::new(),
+            tma_completion: limits.tma_completion,
+            wgs: vec![wgmma::Warpgroup::default(); nwarps.div_ceil(4)],
+            launch_regs: wgmma::launch_registers(k, nthreads as u32, limits.register_pool),
+            register_pool: limits.register_pool,
+            inflight: if k.uses_wgmma {
+                vec![0; nwarps * nregs]
+            } else {
+                Vec::new()
+            },
+            inflight_ops: vec![0; nwarps],
+            touched: if k.uses_wgmma {
+                vec![0; nwarps * nregs]
+            } else {
+                Vec::new()
+            },
+            fence_gen: vec![1; nwarps],
+            unfenced: if k.uses_async_proxy {
+                vec![0; shared_bytes.div_ceil(4)]
+            } else {
+                Vec::new()
+            },
+            unfenced_pc: if k.uses_async_proxy {
+                vec![0; shared_bytes.div_ceil(4)]
+            } else {
+                Vec::new()
+            },
+            unfenced_list: vec![Vec::new(); nwarps * 32],
+            unfenced_total: 0,
         }
     }
 
@@ -395,6 +497,19 @@ impl<'a> Cta<'a> {
         }
         self.steps = 0;
         self.thread_steps = 0;
+        self.mbars.clear();
+        self.tmas.clear();
+        let regs = self.launch_regs;
+        for g in &mut self.wgs {
+            *g = wgmma::Warpgroup::new(regs);
+        }
+        self.inflight.fill(0);
+        self.inflight_ops.fill(0);
+        self.touched.fill(0);
+        self.fence_gen.fill(1);
+        self.unfenced.fill(0);
+        self.unfenced_list.iter_mut().for_each(Vec::clear);
+        self.unfenced_total = 0;
     }
 
     fn run(&mut self) -> Result<(), SimError> {
@@ -416,7 +531,12 @@ impl<'a> Cta<'a> {
             }
             if !progressed {
                 if self.exited == self.present {
-                    return Ok(());
+                    return self.check_exit();
+                }
+                if !self.tmas.is_empty() {
+                    // Every live thread is blocked: the copies in flight land now.
+                    self.complete_all_tmas()?;
+                    continue;
                 }
                 return Err(SimError::Deadlock(Box::new(self.stall())));
             }
@@ -434,15 +554,17 @@ impl<'a> Cta<'a> {
             for l in lanes(live) {
                 let t = w * 32 + l;
                 let b = self.blocked_on[t];
-                let pc = if b == NOT_BLOCKED {
-                    self.lane_pc(w, l) as usize
-                } else {
-                    self.pc[t] as usize - 1
+                let pc = match b {
+                    NOT_BLOCKED => self.lane_pc(w, l) as usize,
+                    // Named barriers advance before blocking; the others re-execute.
+                    0..=15 => self.pc[t] as usize - 1,
+                    _ => self.pc[t] as usize,
                 };
-                let waiting_for = if b == NOT_BLOCKED {
-                    "runnable".to_string()
-                } else {
-                    self.describe_barrier(b as usize)
+                let waiting_for = match b {
+                    NOT_BLOCKED => "runnable".to_string(),
+                    0..=15 => self.describe_barrier(b as usize),
+                    BLOCK_MBAR => self.describe_mbar_wait(t),
+                    _ => self.describe_warpgroup_wait(w),
                 };
                 match groups
                     .iter_mut()
@@ -842,6 +964,9 @@ impl<'a> Cta<'a> {
         };
         self.steps += 1;
         self.thread_steps += exec.count_ones() as u64;
+        if k.uses_wgmma && exec != 0 && !matches!(inst.op, Op::Wgmma(_) | Op::WgmmaSync(_)) {
+            self.track_registers(pcu, w, exec)?;
+        }
         match &inst.op {
             Op::Mov { bits, d, a } => {
                 let bits = *bits as u32;
@@ -1141,6 +1266,9 @@ impl<'a> Cta<'a> {
                         buf[i * esize..(i + 1) * esize]
                             .copy_from_slice(&v[l].to_le_bytes()[..esize]);
                     }
+                    if let Place::Shared(off) = place {
+                        self.generic_shared_store(pcu, w, l, off, esize * n)?;
+                    }
                     self.write_bytes(place, &buf[..esize * n]);
                 }
             }
@@ -1185,7 +1313,55 @@ impl<'a> Cta<'a> {
                             self.regs[ri + l] = old;
                         }
                     }
+                    if let Place::Shared(off) = place {
+                        self.generic_shared_store(pcu, w, l, off, esize * n)?;
+                    }
                     self.write_bytes(place, &buf[..esize * n]);
+                }
+            }
+            Op::MbarrierInit { space, addr, count } => {
+                self.mbarrier_init(pcu, w, exec, *space, addr, *count)?;
+            }
+            Op::MbarrierArrive {
+                space,
+                state,
+                addr,
+                count,
+                tx,
+            } => self.mbarrier_arrive(pcu, w, exec, *space, *state, addr, *count, *tx)?,
+            Op::MbarrierExpectTx {
+                space,
+                addr,
+                tx,
+                complete,
+            } => self.mbarrier_tx(pcu, w, exec, *space, addr, *tx, *complete)?,
+            Op::MbarrierTryWait {
+                test,
+                space,
+                p,
+                addr,
+                parity,
+            } => {
+                self.mbarrier_try_wait(pcu, w, group, exec, *test, *space, *p, addr, *parity)?;
+                return Ok(());
+            }
+            Op::CpAsyncBulkTensor(t) => self.tma_issue(pcu, w, exec, t)?,
+            Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {
+                self.collective(pcu, w, group, exec)?;
+                return Ok(());
+            }
+            Op::Fence(kind) => {
+                if *kind == FenceKind::ProxyAsync && k.uses_async_proxy {
+                    for l in lanes(exec) {
+                        self.proxy_fence(w * 32 + l);
+                    }
+                }
+            }
+            Op::Elect { d, p, mask } => self.elect(pcu, w, group, exec, *d, *p, *mask)?,
+            Op::Trap => {
+                if exec != 0 {
+                    let l = exec.trailing_zeros() as usize;
+                    return Err(self.fault(pcu, w, l, FaultKind::Trap));
                 }
             }
             Op::CreatePolicy { d } => {
@@ -1220,6 +1396,85 @@ impl<'a> Cta<'a> {
         Ok(())
     }
 
+    /// The `.sync` contract of a warp instruction with a membermask: the same mask in every
+    /// executing lane, every executing lane in it, every lane of it executing.
+    fn check_membermask(
+        &self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        mk: &[u64; 32],
+        what: &str,
+    ) -> Result<u32, SimError> {
+        let first = exec.trailing_zeros() as usize;
+        let member = mk[first] as u32;
+        for l in lanes(exec) {
+            if mk[l] as u32 != member {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "{what} membermask {:#010x} differs from lane {first}'s {member:#010x}",
+                        mk[l] as u32
+                    )),
+                ));
+            }
+            if member >> l & 1 == 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "{what} executed by lane {l}, which is not in membermask {member:#010x}"
+                    )),
+                ));
+            }
+        }
+        let missing = member & !exec;
+        if missing != 0 {
+            let l = missing.trailing_zeros() as usize;
+            let why = self.absence(w, l, group);
+            return Err(self.fault(
+                pc,
+                w,
+                first,
+                FaultKind::Sync(format!(
+                    "{what} with membermask {member:#010x}: lane {l} {why}"
+                )),
+            ));
+        }
+        Ok(member)
+    }
+
+    /// `elect.sync d|p, membermask`: the lowest lane of the membermask is the leader.
+    #[allow(clippy::too_many_arguments)]
+    fn elect(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        d: Dst,
+        p: Option<Reg>,
+        mask: Src,
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        let mk = self.gather(w, mask);
+        let member = self.check_membermask(pc, w, group, exec, &mk, "elect.sync")?;
+        let leader = member.trailing_zeros();
+        if let Dst::Reg(r) = d {
+            self.put(w, r, exec, &[leader as u64; 32], 32);
+        }
+        if let Some(r) = p {
+            self.put_mask(w, r, exec, 1 << leader);
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn shfl(
         &mut self,
@@ -1236,58 +1491,7 @@ impl<'a> Cta<'a> {
             return Ok(());
         }
         let [a, b, c, mk] = srcs.map(|s| self.gather(w, s));
-        let first = exec.trailing_zeros() as usize;
-        let member = mk[first] as u32;
-        for l in lanes(exec) {
-            if mk[l] as u32 != member {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Sync(format!(
-                        "shfl.sync membermask {:#010x} differs from lane {first}'s {member:#010x}",
-                        mk[l] as u32
-                    )),
-                ));
-            }
-            if member >> l & 1 == 0 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Sync(format!(
-                        "shfl.sync executed by lane {l}, which is not in membermask {member:#010x}"
-                    )),
-                ));
-            }
-        }
-        let missing = member & !exec;
-        if missing != 0 {
-            let l = missing.trailing_zeros() as usize;
-            let why = if self.present[w] >> l & 1 == 0 {
-                "does not exist (partial warp)".to_string()
-            } else if self.exited[w] >> l & 1 == 1 {
-                "has exited".to_string()
-            } else if self.blocked_on[w * 32 + l] != NOT_BLOCKED {
-                format!("is blocked on barrier {}", self.blocked_on[w * 32 + l])
-            } else if group >> l & 1 == 1 {
-                "has a false guard".to_string()
-            } else {
-                let at = self.lane_pc(w, l) as usize;
-                format!(
-                    "is not converged (at pc {at}, line {})",
-                    self.k.source[at].line
-                )
-            };
-            return Err(self.fault(
-                pc,
-                w,
-                first,
-                FaultKind::Sync(format!(
-                    "shfl.sync with membermask {member:#010x}: lane {l} {why}"
-                )),
-            ));
-        }
+        self.check_membermask(pc, w, group, exec, &mk, "shfl.sync")?;
         let mut val = [0u64; 32];
         let mut pv = [0u64; 32];
         for l in lanes(exec) {

@@ -5,10 +5,9 @@
 //! instruction indices and immediates are raw bits of the instruction's type. Execution never
 //! looks at a string.
 //!
-//! Stage 2 (Hopper async machinery) plugs in as new [`Op`] variants (`MbarrierInit`,
-//! `MbarrierArrive`, `MbarrierTryWait`, `CpAsyncBulkTensor`, `Wgmma*`, `Fence`, `SetMaxNReg`):
-//! the operand forms they need ([`Addr`], [`TensorRef`], vectors of [`Dst`]/[`Src`]) already
-//! exist here.
+//! The Hopper asynchronous machinery decodes to [`Op::MbarrierInit`], [`Op::MbarrierArrive`],
+//! [`Op::MbarrierExpectTx`], [`Op::MbarrierTryWait`], [`Op::CpAsyncBulkTensor`],
+//! [`Op::Wgmma`], [`Op::WgmmaSync`], [`Op::SetMaxNReg`] and [`Op::Fence`].
 
 use std::fmt;
 
@@ -175,7 +174,7 @@ pub struct Addr {
     pub offset: i64,
 }
 
-/// A tensor operand `[%rd, {%c0, %c1, ...}]` (stage 2: `cp.async.bulk.tensor`).
+/// A tensor operand `[%rd, {%c0, %c1, ...}]` of `cp.async.bulk.tensor`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorRef {
     /// The tensor-map address.
@@ -501,6 +500,83 @@ pub enum BarKind {
     Arrive,
 }
 
+/// The A operand of `wgmma.mma_async`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WgmmaA {
+    /// A 64-bit shared-memory matrix descriptor (the SS form).
+    Desc(Src),
+    /// Four `.b32` registers per thread holding the thread's A fragment (the RS form).
+    Regs([Src; 4]),
+}
+
+/// The input element type of a `wgmma.mma_async` (the accumulator is always `.f32`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WgmmaInput {
+    /// `.bf16.bf16`
+    Bf16,
+    /// `.f16.f16`
+    F16,
+}
+
+/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Wgmma {
+    /// `N` of the shape (a multiple of 8 in 8..=256); `M` = 64 and `K` = 16.
+    pub n: u32,
+    /// Input element type.
+    pub input: WgmmaInput,
+    /// The accumulator: `N/2` `.f32` registers per thread.
+    pub d: Vec<Reg>,
+    /// The A operand.
+    pub a: WgmmaA,
+    /// The B descriptor.
+    pub b: Src,
+    /// `scale-d`: `D = A·B + D` when true, `D = A·B` when false.
+    pub scale_d: PredSrc,
+    /// `imm-scale-a` = −1.
+    pub negate_a: bool,
+    /// `imm-scale-b` = −1.
+    pub negate_b: bool,
+    /// `imm-trans-a` = 1: A is MN-major in shared memory (SS form only).
+    pub trans_a: bool,
+    /// `imm-trans-b` = 1: B is MN-major in shared memory.
+    pub trans_b: bool,
+}
+
+/// The warpgroup-wide `wgmma` bookkeeping instructions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WgmmaSync {
+    /// `wgmma.fence.sync.aligned`
+    Fence,
+    /// `wgmma.commit_group.sync.aligned`
+    Commit,
+    /// `wgmma.wait_group.sync.aligned N`
+    Wait(u32),
+}
+
+/// A `fence` flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceKind {
+    /// `fence.proxy.async[.shared::cta|.global]`: orders the thread's generic-proxy accesses
+    /// before its later async-proxy ones (TMA, wgmma operand reads).
+    ProxyAsync,
+    /// `fence.mbarrier_init.release.cluster` (a no-op here: one CTA, sequentially consistent).
+    MbarrierInit,
+    /// `fence.{sc,acq_rel}.{cta,gpu,sys}` (a no-op here).
+    Memory,
+}
+
+/// `cp.async.bulk.tensor.Nd.shared::cluster.global.tile.mbarrier::complete_tx::bytes`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TmaLoad {
+    /// The shared-memory destination (`.shared::cluster`: the own CTA's shared window).
+    pub dst: Addr,
+    /// The tensor map (a generic address of the 128-byte map) and the box coordinates.
+    pub tensor: TensorRef,
+    /// The mbarrier that receives the box's bytes as `complete_tx`.
+    pub mbar: Addr,
+}
+
 /// One decoded operation.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -779,6 +855,85 @@ pub enum Op {
         /// Destination.
         d: Reg,
     },
+    /// `mbarrier.init[.shared::cta].b64 [addr], count`
+    MbarrierInit {
+        /// `.shared` or generic.
+        space: Space,
+        /// The mbarrier (8 bytes, 8-aligned).
+        addr: Addr,
+        /// Expected arrivals per phase.
+        count: Src,
+    },
+    /// `mbarrier.arrive[.expect_tx][.release.cta][.shared::cta].b64 state, [addr]{, n}`:
+    /// one arrival per executing thread (or `count` with the count operand), after adding
+    /// `tx` to the phase's expected transaction bytes.
+    MbarrierArrive {
+        /// `.shared` or generic.
+        space: Space,
+        /// The returned state token (`_` to discard).
+        state: Dst,
+        /// The mbarrier.
+        addr: Addr,
+        /// Arrivals (1 when absent).
+        count: Option<Src>,
+        /// `.expect_tx` bytes.
+        tx: Option<Src>,
+    },
+    /// `mbarrier.expect_tx[.relaxed.cta][.shared::cta].b64 [addr], tx` (adds `tx` expected
+    /// bytes) or `mbarrier.complete_tx ...` (completes `tx` bytes, as a copy would).
+    MbarrierExpectTx {
+        /// `.shared` or generic.
+        space: Space,
+        /// The mbarrier.
+        addr: Addr,
+        /// Bytes.
+        tx: Src,
+        /// `complete_tx` rather than `expect_tx`.
+        complete: bool,
+    },
+    /// `mbarrier.{try,test}_wait.parity[.acquire.cta][.shared::cta].b64 p, [addr], parity{, hint}`.
+    /// `try_wait` is modelled as blocking: a lane whose phase has not completed waits until it
+    /// does. `test_wait` returns at once. Either first lands the TMA copies in flight to the
+    /// mbarrier when the phase is not complete.
+    MbarrierTryWait {
+        /// `test_wait` (never blocks).
+        test: bool,
+        /// `.shared` or generic.
+        space: Space,
+        /// The result predicate.
+        p: Reg,
+        /// The mbarrier.
+        addr: Addr,
+        /// The parity of the phase waited for.
+        parity: Src,
+    },
+    /// A TMA tile load.
+    CpAsyncBulkTensor(Box<TmaLoad>),
+    /// `wgmma.mma_async`: a warpgroup-collective asynchronous MMA.
+    Wgmma(Box<Wgmma>),
+    /// `wgmma.fence` / `commit_group` / `wait_group`.
+    WgmmaSync(WgmmaSync),
+    /// `setmaxnreg.{inc,dec}.sync.aligned.u32 count`
+    SetMaxNReg {
+        /// `.inc` (otherwise `.dec`).
+        inc: bool,
+        /// The new per-thread register count.
+        count: u32,
+    },
+    /// `fence.*`
+    Fence(FenceKind),
+    /// `elect.sync d|p, membermask`: `p` is true in the leader (the lowest lane of the
+    /// membermask), `d` is the leader's lane id.
+    Elect {
+        /// The leader's lane id (`_` to discard).
+        d: Dst,
+        /// True in the leader.
+        p: Option<Reg>,
+        /// The member mask.
+        mask: Src,
+    },
+    /// `trap`: aborts the launch.
+    Trap,
     /// `bra target`
     Bra {
         /// Instruction index.
@@ -786,6 +941,170 @@ pub enum Op {
     },
     /// `ret` / `exit`
     Exit,
+}
+
+impl Op {
+    /// Every register the operation reads or writes (address bases included), in operand
+    /// order, possibly with repeats.
+    pub fn registers(&self, out: &mut Vec<Reg>) {
+        fn src(out: &mut Vec<Reg>, s: &Src) {
+            if let Src::Reg(r) = s {
+                out.push(*r);
+            }
+        }
+        fn dst(out: &mut Vec<Reg>, d: &Dst) {
+            if let Dst::Reg(r) = d {
+                out.push(*r);
+            }
+        }
+        fn addr(out: &mut Vec<Reg>, a: &Addr) {
+            if let AddrBase::Reg(r) = a.base {
+                out.push(r);
+            }
+        }
+        match self {
+            Op::Ld {
+                dst: d, addr: a, ..
+            } => {
+                d.iter().for_each(|x| dst(out, x));
+                addr(out, a);
+            }
+            Op::St {
+                addr: a, src: s, ..
+            } => {
+                addr(out, a);
+                s.iter().for_each(|x| src(out, x));
+            }
+            Op::Mov { d, a, .. }
+            | Op::Cvta { d, a, .. }
+            | Op::IntUn { d, a, .. }
+            | Op::FloatUn { d, a, .. }
+            | Op::Cvt { d, a, .. } => {
+                out.push(*d);
+                src(out, a);
+            }
+            Op::Pack { d, parts, .. } => {
+                out.push(*d);
+                parts.iter().for_each(|x| src(out, x));
+            }
+            Op::Unpack { dst: d, a, .. } => {
+                d.iter().for_each(|x| dst(out, x));
+                src(out, a);
+            }
+            Op::Int { d, a, b, .. }
+            | Op::MulWide { d, a, b, .. }
+            | Op::Float { d, a, b, .. }
+            | Op::Setp { d, a, b, .. } => {
+                out.push(*d);
+                src(out, a);
+                src(out, b);
+            }
+            Op::CvtBf16x2 { d, hi, lo } => {
+                out.push(*d);
+                src(out, hi);
+                src(out, lo);
+            }
+            Op::Mad { d, a, b, c, .. } | Op::Fma { d, a, b, c, .. } | Op::Prmt { d, a, b, c } => {
+                out.push(*d);
+                src(out, a);
+                src(out, b);
+                src(out, c);
+            }
+            Op::Selp { d, a, b, p, .. } => {
+                out.push(*d);
+                src(out, a);
+                src(out, b);
+                src(out, &p.src);
+            }
+            Op::Pred { d, a, b, .. } => {
+                out.push(*d);
+                src(out, &a.src);
+                src(out, &b.src);
+            }
+            Op::PredNot { d, a } => {
+                out.push(*d);
+                src(out, &a.src);
+            }
+            Op::Shfl {
+                d,
+                p,
+                a,
+                b,
+                c,
+                mask,
+                ..
+            } => {
+                dst(out, d);
+                out.extend(p.iter().copied());
+                [a, b, c, mask].into_iter().for_each(|x| src(out, x));
+            }
+            Op::Bar { id, count, .. } => {
+                src(out, id);
+                count.iter().for_each(|x| src(out, x));
+            }
+            Op::Atom {
+                d, addr: a, b, c, ..
+            } => {
+                d.iter().flatten().for_each(|x| dst(out, x));
+                addr(out, a);
+                b.iter().for_each(|x| src(out, x));
+                c.iter().for_each(|x| src(out, x));
+            }
+            Op::CreatePolicy { d } => out.push(*d),
+            Op::MbarrierInit { addr: a, count, .. } => {
+                addr(out, a);
+                src(out, count);
+            }
+            Op::MbarrierArrive {
+                state,
+                addr: a,
+                count,
+                tx,
+                ..
+            } => {
+                dst(out, state);
+                addr(out, a);
+                count.iter().chain(tx.iter()).for_each(|x| src(out, x));
+            }
+            Op::MbarrierExpectTx { addr: a, tx, .. } => {
+                addr(out, a);
+                src(out, tx);
+            }
+            Op::MbarrierTryWait {
+                p, addr: a, parity, ..
+            } => {
+                out.push(*p);
+                addr(out, a);
+                src(out, parity);
+            }
+            Op::CpAsyncBulkTensor(t) => {
+                addr(out, &t.dst);
+                addr(out, &t.tensor.map);
+                t.tensor.coords.iter().for_each(|x| src(out, x));
+                addr(out, &t.mbar);
+            }
+            Op::Wgmma(w) => {
+                out.extend(w.d.iter().copied());
+                match &w.a {
+                    WgmmaA::Desc(s) => src(out, s),
+                    WgmmaA::Regs(r) => r.iter().for_each(|x| src(out, x)),
+                }
+                src(out, &w.b);
+                src(out, &w.scale_d.src);
+            }
+            Op::Elect { d, p, mask } => {
+                dst(out, d);
+                out.extend(p.iter().copied());
+                src(out, mask);
+            }
+            Op::WgmmaSync(_)
+            | Op::Trap
+            | Op::SetMaxNReg { .. }
+            | Op::Fence(_)
+            | Op::Bra { .. }
+            | Op::Exit => {}
+        }
+    }
 }
 
 /// One instruction: an optional guard and the operation.

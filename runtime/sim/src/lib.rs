@@ -47,12 +47,20 @@
 //! `exp2` in f64 rounded to f32 (the hardware approximation is within 2 ulp of that), with
 //! `.ftz` flushing subnormal inputs and results.
 //!
+//! `wgmma` computes in f32 from exact bf16/f16 products, accumulating sequentially in k within
+//! each instruction (see [`exec`]); hardware may order the 16 additions differently.
+//!
 //! # Scope
 //!
-//! Stage 1 covers every instruction of the generated kernels except the Hopper main kernel's
-//! asynchronous machinery (`mbarrier.*`, `cp.async.bulk.tensor`, `wgmma.*`, `setmaxnreg`,
-//! `fence.*`), which [`Module::parse`] rejects with ``unsupported instruction `...` at line N``;
-//! [`coverage`] lists what a text uses and what is not modelled.
+//! Every instruction of the generated Hopper kernels, the main kernel's asynchronous
+//! machinery included: `mbarrier.{init,arrive[.expect_tx],expect_tx,complete_tx,
+//! try_wait.parity,test_wait.parity}`, `cp.async.bulk.tensor` (tile loads through a
+//! [`SimTensorMap`], the simulator's stand-in for a `CUtensorMap`), `wgmma.{fence,
+//! mma_async,commit_group,wait_group}` (m64nNk16, bf16/f16 → f32, SS and RS, 128B-swizzled
+//! descriptors), `setmaxnreg`, `fence.proxy.async`, `fence.mbarrier_init`, `elect.sync` and
+//! `trap`. [`Module::parse`] rejects anything else (e.g. the Blackwell `tcgen05` family) with
+//! ``unsupported instruction `...` at line N``; [`coverage`] lists what a text uses and what is
+//! not modelled.
 
 #![warn(missing_docs)]
 
@@ -67,8 +75,10 @@ pub mod numeric;
 mod parse;
 #[cfg(feature = "runtime")]
 pub mod task_build;
+pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};
-pub use exec::{Arg, Gpu, LaunchConfig, LaunchStats, Limits};
+pub use exec::{Arg, Gpu, LaunchConfig, LaunchStats, Limits, TmaCompletion};
 pub use memory::{DevPtr, Element};
 pub use module::{Kernel, Module, Param};
+pub use tensor_map::SimTensorMap;

@@ -42,6 +42,13 @@ pub struct Kernel {
     pub(crate) source: Vec<SourceLoc>,
     pub(crate) reg_names: Vec<String>,
     pub(crate) unsupported: Option<ParseError>,
+    /// Per instruction: the registers it touches (for the wgmma register hazards).
+    pub(crate) inst_regs: Vec<Box<[Reg]>>,
+    /// Whether any instruction is a `wgmma` (turns on register-hazard tracking).
+    pub(crate) uses_wgmma: bool,
+    /// Whether any instruction reads shared memory through the async proxy (turns on the
+    /// tracking of generic shared stores not yet ordered by `fence.proxy.async`).
+    pub(crate) uses_async_proxy: bool,
 }
 
 impl Kernel {
@@ -370,7 +377,28 @@ fn build_kernel(
         text: "(end of kernel body)".to_string(),
     });
 
+    let inst_regs = code
+        .iter()
+        .map(|i| {
+            let mut v = Vec::new();
+            if let Some(g) = i.guard {
+                v.push(g.reg);
+            }
+            i.op.registers(&mut v);
+            v.sort_unstable();
+            v.dedup();
+            v.into_boxed_slice()
+        })
+        .collect();
+    let uses_wgmma = code
+        .iter()
+        .any(|i| matches!(i.op, Op::Wgmma(_) | Op::WgmmaSync(_)));
+    let uses_async_proxy = uses_wgmma;
+
     Ok(Kernel {
+        inst_regs,
+        uses_wgmma,
+        uses_async_proxy,
         name: e.name.clone(),
         params,
         param_bytes,
