@@ -167,16 +167,6 @@ fn mbarrier_elect_and_tma_match_the_gpu() {
 // (`h200_compare <test name>`).
 
 #[test]
-fn tma_to_128_byte_aligned_destinations() {
-    exact(vec![tma_dst_128_aligned()]);
-}
-
-#[test]
-fn tma_with_an_unaligned_inner_coordinate() {
-    exact(vec![tma_inner_unaligned()]);
-}
-
-#[test]
 fn wgmma_matches_the_gpu() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
