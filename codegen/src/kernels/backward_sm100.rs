@@ -774,40 +774,20 @@ fn load(b: &mut KernelBuilder, cx: &Ctx) {
             let same = b.setp(Cmp::Eq, cur, prev);
             b.unless(same, "kv_load", |b| {
                 let st = lay.kv.producer_acquire(b, bars, seg);
-                let head = b.bitcast::<S32, U32>(m[1]);
-                let key0 = b.shl(m[2], 7u32);
-                let key0 = b.bitcast::<S32, U32>(key0);
-                for (map, buf) in [(tk, lay.k), (tv, lay.v)] {
-                    for panel in 0..2u32 {
-                        let d0 = b.mov::<S32>((panel * 64) as i32);
-                        let dst = shared(cx.base, (buf.offset + panel * PANEL_BYTES) as i64);
-                        b.tma_load_3d(&dst, map, [d0, head, key0], &st.full);
-                    }
-                }
+                let tiles = [
+                    shared(cx.base, lay.k.offset as i64),
+                    shared(cx.base, lay.v.offset as i64),
+                ];
+                common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
                 bump(b, seg);
                 b.set(prev, cur);
             });
             let st = lay.q_do.producer_acquire(b, bars, t);
             let q_tile = lay.q.emit_stage_addr(b, cx.base, st.index);
             let do_tile = lay.d_o.emit_stage_addr(b, cx.base, st.index);
-            let head16 = b.shl(m[1], 4u32);
-            let head16 = b.bitcast::<S32, U32>(head16);
             let qrows = b.ld_param_ptr(&p.qrows);
-            let rows_at = elem_bytes(b, qrows, row, 32);
-            let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
-            let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
-            let slots = [
-                lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
-            ];
-            for (slot, qrow) in slots.into_iter().enumerate() {
-                for panel in 0..2u32 {
-                    let d0 = b.mov::<S32>((panel * 64) as i32);
-                    let off = panel * PANEL_BYTES + slot as u32 * HEADS_PER_SLOT * 128;
-                    for (map, tile) in [(tq, q_tile), (tdo, do_tile)] {
-                        b.tma_load_3d(&shared(tile, off as i64), map, [d0, head16, qrow], &st.full);
-                    }
-                }
-            }
+            let tiles = [shared(q_tile, 0), shared(do_tile, 0)];
+            common::load_qdo_tiles(b, [tq, tdo], tiles, qrows, row, &m, &st.full);
             bump(b, t);
         });
     });

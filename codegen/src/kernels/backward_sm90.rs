@@ -218,20 +218,8 @@ fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) 
         b.unless(same, "kv_load", |b| {
             // A new segment: wait until both consumers released the previous K/V.
             let st = kv.producer_acquire(b, &bars, segments);
-            let head = b.bitcast::<S32, U32>(m[1]);
-            let key0 = b.shl(m[2], 7u32);
-            let key0 = b.bitcast::<S32, U32>(key0);
-            for (map, tile) in [(tk, SK), (tv, SV)] {
-                for panel in 0..2u32 {
-                    let d0 = b.mov::<S32>((panel * 64) as i32);
-                    b.tma_load_3d(
-                        &shared(base, (tile + panel * PANEL_BYTES) as i64),
-                        map,
-                        [d0, head, key0],
-                        &st.full,
-                    );
-                }
-            }
+            let tiles = [shared(base, SK as i64), shared(base, SV as i64)];
+            common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
             let next = b.add(segments, 1u32);
             b.set(segments, next);
             b.set(prev, cur);
@@ -239,28 +227,8 @@ fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) 
         let st = qdo.producer_acquire(b, &bars, tasks);
         let stage_off = b.mul_lo(st.index, TILE_BYTES);
         let q_tile = b.add(base, stage_off);
-        let head16 = b.shl(m[1], 4u32);
-        let head16 = b.bitcast::<S32, U32>(head16);
-        let rows_at = elem_bytes(b, qrows, row, 32);
-        let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
-        let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
-        let slots = [
-            lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
-        ];
-        for (slot, qrow) in slots.into_iter().enumerate() {
-            for panel in 0..2u32 {
-                let d0 = b.mov::<S32>((panel * 64) as i32);
-                let off = panel * PANEL_BYTES + slot as u32 * 2048;
-                for (map, tile) in [(tq, SQ), (tdo, SDO)] {
-                    b.tma_load_3d(
-                        &shared(q_tile, (tile + off) as i64),
-                        map,
-                        [d0, head16, qrow],
-                        &st.full,
-                    );
-                }
-            }
-        }
+        let tiles = [shared(q_tile, SQ as i64), shared(q_tile, SDO as i64)];
+        common::load_qdo_tiles(b, [tq, tdo], tiles, qrows, row, &m, &st.full);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });

@@ -213,3 +213,64 @@ pub fn main_params(b: &mut KernelBuilder) -> MainParams {
         dv: b.param_ptr("dv_pool", HostElem::F32, true),
     }
 }
+
+/// Bytes of one 128-row × 64-column bf16 panel (one 128B-swizzled TMA box of K/V).
+const PANEL: i64 = 128 * 128;
+
+/// TMA of one segment's K and V: per tensor two boxes of 128 keys × 64 head dims (the K-major
+/// SW128 panels the MMAs read), for kv head `meta[1]` and key block `meta[2]`, completing on
+/// `bar`. Shared by both main kernels.
+pub fn load_kv_tiles(
+    b: &mut KernelBuilder,
+    maps: [Reg<U64>; 2],
+    tiles: [SharedAddr; 2],
+    meta: &[Reg<U32>; 4],
+    bar: &SharedAddr,
+) {
+    let head = b.bitcast::<S32, U32>(meta[1]);
+    let key0 = b.shl(meta[2], 7u32);
+    let key0 = b.bitcast::<S32, U32>(key0);
+    for (map, tile) in maps.into_iter().zip(tiles) {
+        for panel in 0..2 {
+            let d0 = b.mov::<S32>(panel * 64);
+            b.tma_load_3d(
+                &tile.offset(panel as i64 * PANEL),
+                map,
+                [d0, head, key0],
+                bar,
+            );
+        }
+    }
+}
+
+/// TMA of one task's Q and dO: for each of the 8 query slots and both 64-d halves, one box of
+/// the 16 heads of index head `meta[1]` (a −1 query row is out of bounds, so TMA zero-fills
+/// it), 32 boxes in all, completing on `bar`. Slot `s` of d-half `p` lands at
+/// `p·16 KiB + s·2 KiB` of its tile. Shared by both main kernels.
+pub fn load_qdo_tiles(
+    b: &mut KernelBuilder,
+    maps: [Reg<U64>; 2],
+    tiles: [SharedAddr; 2],
+    qrows: Reg<U64>,
+    row: Reg<U32>,
+    meta: &[Reg<U32>; 4],
+    bar: &SharedAddr,
+) {
+    let head16 = b.shl(meta[1], 4u32);
+    let head16 = b.bitcast::<S32, U32>(head16);
+    let rows_at = elem_bytes(b, qrows, row, 32);
+    let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
+    let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
+    let slots = [
+        lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
+    ];
+    for (slot, qrow) in slots.into_iter().enumerate() {
+        for panel in 0..2 {
+            let d0 = b.mov::<S32>(panel * 64);
+            let off = panel as i64 * PANEL + slot as i64 * 2048;
+            for (map, tile) in maps.into_iter().zip(tiles.iter()) {
+                b.tma_load_3d(&tile.offset(off), map, [d0, head16, qrow], bar);
+            }
+        }
+    }
+}

@@ -90,6 +90,16 @@ impl SharedVar {
     }
 }
 
+impl SharedAddr {
+    /// The same base, `bytes` further.
+    pub fn offset(&self, bytes: i64) -> SharedAddr {
+        SharedAddr {
+            base: self.base.clone(),
+            offset: self.offset + bytes,
+        }
+    }
+}
+
 /// `[base + offset]` in the shared space, base a 32-bit shared-window address.
 pub fn shared(base: Reg<U32>, offset: i64) -> SharedAddr {
     SharedAddr {
