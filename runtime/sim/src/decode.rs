@@ -789,6 +789,7 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
         "mbarrier" => decode_mbarrier(&mut m, ops, ctx)?,
         "cp" => decode_tma(&mut m, ops, ctx)?,
         "wgmma" => decode_wgmma(&mut m, ops, ctx)?,
+        "tcgen05" => Op::Tcgen05(Box::new(decode_tcgen05(&mut m, ops, ctx)?)),
         "setmaxnreg" => {
             let inc = match m.take_any(&["inc", "dec"]) {
                 Some(d) => d == "inc",
@@ -1312,4 +1313,173 @@ fn decode_wgmma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> 
         trans_a,
         trans_b,
     })))
+}
+
+/// `finish` on the modifiers left in `m`.
+fn finish_rest(m: &mut Mods<'_>) -> Result<()> {
+    Mods {
+        list: std::mem::take(&mut m.list),
+    }
+    .finish()
+}
+
+fn decode_tcgen05(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Tcgen05> {
+    let Some(kind) = m.take_any(&[
+        "alloc",
+        "dealloc",
+        "relinquish_alloc_permit",
+        "mma",
+        "commit",
+        "ld",
+        "st",
+        "wait::ld",
+        "wait::st",
+        "fence::before_thread_sync",
+        "fence::after_thread_sync",
+    ]) else {
+        return unsupported("tcgen05 variant");
+    };
+    let sync_aligned = |m: &mut Mods<'_>, what: &str| -> Result<()> {
+        if m.take("sync") && m.take("aligned") {
+            Ok(())
+        } else {
+            malformed(format!("tcgen05.{what} is .sync.aligned"))
+        }
+    };
+    let cta_group = |m: &mut Mods<'_>| -> Result<()> {
+        if m.take("cta_group::1") {
+            Ok(())
+        } else {
+            unsupported("tcgen05 without .cta_group::1 (only one-CTA groups are modelled)")
+        }
+    };
+    let u32t = Ty::U(32);
+    let op = match kind {
+        "alloc" => {
+            cta_group(m)?;
+            sync_aligned(m, "alloc")?;
+            if !m.take("shared::cta") {
+                return unsupported("tcgen05.alloc destination other than .shared::cta");
+            }
+            if m.one_type()? != Ty::B(32) {
+                return malformed("tcgen05.alloc is .b32");
+            }
+            finish_rest(m)?;
+            arity(ops, 2)?;
+            Tcgen05::Alloc {
+                dst: ctx.addr(&ops[0])?,
+                ncols: ctx.src(&ops[1], u32t)?,
+            }
+        }
+        "dealloc" => {
+            cta_group(m)?;
+            sync_aligned(m, "dealloc")?;
+            if m.one_type()? != Ty::B(32) {
+                return malformed("tcgen05.dealloc is .b32");
+            }
+            finish_rest(m)?;
+            arity(ops, 2)?;
+            Tcgen05::Dealloc {
+                taddr: ctx.src(&ops[0], u32t)?,
+                ncols: ctx.src(&ops[1], u32t)?,
+            }
+        }
+        "relinquish_alloc_permit" => {
+            cta_group(m)?;
+            sync_aligned(m, "relinquish_alloc_permit")?;
+            finish_rest(m)?;
+            arity(ops, 0)?;
+            Tcgen05::Relinquish
+        }
+        "mma" => {
+            cta_group(m)?;
+            if !m.take("kind::f16") {
+                return unsupported("tcgen05.mma kind other than .kind::f16");
+            }
+            finish_rest(m)?;
+            if ops.len() != 5 {
+                return unsupported(
+                    "tcgen05.mma operand list (only [d], a, bdesc, idesc, enable_input_d)",
+                );
+            }
+            let b64 = Ty::B(64);
+            let a = match &ops[1] {
+                Operand::Address(x) => Tc05A::Tmem(ctx.addr_of(x)?),
+                o => Tc05A::Desc(ctx.src(o, b64)?),
+            };
+            Tcgen05::Mma {
+                d: ctx.addr(&ops[0])?,
+                a,
+                b: ctx.src(&ops[2], b64)?,
+                idesc: ctx.src(&ops[3], Ty::B(32))?,
+                enable_d: ctx.pred_src(&ops[4])?,
+            }
+        }
+        "commit" => {
+            cta_group(m)?;
+            if !m.take("mbarrier::arrive::one") {
+                return unsupported("tcgen05.commit without .mbarrier::arrive::one");
+            }
+            m.take_any(&["shared::cluster", "shared::cta"]);
+            if m.one_type()? != Ty::B(64) {
+                return malformed("tcgen05.commit is .b64");
+            }
+            finish_rest(m)?;
+            arity(ops, 1)?;
+            Tcgen05::Commit {
+                mbar: ctx.addr(&ops[0])?,
+            }
+        }
+        "ld" | "st" => {
+            sync_aligned(m, kind)?;
+            if !m.take("32x32b") {
+                return unsupported(format!("tcgen05.{kind} shape (only .32x32b is modelled)"));
+            }
+            let Some(i) = m.list.iter().position(|x| {
+                x.strip_prefix('x')
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some()
+            }) else {
+                return malformed(format!("tcgen05.{kind} needs .xN"));
+            };
+            let n: usize = m.list.remove(i)[1..].parse().expect("checked");
+            if !n.is_power_of_two() || n > 128 {
+                return malformed(format!(
+                    "tcgen05.{kind}.x{n}: N must be a power of two <= 128"
+                ));
+            }
+            if m.one_type()? != Ty::B(32) {
+                return malformed(format!("tcgen05.{kind} is .b32"));
+            }
+            finish_rest(m)?;
+            arity(ops, 2)?;
+            if kind == "ld" {
+                Tcgen05::Ld {
+                    dst: ctx.dsts(&ops[0], n)?,
+                    taddr: ctx.addr(&ops[1])?,
+                }
+            } else {
+                Tcgen05::St {
+                    taddr: ctx.addr(&ops[0])?,
+                    src: ctx.srcs(&ops[1], n, Ty::B(32))?,
+                }
+            }
+        }
+        "wait::ld" | "wait::st" => {
+            sync_aligned(m, kind)?;
+            finish_rest(m)?;
+            arity(ops, 0)?;
+            if kind == "wait::ld" {
+                Tcgen05::WaitLd
+            } else {
+                Tcgen05::WaitSt
+            }
+        }
+        _ => {
+            finish_rest(m)?;
+            arity(ops, 0)?;
+            Tcgen05::Fence
+        }
+    };
+    Ok(op)
 }

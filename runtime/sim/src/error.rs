@@ -126,6 +126,10 @@ pub enum FaultKind {
     /// A bad `wgmma`: descriptor, layout, a register accessed while an MMA that uses it is in
     /// flight, a missing `wgmma.fence`, shared operands changing before `wgmma.wait_group`.
     Wgmma(String),
+    /// A bad `tcgen05` operation: TMEM allocation or access outside the allocation or the
+    /// warp's lane quadrant, descriptors, a `tcgen05.ld` of cells an MMA in flight writes, a
+    /// register of a `tcgen05.ld` read before `tcgen05.wait::ld`.
+    Tcgen05(String),
     /// A thread executed `trap`.
     Trap,
     /// Shared memory written through the generic proxy (`st.shared`) and read through the
@@ -143,6 +147,7 @@ impl fmt::Display for FaultKind {
             FaultKind::Mbarrier(s) => write!(f, "mbarrier: {s}"),
             FaultKind::Tma(s) => write!(f, "TMA: {s}"),
             FaultKind::Wgmma(s) => write!(f, "wgmma: {s}"),
+            FaultKind::Tcgen05(s) => write!(f, "tcgen05: {s}"),
             FaultKind::Proxy(s) => write!(f, "async proxy: {s}"),
         }
     }

@@ -26,8 +26,19 @@
 //!   retires it, after re-reading the operands: a change in between is a fault, as is any
 //!   access to its accumulator or A registers while in flight and a register access since
 //!   the last `wgmma.fence`.
-//! - **Proxy ordering**: a generic `st.shared` read by a wgmma before the *writing* thread
-//!   executed `fence.proxy.async` is a fault.
+//! - **Proxy ordering**: a generic `st.shared` read by a wgmma or tcgen05.mma before the
+//!   *writing* thread executed `fence.proxy.async` is a fault.
+//!
+//! # Tensor memory and tcgen05 (sm_100a)
+//!
+//! Per CTA, 128 lanes × 512 columns of 32-bit cells. `tcgen05.mma` is issued per thread and
+//! completes, in issue order, at the latest legal point: when a thread waits on the mbarrier of
+//! a `tcgen05.commit` that covers it and the phase is incomplete, or when every live thread is
+//! blocked. Races (a `tcgen05.ld` of cells an MMA in flight writes, a `tcgen05.st` to cells it
+//! reads or writes, shared operands changing before completion, registers of a `tcgen05.ld`
+//! read before `wait::ld`, a signal after `tcgen05.st` without `wait::st`), reads of TMEM never
+//! written since allocation, lane-quadrant violations and allocation misuse are faults. The
+//! details are in the `tcgen05` submodule.
 
 use crate::error::{
     FaultKind, Location, MemoryFault, MemoryFaultKind, SimError, Stall, StuckLanes, WarpState,
@@ -38,6 +49,7 @@ use crate::module::Kernel;
 use crate::numeric::*;
 
 mod mbarrier;
+mod tcgen05;
 mod wgmma;
 
 /// Limits of the simulated device.
@@ -378,6 +390,8 @@ struct Cta<'a> {
     /// Per thread: the words it stored since its last `fence.proxy.async`.
     unfenced_list: Vec<Vec<u32>>,
     unfenced_total: usize,
+    /// Tensor memory and the `tcgen05` machinery.
+    tmem: tcgen05::Tmem,
 }
 
 #[inline]
@@ -477,6 +491,17 @@ impl<'a> Cta<'a> {
             },
             unfenced_list: vec![Vec::new(); nwarps * 32],
             unfenced_total: 0,
+            tmem: tcgen05::Tmem {
+                last_seq: vec![0; nwarps * 32],
+                ld_pending: if k.uses_tcgen05 {
+                    vec![false; nwarps * nregs]
+                } else {
+                    Vec::new()
+                },
+                ld_pending_n: vec![0; nwarps],
+                st_pending: vec![None; nwarps],
+                ..tcgen05::Tmem::default()
+            },
         }
     }
 
@@ -510,6 +535,7 @@ impl<'a> Cta<'a> {
         self.unfenced.fill(0);
         self.unfenced_list.iter_mut().for_each(Vec::clear);
         self.unfenced_total = 0;
+        self.tmem.reset();
     }
 
     fn run(&mut self) -> Result<(), SimError> {
@@ -536,6 +562,11 @@ impl<'a> Cta<'a> {
                 if !self.tmas.is_empty() {
                     // Every live thread is blocked: the copies in flight land now.
                     self.complete_all_tmas()?;
+                    continue;
+                }
+                if self.umma_pending() {
+                    // Likewise the tcgen05.mma in flight and their commits.
+                    self.complete_all_umma()?;
                     continue;
                 }
                 return Err(SimError::Deadlock(Box::new(self.stall())));
@@ -967,6 +998,12 @@ impl<'a> Cta<'a> {
         if k.uses_wgmma && exec != 0 && !matches!(inst.op, Op::Wgmma(_) | Op::WgmmaSync(_)) {
             self.track_registers(pcu, w, exec)?;
         }
+        if k.uses_tcgen05 && exec != 0 {
+            if self.tmem.ld_pending_n[w] > 0 {
+                self.check_ld_pending(pcu, w, exec)?;
+            }
+            self.check_st_pending(pcu, w, exec)?;
+        }
         match &inst.op {
             Op::Mov { bits, d, a } => {
                 let bits = *bits as u32;
@@ -1357,6 +1394,7 @@ impl<'a> Cta<'a> {
                     }
                 }
             }
+            Op::Tcgen05(t) => self.tcgen05(pcu, w, exec, t)?,
             Op::Elect { d, p, mask } => self.elect(pcu, w, group, exec, *d, *p, *mask)?,
             Op::Trap => {
                 if exec != 0 {

@@ -7,7 +7,8 @@
 //!
 //! The Hopper asynchronous machinery decodes to [`Op::MbarrierInit`], [`Op::MbarrierArrive`],
 //! [`Op::MbarrierExpectTx`], [`Op::MbarrierTryWait`], [`Op::CpAsyncBulkTensor`],
-//! [`Op::Wgmma`], [`Op::WgmmaSync`], [`Op::SetMaxNReg`] and [`Op::Fence`].
+//! [`Op::Wgmma`], [`Op::WgmmaSync`], [`Op::SetMaxNReg`] and [`Op::Fence`]; the Blackwell
+//! tensor-memory family to [`Op::Tcgen05`].
 
 use std::fmt;
 
@@ -577,6 +578,75 @@ pub struct TmaLoad {
     pub mbar: Addr,
 }
 
+/// The A operand of `tcgen05.mma`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tc05A {
+    /// A 64-bit shared-memory matrix descriptor (the SS form).
+    Desc(Src),
+    /// A tensor-memory address `[taddr]` (the TS form): packed 16-bit pairs, K-major.
+    Tmem(Addr),
+}
+
+/// The Blackwell `tcgen05` family (`cta_group::1` only).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tcgen05 {
+    /// `tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [dst], ncols`: warp-collective;
+    /// writes the base TMEM address to the shared word at `dst`.
+    Alloc {
+        /// Shared destination of the address.
+        dst: Addr,
+        /// Columns (power of two in 32..=512).
+        ncols: Src,
+    },
+    /// `tcgen05.dealloc.cta_group::1.sync.aligned.b32 taddr, ncols`
+    Dealloc {
+        /// The address `alloc` returned.
+        taddr: Src,
+        /// Columns.
+        ncols: Src,
+    },
+    /// `tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned`
+    Relinquish,
+    /// `tcgen05.mma.cta_group::1.kind::f16 [d], a, bdesc, idesc, enable_input_d`
+    Mma {
+        /// The TMEM accumulator address.
+        d: Addr,
+        /// The A operand.
+        a: Tc05A,
+        /// The B descriptor.
+        b: Src,
+        /// The 32-bit instruction descriptor.
+        idesc: Src,
+        /// `enable_input_d`: `D += A·B` when true, `D = A·B` when false.
+        enable_d: PredSrc,
+    },
+    /// `tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [mbar]`
+    Commit {
+        /// The mbarrier.
+        mbar: Addr,
+    },
+    /// `tcgen05.ld.sync.aligned.32x32b.xN.b32 {regs}, [taddr]`
+    Ld {
+        /// N destination registers.
+        dst: Vec<Dst>,
+        /// The warp-uniform TMEM address.
+        taddr: Addr,
+    },
+    /// `tcgen05.st.sync.aligned.32x32b.xN.b32 [taddr], {regs}`
+    St {
+        /// The warp-uniform TMEM address.
+        taddr: Addr,
+        /// N values.
+        src: Vec<Src>,
+    },
+    /// `tcgen05.wait::ld.sync.aligned`
+    WaitLd,
+    /// `tcgen05.wait::st.sync.aligned`
+    WaitSt,
+    /// `tcgen05.fence::{before,after}_thread_sync` (accepted, no effect here).
+    Fence,
+}
+
 /// One decoded operation.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -932,6 +1002,8 @@ pub enum Op {
         /// The member mask.
         mask: Src,
     },
+    /// A `tcgen05` instruction.
+    Tcgen05(Box<Tcgen05>),
     /// `trap`: aborts the launch.
     Trap,
     /// `bra target`
@@ -1097,6 +1169,42 @@ impl Op {
                 out.extend(p.iter().copied());
                 src(out, mask);
             }
+            Op::Tcgen05(t) => match &**t {
+                Tcgen05::Alloc { dst, ncols } => {
+                    addr(out, dst);
+                    src(out, ncols);
+                }
+                Tcgen05::Dealloc { taddr, ncols } => {
+                    src(out, taddr);
+                    src(out, ncols);
+                }
+                Tcgen05::Mma {
+                    d,
+                    a,
+                    b,
+                    idesc,
+                    enable_d,
+                } => {
+                    addr(out, d);
+                    match a {
+                        Tc05A::Desc(s) => src(out, s),
+                        Tc05A::Tmem(x) => addr(out, x),
+                    }
+                    src(out, b);
+                    src(out, idesc);
+                    src(out, &enable_d.src);
+                }
+                Tcgen05::Commit { mbar } => addr(out, mbar),
+                Tcgen05::Ld { dst: d, taddr } => {
+                    d.iter().for_each(|x| dst(out, x));
+                    addr(out, taddr);
+                }
+                Tcgen05::St { taddr, src: s } => {
+                    addr(out, taddr);
+                    s.iter().for_each(|x| src(out, x));
+                }
+                Tcgen05::Relinquish | Tcgen05::WaitLd | Tcgen05::WaitSt | Tcgen05::Fence => {}
+            },
             Op::WgmmaSync(_)
             | Op::Trap
             | Op::SetMaxNReg { .. }

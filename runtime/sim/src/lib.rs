@@ -47,18 +47,22 @@
 //! `exp2` in f64 rounded to f32 (the hardware approximation is within 2 ulp of that), with
 //! `.ftz` flushing subnormal inputs and results.
 //!
-//! `wgmma` computes in f32 from exact bf16/f16 products, accumulating sequentially in k within
-//! each instruction (see [`exec`]); hardware may order the 16 additions differently.
+//! `wgmma` and `tcgen05.mma` compute in f32 from exact bf16/f16 products, accumulating
+//! sequentially in k within each instruction (see [`exec`]); hardware may order the 16
+//! additions differently.
 //!
 //! # Scope
 //!
-//! Every instruction of the generated Hopper kernels, the main kernel's asynchronous
-//! machinery included: `mbarrier.{init,arrive[.expect_tx],expect_tx,complete_tx,
+//! Every instruction of the generated Hopper and Blackwell kernels, the main kernels'
+//! asynchronous machinery included: `mbarrier.{init,arrive[.expect_tx],expect_tx,complete_tx,
 //! try_wait.parity,test_wait.parity}`, `cp.async.bulk.tensor` (tile loads through a
 //! [`SimTensorMap`], the simulator's stand-in for a `CUtensorMap`), `wgmma.{fence,
 //! mma_async,commit_group,wait_group}` (m64nNk16, bf16/f16 → f32, SS and RS, 128B-swizzled
-//! descriptors), `setmaxnreg`, `fence.proxy.async`, `fence.mbarrier_init`, `elect.sync` and
-//! `trap`. [`Module::parse`] rejects anything else (e.g. the Blackwell `tcgen05` family) with
+//! descriptors), `setmaxnreg`, `fence.proxy.async`, `fence.mbarrier_init`, `elect.sync`,
+//! `trap`, and the Blackwell `tcgen05` family with `cta_group::1`: tensor memory (`alloc`,
+//! `dealloc`, `relinquish_alloc_permit`), `mma.kind::f16` (M = 128, SS and TS forms, SM100
+//! descriptors), `commit` to an mbarrier, `ld`/`st` `.32x32b.xN`, `wait::{ld,st}` and the
+//! thread-sync fences (see [`exec`]). [`Module::parse`] rejects anything else with
 //! ``unsupported instruction `...` at line N``; [`coverage`] lists what a text uses and what is
 //! not modelled.
 

@@ -46,6 +46,8 @@ pub struct Kernel {
     pub(crate) inst_regs: Vec<Box<[Reg]>>,
     /// Whether any instruction is a `wgmma` (turns on register-hazard tracking).
     pub(crate) uses_wgmma: bool,
+    /// Whether any instruction is a `tcgen05` one.
+    pub(crate) uses_tcgen05: bool,
     /// Whether any instruction reads shared memory through the async proxy (turns on the
     /// tracking of generic shared stores not yet ordered by `fence.proxy.async`).
     pub(crate) uses_async_proxy: bool,
@@ -393,11 +395,13 @@ fn build_kernel(
     let uses_wgmma = code
         .iter()
         .any(|i| matches!(i.op, Op::Wgmma(_) | Op::WgmmaSync(_)));
-    let uses_async_proxy = uses_wgmma;
+    let uses_tcgen05 = code.iter().any(|i| matches!(i.op, Op::Tcgen05(_)));
+    let uses_async_proxy = uses_wgmma || uses_tcgen05;
 
     Ok(Kernel {
         inst_regs,
         uses_wgmma,
+        uses_tcgen05,
         uses_async_proxy,
         name: e.name.clone(),
         params,

@@ -1,6 +1,6 @@
 //! Every opcode + modifier combination in every file of `generated/`, and which of them the
 //! simulator does not model: none may be left, the Hopper main kernel's asynchronous
-//! machinery included.
+//! machinery and the Blackwell kernel's tcgen05 family included.
 
 use std::path::PathBuf;
 
@@ -11,10 +11,8 @@ use msa_sim::{Module, ParseError};
 /// proxy fences) stage 2 models.
 const SM90_KERNEL: &str = "msa_backward_sm90";
 
-/// The Blackwell main kernel may still use the tcgen05 family, which is not modelled yet;
-/// nothing else.
+/// The Blackwell main kernel (tcgen05, TMEM), modelled since stage 3.
 const SM100_KERNEL: &str = "msa_backward_sm100";
-const SM100_FAMILIES: &[&str] = &["tcgen05."];
 
 fn generated() -> Vec<(String, String)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../generated");
@@ -50,19 +48,7 @@ fn every_generated_opcode_is_supported() {
             all.values().map(|s| s.count).sum::<usize>(),
             gaps.len()
         );
-        let allowed: &[&str] = if kernel == SM100_KERNEL {
-            SM100_FAMILIES
-        } else {
-            &[]
-        };
         for (op, s) in &gaps {
-            if allowed.iter().any(|f| op.starts_with(f)) {
-                println!(
-                    "  not modelled yet: {op} (x{}, first at line {})",
-                    s.count, s.first_line
-                );
-                continue;
-            }
             failures.push(format!(
                 "{file}: `{op}` unsupported (line {}: {})",
                 s.first_line,
@@ -75,7 +61,7 @@ fn every_generated_opcode_is_supported() {
             Module::parse_lenient(&text).unwrap_or_else(|e| panic!("{file}: {e}"))
         };
         assert!(m.kernel(&kernel).is_some(), "{file} defines `{kernel}`");
-        if kernel == SM90_KERNEL {
+        if kernel == SM90_KERNEL || kernel == SM100_KERNEL {
             assert!(gaps.is_empty(), "{file}: {gaps:?}");
         }
     }
@@ -119,13 +105,44 @@ fn the_sm90_kernel_uses_the_async_machinery_and_parses() {
 }
 
 #[test]
+fn the_sm100_kernel_uses_tcgen05_and_parses() {
+    let (_, text) = generated()
+        .into_iter()
+        .find(|(f, _)| f.starts_with(SM100_KERNEL))
+        .expect("the sm100 kernel is generated");
+    let all = coverage::summary(&text).expect("parses");
+    for family in [
+        "tcgen05.alloc",
+        "tcgen05.relinquish_alloc_permit",
+        "tcgen05.dealloc",
+        "tcgen05.mma.cta_group::1.kind::f16",
+        "tcgen05.commit",
+        "tcgen05.ld.sync.aligned.32x32b",
+        "tcgen05.st.sync.aligned.32x32b",
+        "tcgen05.wait::ld",
+        "tcgen05.wait::st",
+        "tcgen05.fence::before_thread_sync",
+        "tcgen05.fence::after_thread_sync",
+        "elect.sync",
+    ] {
+        assert!(
+            all.keys().any(|op| op.starts_with(family)),
+            "`{family}` no longer used: {:?}",
+            all.keys().collect::<Vec<_>>()
+        );
+    }
+    let m = Module::parse(&text).expect("every instruction is modelled");
+    assert!(m.kernel(SM100_KERNEL).is_some());
+}
+
+#[test]
 fn unmodelled_instructions_are_still_rejected_with_their_line() {
     let text = ".version 8.0\n.target sm_90a\n.address_size 64\n\
         .visible .entry k()\n{\n\t.reg .b64 %rd<2>;\n\
-        \ttcgen05.fence::before_thread_sync;\n\tret;\n}\n";
+        \ttcgen05.shift.cta_group::1.down [%rd0];\n\tret;\n}\n";
     match Module::parse(text) {
         Err(ParseError::Unsupported { opcode, line, .. }) => {
-            assert_eq!(opcode, "tcgen05.fence::before_thread_sync");
+            assert_eq!(opcode, "tcgen05.shift.cta_group::1.down");
             assert_eq!(line, 7);
         }
         other => panic!("expected an unsupported-instruction error, got {other:?}"),

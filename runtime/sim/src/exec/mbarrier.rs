@@ -53,7 +53,7 @@ pub(super) struct PendingTma {
 
 impl Cta<'_> {
     /// The shared address of an mbarrier operand (8-byte aligned, inside shared memory).
-    fn mbar_offset(
+    pub(super) fn mbar_offset(
         &self,
         pc: usize,
         w: usize,
@@ -86,7 +86,13 @@ impl Cta<'_> {
         self.mbars.iter().position(|m| m.addr == off)
     }
 
-    fn mbar_live(&self, pc: usize, w: usize, l: usize, off: u32) -> Result<usize, SimError> {
+    pub(super) fn mbar_live(
+        &self,
+        pc: usize,
+        w: usize,
+        l: usize,
+        off: u32,
+    ) -> Result<usize, SimError> {
         self.mbar_index(off).ok_or_else(|| {
             self.fault(
                 pc,
@@ -238,7 +244,7 @@ impl Cta<'_> {
 
     /// Completes the phase of mbarrier `i` if its arrivals and bytes are all in; an error
     /// when more bytes completed than the phase expected.
-    fn settle(&mut self, i: usize) -> Result<(), String> {
+    pub(super) fn settle(&mut self, i: usize) -> Result<(), String> {
         let m = &mut self.mbars[i];
         if m.pending == 0 && m.tx < 0 {
             return Err(format!(
@@ -304,6 +310,7 @@ impl Cta<'_> {
             }
             // The phase is in progress: the copies it waits for land now, at the latest point.
             self.complete_tmas_for(off)?;
+            self.complete_commits_for(off)?;
             let i = self.mbar_live(pc, w, l, off)?;
             if self.mbars[i].phase & 1 == want as u64 {
                 blocked |= 1 << l;
@@ -677,6 +684,7 @@ impl Cta<'_> {
             );
             return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
         }
-        self.check_wgmma_exit()
+        self.check_wgmma_exit()?;
+        self.check_tcgen05_exit()
     }
 }

@@ -75,15 +75,15 @@ impl Warpgroup {
 
 /// A decoded shared-memory matrix descriptor.
 #[derive(Debug, Clone, Copy)]
-struct MatrixDesc {
-    start: u32,
-    lbo: u32,
-    sbo: u32,
+pub(super) struct MatrixDesc {
+    pub(super) start: u32,
+    pub(super) lbo: u32,
+    pub(super) sbo: u32,
 }
 
 impl MatrixDesc {
     /// The shared address of 16-bit element `(mn, k)`.
-    fn addr(&self, mn: u32, k: u32, mn_major: bool) -> u32 {
+    pub(super) fn addr(&self, mn: u32, k: u32, mn_major: bool) -> u32 {
         let off = if mn_major {
             2 * (mn % 64) + (mn / 64) * self.lbo + (k % 8) * 128 + (k / 8) * self.sbo
         } else {
