@@ -21,21 +21,11 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use half::bf16;
-use msa_runtime::backward::TileMapSpec;
-use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use msa_runtime::kernels::{
-    bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90,
-};
-use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
-use msa_runtime::{
-    build_schedule, causal_support, driver_present, run_backward, Device, RuntimeError, Schedule,
-};
-use msa_sim::task_build::{task_build_modules, Arch, TaskBuild};
-use msa_sim::{Arg, Gpu, LaunchConfig, Module, SimError, SimTensorMap};
-
-const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
+use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::{driver_present, run_backward, Device, RuntimeError};
+use msa_sim::backward::{self, to_f32, Case, MainKernel, B200_SMS, H200_SMS};
+use msa_sim::task_build::Arch;
+use msa_sim::{Limits, SimError};
 
 struct Options {
     docs: Vec<i32>,
@@ -95,104 +85,15 @@ fn parse_args() -> Result<Options, String> {
     Ok(o)
 }
 
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Standard normal (Box–Muller), like the seed's randn inputs.
-    fn normal(&mut self) -> f32 {
-        let u1 = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-
-    /// `n` bf16-rounded normals as bf16 and as their exact f32 values.
-    fn bf16s(&mut self, n: usize) -> (Vec<bf16>, Vec<f32>) {
-        let b: Vec<bf16> = (0..n).map(|_| bf16::from_f32(self.normal())).collect();
-        let f = b.iter().map(|x| x.to_f32()).collect();
-        (b, f)
-    }
-}
-
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn to_f32(v: &[bf16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
-}
-
-/// A causal problem with its inputs and reference gradients.
-struct Case {
-    schedule: Schedule,
-    q: Vec<bf16>,
-    k_aligned: Vec<bf16>,
-    v_aligned: Vec<bf16>,
-    dout: Vec<bf16>,
-    lse: Vec<f32>,
-    out: Vec<bf16>,
-    expected: reference::Gradients,
-}
-
-fn case(lengths: &[i32], seed: u64) -> Result<Case, String> {
-    let mut cu = vec![0];
-    for l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
-    }
-    let t = *cu.last().unwrap() as usize;
-    let q2k = causal_support(&cu);
-    let schedule = build_schedule(&q2k, &cu, 64).map_err(|e| format!("schedule: {e}"))?;
-    let mut rng = Rng(seed);
-    let (q, q32) = rng.bf16s(t * Q_ROW);
-    let (_, k32) = rng.bf16s(t * KV_ROW);
-    let (_, v32) = rng.bf16s(t * KV_ROW);
-    let (dout, do32) = rng.bf16s(t * Q_ROW);
-    let t0 = Instant::now();
-    let fwd = reference::forward(&q32, &k32, &v32, &q2k, &cu)
-        .map_err(|e| format!("reference forward: {e}"))?;
-    let out = to_bf16(&fwd.out);
-    let expected = reference::backward(&q32, &k32, &v32, &q2k, &cu, &to_f32(&out), &fwd.lse, &do32)
-        .map_err(|e| format!("reference backward: {e}"))?;
-    println!(
-        "documents {lengths:?}: T = {t}, W = {}, {} work items; CPU reference {:.2} s",
-        schedule.workspace_rows(),
-        schedule.num_work(),
-        t0.elapsed().as_secs_f64()
-    );
-    let aligned = |x: &[f32]| {
-        reference::to_aligned(x, &cu, NUM_KV_HEADS)
-            .map(|a| to_bf16(&a))
-            .map_err(|e| format!("to_aligned: {e}"))
-    };
-    Ok(Case {
-        k_aligned: aligned(&k32)?,
-        v_aligned: aligned(&v32)?,
-        schedule,
-        q,
-        dout,
-        lse: fwd.lse,
-        out,
-        expected,
-    })
-}
-
 /// dq `[T,64,128]`, dk and dv `[W,4,128]` as f32.
-struct Grads {
+struct Computed {
     dq: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
 }
 
 /// `run_backward` on a real device.
-fn run_gpu(device: &Device, c: &Case) -> Result<Grads, RuntimeError> {
+fn run_gpu(device: &Device, c: &Case) -> Result<Computed, RuntimeError> {
     let stream = device.context().default_stream();
     let driver = |call| move |source| RuntimeError::Driver { call, source };
     let up = driver("cuMemcpyHtoD(inputs)");
@@ -213,7 +114,7 @@ fn run_gpu(device: &Device, c: &Case) -> Result<Grads, RuntimeError> {
         &c.schedule,
     )?;
     let down = driver("cuMemcpyDtoH(gradients)");
-    Ok(Grads {
+    Ok(Computed {
         dq: to_f32(&stream.clone_dtoh(&g.dq).map_err(down)?),
         dk: to_f32(&stream.clone_dtoh(&g.dk_aligned).map_err(down)?),
         dv: to_f32(&stream.clone_dtoh(&g.dv_aligned).map_err(down)?),
@@ -221,116 +122,17 @@ fn run_gpu(device: &Device, c: &Case) -> Result<Grads, RuntimeError> {
 }
 
 /// The runtime's launch sequence (`MsaBackward::run`) on the simulator.
-fn run_sim(c: &Case, arch: Arch, num_sms: usize) -> Result<Grads, SimError> {
-    let t = c.schedule.num_tokens();
-    let w = c.schedule.workspace_rows();
-    let module = |variants: &[((i32, i32), &'static str)]| -> Result<Module, SimError> {
-        Ok(Module::parse(
-            arch.ptx(variants).expect("every kernel has both variants"),
-        )?)
-    };
-    let mut gpu = Gpu::new();
-    let q = gpu.upload("q", &c.q);
-    let k = gpu.upload("k_aligned", &c.k_aligned);
-    let v = gpu.upload("v_aligned", &c.v_aligned);
-    let dout = gpu.upload("grad_out", &c.dout);
-    let lse = gpu.upload("lse", &c.lse);
-    let out = gpu.upload("out", &c.out);
-
-    // 1. delta = rowsum(O·dO).
-    let delta = gpu.alloc("delta", 4 * t * NUM_Q_HEADS);
-    let pre = module(bwd_preprocess::VARIANTS)?;
-    gpu.launch(
-        pre.kernel(bwd_preprocess::NAME).expect("entry"),
-        &LaunchConfig::new(
-            (t.div_ceil(128) as u32, NUM_Q_HEADS as u32, 1),
-            bwd_preprocess::THREADS,
-        ),
-        &[
-            Arg::Ptr(out),
-            Arg::Ptr(dout),
-            Arg::Ptr(delta),
-            Arg::U32(t as u32),
-        ],
-    )?;
-    // 2. Zeroed pools (fresh allocations are zero).
-    let dq_pool = gpu.alloc("dq_pool", 2 * t * Q_ROW);
-    let dk_pool = gpu.alloc("dk_pool", 4 * w * KV_ROW);
-    let dv_pool = gpu.alloc("dv_pool", 4 * w * KV_ROW);
-    // 3. The task build.
-    let modules = task_build_modules(arch)?;
-    let build = TaskBuild::run(&mut gpu, &modules, &c.schedule, num_sms)?;
-    let tasks = gpu.read::<i32>(build.region(build.layout.desc), 1)?[0];
-
-    // 4. The main kernel, with the maps the runtime encodes.
-    let (name, variants, threads, smem) = match arch {
-        Arch::Sm90 => (
-            msa_backward_sm90::NAME,
-            msa_backward_sm90::VARIANTS,
-            msa_backward_sm90::THREADS,
-            msa_backward_sm90::DYNAMIC_SHARED_BYTES,
-        ),
-        Arch::Sm100 => (
-            msa_backward_sm100::NAME,
-            msa_backward_sm100::VARIANTS,
-            msa_backward_sm100::THREADS,
-            msa_backward_sm100::DYNAMIC_SHARED_BYTES,
-        ),
-    };
-    let map = |spec: Result<TileMapSpec, _>, base| {
-        let spec = spec.expect("valid map spec");
-        SimTensorMap::from_spec(&spec, base)
-            .expect("valid map")
-            .arg()
-    };
-    let main = module(variants)?;
-    let cfg = LaunchConfig::new((build.sizes.grid_launch as u32, 1, 1), threads)
-        .with_dynamic_shared(smem);
-    let l = &build.layout;
-    let args = [
-        map(TileMapSpec::query_rows("q", t), q),
-        map(TileMapSpec::query_rows("grad_out", t), dout),
-        map(TileMapSpec::key_rows("k_aligned", w), k),
-        map(TileMapSpec::key_rows("v_aligned", w), v),
-        Arg::Ptr(lse),
-        Arg::Ptr(delta),
-        Arg::Ptr(build.region(l.meta)),
-        Arg::Ptr(build.region(l.qrows)),
-        Arg::Ptr(build.region(l.qpos)),
-        Arg::Ptr(build.region(l.desc)),
-        Arg::Ptr(dq_pool),
-        Arg::Ptr(dk_pool),
-        Arg::Ptr(dv_pool),
-    ];
-    let stats = gpu.launch(main.kernel(name).expect("entry"), &cfg, &args)?;
+fn run_sim(c: &Case, arch: Arch, num_sms: usize) -> Result<Computed, SimError> {
+    let main = MainKernel::shipped(arch);
+    let g = backward::run(c, &main, Limits::default(), num_sms)?;
     println!(
-        "{name}: {tasks} task rows on {} CTAs ({num_sms} SMs), {} warp instructions",
-        cfg.grid[0], stats.warp_instructions
+        "{}: {} task rows on {} CTAs ({num_sms} SMs), {} warp instructions",
+        main.name, g.tasks, g.ctas, g.warp_instructions
     );
-
-    // 5. Postprocess.
-    let dq = gpu.alloc("dq", 2 * t * Q_ROW);
-    let dk = gpu.alloc("dk", 2 * w * KV_ROW);
-    let dv = gpu.alloc("dv", 2 * w * KV_ROW);
-    let post = module(bwd_postprocess::VARIANTS)?;
-    gpu.launch(
-        post.kernel(bwd_postprocess::NAME).expect("entry"),
-        &LaunchConfig::new(((2 * t).max(w / 2) as u32, 2, 1), bwd_postprocess::THREADS),
-        &[
-            Arg::Ptr(dq_pool),
-            Arg::Ptr(dk_pool),
-            Arg::Ptr(dv_pool),
-            Arg::Ptr(dq),
-            Arg::Ptr(dk),
-            Arg::Ptr(dv),
-            Arg::U32(t as u32),
-            Arg::U32(w as u32),
-        ],
-    )?;
-    Ok(Grads {
-        dq: to_f32(&gpu.read::<bf16>(dq, t * Q_ROW)?),
-        dk: to_f32(&gpu.read::<bf16>(dk, w * KV_ROW)?),
-        dv: to_f32(&gpu.read::<bf16>(dv, w * KV_ROW)?),
+    Ok(Computed {
+        dq: g.dq,
+        dk: g.dk,
+        dv: g.dv,
     })
 }
 
@@ -357,8 +159,18 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let c = match case(&o.docs, o.seed) {
-        Ok(c) => c,
+    let c = match backward::case(&o.docs, o.seed) {
+        Ok(c) => {
+            println!(
+                "documents {:?}: T = {}, W = {}, {} work items; CPU reference {:.2} s",
+                o.docs,
+                c.schedule.num_tokens(),
+                c.schedule.workspace_rows(),
+                c.schedule.num_work(),
+                c.reference_time.as_secs_f64()
+            );
+            c
+        }
         Err(msg) => {
             eprintln!("error: {msg}");
             return ExitCode::FAILURE;
@@ -377,8 +189,8 @@ fn main() -> ExitCode {
         }
         Err(reason) => {
             let (label, default_sms) = match o.arch {
-                Arch::Sm90 => ("sm90", 132),
-                Arch::Sm100 => ("sm100", 148),
+                Arch::Sm90 => ("sm90", H200_SMS),
+                Arch::Sm100 => ("sm100", B200_SMS),
             };
             println!("no GPU found ({reason}): running on the msa-sim PTX simulator ({label})");
             run_sim(&c, o.arch, o.sms.unwrap_or(default_sms)).map_err(|e| e.to_string())

@@ -68,6 +68,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "runtime")]
+pub mod backward;
 pub mod coverage;
 mod decode;
 pub mod error;

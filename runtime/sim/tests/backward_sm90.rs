@@ -4,248 +4,47 @@
 //! launches them, and compared with the f32 CPU reference at the seed's tolerances. Then
 //! planted pipeline bugs in the same kernel text, each of which must be reported.
 
-use std::time::Instant;
+use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE};
+use msa_sim::backward::{self, Case, Grads, MainKernel, H200_SMS};
+use msa_sim::{FaultKind, Limits, SimError, TmaCompletion};
 
-use half::bf16;
-use msa_runtime::backward::TileMapSpec;
-use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use msa_runtime::kernels::{bwd_postprocess, bwd_preprocess, msa_backward_sm90};
-use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
-use msa_runtime::{build_schedule, causal_support, Schedule};
-use msa_sim::task_build::{task_build_modules, Arch, TaskBuild};
-use msa_sim::{
-    Arg, FaultKind, Gpu, LaunchConfig, Limits, Module, SimError, SimTensorMap, TmaCompletion,
-};
-
-const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
-/// The H200's SM count: the grid the runtime launches there.
-const H200_SMS: usize = 132;
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Standard normal (Box–Muller), like the seed's randn inputs.
-    fn normal(&mut self) -> f32 {
-        let u1 = ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-        let u2 = (self.next() >> 11) as f64 / (1u64 << 53) as f64;
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-
-    /// `n` bf16-rounded normals as bf16 and as their exact f32 values.
-    fn bf16s(&mut self, n: usize) -> (Vec<bf16>, Vec<f32>) {
-        let b: Vec<bf16> = (0..n).map(|_| bf16::from_f32(self.normal())).collect();
-        let f = b.iter().map(|x| x.to_f32()).collect();
-        (b, f)
-    }
-}
-
-fn to_bf16(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-/// A causal problem over documents of `lengths` tokens, with its reference gradients.
-struct Case {
-    schedule: Schedule,
-    q: Vec<bf16>,
-    k_aligned: Vec<bf16>,
-    v_aligned: Vec<bf16>,
-    dout: Vec<bf16>,
-    lse: Vec<f32>,
-    out: Vec<bf16>,
-    expected: reference::Gradients,
-}
-
+/// The causal problem over documents of `lengths` tokens, with its reference gradients.
 fn case(lengths: &[i32], seed: u64) -> Case {
-    let mut cu = vec![0];
-    for l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
-    }
-    let t = *cu.last().unwrap() as usize;
-    let q2k = causal_support(&cu);
-    let mut rng = Rng(seed);
-    let (q, q32) = rng.bf16s(t * Q_ROW);
-    let (_, k32) = rng.bf16s(t * KV_ROW);
-    let (_, v32) = rng.bf16s(t * KV_ROW);
-    let (dout, do32) = rng.bf16s(t * Q_ROW);
-    let t0 = Instant::now();
-    let fwd = reference::forward(&q32, &k32, &v32, &q2k, &cu).expect("forward");
-    let out = to_bf16(&fwd.out);
-    let out32: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
-    let expected = reference::backward(&q32, &k32, &v32, &q2k, &cu, &out32, &fwd.lse, &do32)
-        .expect("backward");
+    let c = backward::case(lengths, seed).unwrap_or_else(|e| panic!("{e}"));
     println!(
-        "documents {lengths:?}: T = {t}, W = {}, CPU reference {:.2} s",
-        expected.workspace_rows,
-        t0.elapsed().as_secs_f64()
+        "documents {lengths:?}: T = {}, W = {}, CPU reference {:.2} s",
+        c.schedule.num_tokens(),
+        c.expected.workspace_rows,
+        c.reference_time.as_secs_f64()
     );
-    let schedule = build_schedule(&q2k, &cu, 64).expect("schedule");
-    assert_eq!(schedule.workspace_rows(), expected.workspace_rows);
-    Case {
-        schedule,
-        q,
-        k_aligned: to_bf16(&reference::to_aligned(&k32, &cu, NUM_KV_HEADS).unwrap()),
-        v_aligned: to_bf16(&reference::to_aligned(&v32, &cu, NUM_KV_HEADS).unwrap()),
-        dout,
-        lse: fwd.lse,
-        out,
-        expected,
-    }
-}
-
-fn module(variants: &[((i32, i32), &'static str)]) -> Module {
-    Module::parse(Arch::Sm90.ptx(variants).expect("an sm_90 variant")).expect("parses")
-}
-
-/// dq `[T,64,128]`, dk and dv `[W,4,128]` as f32, and the main kernel's task rows.
-struct Grads {
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
-    tasks: i32,
+    c
 }
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
-    let t = c.schedule.num_tokens();
-    let w = c.schedule.workspace_rows();
-    let mut gpu = Gpu::with_limits(limits);
-    let q = gpu.upload("q", &c.q);
-    let k = gpu.upload("k_aligned", &c.k_aligned);
-    let v = gpu.upload("v_aligned", &c.v_aligned);
-    let dout = gpu.upload("grad_out", &c.dout);
-    let lse = gpu.upload("lse", &c.lse);
-    let out = gpu.upload("out", &c.out);
-
-    // 1. delta = rowsum(O·dO).
-    let started = Instant::now();
-    let delta = gpu.alloc("delta", 4 * t * NUM_Q_HEADS);
-    let pre = module(bwd_preprocess::VARIANTS);
-    gpu.launch(
-        pre.kernel(bwd_preprocess::NAME).unwrap(),
-        &LaunchConfig::new(
-            (t.div_ceil(128) as u32, NUM_Q_HEADS as u32, 1),
-            bwd_preprocess::THREADS,
-        ),
-        &[
-            Arg::Ptr(out),
-            Arg::Ptr(dout),
-            Arg::Ptr(delta),
-            Arg::U32(t as u32),
-        ],
-    )?;
-    // 2. Zeroed pools (fresh allocations are zero).
-    let dq_pool = gpu.alloc("dq_pool", 2 * t * Q_ROW);
-    let dk_pool = gpu.alloc("dk_pool", 4 * w * KV_ROW);
-    let dv_pool = gpu.alloc("dv_pool", 4 * w * KV_ROW);
-    // 3. The task build.
-    let modules = task_build_modules(Arch::Sm90)?;
-    let build = TaskBuild::run(&mut gpu, &modules, &c.schedule, num_sms)?;
-    let tasks = gpu.read::<i32>(build.region(build.layout.desc), 1)?[0];
-    let before_main = started.elapsed();
-
-    // 4. The main kernel, with the maps the runtime encodes.
-    let map = |spec: Result<TileMapSpec, _>, base| {
-        let spec = spec.expect("valid map spec");
-        SimTensorMap::from_spec(&spec, base)
-            .expect("valid map")
-            .arg()
-    };
-    let main = Module::parse(main_ptx)?;
-    let kernel = main.kernel(msa_backward_sm90::NAME).expect("entry");
-    let cfg = LaunchConfig::new(
-        (build.sizes.grid_launch as u32, 1, 1),
-        msa_backward_sm90::THREADS,
-    )
-    .with_dynamic_shared(msa_backward_sm90::DYNAMIC_SHARED_BYTES);
-    let l = &build.layout;
-    let args = [
-        map(TileMapSpec::query_rows("q", t), q),
-        map(TileMapSpec::query_rows("grad_out", t), dout),
-        map(TileMapSpec::key_rows("k_aligned", w), k),
-        map(TileMapSpec::key_rows("v_aligned", w), v),
-        Arg::Ptr(lse),
-        Arg::Ptr(delta),
-        Arg::Ptr(build.region(l.meta)),
-        Arg::Ptr(build.region(l.qrows)),
-        Arg::Ptr(build.region(l.qpos)),
-        Arg::Ptr(build.region(l.desc)),
-        Arg::Ptr(dq_pool),
-        Arg::Ptr(dk_pool),
-        Arg::Ptr(dv_pool),
-    ];
-    let t_main = Instant::now();
-    let stats = gpu.launch(kernel, &cfg, &args)?;
-    let main_time = t_main.elapsed();
-
-    // 5. Postprocess.
-    let dq = gpu.alloc("dq", 2 * t * Q_ROW);
-    let dk = gpu.alloc("dk", 2 * w * KV_ROW);
-    let dv = gpu.alloc("dv", 2 * w * KV_ROW);
-    let post = module(bwd_postprocess::VARIANTS);
-    gpu.launch(
-        post.kernel(bwd_postprocess::NAME).unwrap(),
-        &LaunchConfig::new(((2 * t).max(w / 2) as u32, 2, 1), bwd_postprocess::THREADS),
-        &[
-            Arg::Ptr(dq_pool),
-            Arg::Ptr(dk_pool),
-            Arg::Ptr(dv_pool),
-            Arg::Ptr(dq),
-            Arg::Ptr(dk),
-            Arg::Ptr(dv),
-            Arg::U32(t as u32),
-            Arg::U32(w as u32),
-        ],
-    )?;
+    let g = backward::run(c, &MainKernel::sm90().with_ptx(main_ptx), limits, num_sms)?;
     println!(
-        "  {tasks} task rows on {} CTAs ({num_sms} SMs): preprocess + task build {:.2} s, \
+        "  {} task rows on {} CTAs ({num_sms} SMs): preprocess + task build {:.2} s, \
          main kernel {:.2} s ({} warp instructions), total {:.2} s",
-        cfg.grid[0],
-        before_main.as_secs_f64(),
-        main_time.as_secs_f64(),
-        stats.warp_instructions,
-        started.elapsed().as_secs_f64()
+        g.tasks,
+        g.ctas,
+        g.before_main.as_secs_f64(),
+        g.main_time.as_secs_f64(),
+        g.warp_instructions,
+        g.total.as_secs_f64()
     );
-    let f32s = |p, n| -> Result<Vec<f32>, SimError> {
-        Ok(gpu.read::<bf16>(p, n)?.iter().map(|x| x.to_f32()).collect())
-    };
-    Ok(Grads {
-        dq: f32s(dq, t * Q_ROW)?,
-        dk: f32s(dk, w * KV_ROW)?,
-        dv: f32s(dv, w * KV_ROW)?,
-        tasks,
-    })
+    Ok(g)
 }
 
 fn check(c: &Case, g: &Grads, label: &str) {
-    let e = &c.expected;
-    let mut failures = Vec::new();
-    for (tol, name, got, want) in [
-        (DQ_TOLERANCE, "dq", &g.dq, &e.dq),
-        (DK_TOLERANCE, "dk_aligned", &g.dk, &e.dk_aligned),
-        (DV_TOLERANCE, "dv_aligned", &g.dv, &e.dv_aligned),
-    ] {
-        match tol.check(name, got, want) {
-            Ok(stats) => println!("  {label} {name}: {stats}"),
-            Err(msg) => failures.push(msg),
-        }
+    match backward::check(c, g) {
+        Ok(lines) => lines.iter().for_each(|l| println!("  {label} {l}")),
+        Err(msg) => panic!("{label}:\n{msg}"),
     }
-    assert!(failures.is_empty(), "{label}:\n{}", failures.join("\n"));
 }
 
 fn main_ptx() -> &'static str {
-    Arch::Sm90
-        .ptx(msa_backward_sm90::VARIANTS)
-        .expect("the sm_90 main kernel")
+    MainKernel::sm90().ptx
 }
 
 #[test]
