@@ -8,42 +8,15 @@
 //! `msa_backward_sm100` has never run on SM100 hardware; this is the only execution of it.
 
 use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE};
-use msa_sim::backward::{self, Case, Grads, MainKernel, B200_SMS};
+use msa_sim::backward::{Case, Grads, MainKernel, B200_SMS};
 use msa_sim::{FaultKind, Limits, SimError, TmaCompletion};
 
-/// The causal problem over documents of `lengths` tokens, with its reference gradients.
-fn case(lengths: &[i32], seed: u64) -> Case {
-    let c = backward::case(lengths, seed).unwrap_or_else(|e| panic!("{e}"));
-    println!(
-        "documents {lengths:?}: T = {}, W = {}, CPU reference {:.2} s",
-        c.schedule.num_tokens(),
-        c.expected.workspace_rows,
-        c.reference_time.as_secs_f64()
-    );
-    c
-}
+mod chain;
+use chain::{case, check};
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
-    let g = backward::run(c, &MainKernel::sm100().with_ptx(main_ptx), limits, num_sms)?;
-    println!(
-        "  {} task rows on {} CTAs ({num_sms} SMs): preprocess + task build {:.2} s, \
-         main kernel {:.2} s ({} warp instructions), total {:.2} s",
-        g.tasks,
-        g.ctas,
-        g.before_main.as_secs_f64(),
-        g.main_time.as_secs_f64(),
-        g.warp_instructions,
-        g.total.as_secs_f64()
-    );
-    Ok(g)
-}
-
-fn check(c: &Case, g: &Grads, label: &str) {
-    match backward::check(c, g) {
-        Ok(lines) => lines.iter().for_each(|l| println!("  {label} {l}")),
-        Err(msg) => panic!("{label}:\n{msg}"),
-    }
+    chain::run(c, &MainKernel::sm100().with_ptx(main_ptx), limits, num_sms)
 }
 
 fn main_ptx() -> &'static str {

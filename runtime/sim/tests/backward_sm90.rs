@@ -5,42 +5,15 @@
 //! planted pipeline bugs in the same kernel text, each of which must be reported.
 
 use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE};
-use msa_sim::backward::{self, Case, Grads, MainKernel, H200_SMS};
+use msa_sim::backward::{Case, Grads, MainKernel, H200_SMS};
 use msa_sim::{FaultKind, Limits, SimError, TmaCompletion};
 
-/// The causal problem over documents of `lengths` tokens, with its reference gradients.
-fn case(lengths: &[i32], seed: u64) -> Case {
-    let c = backward::case(lengths, seed).unwrap_or_else(|e| panic!("{e}"));
-    println!(
-        "documents {lengths:?}: T = {}, W = {}, CPU reference {:.2} s",
-        c.schedule.num_tokens(),
-        c.expected.workspace_rows,
-        c.reference_time.as_secs_f64()
-    );
-    c
-}
+mod chain;
+use chain::{case, check};
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
-    let g = backward::run(c, &MainKernel::sm90().with_ptx(main_ptx), limits, num_sms)?;
-    println!(
-        "  {} task rows on {} CTAs ({num_sms} SMs): preprocess + task build {:.2} s, \
-         main kernel {:.2} s ({} warp instructions), total {:.2} s",
-        g.tasks,
-        g.ctas,
-        g.before_main.as_secs_f64(),
-        g.main_time.as_secs_f64(),
-        g.warp_instructions,
-        g.total.as_secs_f64()
-    );
-    Ok(g)
-}
-
-fn check(c: &Case, g: &Grads, label: &str) {
-    match backward::check(c, g) {
-        Ok(lines) => lines.iter().for_each(|l| println!("  {label} {l}")),
-        Err(msg) => panic!("{label}:\n{msg}"),
-    }
+    chain::run(c, &MainKernel::sm90().with_ptx(main_ptx), limits, num_sms)
 }
 
 fn main_ptx() -> &'static str {
@@ -50,9 +23,9 @@ fn main_ptx() -> &'static str {
 #[test]
 fn backward_sm90_small_documents_matches_the_reference() {
     // The documents of tests/backward.rs case (a) — several documents, partial key blocks,
-    // one-token documents, a full 128-token one — plus a trailing one-token document: with
-    // T = 395 the last preprocess tile has an odd row count and `bwd_preprocess` runs a
-    // full-mask `shfl.sync` with half a warp branched away, which the simulator rejects.
+    // one-token documents, a full 128-token one — plus a trailing one-token document (an even
+    // T; `backward_sm90_case_a_exactly` covers the odd T = 395 that once exposed a divergent
+    // full-mask `shfl.sync` in `bwd_preprocess`).
     let c = case(&[127, 129, 1, 2, 3, 5, 128, 1], 7001);
     // `MSA_SIM_SMS=n` sizes the walk for another SM count (the grid, tasks per CTA).
     let sms = std::env::var("MSA_SIM_SMS")
