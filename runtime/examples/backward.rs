@@ -12,7 +12,7 @@
 
 use cudarc::driver::{sys, CudaStream};
 use half::bf16;
-use msa_runtime::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
+use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use msa_runtime::{
     build_schedule, causal_support, driver_present, reference, run_backward, Device, RuntimeError,
 };
@@ -84,27 +84,6 @@ fn parse_args() -> Result<Options, String> {
     Ok(o)
 }
 
-/// Kept keys of each (index head, query): causal keys inside the selected blocks.
-fn kept_keys(q2k: &[i32], cu: &[i32]) -> Vec<usize> {
-    let t_total = *cu.last().unwrap_or(&0) as usize;
-    let mut kept = vec![0usize; NUM_KV_HEADS * t_total];
-    for g in 0..NUM_KV_HEADS {
-        for w in cu.windows(2) {
-            let (start, end) = (w[0] as usize, w[1] as usize);
-            for t in start..end {
-                let local = t - start;
-                let ids = &q2k[(g * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
-                kept[g * t_total + t] = ids
-                    .iter()
-                    .filter(|&&b| b >= 0 && b as usize * BLOCK_SIZE <= local)
-                    .map(|&b| (local + 1 - b as usize * BLOCK_SIZE).min(BLOCK_SIZE))
-                    .sum();
-            }
-        }
-    }
-    kept
-}
-
 fn median(mut v: Vec<f32>) -> f32 {
     v.sort_by(f32::total_cmp);
     let n = v.len();
@@ -141,7 +120,11 @@ fn run(stream: &Arc<CudaStream>, o: &Options) -> Result<(), RuntimeError> {
     };
     let (k_al, v_al) = (aligned(&k)?, aligned(&v)?);
     // An LSE near what unit-variance scores give: ln(kept keys) + 1/2, so P stays below 1.
-    let kept = kept_keys(&q2k, &cu);
+    let kept = reference::keys_attended(&q2k, &cu).map_err(|e| RuntimeError::Input {
+        field: "q2k",
+        found: e.to_string(),
+        expected: "a valid selection".into(),
+    })?;
     let lse: Vec<f32> = (0..t * NUM_Q_HEADS)
         .map(|row| {
             let (tok, h) = (row / NUM_Q_HEADS, row % NUM_Q_HEADS);

@@ -133,27 +133,6 @@ fn q2k_checksum(q2k: &[i32]) -> u64 {
     })
 }
 
-/// Kept keys per (index head, token): causal keys inside the selected blocks, `[4, T]`.
-fn kept_keys(q2k: &[i32], cu: &[i32]) -> Vec<usize> {
-    let t_total = cu[cu.len() - 1] as usize;
-    let mut kept = vec![0usize; NUM_INDEX_HEADS * t_total];
-    for g in 0..NUM_INDEX_HEADS {
-        for w in cu.windows(2) {
-            let (start, end) = (w[0] as usize, w[1] as usize);
-            for t in start..end {
-                let local = t - start;
-                let ids = &q2k[(g * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
-                kept[g * t_total + t] = ids
-                    .iter()
-                    .filter(|&&b| b >= 0 && b as usize * BLOCK_SIZE <= local)
-                    .map(|&b| (local + 1 - b as usize * BLOCK_SIZE).min(BLOCK_SIZE))
-                    .sum();
-            }
-        }
-    }
-    kept
-}
-
 /// Useful backward FLOP (MSA convention): 10·128 per (query head, attended key), 16 query heads
 /// per index head.
 fn useful_flop(keys: usize) -> f64 {
@@ -261,7 +240,7 @@ fn make_case(name: &str, seed: u64) -> Case {
         .expect("validated case name");
     let cu = cu_seqlens(&docs);
     let q2k = make_q2k(&cu, seed, topk);
-    let kept = kept_keys(&q2k, &cu);
+    let kept = msa_runtime::reference::keys_attended(&q2k, &cu).expect("a generated case is valid");
     Case {
         name: name.to_string(),
         docs,

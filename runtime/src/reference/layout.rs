@@ -164,3 +164,37 @@ pub fn postprocess(
     let cast = |pool: &[f32]| pool.iter().map(|&x| bf16::from_f32(x)).collect();
     Ok((dq, cast(dk_pool), cast(dv_pool)))
 }
+
+/// Keys each (index head, query) attends, `[4, T]`: the causal keys inside its selected
+/// document-local blocks (`q2k [4, T, 16]`, −1 padding). Summed over the 16 query heads of a
+/// group this is the `sparse_elements` count of the MSA FLOP convention.
+///
+/// # Errors
+/// [`ReferenceError`] if `cu_seqlens` is malformed or `q2k` is not `4·T·16` long.
+pub fn keys_attended(q2k: &[i32], cu_seqlens: &[i32]) -> Result<Vec<usize>, ReferenceError> {
+    use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, TOPK_BLOCKS};
+    let t_total = num_tokens(cu_seqlens)?;
+    check_len(
+        "q2k",
+        q2k.len(),
+        NUM_INDEX_HEADS * t_total,
+        TOPK_BLOCKS,
+        "[4,T,16]",
+    )?;
+    let mut kept = vec![0usize; NUM_INDEX_HEADS * t_total];
+    for g in 0..NUM_INDEX_HEADS {
+        for w in cu_seqlens.windows(2) {
+            let (start, end) = (w[0] as usize, w[1] as usize);
+            for t in start..end {
+                let local = t - start;
+                let ids = &q2k[(g * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
+                kept[g * t_total + t] = ids
+                    .iter()
+                    .filter(|&&b| b >= 0 && b as usize * BLOCK_SIZE <= local)
+                    .map(|&b| (local + 1 - b as usize * BLOCK_SIZE).min(BLOCK_SIZE))
+                    .sum();
+            }
+        }
+    }
+    Ok(kept)
+}

@@ -28,8 +28,8 @@ pub use check::{
     check_close, ErrorStats, Tolerance, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE,
 };
 pub use layout::{
-    deinterleave_dq_pool, from_aligned, interleave_dq_pool, postprocess, preprocess_delta,
-    to_aligned,
+    deinterleave_dq_pool, from_aligned, interleave_dq_pool, keys_attended, postprocess,
+    preprocess_delta, to_aligned,
 };
 
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
