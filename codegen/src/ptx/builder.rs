@@ -563,10 +563,17 @@ impl KernelBuilder {
 
     // ---- arithmetic ----------------------------------------------------------------
 
-    fn binary<T: Ty>(&mut self, op: &str, a: Operand, b: Operand) -> Reg<T> {
+    /// `op d, srcs...` into a fresh `d`.
+    fn compute<T: Ty>(&mut self, op: &str, srcs: Vec<Operand>) -> Reg<T> {
         let d = self.fresh::<T>();
-        self.inst(op.to_string(), vec![Operand::Reg(d.name()), a, b]);
+        let mut operands = vec![Operand::Reg(d.name())];
+        operands.extend(srcs);
+        self.inst(op.to_string(), operands);
         d
+    }
+
+    fn binary<T: Ty>(&mut self, op: &str, a: Operand, b: Operand) -> Reg<T> {
+        self.compute(op, vec![a, b])
     }
 
     /// `a + b`.
@@ -601,17 +608,8 @@ impl KernelBuilder {
 
     /// `a * b + c` (low half).
     pub fn mad_lo<T: Int>(&mut self, a: Reg<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
-        let d = self.fresh::<T>();
-        self.inst(
-            format!("mad.lo.{}", T::NAME),
-            vec![
-                Operand::Reg(d.name()),
-                a.operand(),
-                b.operand(),
-                c.operand(),
-            ],
-        );
-        d
+        let op = format!("mad.lo.{}", T::NAME);
+        self.compute(&op, vec![a.operand(), b.operand(), c.operand()])
     }
 
     /// `a / b` (integer, truncating).
@@ -631,27 +629,12 @@ impl KernelBuilder {
 
     /// Fused `a * b + c` in f32, one rounding.
     pub fn fma(&mut self, a: Reg<F32>, b: impl Src<F32>, c: impl Src<F32>) -> Reg<F32> {
-        let d = self.fresh::<F32>();
-        self.inst(
-            "fma.rn.f32".into(),
-            vec![
-                Operand::Reg(d.name()),
-                a.operand(),
-                b.operand(),
-                c.operand(),
-            ],
-        );
-        d
+        self.compute("fma.rn.f32", vec![a.operand(), b.operand(), c.operand()])
     }
 
     /// `2^a`, approximate (flush-to-zero), as the MUFU unit computes it.
     pub fn ex2_approx(&mut self, a: Reg<F32>) -> Reg<F32> {
-        let d = self.fresh::<F32>();
-        self.inst(
-            "ex2.approx.ftz.f32".into(),
-            vec![Operand::Reg(d.name()), a.operand()],
-        );
-        d
+        self.compute("ex2.approx.ftz.f32", vec![a.operand()])
     }
 
     /// `a << n`.
