@@ -18,7 +18,10 @@ pub fn generate(kernels: &[Kernel]) -> Result<String, CodegenError> {
         modules.push(kernel_module(spec, first, &variants));
     }
     let file = quote! {
-        use cudarc::driver::{CudaFunction, CudaStream, CudaView, CudaViewMut, DriverError, LaunchConfig, PushKernelArg};
+        #[allow(unused_imports)]
+        use crate::backend::{KernelArg, KernelSpec, Ptr, PtrMut};
+        #[allow(unused_imports)]
+        use crate::tma::TensorMap;
         #[allow(unused_imports)]
         use half::bf16;
         #(#modules)*
@@ -67,22 +70,19 @@ fn kernel_module(
             ParamKind::Ptr { elem, mutable } => {
                 let elem = format_ident!("{}", elem.rust_name());
                 if mutable {
-                    quote! { #ident: &mut CudaViewMut<'_, #elem> }
+                    quote! { #ident: PtrMut<#elem> }
                 } else {
-                    quote! { #ident: &CudaView<'_, #elem> }
+                    quote! { #ident: Ptr<#elem> }
                 }
             }
             ParamKind::U32 => quote! { #ident: u32 },
             ParamKind::I32 => quote! { #ident: i32 },
-            ParamKind::TensorMap => quote! { #ident: &crate::tma::TensorMap },
+            ParamKind::TensorMap => quote! { #ident: &TensorMap },
         }
     });
     let pushes = k.params.iter().map(|p| {
         let ident = format_ident!("{}", p.name);
-        match p.kind {
-            ParamKind::U32 | ParamKind::I32 => quote! { builder.arg(&#ident); },
-            _ => quote! { builder.arg(#ident); },
-        }
+        quote! { KernelArg::from(#ident) }
     });
     let about = format!(" `{}`: {}.", k.name, spec.about);
     let grid_doc = format!(" Grid: {}.", k.grid);
@@ -99,23 +99,20 @@ fn kernel_module(
             #(#ptx_consts)*
             /// PTX per compute capability.
             pub const VARIANTS: &[((i32, i32), &str)] = &[#(#targets),*];
-            /// Launches the kernel on `stream` with the parameters in declaration order.
+            /// The kernel for [`crate::backend::Backend::launch`].
+            pub const KERNEL: KernelSpec = KernelSpec {
+                name: NAME,
+                threads: THREADS,
+                dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+                variants: VARIANTS,
+            };
+            /// The launch arguments in declaration order, typed so that a call site cannot
+            /// swap or mistype them; every buffer must hold the elements the kernel addresses
+            /// for the scalar arguments given (see the kernel's manifest).
             #[doc = #grid_doc]
-            ///
-            /// # Safety
-            /// Every buffer must hold the elements the kernel addresses for the scalar
-            /// arguments given (see the kernel's manifest); the types and order are fixed here.
             #[allow(clippy::too_many_arguments)]
-            pub unsafe fn launch(
-                stream: &CudaStream,
-                func: &CudaFunction,
-                grid: (u32, u32, u32),
-                #(#args),*
-            ) -> Result<(), DriverError> {
-                let cfg = LaunchConfig { grid_dim: grid, block_dim: THREADS, shared_mem_bytes: DYNAMIC_SHARED_BYTES };
-                let mut builder = stream.launch_builder(func);
-                #(#pushes)*
-                unsafe { builder.launch(cfg) }.map(|_| ())
+            pub fn args(#(#args),*) -> Vec<KernelArg> {
+                vec![#(#pushes),*]
             }
         }
     }

@@ -1,29 +1,31 @@
 //! The MSA backward host flow (seed-design §1.5, §3.1): validation, TMA descriptors, the cached
 //! gradient workspace and the launch sequence
-//! `preprocess → zero pools → task build → main kernel → postprocess`, all on one stream and
+//! `preprocess → zero pools → task build → main kernel → postprocess`, stream-ordered and
 //! without a host sync.
 //!
-//! [`MsaBackward`] owns the workspace of one device context and reuses it across calls; the free
-//! function [`run_backward`] keeps one per device ordinal.
+//! The flow is written once against [`Backend`]: [`MsaBackward::run_on`] drives the CUDA
+//! driver ([`CudaBackend`]) or the `msa-sim` simulator through the same workspace carving,
+//! tensor-map parameters, launch geometry and kernel order. [`MsaBackward`] owns the workspace
+//! of one device and reuses it across calls; the free function [`run_backward`] keeps one per
+//! CUDA device ordinal.
 
+use crate::backend::{Backend, KernelSpec, Span};
 use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use crate::device::{driver_present, Device};
+use crate::cuda::{read_span, CudaBackend};
+use crate::device::driver_present;
 use crate::error::RuntimeError;
 use crate::kernels::{
     bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90, task_assign_segments,
     task_scan_bins, task_scan_work, task_scatter_tables,
 };
-use crate::ops::{check_len, run_postprocess, run_preprocess};
+use crate::ops::{check_len, postprocess, preprocess};
 use crate::schedule::Schedule;
 use crate::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use crate::tma::TensorMap;
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceSlice,
-};
+use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceSlice};
 use half::bf16;
 use std::collections::HashMap;
-use std::mem::{size_of, ManuallyDrop, MaybeUninit};
-use std::ops::{Deref, DerefMut};
+use std::mem::{size_of, MaybeUninit};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Elements of one token's query-side row `[64, 128]` (q, dO, O, dQ).
@@ -218,8 +220,10 @@ impl TileMapSpec {
                 ),
                 source,
             })?;
-        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before).
-        Ok(TensorMap(unsafe { map.assume_init() }))
+        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before);
+        // CUtensorMap is 128 bytes of plain data.
+        let bytes: [u8; 128] = unsafe { std::mem::transmute(map.assume_init()) };
+        Ok(TensorMap(bytes))
     }
 
     /// Bytes of the tensor the map spans: `globalDim[2] · globalStrides[1]`.
@@ -299,90 +303,62 @@ impl PoolLayout {
     }
 }
 
-/// A typed window over part of an allocation another `CudaSlice` owns. It is leaked on drop,
-/// so only the owner frees the memory (the idea of `TaskWorkspace`'s regions): separate
-/// windows can be borrowed mutably at the same time, which one slice's `slice_mut` cannot.
-struct Window<T>(ManuallyDrop<CudaSlice<T>>);
-
-impl<T> Window<T> {
-    /// # Safety
-    /// `[base + offset, base + offset + len·size_of::<T>())` must lie inside one device
-    /// allocation that outlives the window, overlap no other window, and be aligned for `T`.
-    unsafe fn new(stream: &Arc<CudaStream>, base: u64, offset: usize, len: usize) -> Self {
-        Window(ManuallyDrop::new(
-            stream.upgrade_device_ptr::<T>(base + offset as u64, len),
-        ))
-    }
-}
-
-impl<T> Deref for Window<T> {
-    type Target = CudaSlice<T>;
-    fn deref(&self) -> &CudaSlice<T> {
-        &self.0
-    }
-}
-
-impl<T> DerefMut for Window<T> {
-    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
-        &mut self.0
-    }
-}
-
-impl<T> Drop for Window<T> {
-    fn drop(&mut self) {
-        // SAFETY: the window is not used after this. `leak` makes the window's stream wait on
-        // its recorded uses and releases its events without freeing the owner's memory.
-        let slice = unsafe { ManuallyDrop::take(&mut self.0) };
-        slice.leak();
-    }
-}
-
-/// The one raw allocation of the gradient pools and delta, carved by a [`PoolLayout`].
-///
-/// Field order matters: the windows drop (leak) before `storage` frees the memory.
-struct GradientPools {
+/// The one allocation of the gradient pools and delta, carved by a [`PoolLayout`].
+struct GradientPools<B: Backend> {
     layout: PoolLayout,
-    dq_pool: Window<bf16>,
-    dk_pool: Window<f32>,
-    dv_pool: Window<f32>,
-    delta: Window<f32>,
-    // Never read: it owns the memory the windows view and frees it last.
+    base: u64,
+    // Never read: it owns the memory `base` points into.
     #[allow(dead_code)]
-    storage: CudaSlice<u64>,
+    storage: B::Buffer,
 }
 
-impl GradientPools {
-    fn new(stream: &Arc<CudaStream>, layout: PoolLayout) -> Result<Self, RuntimeError> {
-        // u64 words: the 256-byte rounded total is a whole number of them.
-        // SAFETY: left uninitialised on purpose; every call zeroes the pools it uses and the
+impl<B: Backend> GradientPools<B> {
+    fn new(backend: &mut B, layout: PoolLayout) -> Result<Self, RuntimeError> {
+        // Left uninitialised on purpose: every call zeroes the pools it uses, and the
         // preprocess writes every delta element it uses before anything reads them.
-        let storage = unsafe { stream.alloc::<u64>(layout.bytes / size_of::<u64>()) }
-            .map_err(RuntimeError::driver("cuMemAlloc(gradient workspace)"))?;
-        let (base, guard) = storage.device_ptr(stream);
-        drop(guard);
-        let (t, w) = (layout.num_tokens, layout.workspace_rows);
-        // SAFETY: PoolLayout's regions are disjoint, 256-byte aligned and end at or before
-        // `layout.bytes`; `storage` is declared after the windows, so it outlives them.
-        let pools = unsafe {
-            GradientPools {
-                dq_pool: Window::new(stream, base, layout.dq_pool, t * Q_ROW),
-                dk_pool: Window::new(stream, base, layout.dk_pool, w * KV_ROW),
-                dv_pool: Window::new(stream, base, layout.dv_pool, w * KV_ROW),
-                delta: Window::new(stream, base, layout.delta, t * NUM_Q_HEADS),
-                layout,
-                storage,
-            }
-        };
-        Ok(pools)
+        let storage = backend.alloc("gradient workspace", layout.bytes)?;
+        Ok(GradientPools {
+            layout,
+            base: backend.address(&storage),
+            storage,
+        })
     }
 
     fn fits(&self, num_tokens: usize, workspace_rows: usize) -> bool {
         num_tokens <= self.layout.num_tokens && workspace_rows <= self.layout.workspace_rows
     }
+
+    fn span<T>(&self, offset: usize, len: usize) -> Span<T> {
+        Span::new(self.base + offset as u64, len)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The backward
+
+/// The device buffers of one backward call: the inputs of seed-design §1.5 and the outputs
+/// the call writes. Every base must be 16-byte aligned.
+#[derive(Debug, Clone, Copy)]
+pub struct BackwardBuffers {
+    /// `q [T, 64, 128]` bf16.
+    pub q: Span<bf16>,
+    /// `k_aligned [W, 4, 128]` bf16.
+    pub k_aligned: Span<bf16>,
+    /// `v_aligned [W, 4, 128]` bf16.
+    pub v_aligned: Span<bf16>,
+    /// `grad_out [T, 64, 128]` bf16.
+    pub grad_out: Span<bf16>,
+    /// `lse [T, 64]` fp32.
+    pub lse: Span<f32>,
+    /// `out [T, 64, 128]` bf16.
+    pub out: Span<bf16>,
+    /// Output `dq [T, 64, 128]` bf16.
+    pub dq: Span<bf16>,
+    /// Output `dk_aligned [W, 4, 128]` bf16 (padding rows zero).
+    pub dk_aligned: Span<bf16>,
+    /// Output `dv_aligned [W, 4, 128]` bf16 (padding rows zero).
+    pub dv_aligned: Span<bf16>,
+}
 
 /// The gradients of one backward call, all bf16.
 pub struct Gradients {
@@ -394,29 +370,38 @@ pub struct Gradients {
     pub dv_aligned: CudaSlice<bf16>,
 }
 
-/// The MSA backward of one device context with its cached workspace.
+/// The MSA backward of one device with its cached workspace, on any [`Backend`] (the CUDA
+/// driver by default, or the `msa-sim` simulator).
 ///
-/// Holds the gradient workspace (one allocation: dQ pool, dK/dV pools, delta), the task-build
-/// workspace and the main kernel's function. The gradient workspace grows to the largest
-/// `(T, W)` seen and never shrinks; the task workspace is reused while its sizes fit. Calling
-/// with a stream of another context drops the cache and starts over on that context.
-#[derive(Default)]
-pub struct MsaBackward {
-    context: Option<Arc<CudaContext>>,
-    main: Option<(MainKernel, CudaFunction)>,
-    aux_loaded: bool,
-    pools: Option<GradientPools>,
-    tasks: Option<TaskWorkspace>,
+/// Holds the gradient workspace (one allocation: dQ pool, dK/dV pools, delta) and the
+/// task-build workspace. The gradient workspace grows to the largest `(T, W)` seen and never
+/// shrinks; the task workspace is reused while its sizes fit. A call on another memory space
+/// (another CUDA context or simulated device) drops the cache and starts over there.
+pub struct MsaBackward<B: Backend = CudaBackend> {
+    memory_space: Option<u64>,
+    pools: Option<GradientPools<B>>,
+    tasks: Option<TaskWorkspace<B>>,
     // The last call's schedule upload, kept until the next call so its buffers are freed
     // stream-ordered after the kernels that read them, never by a synchronizing free here.
-    schedule: Option<DeviceSchedule>,
+    schedule: Option<DeviceSchedule<B>>,
     allocations: usize,
 }
 
-impl std::fmt::Debug for MsaBackward {
+impl<B: Backend> Default for MsaBackward<B> {
+    fn default() -> Self {
+        MsaBackward {
+            memory_space: None,
+            pools: None,
+            tasks: None,
+            schedule: None,
+            allocations: 0,
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for MsaBackward<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MsaBackward")
-            .field("ordinal", &self.context.as_ref().map(|c| c.ordinal()))
             .field("capacity", &self.capacity())
             .field("allocations", &self.allocations)
             .finish()
@@ -426,11 +411,324 @@ impl std::fmt::Debug for MsaBackward {
 /// The capabilities the main kernel has a variant for, for error messages.
 const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
 
-/// Which main kernel a device runs; both take the same parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum MainKernel {
-    Sm90,
-    Sm100,
+/// The main kernel for capability `cc`; both variants take the same parameters.
+///
+/// # Errors
+/// [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
+pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec, RuntimeError> {
+    match cc {
+        (9, 0) => Ok(&msa_backward_sm90::KERNEL),
+        (10, 0) => Ok(&msa_backward_sm100::KERNEL),
+        (major, minor) => Err(RuntimeError::UnsupportedArch {
+            kernel: "msa_backward",
+            ordinal,
+            major,
+            minor,
+            supported: SUPPORTED.into(),
+        }),
+    }
+}
+
+/// Checks the 16-byte alignment of a device address.
+fn check_aligned(field: &'static str, ptr: u64) -> Result<(), RuntimeError> {
+    if ptr.is_multiple_of(BASE_ALIGN) {
+        Ok(())
+    } else {
+        Err(RuntimeError::input(
+            field,
+            format!("base address {ptr:#x}"),
+            "a 16-byte aligned device address",
+        ))
+    }
+}
+
+impl<B: Backend> MsaBackward<B> {
+    /// An empty cache; nothing is allocated until the first call.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Device allocations the cache has made so far (gradient and task workspaces). A repeated
+    /// call with the same schedule shape makes none.
+    pub fn allocation_count(&self) -> usize {
+        self.allocations
+    }
+
+    /// The task-build workspace of the last call, if any (its tables stay valid until the
+    /// next call).
+    pub fn task_workspace(&self) -> Option<&TaskWorkspace<B>> {
+        self.tasks.as_ref()
+    }
+
+    /// `(T, W)` the gradient workspace is sized for, if allocated.
+    pub fn capacity(&self) -> Option<(usize, usize)> {
+        self.pools
+            .as_ref()
+            .map(|p| (p.layout.num_tokens, p.layout.workspace_rows))
+    }
+
+    /// Runs the backward on `backend`, writing `io.dq`, `io.dk_aligned` and `io.dv_aligned`.
+    ///
+    /// Inputs (seed-design §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
+    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout, `lse [T, 64]` fp32, with
+    /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
+    /// aligned.
+    ///
+    /// Issues, in order (seed-design §3.1): the schedule upload, `bwd_preprocess`, the zeroing
+    /// of the pools, the four task-build kernels, the main kernel for the capability
+    /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
+    /// `grid_launch_bound(capacity, sm_count)` CTAs, and `bwd_postprocess`; no host sync.
+    /// All checks, kernel loading, tensor maps and workspace allocation come before the first
+    /// write, so an error never leaves the outputs half-written.
+    ///
+    /// # Errors
+    /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, or a
+    ///   workspace too large to address.
+    /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
+    /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
+    ///   [`RuntimeError::TooManyBins`], [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
+    ///   [`RuntimeError::Launch`], [`RuntimeError::Driver`] and [`RuntimeError::Simulator`]
+    ///   from the backend.
+    pub fn run_on(
+        &mut self,
+        backend: &mut B,
+        io: &BackwardBuffers,
+        schedule: &Schedule,
+    ) -> Result<(), RuntimeError> {
+        let t = schedule.num_tokens();
+        let w = schedule.workspace_rows();
+
+        // 1. Shapes and alignment: pure host checks.
+        let q_len = t.checked_mul(Q_ROW);
+        let kv_len = w.checked_mul(KV_ROW);
+        let (Some(q_len), Some(kv_len)) = (q_len, kv_len) else {
+            return Err(RuntimeError::input(
+                "schedule",
+                format!("T = {t}, W = {w}"),
+                "element counts that fit in usize",
+            ));
+        };
+        check_len("q", io.q.len, q_len, "[T, 64, 128] bf16")?;
+        check_len("k_aligned", io.k_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        check_len("v_aligned", io.v_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        check_len("grad_out", io.grad_out.len, q_len, "[T, 64, 128] bf16")?;
+        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        check_len("out", io.out.len, q_len, "[T, 64, 128] bf16")?;
+        check_len("dq", io.dq.len, q_len, "[T, 64, 128] bf16")?;
+        check_len("dk_aligned", io.dk_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        check_len("dv_aligned", io.dv_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
+            return Err(RuntimeError::input(
+                "schedule.workspace_rows",
+                w,
+                "a positive multiple of 128",
+            ));
+        }
+        for (field, addr) in [
+            ("q", io.q.addr),
+            ("k_aligned", io.k_aligned.addr),
+            ("v_aligned", io.v_aligned.addr),
+            ("grad_out", io.grad_out.addr),
+            ("lse", io.lse.addr),
+            ("out", io.out.addr),
+            ("dq", io.dq.addr),
+            ("dk_aligned", io.dk_aligned.addr),
+            ("dv_aligned", io.dv_aligned.addr),
+        ] {
+            check_aligned(field, addr)?;
+        }
+
+        // 2. Architecture dispatch and kernel loading (JIT errors surface here).
+        if self.memory_space != Some(backend.memory_space()) {
+            let allocations = self.allocations;
+            *self = MsaBackward {
+                memory_space: Some(backend.memory_space()),
+                allocations,
+                ..MsaBackward::default()
+            };
+        }
+        let main = main_kernel(backend.capability(), backend.ordinal())?;
+        if t == 0 {
+            // No tokens: no kernel to run (a validated Schedule always has T >= 1).
+            backend.zero("dk_aligned", io.dk_aligned.addr, 2 * kv_len)?;
+            return backend.zero("dv_aligned", io.dv_aligned.addr, 2 * kv_len);
+        }
+        for k in [
+            main,
+            &bwd_preprocess::KERNEL,
+            &bwd_postprocess::KERNEL,
+            &task_scan_work::KERNEL,
+            &task_assign_segments::KERNEL,
+            &task_scan_bins::KERNEL,
+            &task_scatter_tables::KERNEL,
+        ] {
+            backend.load(k)?;
+        }
+        let sizes = TaskBuildSizes::new(schedule, backend.sm_count())?;
+        let grid = u32::try_from(sizes.grid_launch)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| {
+                RuntimeError::input(
+                    "schedule",
+                    format!("{} CTAs for the main kernel", sizes.grid_launch),
+                    "a grid of at most 2^31-1 CTAs",
+                )
+            })?;
+
+        // 3. Tensor maps.
+        let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
+        let tmap_do =
+            backend.tensor_map(&TileMapSpec::query_rows("grad_out", t)?, io.grad_out.addr)?;
+        let tmap_k =
+            backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
+        let tmap_v =
+            backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
+
+        // 4. Workspaces and the schedule upload (into buffers of our own; nothing the caller
+        // sees is written yet).
+        let pools = ensure_pools(&mut self.pools, &mut self.allocations, backend, t, w)?;
+        let (dq_pool, dk_pool, dv_pool, delta) = (
+            pools.span::<bf16>(pools.layout.dq_pool, q_len),
+            pools.span::<f32>(pools.layout.dk_pool, kv_len),
+            pools.span::<f32>(pools.layout.dv_pool, kv_len),
+            pools.span::<f32>(pools.layout.delta, t * NUM_Q_HEADS),
+        );
+        let tasks = ensure_tasks(
+            &mut self.tasks,
+            &mut self.allocations,
+            backend,
+            sizes,
+            schedule.work_capacity(),
+        )?;
+        let dev_schedule = DeviceSchedule::upload(backend, schedule)?;
+
+        // 5. The launch sequence (seed-design §3.1).
+        preprocess(backend, io.out, io.grad_out, delta, t)?;
+        backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
+        backend.zero("dk pool", dk_pool.addr, 4 * kv_len)?;
+        backend.zero("dv pool", dv_pool.addr, 4 * kv_len)?;
+        tasks.build(backend, &dev_schedule)?;
+        if grid > 0 {
+            let args = msa_backward_sm90::args(
+                &tmap_q,
+                &tmap_do,
+                &tmap_k,
+                &tmap_v,
+                io.lse.ptr(),
+                delta.ptr(),
+                tasks.task_meta(),
+                tasks.task_qrows(),
+                tasks.task_qpos(),
+                tasks.desc(),
+                dq_pool.ptr_mut(),
+                dk_pool.ptr_mut(),
+                dv_pool.ptr_mut(),
+            );
+            // SAFETY: both main kernels take these parameters (the parameter lists are one
+            // declaration, `common::main_params`, checked by a test); the maps span q/grad_out
+            // [T,64,128] and k/v [W,4,128], whose lengths were checked; lse, delta and the
+            // pools are [T,64], [T,64], [T,64,128] and [W,4,128]; the task tables come from a
+            // workspace built for `sizes`, whose grid bound is `grid`.
+            unsafe { backend.launch(main, (grid, 1, 1), &args) }?;
+        }
+        postprocess(
+            backend,
+            dq_pool,
+            dk_pool.prefix(kv_len),
+            dv_pool.prefix(kv_len),
+            io.dq,
+            io.dk_aligned,
+            io.dv_aligned,
+            t,
+            w,
+        )?;
+        // Replacing the previous upload frees it stream-ordered behind that call's kernels.
+        self.schedule = Some(dev_schedule);
+        Ok(())
+    }
+}
+
+impl MsaBackward<CudaBackend> {
+    /// [`MsaBackward::run_on`] on a CUDA stream with cudarc views; allocates and returns the
+    /// gradients `dq [T,64,128]`, `dk_aligned`, `dv_aligned [W,4,128]`.
+    ///
+    /// Every input must belong to the stream's context. Everything is enqueued on `stream`
+    /// without a host sync.
+    ///
+    /// # Errors
+    /// Those of [`MsaBackward::run_on`], and [`RuntimeError::Input`] for a buffer of another
+    /// context.
+    #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
+    pub fn run(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        q: &CudaView<'_, bf16>,
+        k_aligned: &CudaView<'_, bf16>,
+        v_aligned: &CudaView<'_, bf16>,
+        grad_out: &CudaView<'_, bf16>,
+        lse: &CudaView<'_, f32>,
+        out: &CudaView<'_, bf16>,
+        schedule: &Schedule,
+    ) -> Result<Gradients, RuntimeError> {
+        check_context("q", q, stream)?;
+        check_context("k_aligned", k_aligned, stream)?;
+        check_context("v_aligned", v_aligned, stream)?;
+        check_context("grad_out", grad_out, stream)?;
+        check_context("lse", lse, stream)?;
+        check_context("out", out, stream)?;
+        let mut backend = CudaBackend::new(stream)?;
+        // Outputs: sized from the inputs so that a length error is reported by `run_on`.
+        let alloc = |len: usize| -> Result<CudaSlice<bf16>, RuntimeError> {
+            let r = if len == 0 {
+                stream.null()
+            } else {
+                // SAFETY: `run_on` writes every element (postprocess, or zeroing for T = 0).
+                unsafe { stream.alloc::<bf16>(len) }
+            };
+            r.map_err(|source| RuntimeError::Alloc {
+                what: "gradients",
+                bytes: 2 * len,
+                source,
+            })
+        };
+        let (mut dq, mut dk, mut dv) = (
+            alloc(q.len())?,
+            alloc(k_aligned.len())?,
+            alloc(v_aligned.len())?,
+        );
+        // The guards record the kernels' reads and writes for cudarc's cross-stream tracking,
+        // which cannot see accesses through raw addresses and tensor maps; they are held until
+        // everything is enqueued. (Taking a pointer enqueues at most an event wait.)
+        let (q, _q) = read_span(q, stream);
+        let (k_aligned, _k) = read_span(k_aligned, stream);
+        let (v_aligned, _v) = read_span(v_aligned, stream);
+        let (grad_out, _do) = read_span(grad_out, stream);
+        let (lse, _lse) = read_span(lse, stream);
+        let (out, _out) = read_span(out, stream);
+        let (dq_len, dk_len, dv_len) = (dq.len(), dk.len(), dv.len());
+        let (dq_ptr, _dq) = dq.device_ptr_mut(stream);
+        let (dk_ptr, _dk) = dk.device_ptr_mut(stream);
+        let (dv_ptr, _dv) = dv.device_ptr_mut(stream);
+        let io = BackwardBuffers {
+            q,
+            k_aligned,
+            v_aligned,
+            grad_out,
+            lse,
+            out,
+            dq: Span::new(dq_ptr, dq_len),
+            dk_aligned: Span::new(dk_ptr, dk_len),
+            dv_aligned: Span::new(dv_ptr, dv_len),
+        };
+        self.run_on(&mut backend, &io, schedule)?;
+        drop((_dq, _dk, _dv));
+        Ok(Gradients {
+            dq,
+            dk_aligned: dk,
+            dv_aligned: dv,
+        })
+    }
 }
 
 /// Checks that `view` lives on the stream's context.
@@ -455,345 +753,14 @@ fn check_context<T>(
     ))
 }
 
-/// Checks the 16-byte alignment of a device address.
-fn check_aligned(field: &'static str, ptr: u64) -> Result<(), RuntimeError> {
-    if ptr.is_multiple_of(BASE_ALIGN) {
-        Ok(())
-    } else {
-        Err(RuntimeError::input(
-            field,
-            format!("base address {ptr:#x}"),
-            "a 16-byte aligned device address",
-        ))
-    }
-}
-
-impl MsaBackward {
-    /// An empty cache; nothing is allocated until the first [`MsaBackward::run`].
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Device allocations the cache has made so far (gradient and task workspaces). A repeated
-    /// call with the same schedule shape makes none.
-    pub fn allocation_count(&self) -> usize {
-        self.allocations
-    }
-
-    /// `(T, W)` the gradient workspace is sized for, if allocated.
-    pub fn capacity(&self) -> Option<(usize, usize)> {
-        self.pools
-            .as_ref()
-            .map(|p| (p.layout.num_tokens, p.layout.workspace_rows))
-    }
-
-    /// Runs the backward and returns `dq [T,64,128]`, `dk_aligned`, `dv_aligned [W,4,128]`.
-    ///
-    /// Inputs (seed-design §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
-    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout, `lse [T, 64]` fp32, with
-    /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`. Every base address must
-    /// be 16-byte aligned and every buffer must belong to the stream's context.
-    ///
-    /// Everything is enqueued on `stream` (preprocess, pool zeroing, task build, main kernel,
-    /// postprocess) without a host sync. All checks, kernel loading and workspace allocation
-    /// happen before the first enqueue, so an error never leaves the stream half-written.
-    ///
-    /// # Errors
-    /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, a
-    ///   buffer of another context, or a workspace too large to address.
-    /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 (`msa_backward_sm90`) and
-    ///   10.0 (`msa_backward_sm100`, which has been assembled by ptxas but never executed).
-    /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
-    ///   [`RuntimeError::TooManyBins`], [`RuntimeError::Jit`] and [`RuntimeError::Driver`].
-    #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
-    pub fn run(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        q: &CudaView<'_, bf16>,
-        k_aligned: &CudaView<'_, bf16>,
-        v_aligned: &CudaView<'_, bf16>,
-        grad_out: &CudaView<'_, bf16>,
-        lse: &CudaView<'_, f32>,
-        out: &CudaView<'_, bf16>,
-        schedule: &Schedule,
-    ) -> Result<Gradients, RuntimeError> {
-        let t = schedule.num_tokens();
-        let w = schedule.workspace_rows();
-
-        // 1. Shapes and devices: pure host checks.
-        let q_len = t.checked_mul(Q_ROW);
-        let kv_len = w.checked_mul(KV_ROW);
-        let (Some(q_len), Some(kv_len)) = (q_len, kv_len) else {
-            return Err(RuntimeError::input(
-                "schedule",
-                format!("T = {t}, W = {w}"),
-                "element counts that fit in usize",
-            ));
-        };
-        check_len("q", q.len(), q_len, "[T, 64, 128] bf16")?;
-        check_len("k_aligned", k_aligned.len(), kv_len, "[W, 4, 128] bf16")?;
-        check_len("v_aligned", v_aligned.len(), kv_len, "[W, 4, 128] bf16")?;
-        check_len("grad_out", grad_out.len(), q_len, "[T, 64, 128] bf16")?;
-        check_len("lse", lse.len(), t * NUM_Q_HEADS, "[T, 64] f32")?;
-        check_len("out", out.len(), q_len, "[T, 64, 128] bf16")?;
-        if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
-            return Err(RuntimeError::input(
-                "schedule.workspace_rows",
-                w,
-                "a positive multiple of 128",
-            ));
-        }
-        check_context("q", q, stream)?;
-        check_context("k_aligned", k_aligned, stream)?;
-        check_context("v_aligned", v_aligned, stream)?;
-        check_context("grad_out", grad_out, stream)?;
-        check_context("lse", lse, stream)?;
-        check_context("out", out, stream)?;
-        // Base addresses. The guards of the four TMA-read tensors are held until the main
-        // kernel is enqueued: cudarc cannot see reads through a tensor map, so the guards
-        // record those reads for its cross-stream tracking. (Taking a pointer enqueues at most
-        // an event wait, in multi-stream mode, never a write.)
-        let (q_ptr, q_guard) = q.device_ptr(stream);
-        let (do_ptr, do_guard) = grad_out.device_ptr(stream);
-        let (k_ptr, k_guard) = k_aligned.device_ptr(stream);
-        let (v_ptr, v_guard) = v_aligned.device_ptr(stream);
-        if t > 0 {
-            check_aligned("q", q_ptr)?;
-            check_aligned("k_aligned", k_ptr)?;
-            check_aligned("v_aligned", v_ptr)?;
-            check_aligned("grad_out", do_ptr)?;
-            check_aligned("lse", lse.device_ptr(stream).0)?;
-            check_aligned("out", out.device_ptr(stream).0)?;
-        }
-
-        // 2. Architecture dispatch and kernel loading (JIT errors surface here).
-        let device = Device::of(stream.context())?;
-        self.bind(stream.context());
-        let (main_kind, main) = self.main_function(&device)?;
-        if t == 0 {
-            // No tokens: nothing to launch (a validated Schedule always has T >= 1).
-            let alloc = |source| RuntimeError::Driver {
-                call: "cuMemAlloc(gradients)",
-                source,
-            };
-            return Ok(Gradients {
-                dq: stream.null().map_err(alloc)?,
-                dk_aligned: stream.alloc_zeros(kv_len).map_err(alloc)?,
-                dv_aligned: stream.alloc_zeros(kv_len).map_err(alloc)?,
-            });
-        }
-        self.load_aux(&device)?;
-        let sizes = TaskBuildSizes::new(schedule, device.sm_count())?;
-        let grid = u32::try_from(sizes.grid_launch)
-            .ok()
-            .filter(|&g| g <= i32::MAX as u32)
-            .ok_or_else(|| {
-                RuntimeError::input(
-                    "schedule",
-                    format!("{} CTAs for the main kernel", sizes.grid_launch),
-                    "a grid of at most 2^31-1 CTAs",
-                )
-            })?;
-
-        // 3. Tensor maps.
-        let tmap_q = TileMapSpec::query_rows("q", t)?.encode(q_ptr)?;
-        let tmap_do = TileMapSpec::query_rows("grad_out", t)?.encode(do_ptr)?;
-        let tmap_k = TileMapSpec::key_rows("k_aligned", w)?.encode(k_ptr)?;
-        let tmap_v = TileMapSpec::key_rows("v_aligned", w)?.encode(v_ptr)?;
-
-        // 4. Workspaces and outputs (allocations only; nothing is written yet).
-        let pools = ensure_pools(&mut self.pools, &mut self.allocations, stream, t, w)?;
-        let tasks = ensure_tasks(
-            &mut self.tasks,
-            &mut self.allocations,
-            stream,
-            sizes,
-            schedule.work_capacity(),
-        )?;
-        let alloc = |source| RuntimeError::Driver {
-            call: "cuMemAlloc(gradients)",
-            source,
-        };
-        // SAFETY: the postprocess writes every element of the three outputs.
-        let (mut dq, mut dk, mut dv) = unsafe {
-            (
-                stream.alloc::<bf16>(q_len).map_err(alloc)?,
-                stream.alloc::<bf16>(kv_len).map_err(alloc)?,
-                stream.alloc::<bf16>(kv_len).map_err(alloc)?,
-            )
-        };
-
-        // 5. The launch sequence (seed-design §3.1).
-        let delta_len = t * NUM_Q_HEADS;
-        run_preprocess(
-            stream,
-            out,
-            grad_out,
-            &mut pools.delta.slice_mut(..delta_len),
-            t,
-        )?;
-        let zero = |source| RuntimeError::Driver {
-            call: "cuMemsetD8Async(gradient pools)",
-            source,
-        };
-        stream
-            .memset_zeros(&mut pools.dq_pool.slice_mut(..q_len))
-            .map_err(zero)?;
-        stream
-            .memset_zeros(&mut pools.dk_pool.slice_mut(..kv_len))
-            .map_err(zero)?;
-        stream
-            .memset_zeros(&mut pools.dv_pool.slice_mut(..kv_len))
-            .map_err(zero)?;
-        let dev_schedule = DeviceSchedule::upload(stream, schedule)?;
-        tasks.build(stream, &dev_schedule)?;
-        if grid > 0 {
-            // SAFETY: the maps span q/grad_out [T,64,128] and k/v [W,4,128], whose lengths
-            // were checked; lse, delta and the pools are [T,64], [T,64], [T,64,128] and
-            // [W,4,128]; the task tables come from a workspace built for `sizes`, whose grid
-            // bound is `grid`.
-            let launch = match main_kind {
-                MainKernel::Sm90 => msa_backward_sm90::launch,
-                MainKernel::Sm100 => msa_backward_sm100::launch,
-            };
-            unsafe {
-                launch(
-                    stream,
-                    &main,
-                    (grid, 1, 1),
-                    &tmap_q,
-                    &tmap_do,
-                    &tmap_k,
-                    &tmap_v,
-                    lse,
-                    &pools.delta.slice(..delta_len),
-                    &tasks.task_meta().as_view(),
-                    &tasks.task_qrows().as_view(),
-                    &tasks.task_qpos().as_view(),
-                    &tasks.desc().as_view(),
-                    &mut pools.dq_pool.slice_mut(..q_len),
-                    &mut pools.dk_pool.slice_mut(..kv_len),
-                    &mut pools.dv_pool.slice_mut(..kv_len),
-                )
-            }
-            .map_err(RuntimeError::driver(
-                "cuLaunchKernel(msa_backward main kernel)",
-            ))?;
-        }
-        drop((q_guard, do_guard, k_guard, v_guard));
-        run_postprocess(
-            stream,
-            &pools.dq_pool.slice(..q_len),
-            &pools.dk_pool.slice(..kv_len),
-            &pools.dv_pool.slice(..kv_len),
-            &mut dq.as_view_mut(),
-            &mut dk.as_view_mut(),
-            &mut dv.as_view_mut(),
-            t,
-            w,
-        )?;
-        // Replacing the previous upload frees it stream-ordered behind that call's kernels.
-        self.schedule = Some(dev_schedule);
-        Ok(Gradients {
-            dq,
-            dk_aligned: dk,
-            dv_aligned: dv,
-        })
-    }
-
-    /// Drops everything cached for another context; the buffers belong to that context.
-    fn bind(&mut self, ctx: &Arc<CudaContext>) {
-        if self
-            .context
-            .as_ref()
-            .is_some_and(|c| c.cu_ctx() == ctx.cu_ctx())
-        {
-            return;
-        }
-        let allocations = self.allocations;
-        *self = MsaBackward {
-            context: Some(ctx.clone()),
-            allocations,
-            ..MsaBackward::default()
-        };
-    }
-
-    /// The main kernel for the device's capability, with its dynamic shared memory limit set
-    /// (once; the attribute belongs to the loaded function).
-    fn main_function(
-        &mut self,
-        device: &Device,
-    ) -> Result<(MainKernel, CudaFunction), RuntimeError> {
-        if let Some(main) = &self.main {
-            return Ok(main.clone());
-        }
-        let (major, minor) = device.capability();
-        let ordinal = device.context().ordinal();
-        let (kind, name, variants, smem) = match (major, minor) {
-            (9, 0) => (
-                MainKernel::Sm90,
-                msa_backward_sm90::NAME,
-                msa_backward_sm90::VARIANTS,
-                msa_backward_sm90::DYNAMIC_SHARED_BYTES,
-            ),
-            (10, 0) => (
-                MainKernel::Sm100,
-                msa_backward_sm100::NAME,
-                msa_backward_sm100::VARIANTS,
-                msa_backward_sm100::DYNAMIC_SHARED_BYTES,
-            ),
-            _ => {
-                return Err(RuntimeError::UnsupportedArch {
-                    kernel: "msa_backward",
-                    ordinal,
-                    major,
-                    minor,
-                    supported: SUPPORTED.into(),
-                })
-            }
-        };
-        let f = device.function(name, variants)?;
-        f.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(RuntimeError::driver(
-            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-        ))?;
-        self.main = Some((kind, f.clone()));
-        Ok((kind, f))
-    }
-
-    /// JIT-loads the helper kernels once, so a JIT failure surfaces before anything is
-    /// enqueued rather than in the middle of the sequence.
-    fn load_aux(&mut self, device: &Device) -> Result<(), RuntimeError> {
-        if self.aux_loaded {
-            return Ok(());
-        }
-        let kernels: [(&'static str, Variants); 6] = [
-            (bwd_preprocess::NAME, bwd_preprocess::VARIANTS),
-            (bwd_postprocess::NAME, bwd_postprocess::VARIANTS),
-            (task_scan_work::NAME, task_scan_work::VARIANTS),
-            (task_assign_segments::NAME, task_assign_segments::VARIANTS),
-            (task_scan_bins::NAME, task_scan_bins::VARIANTS),
-            (task_scatter_tables::NAME, task_scatter_tables::VARIANTS),
-        ];
-        for (name, variants) in kernels {
-            device.function(name, variants)?;
-        }
-        self.aux_loaded = true;
-        Ok(())
-    }
-}
-
 /// The gradient pools, grown (never shrunk) to hold `(t, w)`.
-fn ensure_pools<'a>(
-    slot: &'a mut Option<GradientPools>,
+fn ensure_pools<'a, B: Backend>(
+    slot: &'a mut Option<GradientPools<B>>,
     allocations: &mut usize,
-    stream: &Arc<CudaStream>,
+    backend: &mut B,
     t: usize,
     w: usize,
-) -> Result<&'a mut GradientPools, RuntimeError> {
+) -> Result<&'a mut GradientPools<B>, RuntimeError> {
     let pools = match slot.take() {
         Some(p) if p.fits(t, w) => p,
         old => {
@@ -803,7 +770,7 @@ fn ensure_pools<'a>(
             let layout = PoolLayout::new(t.max(ct), w.max(cw))?;
             // Free the smaller one first (stream-ordered) to keep the peak down.
             drop(old);
-            let p = GradientPools::new(stream, layout)?;
+            let p = GradientPools::new(backend, layout)?;
             *allocations += 1;
             p
         }
@@ -812,27 +779,24 @@ fn ensure_pools<'a>(
 }
 
 /// The task-build workspace, reused while it fits `sizes` exactly.
-fn ensure_tasks<'a>(
-    slot: &'a mut Option<TaskWorkspace>,
+fn ensure_tasks<'a, B: Backend>(
+    slot: &'a mut Option<TaskWorkspace<B>>,
     allocations: &mut usize,
-    stream: &Arc<CudaStream>,
+    backend: &mut B,
     sizes: TaskBuildSizes,
     work_capacity: usize,
-) -> Result<&'a mut TaskWorkspace, RuntimeError> {
+) -> Result<&'a mut TaskWorkspace<B>, RuntimeError> {
     let tasks = match slot.take() {
         Some(ws) if ws.fits(&sizes, work_capacity) => ws,
         old => {
             drop(old);
-            let ws = TaskWorkspace::new(stream, sizes, work_capacity)?;
+            let ws = TaskWorkspace::new(backend, sizes, work_capacity)?;
             *allocations += 1;
             ws
         }
     };
     Ok(slot.insert(tasks))
 }
-
-/// The generated `VARIANTS` of a kernel: PTX per compute capability.
-type Variants = &'static [((i32, i32), &'static str)];
 
 /// One cached [`MsaBackward`] per device ordinal, for [`run_backward`].
 fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {

@@ -56,6 +56,33 @@ pub enum RuntimeError {
         /// The driver's error.
         source: DriverError,
     },
+    /// A device allocation failed.
+    #[error("allocating {bytes} bytes for the {what} failed: {source}")]
+    Alloc {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// Enqueuing a kernel launch failed.
+    #[error("launching `{kernel}` failed: {source}")]
+    Launch {
+        /// The kernel.
+        kernel: &'static str,
+        /// The driver's error.
+        source: DriverError,
+    },
+    /// A simulated device (the `msa-sim` backend) failed: a kernel fault it detected (out of
+    /// bounds, deadlock, race, ...), or a refused operation.
+    #[error("simulated `{call}` failed: {source}")]
+    Simulator {
+        /// The kernel or operation.
+        call: String,
+        /// The simulator's error; downcast it to inspect the fault.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// An input does not satisfy the contract.
     #[error("input `{field}`: found {found}, expected {expected}")]
     Input {

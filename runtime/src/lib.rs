@@ -4,8 +4,10 @@
 //! an f32 CPU reference of the attention ([`reference`]), and the CUDA driver glue that JIT-loads
 //! the PTX in `generated/` and launches it.
 
+pub mod backend;
 pub mod backward;
 pub mod contract;
+pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod ops;
@@ -24,19 +26,22 @@ pub mod kernels {
 
 /// CUtensorMap parameters (TMA descriptors), passed to kernels by value.
 pub mod tma {
-    use cudarc::driver::{sys, DeviceRepr};
+    use cudarc::driver::DeviceRepr;
 
-    /// A 128-byte CUtensorMap, encoded by `cuTensorMapEncodeTiled`.
-    #[repr(transparent)]
-    #[derive(Clone, Copy)]
-    pub struct TensorMap(pub sys::CUtensorMap);
+    /// The 128 bytes of a CUtensorMap (encoded by `cuTensorMapEncodeTiled`, or by a simulator
+    /// in its own format), 64-byte aligned like the driver's type.
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    pub struct TensorMap(pub [u8; 128]);
 
-    // SAFETY: CUtensorMap is plain data the kernel reads as a by-value parameter.
+    // SAFETY: plain data the kernel reads as a by-value `.b8 [128]` parameter.
     unsafe impl DeviceRepr for TensorMap {}
 }
 
-pub use backward::{run_backward, Gradients, MsaBackward};
+pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
+pub use backward::{run_backward, BackwardBuffers, Gradients, MsaBackward};
 pub use contract::*;
+pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;
 pub use ops::{run_postprocess, run_preprocess};

@@ -1,12 +1,15 @@
 //! Launch wrappers of the standalone kernels: each validates its inputs, picks the PTX variant
-//! of the stream's device and launches on that stream without synchronizing.
+//! of the device and launches without synchronizing; generic over the [`Backend`], with
+//! cudarc-view wrappers for a CUDA stream.
 
+use crate::backend::{Backend, Span};
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use crate::device::Device;
+use crate::cuda::{read_span, CudaBackend};
 use crate::error::RuntimeError;
 use crate::kernels::{bwd_postprocess, bwd_preprocess};
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtrMut};
 use half::bf16;
+use std::sync::Arc;
 
 /// Checks that a buffer of `len` elements holds the `expected` elements of `shape`.
 pub(crate) fn check_len(
@@ -34,55 +37,66 @@ fn grid_dim(field: &'static str, n: usize) -> Result<u32, RuntimeError> {
         .ok_or_else(|| RuntimeError::input(field, n, "a grid of at most 2^31-1 CTAs"))
 }
 
-/// `delta[t, h] = Σ_d out[t, h, d] · dout[t, h, d]` in fp32.
+/// `delta[t, h] = Σ_d out[t, h, d] · dout[t, h, d]` in fp32, on any [`Backend`].
 ///
 /// `out` and `dout` are `[T, 64, 128]` bf16, `delta` is `[T, 64]` fp32.
-pub fn run_preprocess(
-    stream: &CudaStream,
-    out: &CudaView<'_, bf16>,
-    dout: &CudaView<'_, bf16>,
-    delta: &mut CudaViewMut<'_, f32>,
+pub fn preprocess<B: Backend>(
+    backend: &mut B,
+    out: Span<bf16>,
+    dout: Span<bf16>,
+    delta: Span<f32>,
     num_tokens: usize,
 ) -> Result<(), RuntimeError> {
     let rows = num_tokens * NUM_Q_HEADS;
-    check_len("out", out.len(), rows * HEAD_DIM, "[T, 64, 128]")?;
-    check_len("dout", dout.len(), rows * HEAD_DIM, "[T, 64, 128]")?;
-    check_len("delta", delta.len(), rows, "[T, 64]")?;
+    check_len("out", out.len, rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("dout", dout.len, rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("delta", delta.len, rows, "[T, 64]")?;
     let tokens = u32::try_from(num_tokens)
         .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
     if num_tokens == 0 {
         return Ok(());
     }
     let blocks = grid_dim("num_tokens", num_tokens.div_ceil(128))?;
-    let device = Device::of(stream.context())?;
-    let func = device.function(bwd_preprocess::NAME, bwd_preprocess::VARIANTS)?;
+    backend.load(&bwd_preprocess::KERNEL)?;
+    let args = bwd_preprocess::args(out.ptr(), dout.ptr(), delta.ptr_mut(), tokens);
     // SAFETY: every buffer length was checked against num_tokens above.
     unsafe {
-        bwd_preprocess::launch(
-            stream,
-            &func,
+        backend.launch(
+            &bwd_preprocess::KERNEL,
             (blocks, NUM_Q_HEADS as u32, 1),
-            out,
-            dout,
-            delta,
-            tokens,
+            &args,
         )
     }
-    .map_err(RuntimeError::driver("cuLaunchKernel(bwd_preprocess)"))
 }
 
-/// Finishes the gradients: de-interleaves the bf16 dQ pool `[T, 32, 128, 2]` into
-/// `dq [T, 64, 128]` and casts the fp32 pools `dk_pool`, `dv_pool` `[W, 4, 128]` to bf16
-/// `dk`, `dv` with round-to-nearest-even. `W` must be a multiple of 128.
+/// [`preprocess`] on a CUDA stream, with cudarc views.
+pub fn run_preprocess(
+    stream: &Arc<CudaStream>,
+    out: &CudaView<'_, bf16>,
+    dout: &CudaView<'_, bf16>,
+    delta: &mut CudaViewMut<'_, f32>,
+    num_tokens: usize,
+) -> Result<(), RuntimeError> {
+    let mut backend = CudaBackend::new(stream)?;
+    let (o, _o) = read_span(out, stream);
+    let (d, _d) = read_span(dout, stream);
+    let len = delta.len();
+    let (x, _x) = delta.device_ptr_mut(stream);
+    preprocess(&mut backend, o, d, Span::new(x, len), num_tokens)
+}
+
+/// Finishes the gradients on any [`Backend`]: de-interleaves the bf16 dQ pool
+/// `[T, 32, 128, 2]` into `dq [T, 64, 128]` and casts the fp32 pools `dk_pool`, `dv_pool`
+/// `[W, 4, 128]` to bf16 `dk`, `dv` with round-to-nearest-even. `W` must be a multiple of 128.
 #[allow(clippy::too_many_arguments)]
-pub fn run_postprocess(
-    stream: &CudaStream,
-    dq_pool: &CudaView<'_, bf16>,
-    dk_pool: &CudaView<'_, f32>,
-    dv_pool: &CudaView<'_, f32>,
-    dq: &mut CudaViewMut<'_, bf16>,
-    dk: &mut CudaViewMut<'_, bf16>,
-    dv: &mut CudaViewMut<'_, bf16>,
+pub fn postprocess<B: Backend>(
+    backend: &mut B,
+    dq_pool: Span<bf16>,
+    dk_pool: Span<f32>,
+    dv_pool: Span<f32>,
+    dq: Span<bf16>,
+    dk: Span<bf16>,
+    dv: Span<bf16>,
     num_tokens: usize,
     workspace_rows: usize,
 ) -> Result<(), RuntimeError> {
@@ -95,12 +109,12 @@ pub fn run_postprocess(
     }
     let dq_len = num_tokens * NUM_Q_HEADS * HEAD_DIM;
     let kv_len = workspace_rows * NUM_KV_HEADS * HEAD_DIM;
-    check_len("dq_pool", dq_pool.len(), dq_len, "[T, 32, 128, 2]")?;
-    check_len("dq", dq.len(), dq_len, "[T, 64, 128]")?;
-    check_len("dk_pool", dk_pool.len(), kv_len, "[W, 4, 128]")?;
-    check_len("dv_pool", dv_pool.len(), kv_len, "[W, 4, 128]")?;
-    check_len("dk", dk.len(), kv_len, "[W, 4, 128]")?;
-    check_len("dv", dv.len(), kv_len, "[W, 4, 128]")?;
+    check_len("dq_pool", dq_pool.len, dq_len, "[T, 32, 128, 2]")?;
+    check_len("dq", dq.len, dq_len, "[T, 64, 128]")?;
+    check_len("dk_pool", dk_pool.len, kv_len, "[W, 4, 128]")?;
+    check_len("dv_pool", dv_pool.len, kv_len, "[W, 4, 128]")?;
+    check_len("dk", dk.len, kv_len, "[W, 4, 128]")?;
+    check_len("dv", dv.len, kv_len, "[W, 4, 128]")?;
     let tokens = u32::try_from(num_tokens)
         .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
     let ws = u32::try_from(workspace_rows)
@@ -110,23 +124,51 @@ pub fn run_postprocess(
         return Ok(());
     }
     let blocks = grid_dim("num_tokens/workspace_rows", blocks)?;
-    let device = Device::of(stream.context())?;
-    let func = device.function(bwd_postprocess::NAME, bwd_postprocess::VARIANTS)?;
+    backend.load(&bwd_postprocess::KERNEL)?;
+    let args = bwd_postprocess::args(
+        dq_pool.ptr(),
+        dk_pool.ptr(),
+        dv_pool.ptr(),
+        dq.ptr_mut(),
+        dk.ptr_mut(),
+        dv.ptr_mut(),
+        tokens,
+        ws,
+    );
     // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
-    unsafe {
-        bwd_postprocess::launch(
-            stream,
-            &func,
-            (blocks, 2, 1),
-            dq_pool,
-            dk_pool,
-            dv_pool,
-            dq,
-            dk,
-            dv,
-            tokens,
-            ws,
-        )
-    }
-    .map_err(RuntimeError::driver("cuLaunchKernel(bwd_postprocess)"))
+    unsafe { backend.launch(&bwd_postprocess::KERNEL, (blocks, 2, 1), &args) }
+}
+
+/// [`postprocess`] on a CUDA stream, with cudarc views.
+#[allow(clippy::too_many_arguments)]
+pub fn run_postprocess(
+    stream: &Arc<CudaStream>,
+    dq_pool: &CudaView<'_, bf16>,
+    dk_pool: &CudaView<'_, f32>,
+    dv_pool: &CudaView<'_, f32>,
+    dq: &mut CudaViewMut<'_, bf16>,
+    dk: &mut CudaViewMut<'_, bf16>,
+    dv: &mut CudaViewMut<'_, bf16>,
+    num_tokens: usize,
+    workspace_rows: usize,
+) -> Result<(), RuntimeError> {
+    let mut backend = CudaBackend::new(stream)?;
+    let (a, _a) = read_span(dq_pool, stream);
+    let (b, _b) = read_span(dk_pool, stream);
+    let (c, _c) = read_span(dv_pool, stream);
+    let (ld, le, lf) = (dq.len(), dk.len(), dv.len());
+    let (d, _d) = dq.device_ptr_mut(stream);
+    let (e, _e) = dk.device_ptr_mut(stream);
+    let (f, _f) = dv.device_ptr_mut(stream);
+    postprocess(
+        &mut backend,
+        a,
+        b,
+        c,
+        Span::new(d, ld),
+        Span::new(e, le),
+        Span::new(f, lf),
+        num_tokens,
+        workspace_rows,
+    )
 }

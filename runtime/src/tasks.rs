@@ -1,19 +1,19 @@
 //! The device task build (seed-design §2.2–§2.4): sizing, the one workspace allocation carved
 //! into aligned regions, the four launches, and reading the results back.
 //!
-//! Everything is enqueued on the caller's stream; nothing here synchronizes unless a function
-//! says so ([`TaskWorkspace::read_tables`], [`FlagsReadback::wait`]).
+//! Everything is issued through a [`Backend`] (a CUDA stream or the simulator); nothing here
+//! synchronizes unless a function says so ([`TaskWorkspace::read_tables`],
+//! [`FlagsReadback::wait`]).
 
+use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut};
 use crate::contract::{
     grid_launch_bound, BLOCK_SIZE, LOCALITY_WINDOW, MAX_BINS, NUM_INDEX_HEADS, QUERY_CHUNK,
 };
-use crate::device::Device;
+use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables};
 use crate::schedule::Schedule;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
-use std::mem::ManuallyDrop;
-use std::sync::Arc;
+use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 
 /// Descriptor flag: more tasks than capacity; the walk has zero rows.
 pub const FLAG_CAPACITY_OVERFLOW: i32 = 1;
@@ -148,53 +148,55 @@ impl TaskLayout {
             words: at,
         }
     }
-
-    fn regions(&self, sizes: &TaskBuildSizes, work_capacity: usize) -> [(usize, usize); 11] {
-        let (cap, bins) = (sizes.capacity, sizes.bins);
-        [
-            (self.desc, 8),
-            (self.task_ends, work_capacity),
-            (self.segments, cap),
-            (self.bin_count, bins),
-            (self.bin_first, bins),
-            (self.bin_last, bins),
-            (self.bin_offset, bins),
-            (self.decode, 3 * cap),
-            (self.meta, 4 * cap),
-            (self.qrows, 8 * cap),
-            (self.qpos, 8 * cap),
-        ]
-    }
 }
 
-/// The schedule's arrays on the device.
-pub struct DeviceSchedule {
-    row_ptr: CudaSlice<i32>,
-    q_indices: CudaSlice<i32>,
-    metadata: CudaSlice<i32>,
-    work_count: CudaSlice<i32>,
-    cu_seqlens: CudaSlice<i32>,
-    ws_starts: CudaSlice<i32>,
+/// The schedule's arrays on the device: one allocation carved into 256-byte aligned regions.
+pub struct DeviceSchedule<B: Backend> {
+    // Never read: it owns the memory the addresses below point into.
+    #[allow(dead_code)]
+    storage: B::Buffer,
+    row_ptr: u64,
+    q_indices: u64,
+    metadata: u64,
+    work_count: u64,
+    cu_seqlens: u64,
+    ws_starts: u64,
     rows: usize,
     edge_capacity: usize,
     work_capacity: usize,
 }
 
-impl DeviceSchedule {
-    /// Copies a validated schedule to the device (asynchronously, on `stream`).
-    pub fn upload(stream: &Arc<CudaStream>, s: &Schedule) -> Result<Self, RuntimeError> {
-        let up = |v: &[i32]| {
-            stream
-                .clone_htod(v)
-                .map_err(RuntimeError::driver("cuMemcpyHtoD(schedule)"))
-        };
+impl<B: Backend> DeviceSchedule<B> {
+    /// Copies a validated schedule to the device (stream-ordered).
+    pub fn upload(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
+        let work_count = [s.work_count()];
+        let arrays: [&[i32]; 6] = [
+            s.row_ptr(),
+            s.q_indices(),
+            s.scheduler_metadata(),
+            &work_count,
+            s.cu_seqlens(),
+            s.document_workspace_starts(),
+        ];
+        let mut bytes = Vec::new();
+        let mut offsets = [0u64; 6];
+        for (o, a) in offsets.iter_mut().zip(arrays) {
+            *o = bytes.len() as u64;
+            bytes.extend(bytes_of(a));
+            bytes.resize(bytes.len().next_multiple_of(4 * REGION_ALIGN_WORDS), 0);
+        }
+        let storage = backend.alloc("schedule", bytes.len())?;
+        let base = backend.address(&storage);
+        backend.upload("schedule", base, &bytes)?;
+        let at = |i: usize| base + offsets[i];
         Ok(DeviceSchedule {
-            row_ptr: up(s.row_ptr())?,
-            q_indices: up(s.q_indices())?,
-            metadata: up(s.scheduler_metadata())?,
-            work_count: up(&[s.work_count()])?,
-            cu_seqlens: up(s.cu_seqlens())?,
-            ws_starts: up(s.document_workspace_starts())?,
+            row_ptr: at(0),
+            q_indices: at(1),
+            metadata: at(2),
+            work_count: at(3),
+            cu_seqlens: at(4),
+            ws_starts: at(5),
+            storage,
             rows: s.rows(),
             edge_capacity: s.edge_capacity(),
             work_capacity: s.work_capacity(),
@@ -202,61 +204,34 @@ impl DeviceSchedule {
     }
 }
 
-/// The one allocation holding the task build's scratch and tables, with a typed window per
-/// region. Reused across calls whose sizes fit.
-pub struct TaskWorkspace {
+/// The one allocation holding the task build's scratch and tables, carved by a
+/// [`TaskLayout`]. Reused across calls whose sizes fit.
+pub struct TaskWorkspace<B: Backend> {
     sizes: TaskBuildSizes,
     layout: TaskLayout,
     work_capacity: usize,
-    // Windows into `storage`, created over its device pointer; never freed themselves.
-    regions: ManuallyDrop<Vec<CudaSlice<i32>>>,
-    storage: CudaSlice<i32>,
+    base: u64,
+    // Never read: it owns the memory `base` points into.
+    #[allow(dead_code)]
+    storage: B::Buffer,
 }
 
-impl Drop for TaskWorkspace {
-    fn drop(&mut self) {
-        // SAFETY: the windows are not used after this; leaking them releases their events
-        // without freeing memory that `storage` owns.
-        let regions = unsafe { ManuallyDrop::take(&mut self.regions) };
-        for r in regions {
-            r.leak();
-        }
-    }
-}
-
-// Indices into `TaskWorkspace::regions`, in `TaskLayout::regions` order.
-const DESC: usize = 0;
-const META: usize = 8;
-const QROWS: usize = 9;
-const QPOS: usize = 10;
-
-impl TaskWorkspace {
-    /// Allocates the workspace for `sizes` on `stream`.
+impl<B: Backend> TaskWorkspace<B> {
+    /// Allocates the workspace for `sizes` and zeroes it (stream-ordered).
     pub fn new(
-        stream: &Arc<CudaStream>,
+        backend: &mut B,
         sizes: TaskBuildSizes,
         work_capacity: usize,
     ) -> Result<Self, RuntimeError> {
         let layout = TaskLayout::new(&sizes, work_capacity);
-        let storage = stream
-            .alloc_zeros::<i32>(layout.words)
-            .map_err(RuntimeError::driver("cuMemAlloc(task workspace)"))?;
-        let (base, _guard) = storage.device_ptr(stream);
-        let regions = layout
-            .regions(&sizes, work_capacity)
-            .iter()
-            // SAFETY: every window lies inside `storage` (the layout's regions are disjoint
-            // and end before `layout.words`), and `storage` outlives them (see Drop).
-            .map(|&(start, len)| unsafe {
-                stream.upgrade_device_ptr::<i32>(base + 4 * start as u64, len)
-            })
-            .collect();
-        drop(_guard);
+        let storage = backend.alloc("task workspace", 4 * layout.words)?;
+        let base = backend.address(&storage);
+        backend.zero("task workspace", base, 4 * layout.words)?;
         Ok(TaskWorkspace {
             sizes,
             layout,
             work_capacity,
-            regions: ManuallyDrop::new(regions),
+            base,
             storage,
         })
     }
@@ -276,31 +251,41 @@ impl TaskWorkspace {
         *sizes == self.sizes && work_capacity == self.work_capacity
     }
 
+    /// The region starting at word `words`.
+    fn at(&self, words: usize) -> u64 {
+        self.base + 4 * words as u64
+    }
+
     /// The descriptor `int32[8]` on the device.
-    pub fn desc(&self) -> &CudaSlice<i32> {
-        &self.regions[DESC]
+    pub fn desc(&self) -> Ptr<i32> {
+        Ptr::new(self.at(self.layout.desc))
     }
 
     /// `task_meta [capacity, 4]`.
-    pub fn task_meta(&self) -> &CudaSlice<i32> {
-        &self.regions[META]
+    pub fn task_meta(&self) -> Ptr<i32> {
+        Ptr::new(self.at(self.layout.meta))
     }
 
     /// `task_qrows [capacity, 8]`.
-    pub fn task_qrows(&self) -> &CudaSlice<i32> {
-        &self.regions[QROWS]
+    pub fn task_qrows(&self) -> Ptr<i32> {
+        Ptr::new(self.at(self.layout.qrows))
     }
 
     /// `task_qpos [capacity, 8]`.
-    pub fn task_qpos(&self) -> &CudaSlice<i32> {
-        &self.regions[QPOS]
+    pub fn task_qpos(&self) -> Ptr<i32> {
+        Ptr::new(self.at(self.layout.qpos))
     }
 
-    /// Enqueues the four task-build launches on `stream`. No host sync.
+    /// The whole allocation's address and bytes.
+    pub fn storage(&self) -> (u64, usize) {
+        (self.base, 4 * self.layout.words)
+    }
+
+    /// Issues the four task-build launches. No host sync.
     pub fn build(
         &mut self,
-        stream: &Arc<CudaStream>,
-        schedule: &DeviceSchedule,
+        backend: &mut B,
+        schedule: &DeviceSchedule<B>,
     ) -> Result<(), RuntimeError> {
         if schedule.work_capacity != self.work_capacity {
             return Err(RuntimeError::input(
@@ -309,7 +294,14 @@ impl TaskWorkspace {
                 format!("the workspace's {}", self.work_capacity),
             ));
         }
-        let device = Device::of(stream.context())?;
+        for k in [
+            &task_scan_work::KERNEL,
+            &task_assign_segments::KERNEL,
+            &task_scan_bins::KERNEL,
+            &task_scatter_tables::KERNEL,
+        ] {
+            backend.load(k)?;
+        }
         let sz = self.sizes;
         let u32_of = |field: &'static str, v: usize| {
             u32::try_from(v).map_err(|_| RuntimeError::input(field, v, "below 2^32"))
@@ -325,148 +317,132 @@ impl TaskWorkspace {
         let task_ctas = sz
             .capacity
             .div_ceil(task_assign_segments::THREADS.0 as usize) as u32;
-        let launch = RuntimeError::driver("cuLaunchKernel(task build)");
-
-        // Windows are separate handles over one allocation, so each launch can borrow several
-        // regions mutably at once; take them out for the duration of the launches.
-        let mut r: Vec<CudaSlice<i32>> = std::mem::take(&mut *self.regions);
-        let result = (|| -> Result<(), RuntimeError> {
-            let [desc, task_ends, segments, count, first, last, offset, decode, meta, qrows, qpos] =
-                r.as_mut_slice()
-            else {
-                unreachable!("the layout has eleven regions")
-            };
-            let f = device.function(task_scan_work::NAME, task_scan_work::VARIANTS)?;
-            // SAFETY: every region was sized from the same `sizes` the scalars come from.
-            unsafe {
-                task_scan_work::launch(
-                    stream,
-                    &f,
-                    (1, 1, 1),
-                    &schedule.metadata.as_view(),
-                    &schedule.work_count.as_view(),
-                    &mut desc.as_view_mut(),
-                    &mut task_ends.as_view_mut(),
-                    &mut count.as_view_mut(),
-                    &mut first.as_view_mut(),
-                    &mut last.as_view_mut(),
+        let l = self.layout;
+        let r = |words: usize| Ptr::<i32>::new(self.at(words));
+        let w = |words: usize| PtrMut::<i32>::new(self.at(words));
+        let s = schedule;
+        let launches = [
+            (
+                &task_scan_work::KERNEL,
+                (1, 1, 1),
+                task_scan_work::args(
+                    Ptr::new(s.metadata),
+                    Ptr::new(s.work_count),
+                    w(l.desc),
+                    w(l.task_ends),
+                    w(l.bin_count),
+                    w(l.bin_first),
+                    w(l.bin_last),
                     work_cap,
                     bins,
-                )
-            }
-            .map_err(launch)?;
-            let f = device.function(task_assign_segments::NAME, task_assign_segments::VARIANTS)?;
-            // SAFETY: as above.
-            unsafe {
-                task_assign_segments::launch(
-                    stream,
-                    &f,
-                    (task_ctas, 1, 1),
-                    &schedule.metadata.as_view(),
-                    &schedule.row_ptr.as_view(),
-                    &schedule.q_indices.as_view(),
-                    &schedule.cu_seqlens.as_view(),
-                    &schedule.ws_starts.as_view(),
-                    &desc.as_view(),
-                    &task_ends.as_view(),
-                    &mut segments.as_view_mut(),
-                    &mut decode.as_view_mut(),
-                    &mut count.as_view_mut(),
-                    &mut first.as_view_mut(),
-                    &mut last.as_view_mut(),
+                ),
+            ),
+            (
+                &task_assign_segments::KERNEL,
+                (task_ctas, 1, 1),
+                task_assign_segments::args(
+                    Ptr::new(s.metadata),
+                    Ptr::new(s.row_ptr),
+                    Ptr::new(s.q_indices),
+                    Ptr::new(s.cu_seqlens),
+                    Ptr::new(s.ws_starts),
+                    r(l.desc),
+                    r(l.task_ends),
+                    w(l.segments),
+                    w(l.decode),
+                    w(l.bin_count),
+                    w(l.bin_first),
+                    w(l.bin_last),
                     rows,
                     edge_cap,
                     cap,
                     windows,
                     kblocks,
-                )
-            }
-            .map_err(RuntimeError::driver("cuLaunchKernel(task_assign_segments)"))?;
-            let f = device.function(task_scan_bins::NAME, task_scan_bins::VARIANTS)?;
-            // SAFETY: as above.
-            unsafe {
-                task_scan_bins::launch(
-                    stream,
-                    &f,
-                    (1, 1, 1),
-                    &count.as_view(),
-                    &first.as_view(),
-                    &last.as_view(),
-                    &mut offset.as_view_mut(),
-                    &mut desc.as_view_mut(),
+                ),
+            ),
+            (
+                &task_scan_bins::KERNEL,
+                (1, 1, 1),
+                task_scan_bins::args(
+                    r(l.bin_count),
+                    r(l.bin_first),
+                    r(l.bin_last),
+                    w(l.bin_offset),
+                    w(l.desc),
                     bins,
-                )
-            }
-            .map_err(RuntimeError::driver("cuLaunchKernel(task_scan_bins)"))?;
-            let f = device.function(task_scatter_tables::NAME, task_scatter_tables::VARIANTS)?;
-            // SAFETY: as above.
-            unsafe {
-                task_scatter_tables::launch(
-                    stream,
-                    &f,
-                    (task_ctas, 1, 1),
-                    &schedule.q_indices.as_view(),
-                    &schedule.cu_seqlens.as_view(),
-                    &schedule.ws_starts.as_view(),
-                    &mut desc.as_view_mut(),
-                    &segments.as_view(),
-                    &decode.as_view(),
-                    &first.as_view(),
-                    &offset.as_view(),
-                    &mut meta.as_view_mut(),
-                    &mut qrows.as_view_mut(),
-                    &mut qpos.as_view_mut(),
+                ),
+            ),
+            (
+                &task_scatter_tables::KERNEL,
+                (task_ctas, 1, 1),
+                task_scatter_tables::args(
+                    Ptr::new(s.q_indices),
+                    Ptr::new(s.cu_seqlens),
+                    Ptr::new(s.ws_starts),
+                    w(l.desc),
+                    r(l.segments),
+                    r(l.decode),
+                    r(l.bin_first),
+                    r(l.bin_offset),
+                    w(l.meta),
+                    w(l.qrows),
+                    w(l.qpos),
                     edge_cap,
                     cap,
                     windows,
                     kblocks,
                     sms,
-                )
-            }
-            .map_err(RuntimeError::driver("cuLaunchKernel(task_scatter_tables)"))?;
-            Ok(())
-        })();
-        *self.regions = std::mem::take(&mut r);
-        result
+                ),
+            ),
+        ];
+        for (kernel, grid, args) in &launches {
+            // SAFETY: every region was carved from the same `sizes` the scalars come from,
+            // and the schedule's arrays were uploaded whole.
+            unsafe { backend.launch(kernel, *grid, args) }?;
+        }
+        Ok(())
     }
 
+    /// Copies the descriptor and the first `NUM_TASK_ROWS` table rows back. Synchronizes.
+    pub fn read_tables(&self, backend: &mut B) -> Result<HostTaskTables, RuntimeError> {
+        let d = from_bytes::<i32>(&backend.download("task descriptor", self.desc().addr(), 32)?);
+        let mut desc = [0i32; 8];
+        desc.copy_from_slice(&d);
+        let n = (desc[0].max(0) as usize).min(self.sizes.capacity);
+        let mut rows = |p: Ptr<i32>, w: usize| -> Result<Vec<i32>, RuntimeError> {
+            Ok(from_bytes(&backend.download(
+                "task tables",
+                p.addr(),
+                4 * n * w,
+            )?))
+        };
+        Ok(HostTaskTables {
+            desc,
+            meta: rows(self.task_meta(), 4)?,
+            qrows: rows(self.task_qrows(), 8)?,
+            qpos: rows(self.task_qpos(), 8)?,
+        })
+    }
+}
+
+impl TaskWorkspace<CudaBackend> {
     /// Enqueues a copy of the descriptor's flags word to pinned host memory without blocking.
-    pub fn read_flags(&self, stream: &Arc<CudaStream>) -> Result<FlagsReadback, RuntimeError> {
+    pub fn read_flags(&self, backend: &CudaBackend) -> Result<FlagsReadback, RuntimeError> {
+        let stream = backend.stream();
         // SAFETY: pinned memory of one i32, written only by the copy below.
         let mut host = unsafe { stream.context().alloc_pinned::<i32>(1) }
             .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
-        let desc = self.desc();
-        stream
-            .memcpy_dtoh(&desc.slice(7..8), &mut host)
+        let dst = host
+            .as_mut_slice()
+            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
+        // SAFETY: word 7 of the descriptor is inside the workspace; `host` lives in the
+        // returned handle, which is read only after `done` has completed.
+        unsafe { result::memcpy_dtoh_async(dst, self.desc().addr() + 28, stream.cu_stream()) }
             .map_err(RuntimeError::driver("cuMemcpyDtoHAsync(flags)"))?;
         let done = stream
             .record_event(None)
             .map_err(RuntimeError::driver("cuEventRecord"))?;
         Ok(FlagsReadback { host, done })
-    }
-
-    /// Copies the descriptor and the first `NUM_TASK_ROWS` table rows back. Synchronizes.
-    pub fn read_tables(&self, stream: &Arc<CudaStream>) -> Result<HostTaskTables, RuntimeError> {
-        let dtoh = RuntimeError::driver("cuMemcpyDtoH(task tables)");
-        let d = stream.clone_dtoh(self.desc()).map_err(dtoh)?;
-        let mut desc = [0i32; 8];
-        desc.copy_from_slice(&d);
-        let n = (desc[0].max(0) as usize).min(self.sizes.capacity);
-        let rows = |s: &CudaSlice<i32>, w: usize| stream.clone_dtoh(&s.slice(0..n * w));
-        Ok(HostTaskTables {
-            desc,
-            meta: rows(self.task_meta(), 4)
-                .map_err(RuntimeError::driver("cuMemcpyDtoH(task_meta)"))?,
-            qrows: rows(self.task_qrows(), 8)
-                .map_err(RuntimeError::driver("cuMemcpyDtoH(task_qrows)"))?,
-            qpos: rows(self.task_qpos(), 8)
-                .map_err(RuntimeError::driver("cuMemcpyDtoH(task_qpos)"))?,
-        })
-    }
-
-    /// The whole allocation (for zeroing or inspection).
-    pub fn storage(&self) -> &CudaSlice<i32> {
-        &self.storage
     }
 }
 

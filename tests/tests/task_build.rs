@@ -8,6 +8,7 @@ use msa_runtime::reference::tasks::{
     build_task_tables, build_task_tables_with_capacity, TaskTables,
 };
 use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
+use msa_runtime::CudaBackend;
 use msa_runtime::{
     build_schedule, causal_support, chunk_map, contract, rows_per_cta, Device, RuntimeError,
     Schedule,
@@ -159,11 +160,12 @@ fn check_device_build(
         expected_desc(&expected, schedule, sms),
         "{label}: oracle descriptor"
     );
-    let dev_schedule = DeviceSchedule::upload(stream, schedule).unwrap();
-    let mut ws = TaskWorkspace::new(stream, sizes, schedule.work_capacity()).unwrap();
-    ws.build(stream, &dev_schedule).unwrap();
-    let flags = ws.read_flags(stream).unwrap();
-    let got = ws.read_tables(stream).unwrap();
+    let mut backend = CudaBackend::new(stream).unwrap();
+    let dev_schedule = DeviceSchedule::upload(&mut backend, schedule).unwrap();
+    let mut ws = TaskWorkspace::new(&mut backend, sizes, schedule.work_capacity()).unwrap();
+    ws.build(&mut backend, &dev_schedule).unwrap();
+    let flags = ws.read_flags(&backend).unwrap();
+    let got = ws.read_tables(&mut backend).unwrap();
     assert_eq!(
         flags.wait().unwrap(),
         expected.desc[7],

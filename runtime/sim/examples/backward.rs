@@ -24,7 +24,7 @@ use std::time::Instant;
 use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{driver_present, run_backward, Device, RuntimeError};
 use msa_sim::backward::{self, to_f32, Case, MainKernel, B200_SMS, H200_SMS};
-use msa_sim::task_build::Arch;
+use msa_sim::device::Arch;
 use msa_sim::{Limits, SimError};
 
 struct Options {

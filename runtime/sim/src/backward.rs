@@ -1,8 +1,9 @@
-//! The whole MSA backward chain on the simulator, as `msa_runtime::backward::MsaBackward::run`
-//! launches it: `bwd_preprocess` → zeroed pools → the four task-build kernels → the main kernel
-//! (`msa_backward_sm90` or `msa_backward_sm100`, given as PTX text so that callers can plant
-//! bugs in it) → `bwd_postprocess`, plus deterministic random problems with their f32 CPU
-//! reference gradients and the check against the seed's tolerances.
+//! The whole MSA backward on the simulator through the runtime's own host flow,
+//! `msa_runtime::MsaBackward::run_on` on a [`SimDevice`]: `bwd_preprocess` → zeroed pools →
+//! the four task-build kernels → the main kernel (`msa_backward_sm90` or `msa_backward_sm100`,
+//! whose PTX text callers may replace to plant bugs) → `bwd_postprocess`; plus deterministic
+//! random problems with their f32 CPU reference gradients and the check against the seed's
+//! tolerances.
 //!
 //! ```no_run
 //! use msa_sim::backward::{case, check, run, MainKernel};
@@ -17,16 +18,16 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use msa_runtime::backward::TileMapSpec;
 use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use msa_runtime::kernels::{
-    bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90,
-};
+use msa_runtime::kernels::{msa_backward_sm100, msa_backward_sm90};
 use msa_runtime::reference::{self, Tolerance, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
-use msa_runtime::{build_schedule, causal_support, Schedule};
+use msa_runtime::{
+    build_schedule, causal_support, BackwardBuffers, MsaBackward, RuntimeError, Schedule, Span,
+};
 
-use crate::task_build::{task_build_modules, Arch, TaskBuild};
-use crate::{Arg, Gpu, Kernel, LaunchConfig, Limits, Module, SimError, SimTensorMap};
+use crate::device::Arch;
+use crate::device::{sim_error, SimDevice};
+use crate::{Limits, SimError};
 
 /// Elements of one token's Q (or dO, dQ) row: `NUM_Q_HEADS × HEAD_DIM`.
 pub const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
@@ -146,19 +147,16 @@ pub fn case(lengths: &[i32], seed: u64) -> Result<Case, String> {
     })
 }
 
-/// The main backward kernel to launch: its architecture, entry, launch shape and PTX text.
+/// The main backward kernel to run: the architecture of the whole chain, and the main
+/// kernel's PTX text (the shipped variant, or an edited copy with a planted bug).
 #[derive(Debug, Clone, Copy)]
 pub struct MainKernel<'a> {
-    /// The architecture of the whole chain (the pre/post-process and task-build variants).
+    /// The architecture of the whole chain (every kernel's variant).
     pub arch: Arch,
     /// The entry name.
     pub name: &'static str,
     /// The PTX text (the shipped one, or an edited copy).
     pub ptx: &'a str,
-    /// The block shape.
-    pub threads: (u32, u32, u32),
-    /// Dynamic shared memory per CTA.
-    pub dynamic_shared_bytes: u32,
 }
 
 impl MainKernel<'static> {
@@ -175,26 +173,14 @@ impl MainKernel<'static> {
     /// The shipped main kernel of `arch` (empty text, which [`run`] rejects, if the runtime
     /// had no variant for it).
     pub fn shipped(arch: Arch) -> Self {
-        let (name, variants, threads, dynamic_shared_bytes) = match arch {
-            Arch::Sm90 => (
-                msa_backward_sm90::NAME,
-                msa_backward_sm90::VARIANTS,
-                msa_backward_sm90::THREADS,
-                msa_backward_sm90::DYNAMIC_SHARED_BYTES,
-            ),
-            Arch::Sm100 => (
-                msa_backward_sm100::NAME,
-                msa_backward_sm100::VARIANTS,
-                msa_backward_sm100::THREADS,
-                msa_backward_sm100::DYNAMIC_SHARED_BYTES,
-            ),
+        let k = match arch {
+            Arch::Sm90 => &msa_backward_sm90::KERNEL,
+            Arch::Sm100 => &msa_backward_sm100::KERNEL,
         };
         MainKernel {
             arch,
-            name,
-            ptx: arch.ptx(variants).unwrap_or(""),
-            threads,
-            dynamic_shared_bytes,
+            name: k.name,
+            ptx: arch.ptx(k.variants).unwrap_or(""),
         }
     }
 }
@@ -206,8 +192,6 @@ impl<'a> MainKernel<'a> {
             arch: self.arch,
             name: self.name,
             ptx,
-            threads: self.threads,
-            dynamic_shared_bytes: self.dynamic_shared_bytes,
         }
     }
 }
@@ -221,147 +205,114 @@ pub struct Grads {
     pub dk: Vec<f32>,
     /// dv in the aligned layout `[W,4,128]`, from bf16.
     pub dv: Vec<f32>,
+    /// The bf16 bits of dq, dk and dv as the postprocess wrote them.
+    pub bits: [Vec<bf16>; 3],
     /// The main kernel's task rows (the task build's count).
     pub tasks: i32,
     /// The main kernel's grid size (CTAs).
     pub ctas: u32,
     /// Warp instructions the main kernel executed.
     pub warp_instructions: u64,
-    /// Wall time of preprocess and the task build.
+    /// The kernels launched, in order.
+    pub kernels: Vec<&'static str>,
+    /// Wall time of the launches before the main kernel.
     pub before_main: Duration,
     /// Wall time of the main kernel.
     pub main_time: Duration,
-    /// Wall time of the whole chain (uploads excluded).
+    /// Wall time of the whole `run_on` call (uploads excluded).
     pub total: Duration,
 }
 
-fn launch_error(kernel: &str, message: impl Into<String>) -> SimError {
-    SimError::Launch {
-        kernel: kernel.to_string(),
-        message: message.into(),
+/// The inputs of `c` uploaded to `dev`, with output buffers for the gradients.
+pub fn upload(dev: &mut SimDevice, c: &Case) -> BackwardBuffers {
+    let t = c.schedule.num_tokens();
+    let w = c.schedule.workspace_rows();
+    let mut span = |name: &str, data: &[bf16]| {
+        let b = dev.upload_new(name, data);
+        Span::new(b.ptr.0, data.len())
+    };
+    let q = span("q", &c.q);
+    let k_aligned = span("k_aligned", &c.k_aligned);
+    let v_aligned = span("v_aligned", &c.v_aligned);
+    let grad_out = span("grad_out", &c.dout);
+    let out = span("out", &c.out);
+    let dq = span("dq", &vec![bf16::ZERO; t * Q_ROW]);
+    let dk_aligned = span("dk_aligned", &vec![bf16::ZERO; w * KV_ROW]);
+    let dv_aligned = span("dv_aligned", &vec![bf16::ZERO; w * KV_ROW]);
+    let lse = dev.upload_new("lse", &c.lse);
+    BackwardBuffers {
+        q,
+        k_aligned,
+        v_aligned,
+        grad_out,
+        lse: Span::new(lse.ptr.0, c.lse.len()),
+        out,
+        dq,
+        dk_aligned,
+        dv_aligned,
     }
 }
 
-fn entry<'m>(m: &'m Module, name: &str) -> Result<&'m Kernel, SimError> {
-    m.kernel(name)
-        .ok_or_else(|| launch_error(name, "no such entry in the module"))
+/// The error the simulator reported, or the runtime's as a [`SimError::Launch`].
+fn to_sim_error(e: RuntimeError) -> SimError {
+    match sim_error(&e) {
+        Some(s) => s.clone(),
+        None => SimError::Launch {
+            kernel: "run_backward".into(),
+            message: e.to_string(),
+        },
+    }
 }
 
-fn variant_module(
-    arch: Arch,
-    name: &str,
-    variants: &[((i32, i32), &'static str)],
-) -> Result<Module, SimError> {
-    let ptx = arch
-        .ptx(variants)
-        .ok_or_else(|| launch_error(name, format!("no {arch:?} variant")))?;
-    Ok(Module::parse(ptx)?)
-}
-
-/// The runtime's launch sequence on a fresh simulated GPU with `limits`, the task build sized
-/// for `num_sms` SMs and `main` as the main kernel.
+/// `MsaBackward::run_on` — the runtime's own host flow — on a fresh simulated device of
+/// `main.arch` with `limits` and `num_sms` SMs, with `main.ptx` as the main kernel's text.
 pub fn run(
     c: &Case,
     main: &MainKernel<'_>,
     limits: Limits,
     num_sms: usize,
 ) -> Result<Grads, SimError> {
-    let arch = main.arch;
-    let t = c.schedule.num_tokens();
-    let w = c.schedule.workspace_rows();
-    let mut gpu = Gpu::with_limits(limits);
-    let q = gpu.upload("q", &c.q);
-    let k = gpu.upload("k_aligned", &c.k_aligned);
-    let v = gpu.upload("v_aligned", &c.v_aligned);
-    let dout = gpu.upload("grad_out", &c.dout);
-    let lse = gpu.upload("lse", &c.lse);
-    let out = gpu.upload("out", &c.out);
-
-    // 1. delta = rowsum(O·dO).
+    let mut dev = SimDevice::with_limits(main.arch, num_sms, limits);
+    if main.ptx.is_empty() {
+        return Err(SimError::Launch {
+            kernel: main.name.into(),
+            message: format!("no {:?} variant", main.arch),
+        });
+    }
+    dev.override_ptx(main.name, main.ptx);
+    let io = upload(&mut dev, c);
+    let mut backward = MsaBackward::<SimDevice>::new();
     let started = Instant::now();
-    let delta = gpu.alloc("delta", 4 * t * NUM_Q_HEADS);
-    let pre = variant_module(arch, bwd_preprocess::NAME, bwd_preprocess::VARIANTS)?;
-    gpu.launch(
-        entry(&pre, bwd_preprocess::NAME)?,
-        &LaunchConfig::new(
-            (t.div_ceil(128) as u32, NUM_Q_HEADS as u32, 1),
-            bwd_preprocess::THREADS,
-        ),
-        &[
-            Arg::Ptr(out),
-            Arg::Ptr(dout),
-            Arg::Ptr(delta),
-            Arg::U32(t as u32),
-        ],
-    )?;
-    // 2. Zeroed pools (fresh allocations are zero).
-    let dq_pool = gpu.alloc("dq_pool", 2 * t * Q_ROW);
-    let dk_pool = gpu.alloc("dk_pool", 4 * w * KV_ROW);
-    let dv_pool = gpu.alloc("dv_pool", 4 * w * KV_ROW);
-    // 3. The task build.
-    let modules = task_build_modules(arch)?;
-    let build = TaskBuild::run(&mut gpu, &modules, &c.schedule, num_sms)?;
-    let tasks = gpu.read::<i32>(build.region(build.layout.desc), 1)?[0];
-    let before_main = started.elapsed();
-
-    // 4. The main kernel, with the maps the runtime encodes.
-    let map = |spec: Result<TileMapSpec, _>, base| -> Result<Arg, SimError> {
-        let spec = spec.map_err(|e| launch_error(main.name, format!("tensor map spec: {e}")))?;
-        SimTensorMap::from_spec(&spec, base)
-            .map(|m| m.arg())
-            .map_err(|e| launch_error(main.name, format!("tensor map: {e}")))
-    };
-    let module = Module::parse(main.ptx)?;
-    let kernel = entry(&module, main.name)?;
-    let cfg = LaunchConfig::new((build.sizes.grid_launch as u32, 1, 1), main.threads)
-        .with_dynamic_shared(main.dynamic_shared_bytes);
-    let l = &build.layout;
-    let args = [
-        map(TileMapSpec::query_rows("q", t), q)?,
-        map(TileMapSpec::query_rows("grad_out", t), dout)?,
-        map(TileMapSpec::key_rows("k_aligned", w), k)?,
-        map(TileMapSpec::key_rows("v_aligned", w), v)?,
-        Arg::Ptr(lse),
-        Arg::Ptr(delta),
-        Arg::Ptr(build.region(l.meta)),
-        Arg::Ptr(build.region(l.qrows)),
-        Arg::Ptr(build.region(l.qpos)),
-        Arg::Ptr(build.region(l.desc)),
-        Arg::Ptr(dq_pool),
-        Arg::Ptr(dk_pool),
-        Arg::Ptr(dv_pool),
-    ];
-    let t_main = Instant::now();
-    let stats = gpu.launch(kernel, &cfg, &args)?;
-    let main_time = t_main.elapsed();
-
-    // 5. Postprocess.
-    let dq = gpu.alloc("dq", 2 * t * Q_ROW);
-    let dk = gpu.alloc("dk", 2 * w * KV_ROW);
-    let dv = gpu.alloc("dv", 2 * w * KV_ROW);
-    let post = variant_module(arch, bwd_postprocess::NAME, bwd_postprocess::VARIANTS)?;
-    gpu.launch(
-        entry(&post, bwd_postprocess::NAME)?,
-        &LaunchConfig::new(((2 * t).max(w / 2) as u32, 2, 1), bwd_postprocess::THREADS),
-        &[
-            Arg::Ptr(dq_pool),
-            Arg::Ptr(dk_pool),
-            Arg::Ptr(dv_pool),
-            Arg::Ptr(dq),
-            Arg::Ptr(dk),
-            Arg::Ptr(dv),
-            Arg::U32(t as u32),
-            Arg::U32(w as u32),
-        ],
-    )?;
+    backward
+        .run_on(&mut dev, &io, &c.schedule)
+        .map_err(to_sim_error)?;
     let total = started.elapsed();
+    let tasks = match backward.task_workspace() {
+        Some(ws) => dev.read::<i32>(ws.desc().addr(), 1)?[0],
+        None => 0,
+    };
+    let records = dev.launches();
+    let at = records.iter().position(|r| r.kernel == main.name);
+    let (ctas, warp_instructions, main_time) = at.map_or((0, 0, Duration::ZERO), |i| {
+        let r = &records[i];
+        (r.grid.0, r.warp_instructions, r.elapsed)
+    });
+    let before_main = records[..at.unwrap_or(records.len())]
+        .iter()
+        .map(|r| r.elapsed)
+        .sum();
+    let kernels = records.iter().map(|r| r.kernel).collect();
+    let read = |s: Span<bf16>| dev.read::<bf16>(s.addr, s.len);
+    let bits = [read(io.dq)?, read(io.dk_aligned)?, read(io.dv_aligned)?];
     Ok(Grads {
-        dq: to_f32(&gpu.read::<bf16>(dq, t * Q_ROW)?),
-        dk: to_f32(&gpu.read::<bf16>(dk, w * KV_ROW)?),
-        dv: to_f32(&gpu.read::<bf16>(dv, w * KV_ROW)?),
+        dq: to_f32(&bits[0]),
+        dk: to_f32(&bits[1]),
+        dv: to_f32(&bits[2]),
+        bits,
         tasks,
-        ctas: cfg.grid[0],
-        warp_instructions: stats.warp_instructions,
+        ctas,
+        warp_instructions,
+        kernels,
         before_main,
         main_time,
         total,

@@ -72,6 +72,8 @@
 pub mod backward;
 pub mod coverage;
 mod decode;
+#[cfg(feature = "runtime")]
+pub mod device;
 pub mod error;
 pub mod exec;
 pub mod ir;
@@ -79,8 +81,6 @@ pub mod memory;
 pub mod module;
 pub mod numeric;
 mod parse;
-#[cfg(feature = "runtime")]
-pub mod task_build;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};

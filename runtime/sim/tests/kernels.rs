@@ -1,15 +1,17 @@
-//! The shipped PTX (the `VARIANTS` the runtime JIT-loads) run through the simulator against
-//! the CPU references of `msa_runtime`. No GPU needed.
+//! The shipped PTX (the `VARIANTS` the runtime JIT-loads) run through the runtime's own launch
+//! functions on the simulator ([`SimDevice`]) against the CPU references of `msa_runtime`. No
+//! GPU needed.
 
 use std::time::Instant;
 
 use half::bf16;
-use msa_runtime::kernels::{bwd_postprocess, bwd_preprocess};
+use msa_runtime::ops::{postprocess as run_postprocess, preprocess};
 use msa_runtime::reference::{postprocess, preprocess_delta, tasks::build_task_tables};
 use msa_runtime::schedule::Schedule;
-use msa_runtime::{build_schedule, causal_support};
-use msa_sim::task_build::{task_build_modules, Arch, TaskBuild};
-use msa_sim::{Arg, Gpu, LaunchConfig, Module};
+use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
+use msa_runtime::{build_schedule, causal_support, Span};
+use msa_sim::device::{Arch, SimDevice};
+use msa_sim::Element;
 
 const ARCHES: [Arch; 2] = [Arch::Sm90, Arch::Sm100];
 
@@ -39,12 +41,9 @@ impl Rng {
     }
 }
 
-fn module(variants: &[((i32, i32), &'static str)], arch: Arch) -> Module {
-    Module::parse(arch.ptx(variants).expect("a variant for the arch")).expect("parses")
-}
-
-fn block(t: (u32, u32, u32)) -> (u32, u32, u32) {
-    t
+/// `data` in a fresh buffer of `dev`.
+fn span<T: Element>(dev: &mut SimDevice, name: &str, data: &[T]) -> Span<T> {
+    Span::new(dev.upload_new(name, data).ptr.addr(), data.len())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -81,32 +80,20 @@ fn preprocess_matches_the_reference() {
         let out: Vec<bf16> = (0..n).map(|_| rng.bf16()).collect();
         let dout: Vec<bf16> = (0..n).map(|_| rng.bf16()).collect();
 
-        let m = module(bwd_preprocess::VARIANTS, arch);
-        let k = m.kernel(bwd_preprocess::NAME).expect("entry");
-        let mut gpu = Gpu::new();
-        let o_d = gpu.upload("out", &out);
-        let do_d = gpu.upload("dout", &dout);
+        // The runtime's `preprocess` (grid, arguments) on a simulated device.
+        let mut dev = SimDevice::new(arch, 1);
+        let o_d = span(&mut dev, "out", &out);
+        let do_d = span(&mut dev, "dout", &dout);
         // Poisoned so that a row the kernel skips would show.
-        let delta_d = gpu.upload("delta", &vec![f32::NAN; tokens * HEADS]);
-        let cfg = LaunchConfig::new(
-            (tokens.div_ceil(128) as u32, HEADS as u32, 1),
-            block(bwd_preprocess::THREADS),
-        );
+        let delta_d = span(&mut dev, "delta", &vec![f32::NAN; tokens * HEADS]);
         let t0 = Instant::now();
-        let stats = gpu
-            .launch(
-                k,
-                &cfg,
-                &[
-                    Arg::Ptr(o_d),
-                    Arg::Ptr(do_d),
-                    Arg::Ptr(delta_d),
-                    Arg::U32(tokens as u32),
-                ],
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-        println!("{arch:?} bwd_preprocess: {stats:?} in {:?}", t0.elapsed());
-        let got: Vec<f32> = gpu.read(delta_d, tokens * HEADS).expect("read");
+        preprocess(&mut dev, o_d, do_d, delta_d, tokens).unwrap_or_else(|e| panic!("{e}"));
+        println!(
+            "{arch:?} bwd_preprocess: {:?} in {:?}",
+            dev.launches(),
+            t0.elapsed()
+        );
+        let got: Vec<f32> = dev.read(delta_d.addr, tokens * HEADS).expect("read");
 
         let of: Vec<f32> = out.iter().map(|x| x.to_f32()).collect();
         let dof: Vec<f32> = dout.iter().map(|x| x.to_f32()).collect();
@@ -176,34 +163,31 @@ fn postprocess_is_bit_exact() {
                 .map(|i| tricky_f32(&mut rng, i + 3))
                 .collect();
 
-            let m = module(bwd_postprocess::VARIANTS, arch);
-            let k = m.kernel(bwd_postprocess::NAME).expect("entry");
-            let mut gpu = Gpu::new();
-            let a = [
-                gpu.upload("dq_pool", &dq_pool),
-                gpu.upload("dk_pool", &dk_pool),
-                gpu.upload("dv_pool", &dv_pool),
-            ];
+            // The runtime's `postprocess` (grid, arguments) on a simulated device.
+            let mut dev = SimDevice::new(arch, 1);
+            let a = (
+                span(&mut dev, "dq_pool", &dq_pool),
+                span(&mut dev, "dk_pool", &dk_pool),
+                span(&mut dev, "dv_pool", &dv_pool),
+            );
             let poison = |n| vec![bf16::from_bits(0x7fc1); n];
             let o = [
-                gpu.upload("dq", &poison(tokens * ROW)),
-                gpu.upload("dk", &poison(ws_rows * KV_ROW)),
-                gpu.upload("dv", &poison(ws_rows * KV_ROW)),
+                span(&mut dev, "dq", &poison(tokens * ROW)),
+                span(&mut dev, "dk", &poison(ws_rows * KV_ROW)),
+                span(&mut dev, "dv", &poison(ws_rows * KV_ROW)),
             ];
-            let blocks = (2 * tokens).max(ws_rows / 2) as u32;
-            let cfg = LaunchConfig::new((blocks, 2, 1), block(bwd_postprocess::THREADS));
             let t0 = Instant::now();
-            let mut args: Vec<Arg> = a.iter().chain(&o).map(|p| Arg::Ptr(*p)).collect();
-            args.extend([Arg::U32(tokens as u32), Arg::U32(ws_rows as u32)]);
-            let stats = gpu.launch(k, &cfg, &args).unwrap_or_else(|e| panic!("{e}"));
+            run_postprocess(&mut dev, a.0, a.1, a.2, o[0], o[1], o[2], tokens, ws_rows)
+                .unwrap_or_else(|e| panic!("{e}"));
             println!(
-                "{arch:?} bwd_postprocess T={tokens} W={ws_rows}: {stats:?} in {:?}",
+                "{arch:?} bwd_postprocess T={tokens} W={ws_rows}: {:?} in {:?}",
+                dev.launches(),
                 t0.elapsed()
             );
 
             let (dq, dk, dv) = postprocess(&dq_pool, &dk_pool, &dv_pool).expect("reference");
-            for (name, ptr, want) in [("dq", o[0], dq), ("dk", o[1], dk), ("dv", o[2], dv)] {
-                let got: Vec<bf16> = gpu.read(ptr, want.len()).expect("read");
+            for (name, out, want) in [("dq", o[0], dq), ("dk", o[1], dk), ("dv", o[2], dv)] {
+                let got: Vec<bf16> = dev.read(out.addr, want.len()).expect("read");
                 if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
                     panic!(
                         "{arch:?} T={tokens} W={ws_rows} {name}[{i}]: {:#06x} vs reference {:#06x}",
@@ -236,14 +220,19 @@ fn causal(lengths: &[i32]) -> Schedule {
 fn check_task_build(what: &str, schedule: &Schedule, num_sms: usize) {
     let expected = build_task_tables(schedule, num_sms);
     for arch in ARCHES {
-        let modules = task_build_modules(arch).expect("the task kernels parse");
-        let mut gpu = Gpu::new();
+        // The runtime's own task build (sizing, carving, the four launches) on the simulator.
+        let mut dev = SimDevice::new(arch, num_sms);
         let t0 = Instant::now();
-        let build = TaskBuild::run(&mut gpu, &modules, schedule, num_sms)
+        let sizes = TaskBuildSizes::new(schedule, num_sms).expect("sizes");
+        let uploaded = DeviceSchedule::upload(&mut dev, schedule).expect("upload");
+        let mut build =
+            TaskWorkspace::new(&mut dev, sizes, schedule.work_capacity()).expect("workspace");
+        build
+            .build(&mut dev, &uploaded)
             .unwrap_or_else(|e| panic!("{what} on {arch:?}: {e}"));
         let elapsed = t0.elapsed();
-        let got = build.read_tables(&gpu).expect("read back");
-        let warp_instructions: u64 = build.stats.iter().map(|s| s.warp_instructions).sum();
+        let got = build.read_tables(&mut dev).expect("read back");
+        let warp_instructions: u64 = dev.launches().iter().map(|s| s.warp_instructions).sum();
         println!(
             "{what}, {num_sms} SMs, {arch:?}: {} rows, desc {:?}, {warp_instructions} warp instructions in {elapsed:?}",
             got.desc[0], got.desc

@@ -1,0 +1,309 @@
+//! What the host flow needs from a device, as a trait, so that one code path (workspace
+//! carving, tensor-map parameters, launch geometry, kernel order) drives both the CUDA driver
+//! ([`crate::cuda::CudaBackend`]) and the `msa-sim` PTX simulator.
+//!
+//! Memory is addressed by plain 64-bit device addresses: the flow carves its own allocations
+//! into regions, and the generated bindings ([`crate::kernels`]) turn typed [`Ptr`]s and
+//! scalars into the [`KernelArg`] list of each kernel in declaration order.
+
+use crate::backward::TileMapSpec;
+use crate::error::RuntimeError;
+use crate::tma::TensorMap;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// A kernel of `generated/`: its entry name, launch shape and PTX per compute capability
+/// (each generated binding module has one as `KERNEL`).
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSpec {
+    /// Entry name in the PTX module.
+    pub name: &'static str,
+    /// Threads per CTA.
+    pub threads: (u32, u32, u32),
+    /// Dynamic shared memory each launch requests, in bytes.
+    pub dynamic_shared_bytes: u32,
+    /// PTX text per compute capability `(major, minor)`.
+    pub variants: &'static [((i32, i32), &'static str)],
+}
+
+impl KernelSpec {
+    /// The PTX for capability `cc`, or [`RuntimeError::UnsupportedArch`] naming the ones
+    /// there are.
+    pub fn ptx(&self, cc: (i32, i32), ordinal: usize) -> Result<&'static str, RuntimeError> {
+        self.variants
+            .iter()
+            .find(|(v, _)| *v == cc)
+            .map(|(_, p)| *p)
+            .ok_or_else(|| RuntimeError::UnsupportedArch {
+                kernel: self.name,
+                ordinal,
+                major: cc.0,
+                minor: cc.1,
+                supported: self
+                    .variants
+                    .iter()
+                    .map(|((a, b), _)| format!("{a}.{b}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+}
+
+/// A device address of `T` elements that a kernel reads.
+pub struct Ptr<T> {
+    addr: u64,
+    elem: PhantomData<fn() -> T>,
+}
+
+/// A device address of `T` elements that a kernel writes.
+pub struct PtrMut<T> {
+    addr: u64,
+    elem: PhantomData<fn() -> T>,
+}
+
+macro_rules! typed_address {
+    ($name:ident) => {
+        impl<T> $name<T> {
+            /// The address `addr`, typed.
+            pub const fn new(addr: u64) -> Self {
+                Self {
+                    addr,
+                    elem: PhantomData,
+                }
+            }
+
+            /// The raw address.
+            pub const fn addr(self) -> u64 {
+                self.addr
+            }
+        }
+
+        impl<T> Clone for $name<T> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+
+        impl<T> Copy for $name<T> {}
+
+        impl<T> fmt::Debug for $name<T> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:#x})", stringify!($name), self.addr)
+            }
+        }
+
+        impl<T> From<$name<T>> for KernelArg {
+            fn from(p: $name<T>) -> KernelArg {
+                KernelArg::Ptr(p.addr)
+            }
+        }
+    };
+}
+
+typed_address!(Ptr);
+typed_address!(PtrMut);
+
+/// One kernel argument as the driver receives it.
+#[derive(Clone, Copy)]
+pub enum KernelArg {
+    /// A `.u64` device address.
+    Ptr(u64),
+    /// A `.u32` scalar.
+    U32(u32),
+    /// A `.s32` scalar.
+    I32(i32),
+    /// A 128-byte tensor map passed by value.
+    TensorMap(TensorMap),
+}
+
+impl fmt::Debug for KernelArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KernelArg::Ptr(a) => write!(f, "Ptr({a:#x})"),
+            KernelArg::U32(v) => write!(f, "U32({v})"),
+            KernelArg::I32(v) => write!(f, "I32({v})"),
+            KernelArg::TensorMap(_) => f.write_str("TensorMap(..)"),
+        }
+    }
+}
+
+impl From<u32> for KernelArg {
+    fn from(v: u32) -> KernelArg {
+        KernelArg::U32(v)
+    }
+}
+
+impl From<i32> for KernelArg {
+    fn from(v: i32) -> KernelArg {
+        KernelArg::I32(v)
+    }
+}
+
+impl From<&TensorMap> for KernelArg {
+    fn from(m: &TensorMap) -> KernelArg {
+        KernelArg::TensorMap(*m)
+    }
+}
+
+/// `len` elements of `T` at a device address: an input or output of the backward.
+pub struct Span<T> {
+    /// First element.
+    pub addr: u64,
+    /// Elements.
+    pub len: usize,
+    elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Span<T> {
+    /// `len` elements at `addr`.
+    pub const fn new(addr: u64, len: usize) -> Self {
+        Span {
+            addr,
+            len,
+            elem: PhantomData,
+        }
+    }
+
+    /// The first `len` elements.
+    pub const fn prefix(self, len: usize) -> Self {
+        Span::new(self.addr, len)
+    }
+
+    /// The address as a kernel input.
+    pub const fn ptr(self) -> Ptr<T> {
+        Ptr::new(self.addr)
+    }
+
+    /// The address as a kernel output.
+    pub const fn ptr_mut(self) -> PtrMut<T> {
+        PtrMut::new(self.addr)
+    }
+}
+
+impl<T> Clone for Span<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Span<T> {}
+
+impl<T> fmt::Debug for Span<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Span({:#x}, {} elements)", self.addr, self.len)
+    }
+}
+
+/// A device the MSA host flow can drive: the CUDA driver on one stream, or a simulator.
+///
+/// Operations are stream-ordered: each takes effect after the ones issued before it, and only
+/// [`Backend::download`] waits for them. A backend reports a failure as a [`RuntimeError`]
+/// naming the call; the host flow issues every fallible preparation (loading, allocation,
+/// tensor maps) before its first write, so a failure never leaves work half-issued.
+pub trait Backend {
+    /// An owned device allocation, freed (stream-ordered) when dropped.
+    type Buffer;
+
+    /// Compute capability `(major, minor)`; it picks the PTX variants.
+    fn capability(&self) -> (i32, i32);
+
+    /// Streaming multiprocessors; they size the main kernel's CTA walk.
+    fn sm_count(&self) -> usize;
+
+    /// The device ordinal error messages name.
+    fn ordinal(&self) -> usize;
+
+    /// Identifies the memory space: buffers of a backend with another id are not usable here
+    /// (a CUDA context, one simulated device).
+    fn memory_space(&self) -> u64;
+
+    /// Allocates `bytes` of uninitialised device memory, 256-byte aligned.
+    fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<Self::Buffer, RuntimeError>;
+
+    /// The device address of `buffer`.
+    fn address(&self, buffer: &Self::Buffer) -> u64;
+
+    /// Copies `bytes` to device address `dst`.
+    fn upload(&mut self, what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
+
+    /// Sets `bytes` bytes at `dst` to zero.
+    fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError>;
+
+    /// Waits for everything issued so far, then copies `bytes` bytes at `src` to the host.
+    fn download(
+        &mut self,
+        what: &'static str,
+        src: u64,
+        bytes: usize,
+    ) -> Result<Vec<u8>, RuntimeError>;
+
+    /// Loads (JIT-compiles or parses) the kernel's variant for this device, so that a
+    /// failure surfaces before anything is issued.
+    fn load(&mut self, kernel: &KernelSpec) -> Result<(), RuntimeError>;
+
+    /// Encodes a bf16 tiled tensor map over `base` as the spec describes.
+    fn tensor_map(&mut self, spec: &TileMapSpec, base: u64) -> Result<TensorMap, RuntimeError>;
+
+    /// Launches `kernel` on a grid of `grid` CTAs of `kernel.threads` threads.
+    ///
+    /// # Safety
+    /// `args` must be the kernel's parameters in declaration order (use the generated
+    /// `args` function), and every address must point at memory holding what the kernel
+    /// reads and writes for the scalar arguments given.
+    unsafe fn launch(
+        &mut self,
+        kernel: &KernelSpec,
+        grid: (u32, u32, u32),
+        args: &[KernelArg],
+    ) -> Result<(), RuntimeError>;
+}
+
+/// The bytes of `v` in native (little-endian) order, for [`Backend::upload`].
+pub fn bytes_of<T: Pod>(v: &[T]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(std::mem::size_of_val(v));
+    for x in v {
+        x.put(&mut out);
+    }
+    out
+}
+
+/// Elements of `T` from native-order bytes, for [`Backend::download`].
+pub fn from_bytes<T: Pod>(b: &[u8]) -> Vec<T> {
+    b.chunks_exact(std::mem::size_of::<T>())
+        .map(T::get)
+        .collect()
+}
+
+/// Plain element types that cross the host/device boundary as bytes.
+pub trait Pod: Copy {
+    /// Appends the element's little-endian bytes.
+    fn put(&self, out: &mut Vec<u8>);
+    /// Reads one element from exactly `size_of::<Self>()` bytes.
+    fn get(b: &[u8]) -> Self;
+}
+
+macro_rules! pod {
+    ($($t:ty),*) => {$(
+        impl Pod for $t {
+            fn put(&self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().expect("chunk of the element's size"))
+            }
+        }
+    )*};
+}
+
+pod!(u8, i32, u32, u64, f32);
+
+impl Pod for half::bf16 {
+    fn put(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+    fn get(b: &[u8]) -> Self {
+        half::bf16::from_bits(u16::from_le_bytes(
+            b.try_into().expect("chunk of the element's size"),
+        ))
+    }
+}
