@@ -258,52 +258,46 @@ pub trait Backend {
     ) -> Result<(), RuntimeError>;
 }
 
-/// The bytes of `v` in native (little-endian) order, for [`Backend::upload`].
-pub fn bytes_of<T: Pod>(v: &[T]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(std::mem::size_of_val(v));
-    for x in v {
-        x.put(&mut out);
+/// The bytes of `v` in memory order (the host and both devices are little-endian), without
+/// copying: uploads of large schedules stay a single memcpy.
+pub fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
+    // SAFETY: `Pod` types have no padding and no invalid bit patterns, so their memory is
+    // `size_of_val(v)` initialised bytes; u8 has alignment 1.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Elements of `T` from memory-order bytes (a trailing partial element is ignored).
+pub fn from_bytes<T: Pod>(b: &[u8]) -> Vec<T> {
+    let n = b.len() / std::mem::size_of::<T>();
+    let mut out = Vec::<T>::with_capacity(n);
+    // SAFETY: `n` elements fit in the capacity and are fully written from `b` before
+    // `set_len`; every bit pattern is a valid `T` (see `Pod`).
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            b.as_ptr(),
+            out.as_mut_ptr().cast::<u8>(),
+            n * std::mem::size_of::<T>(),
+        );
+        out.set_len(n);
     }
     out
 }
 
-/// Elements of `T` from native-order bytes, for [`Backend::download`].
-pub fn from_bytes<T: Pod>(b: &[u8]) -> Vec<T> {
-    b.chunks_exact(std::mem::size_of::<T>())
-        .map(T::get)
-        .collect()
-}
+/// Plain element types that cross the host/device boundary as raw bytes.
+///
+/// # Safety
+/// Implementors have no padding bytes, and every bit pattern of their size is a valid value.
+pub unsafe trait Pod: Copy {}
 
-/// Plain element types that cross the host/device boundary as bytes.
-pub trait Pod: Copy {
-    /// Appends the element's little-endian bytes.
-    fn put(&self, out: &mut Vec<u8>);
-    /// Reads one element from exactly `size_of::<Self>()` bytes.
-    fn get(b: &[u8]) -> Self;
-}
-
-macro_rules! pod {
-    ($($t:ty),*) => {$(
-        impl Pod for $t {
-            fn put(&self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
-            fn get(b: &[u8]) -> Self {
-                <$t>::from_le_bytes(b.try_into().expect("chunk of the element's size"))
-            }
-        }
-    )*};
-}
-
-pod!(u8, i32, u32, u64, f32);
-
-impl Pod for half::bf16 {
-    fn put(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.to_bits().to_le_bytes());
-    }
-    fn get(b: &[u8]) -> Self {
-        half::bf16::from_bits(u16::from_le_bytes(
-            b.try_into().expect("chunk of the element's size"),
-        ))
-    }
-}
+// SAFETY: primitive integers and floats, and bf16 (a transparent u16), satisfy `Pod`.
+unsafe impl Pod for u8 {}
+// SAFETY: as above.
+unsafe impl Pod for i32 {}
+// SAFETY: as above.
+unsafe impl Pod for u32 {}
+// SAFETY: as above.
+unsafe impl Pod for u64 {}
+// SAFETY: as above.
+unsafe impl Pod for f32 {}
+// SAFETY: as above.
+unsafe impl Pod for half::bf16 {}

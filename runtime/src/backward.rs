@@ -474,8 +474,8 @@ impl<B: Backend> MsaBackward<B> {
     /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
     /// aligned.
     ///
-    /// Issues, in order (seed-design §3.1): the schedule upload, `bwd_preprocess`, the zeroing
-    /// of the pools, the four task-build kernels, the main kernel for the capability
+    /// Issues, in order (seed-design §3.1): `bwd_preprocess`, the zeroing of the pools, the
+    /// schedule copy, the four task-build kernels, the main kernel for the capability
     /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
     /// `grid_launch_bound(capacity, sm_count)` CTAs, and `bwd_postprocess`; no host sync.
     /// All checks, kernel loading, tensor maps and workspace allocation come before the first
@@ -585,8 +585,7 @@ impl<B: Backend> MsaBackward<B> {
         let tmap_v =
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
 
-        // 4. Workspaces and the schedule upload (into buffers of our own; nothing the caller
-        // sees is written yet).
+        // 4. Workspaces and the schedule's device buffer (allocations only).
         let pools = ensure_pools(&mut self.pools, &mut self.allocations, backend, t, w)?;
         let (dq_pool, dk_pool, dv_pool, delta) = (
             pools.span::<bf16>(pools.layout.dq_pool, q_len),
@@ -601,13 +600,15 @@ impl<B: Backend> MsaBackward<B> {
             sizes,
             schedule.work_capacity(),
         )?;
-        let dev_schedule = DeviceSchedule::upload(backend, schedule)?;
+        let dev_schedule = DeviceSchedule::allocate(backend, schedule)?;
 
-        // 5. The launch sequence (seed-design §3.1).
+        // 5. The launch sequence (seed-design §3.1). The schedule copy follows the first
+        // launches so that the GPU has work while the host stages it.
         preprocess(backend, io.out, io.grad_out, delta, t)?;
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
         backend.zero("dk pool", dk_pool.addr, 4 * kv_len)?;
         backend.zero("dv pool", dv_pool.addr, 4 * kv_len)?;
+        dev_schedule.write(backend, schedule)?;
         tasks.build(backend, &dev_schedule)?;
         if grid > 0 {
             let args = msa_backward_sm90::args(

@@ -167,27 +167,32 @@ pub struct DeviceSchedule<B: Backend> {
 }
 
 impl<B: Backend> DeviceSchedule<B> {
-    /// Copies a validated schedule to the device (stream-ordered).
-    pub fn upload(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
-        let work_count = [s.work_count()];
+    /// The schedule's six arrays in `s`'s order, with their region offsets in bytes.
+    fn regions<'a>(s: &'a Schedule, work_count: &'a [i32; 1]) -> ([&'a [i32]; 6], [u64; 6], usize) {
         let arrays: [&[i32]; 6] = [
             s.row_ptr(),
             s.q_indices(),
             s.scheduler_metadata(),
-            &work_count,
+            work_count,
             s.cu_seqlens(),
             s.document_workspace_starts(),
         ];
-        let mut bytes = Vec::new();
         let mut offsets = [0u64; 6];
+        let mut at = 0usize;
         for (o, a) in offsets.iter_mut().zip(arrays) {
-            *o = bytes.len() as u64;
-            bytes.extend(bytes_of(a));
-            bytes.resize(bytes.len().next_multiple_of(4 * REGION_ALIGN_WORDS), 0);
+            *o = at as u64;
+            at = (at + 4 * a.len()).next_multiple_of(4 * REGION_ALIGN_WORDS);
         }
-        let storage = backend.alloc("schedule", bytes.len())?;
+        (arrays, offsets, at)
+    }
+
+    /// Allocates the device copy of `s` without writing it; [`DeviceSchedule::write`] fills
+    /// it. (The backward allocates before its first launch and copies after it, so that the
+    /// copy overlaps the preprocess.)
+    pub fn allocate(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
+        let (_, offsets, bytes) = Self::regions(s, &[s.work_count()]);
+        let storage = backend.alloc("schedule", bytes)?;
         let base = backend.address(&storage);
-        backend.upload("schedule", base, &bytes)?;
         let at = |i: usize| base + offsets[i];
         Ok(DeviceSchedule {
             row_ptr: at(0),
@@ -201,6 +206,45 @@ impl<B: Backend> DeviceSchedule<B> {
             edge_capacity: s.edge_capacity(),
             work_capacity: s.work_capacity(),
         })
+    }
+
+    /// Copies `s` (the schedule it was allocated for) to the device, stream-ordered.
+    pub fn write(&self, backend: &mut B, s: &Schedule) -> Result<(), RuntimeError> {
+        if (s.rows(), s.edge_capacity(), s.work_capacity())
+            != (self.rows, self.edge_capacity, self.work_capacity)
+        {
+            return Err(RuntimeError::input(
+                "schedule",
+                format!("rows {}, edge capacity {}", s.rows(), s.edge_capacity()),
+                format!(
+                    "the allocation's rows {}, edge capacity {}",
+                    self.rows, self.edge_capacity
+                ),
+            ));
+        }
+        let work_count = [s.work_count()];
+        let (arrays, _, _) = Self::regions(s, &work_count);
+        let dst = [
+            self.row_ptr,
+            self.q_indices,
+            self.metadata,
+            self.work_count,
+            self.cu_seqlens,
+            self.ws_starts,
+        ];
+        for (a, d) in arrays.iter().zip(dst) {
+            if !a.is_empty() {
+                backend.upload("schedule", d, bytes_of(a))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates and copies a validated schedule (stream-ordered).
+    pub fn upload(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
+        let d = Self::allocate(backend, s)?;
+        d.write(backend, s)?;
+        Ok(d)
     }
 }
 

@@ -46,7 +46,7 @@ fn gpu() -> Option<CudaBackend> {
 fn put<B: Backend, T: Pod>(b: &mut B, data: &[T]) -> (B::Buffer, Span<T>) {
     let buf = b.alloc("test input", std::mem::size_of_val(data)).unwrap();
     let addr = b.address(&buf);
-    b.upload("test input", addr, &bytes_of(data)).unwrap();
+    b.upload("test input", addr, bytes_of(data)).unwrap();
     (buf, Span::new(addr, data.len()))
 }
 
