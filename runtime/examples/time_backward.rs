@@ -1,8 +1,8 @@
 //! Times the MSA backward on GPU 0.
 //!
 //! ```sh
-//! cargo run -p msa-runtime --release --example backward                 # a few documents
-//! cargo run -p msa-runtime --release --example backward -- --tokens 8192 # one document
+//! cargo run -p msa-runtime --release --example time_backward                 # a few documents
+//! cargo run -p msa-runtime --release --example time_backward -- --tokens 8192 # one document
 //! ```
 //!
 //! Options: `--tokens N` (one document of N tokens), `--reps R` (timed calls, default 20),
