@@ -7,7 +7,7 @@
 //! driver ([`CudaBackend`]) or the `msa-sim` simulator through the same workspace carving,
 //! tensor-map parameters, launch geometry and kernel order. [`MsaBackward`] owns the workspace
 //! of one device and reuses it across calls; the free function [`run_backward`] keeps one per
-//! CUDA device ordinal.
+//! CUDA context.
 
 use crate::backend::{Backend, KernelSpec, Span};
 use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
@@ -799,16 +799,16 @@ fn ensure_tasks<'a, B: Backend>(
     Ok(slot.insert(tasks))
 }
 
-/// One cached [`MsaBackward`] per device ordinal, for [`run_backward`].
+/// One cached [`MsaBackward`] per CUDA context, for [`run_backward`].
 fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
     static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
 /// The MSA backward (seed-design §1.5 `run_backward`) with a process-wide workspace cache per
-/// device ordinal; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
+/// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
 ///
-/// Calls on the same device serialize on the cache's lock while they enqueue (the GPU work
+/// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
 /// itself is asynchronous).
 #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
 pub fn run_backward(
@@ -823,7 +823,9 @@ pub fn run_backward(
 ) -> Result<Gradients, RuntimeError> {
     let entry = {
         let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(stream.context().ordinal()).or_default().clone()
+        map.entry(stream.context().cu_ctx() as usize)
+            .or_default()
+            .clone()
     };
     // A panic mid-call leaves every cached field either valid or empty, so a poisoned lock is
     // safe to reuse.

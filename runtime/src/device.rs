@@ -32,9 +32,15 @@ impl std::fmt::Debug for Device {
     }
 }
 
+/// Opened devices by context handle: modules belong to a context, so two contexts on one
+/// ordinal get separate entries.
 fn registry() -> &'static Mutex<HashMap<usize, Arc<Device>>> {
     static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
     DEVICES.get_or_init(Default::default)
+}
+
+fn key(ctx: &CudaContext) -> usize {
+    ctx.cu_ctx() as usize
 }
 
 impl Device {
@@ -43,26 +49,20 @@ impl Device {
         if !driver_present() {
             return Err(RuntimeError::NoDriver);
         }
-        let mut devices = registry().lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = devices.get(&ordinal) {
-            return Ok(d.clone());
-        }
+        // The primary context: cudarc retains the same one on every call.
         let ctx = CudaContext::new(ordinal)
             .map_err(|source| RuntimeError::NoDevice { ordinal, source })?;
-        let device = Arc::new(Self::from_context(ctx)?);
-        devices.insert(ordinal, device.clone());
-        Ok(device)
+        Self::of(&ctx)
     }
 
-    /// The device a context belongs to (memoized by ordinal).
+    /// The device of a context, memoized per context (its modules are loaded there).
     pub fn of(ctx: &Arc<CudaContext>) -> Result<Arc<Device>, RuntimeError> {
-        let ordinal = ctx.ordinal();
         let mut devices = registry().lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = devices.get(&ordinal) {
+        if let Some(d) = devices.get(&key(ctx)) {
             return Ok(d.clone());
         }
         let device = Arc::new(Self::from_context(ctx.clone())?);
-        devices.insert(ordinal, device.clone());
+        devices.insert(key(ctx), device.clone());
         Ok(device)
     }
 
