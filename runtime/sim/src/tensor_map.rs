@@ -99,8 +99,21 @@ impl Swizzle {
 pub enum OobFill {
     /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: zeros.
     Zero,
-    /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA`: all-ones bit patterns (a NaN).
+    /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA`: a NaN, see [`OobFill::nan_bits`].
     Nan,
+}
+
+impl OobFill {
+    /// The little-endian bytes of one NaN-filled element of `elem_bytes` bytes: `0x7ff7` for
+    /// 16-bit elements (what an H200 writes for a bf16 map); all-ones bits for other sizes
+    /// (not measured).
+    pub fn nan_bits(elem_bytes: usize) -> [u8; 8] {
+        if elem_bytes == 2 {
+            [0xf7, 0x7f, 0, 0, 0, 0, 0, 0]
+        } else {
+            [0xff; 8]
+        }
+    }
 }
 
 /// A tiled tensor map: the parameters of `cuTensorMapEncodeTiled` (no interleave; the L2

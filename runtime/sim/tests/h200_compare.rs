@@ -18,7 +18,7 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use common::probe::probe_sets;
-use common::recorded::{probe_record, record, PROBE_ROWS};
+use common::recorded::{probe_record, probe_rows, record};
 use common::warp::{red_atom_scenario, shfl_scenario};
 use common::*;
 use cudarc::driver::{sys, CudaSlice, DevicePtr, LaunchConfig as CuConfig, PushKernelArg};
@@ -365,7 +365,7 @@ fn wgmma_numerics_probes_match_the_gpu() {
         dump(&format!("probe {i:02}"), &bytes_of_u32(&gpu));
         record(
             &probe_record(set.name),
-            &bytes_of_u32(&gpu[..PROBE_ROWS * common::probe::N]),
+            &bytes_of_u32(&gpu[..probe_rows(set.name) * common::probe::N]),
         );
         let sim = match run_sim(&s) {
             Ok(o) => set.unpack(&o[0]),

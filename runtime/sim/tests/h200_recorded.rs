@@ -5,7 +5,7 @@
 mod common;
 
 use common::probe::{probe_sets, N};
-use common::recorded::{parse, probe_record, PROBE_ROWS};
+use common::recorded::{parse, probe_record, probe_rows};
 use common::warp::{red_atom_scenario, shfl_scenario};
 use common::*;
 
@@ -30,7 +30,7 @@ fn wgmma_probes_match_the_recorded_h200_accumulators() {
         let gpu = u32s(find(&recs, &probe_record(set.name)));
         let one = set.truncated(1);
         let sim = one.unpack(&run_sim(&one.scenario()).unwrap()[0]);
-        let sim = &sim[..PROBE_ROWS * N];
+        let sim = &sim[..probe_rows(one.name) * N];
         assert_eq!(gpu.len(), sim.len(), "{}", one.name);
         if let Some(i) = (0..sim.len()).find(|&i| gpu[i] != sim[i]) {
             let n = (0..sim.len()).filter(|&i| gpu[i] != sim[i]).count();

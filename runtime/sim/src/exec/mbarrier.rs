@@ -8,7 +8,7 @@
 //!
 //! A TMA copy is validated at issue (map, coordinates, destination, mbarrier) and recorded
 //! with the mbarrier's phase at that moment; completing it copies the box into shared memory
-//! (zeros, or NaN bits, for out-of-bounds elements; the 128B/64B/32B swizzle XORs the 16-byte
+//! (zeros, or the NaN fill, for out-of-bounds elements; the 128B/64B/32B swizzle XORs the 16-byte
 //! chunk index with the absolute 128-byte row index) and subtracts the box bytes from the
 //! transaction count. A copy that completes after its phase has already completed carried
 //! bytes the phase did not expect: a fault.
@@ -18,7 +18,8 @@
 //! the swizzle pattern: the swizzle is a function of the absolute shared address. A box row
 //! narrower than the swizzle span occupies a whole span (the rest untouched) while the
 //! transaction count is the dense box. An inner coordinate that is not a multiple of 16 bytes
-//! raises an illegal instruction; the simulator refuses it.
+//! raises an illegal instruction (in range or not); the simulator refuses it. The NaN fill of
+//! a bf16 map writes `0x7ff7`.
 
 use super::{lanes, Cta, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
@@ -492,8 +493,8 @@ impl Cta<'_> {
         let n = m.box_elements();
         let es = m.elem_bytes as usize;
         let fill = match m.oob_fill {
-            OobFill::Zero => 0u8,
-            OobFill::Nan => 0xff,
+            OobFill::Zero => [0u8; 8],
+            OobFill::Nan => OobFill::nan_bits(es),
         };
         let in_dim = |d: usize, g: i64| g >= 0 && (g as u64) < m.global_dim[d];
         let coord = |d: usize, i: u32| t.coords[d] + i as i64 * m.element_strides[d] as i64;
@@ -550,7 +551,7 @@ impl Cta<'_> {
                                     let o = (g0 - lo) as usize * es;
                                     elem[..es].copy_from_slice(&s[o..o + es]);
                                 }
-                                _ => elem[..es].fill(fill),
+                                _ => elem[..es].copy_from_slice(&fill[..es]),
                             }
                             let off = row * pitch + i0 * es as u32;
                             let at = m.swizzle.apply(t.dst + off) as usize;

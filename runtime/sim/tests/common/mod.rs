@@ -546,8 +546,8 @@ pub fn tma_inner_unaligned_plain() -> Scenario {
 
 /// The shared bytes the model predicts for `tma_box` row `[c0, c1, c2, dst]` of a copy
 /// through `map`: box rows `max(row, span)` bytes apart (a narrow row leaves the rest of its
-/// span untouched, zero here), out-of-range elements filled (zeros, or all-ones bits for the
-/// NaN fill), every 16-byte chunk at `a ^ (((a >> 7) & m) << 4)` of its absolute address `a`
+/// span untouched, zero here), out-of-range elements filled (zeros, or `0x7ff7` for the NaN
+/// fill), every 16-byte chunk at `a ^ (((a >> 7) & m) << 4)` of its absolute address `a`
 /// with `m` = span/16 − 1 (CUTLASS `Swizzle<B,4,3>`, base 1024-aligned), read back from
 /// `base + dst` over the box's footprint (what the kernel copies out).
 pub fn tma_expected(tensor: &[u8], map: &MapSpec, row: [i32; 4]) -> Vec<u8> {
@@ -555,9 +555,10 @@ pub fn tma_expected(tensor: &[u8], map: &MapSpec, row: [i32; 4]) -> Vec<u8> {
     let esize = 2usize;
     let bytes = tma_footprint(box_dim, map.swizzle);
     let dst = row[3] as usize;
+    // The NaN fill of a bf16 map is 0x7ff7 on an H200.
     let fill = match map.oob_fill {
-        OobFill::Zero => 0u8,
-        OobFill::Nan => 0xff,
+        OobFill::Zero => [0u8, 0],
+        OobFill::Nan => [0xf7, 0x7f],
     };
     let m = (map.swizzle.span() / 16).max(1) - 1;
     let pitch = (box_dim[0] as usize * esize).max(map.swizzle.span());
@@ -576,7 +577,7 @@ pub fn tma_expected(tensor: &[u8], map: &MapSpec, row: [i32; 4]) -> Vec<u8> {
                         * esize;
                     smem[swz..swz + esize].copy_from_slice(&tensor[idx..idx + esize]);
                 } else {
-                    smem[swz..swz + esize].fill(fill);
+                    smem[swz..swz + esize].copy_from_slice(&fill);
                 }
             }
             r += 1;
