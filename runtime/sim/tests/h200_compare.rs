@@ -317,9 +317,10 @@ fn wgmma_matches_the_gpu() {
     let Some(dev) = device() else { return };
     let mut failures = Vec::new();
     let forms = [WgmmaForm::SsKK, WgmmaForm::RsMn, WgmmaForm::SsMnMn];
-    for wide in [false, true] {
+    // Seeds 120.. were never used while the numerics model was fitted.
+    for (seed, wide) in [(100, false), (110, true), (120, true)] {
         for (i, form) in forms.into_iter().enumerate() {
-            let c = wgmma_case_with(form, 100 + i as u64 + 10 * wide as u64, wide);
+            let c = wgmma_case_with(form, seed + i as u64, wide);
             let name = c.scenario.name;
             let sim = c.unpack(&run_sim(&c.scenario).unwrap()[0]);
             let gpu = match run_gpu(&dev, &c.scenario) {
@@ -332,8 +333,9 @@ fn wgmma_matches_the_gpu() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
             let (same, ulps) = compare_bits(&bits(&gpu), &bits(&sim));
             println!(
-                "{name}: {same} of {} accumulators bit-identical to the simulator (worst {ulps} \
-                 ulp)",
+                "{name} (seed {}): {same} of {} accumulators bit-identical to the simulator \
+                 (worst {ulps} ulp)",
+                seed + i as u64,
                 gpu.len()
             );
             if same != gpu.len() {
