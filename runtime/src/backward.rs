@@ -220,10 +220,8 @@ impl TileMapSpec {
                 ),
                 source,
             })?;
-        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before);
-        // CUtensorMap is 128 bytes of plain data.
-        let bytes: [u8; 128] = unsafe { std::mem::transmute(map.assume_init()) };
-        Ok(TensorMap(bytes))
+        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before).
+        Ok(TensorMap::from(unsafe { map.assume_init() }))
     }
 
     /// Bytes of the tensor the map spans: `globalDim[2] · globalStrides[1]`.

@@ -36,6 +36,16 @@ pub mod tma {
 
     // SAFETY: plain data the kernel reads as a by-value `.b8 [128]` parameter.
     unsafe impl DeviceRepr for TensorMap {}
+
+    impl From<cudarc::driver::sys::CUtensorMap> for TensorMap {
+        /// The bytes of a descriptor the driver encoded.
+        fn from(map: cudarc::driver::sys::CUtensorMap) -> TensorMap {
+            // SAFETY: CUtensorMap is 128 bytes of plain data (no padding, any bit pattern).
+            TensorMap(unsafe {
+                std::mem::transmute::<cudarc::driver::sys::CUtensorMap, [u8; 128]>(map)
+            })
+        }
+    }
 }
 
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};

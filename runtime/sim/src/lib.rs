@@ -47,9 +47,11 @@
 //! `exp2` in f64 rounded to f32 (the hardware approximation is within 2 ulp of that), with
 //! `.ftz` flushing subnormal inputs and results.
 //!
-//! `wgmma` and `tcgen05.mma` compute in f32 from exact bf16/f16 products, accumulating
-//! sequentially in k within each instruction (see [`exec`]); hardware may order the 16
-//! additions differently.
+//! `wgmma` follows the sm_90 tensor core bit for bit ([`tensor_core`]: one fused block of
+//! the sixteen exact products and the accumulator, aligned to the largest exponent, cut 25
+//! bits below it, summed and rounded toward zero), fitted to and checked against an H200.
+//! `tcgen05.mma` computes in f32 from exact products accumulated sequentially in k within each
+//! instruction; the B200's order and precision have not been measured.
 //!
 //! # Scope
 //!
@@ -81,6 +83,7 @@ pub mod memory;
 pub mod module;
 pub mod numeric;
 mod parse;
+pub mod tensor_core;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};

@@ -99,8 +99,21 @@ impl Swizzle {
 pub enum OobFill {
     /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE`: zeros.
     Zero,
-    /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA`: all-ones bit patterns (a NaN).
+    /// `CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA`: a NaN, see [`OobFill::nan_bits`].
     Nan,
+}
+
+impl OobFill {
+    /// The little-endian bytes of one NaN-filled element of `elem_bytes` bytes: `0x7ff7` for
+    /// 16-bit elements (what an H200 writes for a bf16 map); all-ones bits for other sizes
+    /// (not measured).
+    pub fn nan_bits(elem_bytes: usize) -> [u8; 8] {
+        if elem_bytes == 2 {
+            [0xf7, 0x7f, 0, 0, 0, 0, 0, 0]
+        } else {
+            [0xff; 8]
+        }
+    }
 }
 
 /// A tiled tensor map: the parameters of `cuTensorMapEncodeTiled` (no interleave; the L2
@@ -288,14 +301,27 @@ impl SimTensorMap {
         std::array::from_fn(|d| self.box_dim[d].div_ceil(self.element_strides[d]))
     }
 
-    /// Bytes one copy writes to shared memory and completes on its mbarrier (the whole box,
-    /// out-of-bounds elements included).
+    /// Bytes one copy completes on its mbarrier: the whole box, out-of-bounds elements
+    /// included.
     pub fn box_bytes(&self) -> u64 {
         self.box_elements()
             .iter()
             .map(|&n| n as u64)
             .product::<u64>()
             * self.elem_bytes as u64
+    }
+
+    /// Bytes between consecutive box rows in shared memory: the inner row, or the swizzle
+    /// span when the row is narrower (an H200 leaves the rest of each span untouched).
+    pub fn row_pitch(&self) -> u64 {
+        let row = self.box_elements()[0] as u64 * self.elem_bytes as u64;
+        row.max(self.swizzle.span() as u64)
+    }
+
+    /// Bytes of shared memory a copy spans: the box's rows at [`SimTensorMap::row_pitch`].
+    pub fn shared_bytes(&self) -> u64 {
+        let rows: u64 = self.box_elements()[1..].iter().map(|&n| n as u64).product();
+        rows * self.row_pitch()
     }
 
     /// The 128-byte blob (see the module documentation).

@@ -8,15 +8,23 @@
 //!
 //! A TMA copy is validated at issue (map, coordinates, destination, mbarrier) and recorded
 //! with the mbarrier's phase at that moment; completing it copies the box into shared memory
-//! (zeros, or NaN bits, for out-of-bounds elements; the 128B/64B/32B swizzle XORs the 16-byte
+//! (zeros, or the NaN fill, for out-of-bounds elements; the 128B/64B/32B swizzle XORs the 16-byte
 //! chunk index with the absolute 128-byte row index) and subtracts the box bytes from the
 //! transaction count. A copy that completes after its phase has already completed carried
 //! bytes the phase did not expect: a fault.
+//!
+//! What an H200 does with tile loads (`tests/h200_compare.rs`, byte for byte): the destination
+//! must be 128-byte aligned (16 gives a misaligned-address error) and need not be aligned to
+//! the swizzle pattern: the swizzle is a function of the absolute shared address. A box row
+//! narrower than the swizzle span occupies a whole span (the rest untouched) while the
+//! transaction count is the dense box. An inner coordinate that is not a multiple of 16 bytes
+//! raises an illegal instruction (in range or not); the simulator refuses it. The NaN fill of
+//! a bf16 map writes `0x7ff7`.
 
 use super::{lanes, Cta, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Addr, Dst, Reg, Space, Src, TmaLoad, SHARED_WINDOW};
-use crate::tensor_map::{OobFill, SimTensorMap, Swizzle, TENSOR_MAP_BYTES};
+use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
 /// Largest arrival count and transaction count of one operation (2^20 − 1).
 const MAX_COUNT: u64 = (1 << 20) - 1;
@@ -389,34 +397,28 @@ impl Cta<'_> {
                     )),
                 ));
             }
-            let row = map.box_elements()[0] as usize * map.elem_bytes as usize;
-            if map.swizzle != Swizzle::None && row != map.swizzle.span() {
+            let inner = coords[0][l] as u32 as i32 as i64 * map.elem_bytes as i64;
+            if inner % 16 != 0 {
                 return Err(self.fault(
                     pc,
                     w,
                     l,
                     tma(format!(
-                        "not modelled: a {row}-byte box row with the {}-byte swizzle \
-                         (only rows exactly as wide as the swizzle span)",
-                        map.swizzle.span()
+                        "the inner coordinate {} is {inner} bytes into the row, not a multiple of \
+                         16 (an H200 raises an illegal instruction)",
+                        coords[0][l] as u32 as i32
                     )),
                 ));
             }
             let dst = self.lane_addr(w, l, &t.dst);
-            let bytes = map.box_bytes();
-            // 128 bytes, and a whole swizzle pattern (8 rows of the span) when swizzled. On an
-            // H200, one launch with 128B-swizzled boxes at 128- (not 1024-) byte aligned
-            // destinations and one at an inner coordinate of 3 elements raised an illegal
-            // instruction; which of the two the hardware refuses is not pinned down yet
-            // (tests/h200_compare.rs runs them separately).
-            let align = (8 * map.swizzle.span() as u64).max(128);
-            if !dst.is_multiple_of(align) || dst + bytes > self.shared.len() as u64 {
+            let bytes = map.shared_bytes();
+            if !dst.is_multiple_of(128) || dst + bytes > self.shared.len() as u64 {
                 return Err(self.fault(
                     pc,
                     w,
                     l,
                     tma(format!(
-                        "destination shared [{dst:#x}, +{bytes}) must be {align}-byte aligned and \
+                        "destination shared [{dst:#x}, +{bytes}) must be 128-byte aligned and \
                          inside the CTA's {} bytes of shared memory",
                         self.shared.len()
                     )),
@@ -491,12 +493,13 @@ impl Cta<'_> {
         let n = m.box_elements();
         let es = m.elem_bytes as usize;
         let fill = match m.oob_fill {
-            OobFill::Zero => 0u8,
-            OobFill::Nan => 0xff,
+            OobFill::Zero => [0u8; 8],
+            OobFill::Nan => OobFill::nan_bits(es),
         };
         let in_dim = |d: usize, g: i64| g >= 0 && (g as u64) < m.global_dim[d];
         let coord = |d: usize, i: u32| t.coords[d] + i as i64 * m.element_strides[d] as i64;
-        let mut lin = 0u32;
+        let pitch = m.row_pitch() as u32;
+        let mut row = 0u32;
         let mut elem = [0u8; 8];
         for i4 in 0..n[4] {
             for i3 in 0..n[3] {
@@ -548,23 +551,19 @@ impl Cta<'_> {
                                     let o = (g0 - lo) as usize * es;
                                     elem[..es].copy_from_slice(&s[o..o + es]);
                                 }
-                                _ => elem[..es].fill(fill),
+                                _ => elem[..es].copy_from_slice(&fill[..es]),
                             }
-                            let at = m.swizzle.apply(t.dst + lin * es as u32) as usize;
+                            let off = row * pitch + i0 * es as u32;
+                            let at = m.swizzle.apply(t.dst + off) as usize;
                             self.shared[at..at + es].copy_from_slice(&elem[..es]);
-                            lin += 1;
+                            if self.unfenced_total > 0 && self.unfenced[at / 4] != 0 {
+                                // The box replaces a generic store still pending there.
+                                self.unfenced[at / 4] = 0;
+                                self.unfenced_total -= 1;
+                            }
                         }
+                        row += 1;
                     }
-                }
-            }
-        }
-        if self.unfenced_total > 0 {
-            // The box replaced whatever generic stores were pending there.
-            let end = t.dst as usize + m.box_bytes() as usize;
-            for word in t.dst as usize / 4..end.div_ceil(4) {
-                if self.unfenced[word] != 0 {
-                    self.unfenced[word] = 0;
-                    self.unfenced_total -= 1;
                 }
             }
         }

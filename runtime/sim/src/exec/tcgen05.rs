@@ -45,7 +45,9 @@
 //! is a race. `tcgen05.ld` of cells an in-flight MMA writes, and `tcgen05.st` to cells an
 //! in-flight MMA reads or writes, are races. A commit arrives once on its mbarrier when every
 //! MMA its thread issued before it has completed. Products are exact and accumulate
-//! sequentially in k in f32, as for wgmma.
+//! sequentially in k in f32, each addition rounded to nearest even: the B200's internal
+//! order and precision have not been measured (the sm_90 model of [`crate::tensor_core`],
+//! fitted to an H200, is not assumed to carry over).
 
 use super::wgmma::MatrixDesc;
 use super::{lanes, Cta};

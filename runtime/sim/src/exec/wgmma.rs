@@ -16,12 +16,13 @@
 //!
 //! # Numerics
 //!
-//! Inputs are bf16 (or f16) converted exactly to f32; every product is exact in f32 for them.
-//! Each output element accumulates **sequentially in k** within one instruction,
-//! `d = ((d + a₀b₀) + a₁b₁) + … + a₁₅b₁₅`, every addition rounded to nearest even in f32
-//! (`d` starts at +0 when scale-d is false); NaN results are the canonical `0x7fffffff`.
-//! Hardware adds the 16 products in an unspecified order and precision, so results may
-//! differ in the last bits.
+//! Each output element of one instruction is [`crate::tensor_core::sm90_block`] of its
+//! sixteen bf16/f16 products and the accumulator (none when scale-d is false), with
+//! `imm-scale-a/b = −1` negating the A/B inputs: the products are exact, aligned to the
+//! largest exponent of the block (accumulator included), cut 25 bits below it toward zero,
+//! summed exactly and rounded toward zero to f32; NaN results are `0x7fffffff`. This is the
+//! H200's behaviour bit for bit on the probes of `tests/h200_compare.rs` (the evidence is in
+//! [`crate::tensor_core`]).
 //!
 //! # Layouts (128B swizzle only)
 //!
@@ -47,7 +48,7 @@ use super::{Cta, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Op, PredSrc, Reg, Src, Wgmma, WgmmaA, WgmmaInput, WgmmaSync};
 use crate::module::Kernel;
-use crate::numeric::canon;
+use crate::tensor_core::{sm90_block, MmaInput, Operand};
 use crate::tensor_map::Swizzle;
 
 /// The state of one warpgroup.
@@ -542,20 +543,13 @@ impl Cta<'_> {
             }
         }
         let n = op.n as usize;
-        let conv = |x: u16| match op.input {
-            WgmmaInput::Bf16 => f32::from_bits((x as u32) << 16),
-            WgmmaInput::F16 => half::f16::from_bits(x).to_f32(),
+        let input = match op.input {
+            WgmmaInput::Bf16 => MmaInput::Bf16,
+            WgmmaInput::F16 => MmaInput::F16,
         };
-        let sa = if op.negate_a { -1.0f32 } else { 1.0 };
-        let sb = if op.negate_b { -1.0f32 } else { 1.0 };
-        let af: Vec<f32> = m.a.iter().map(|&x| conv(x) * sa).collect();
-        let mut bt = vec![0f32; 16 * n];
-        for j in 0..n {
-            for kk in 0..16 {
-                bt[kk * n + j] = conv(m.b[j * 16 + kk]) * sb;
-            }
-        }
-        let mut d = vec![0f32; 64 * n];
+        let a: Vec<Operand> = m.a.iter().map(|&x| input.decode(x, op.negate_a)).collect();
+        let b: Vec<Operand> = m.b.iter().map(|&x| input.decode(x, op.negate_b)).collect();
+        let mut d = vec![0u32; 64 * n];
         let nregs = self.nregs;
         if m.scale_d {
             for q in 0..4 {
@@ -564,17 +558,16 @@ impl Cta<'_> {
                     let base = (w * nregs + r as usize) * 32;
                     for lane in 0..32 {
                         let (row, col) = acc_pos(q, lane, i);
-                        d[row * n + col] = f32::from_bits(self.regs[base + lane] as u32);
+                        d[row * n + col] = self.regs[base + lane] as u32;
                     }
                 }
             }
         }
         for (row, out) in d.chunks_exact_mut(n).enumerate() {
-            for kk in 0..16 {
-                let a = af[row * 16 + kk];
-                for (x, &b) in out.iter_mut().zip(&bt[kk * n..(kk + 1) * n]) {
-                    *x += a * b;
-                }
+            let a = &a[row * 16..row * 16 + 16];
+            for (col, x) in out.iter_mut().enumerate() {
+                let c = m.scale_d.then_some(*x);
+                *x = sm90_block(input, a, &b[col * 16..col * 16 + 16], c);
             }
         }
         for q in 0..4 {
@@ -583,7 +576,7 @@ impl Cta<'_> {
                 let base = (w * nregs + r as usize) * 32;
                 for lane in 0..32 {
                     let (row, col) = acc_pos(q, lane, i);
-                    self.regs[base + lane] = canon(d[row * n + col]);
+                    self.regs[base + lane] = d[row * n + col] as u64;
                 }
             }
             for &r in &m.regs {

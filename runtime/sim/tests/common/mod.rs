@@ -5,16 +5,42 @@
 
 #![allow(dead_code)]
 
+pub mod probe;
+pub mod recorded;
+pub mod warp;
+
 use half::bf16;
+use msa_sim::tensor_map::{OobFill, Swizzle};
 use msa_sim::{Arg, Gpu, LaunchConfig, Module, SimError, SimTensorMap};
 
-/// A bf16, swizzle-128B, OOB-fill-none, rank-3 tiled tensor map over input `input`.
+/// A bf16 rank-3 tiled tensor map over input `input`.
 #[derive(Debug, Clone, Copy)]
 pub struct MapSpec {
     pub input: usize,
     pub global_dim: [u64; 3],
     pub global_strides: [u64; 2],
     pub box_dim: [u32; 3],
+    pub swizzle: Swizzle,
+    pub oob_fill: OobFill,
+}
+
+impl MapSpec {
+    /// The runtime's maps: swizzle 128B, OOB fill none.
+    pub fn sw128(
+        input: usize,
+        global_dim: [u64; 3],
+        global_strides: [u64; 2],
+        box_dim: [u32; 3],
+    ) -> Self {
+        MapSpec {
+            input,
+            global_dim,
+            global_strides,
+            box_dim,
+            swizzle: Swizzle::B128,
+            oob_fill: OobFill::Zero,
+        }
+    }
 }
 
 /// A kernel argument.
@@ -35,6 +61,8 @@ pub struct Scenario {
     pub name: &'static str,
     pub ptx: String,
     pub kernel: &'static str,
+    /// CTAs (a 1-D grid).
+    pub grid: u32,
     pub threads: u32,
     pub dynamic_smem: u32,
     pub inputs: Vec<Vec<u8>>,
@@ -63,6 +91,18 @@ impl Rng {
         let sign = (r & 1) as u16;
         let exp = 127 - 6 + ((r >> 1) % 12) as u16;
         let man = ((r >> 8) & 0x7f) as u16;
+        bf16::from_bits(sign << 15 | exp << 7 | man)
+    }
+
+    /// A bf16 with exponent in `2^[-20, 20]`, zero one time in eight.
+    pub fn bf16_wide(&mut self) -> bf16 {
+        let r = self.next();
+        if r.is_multiple_of(8) {
+            return bf16::from_bits(((r >> 8) as u16 & 1) << 15);
+        }
+        let sign = ((r >> 3) & 1) as u16;
+        let exp = 127 - 20 + ((r >> 4) % 41) as u16;
+        let man = ((r >> 16) & 0x7f) as u16;
         bf16::from_bits(sign << 15 | exp << 7 | man)
     }
 }
@@ -110,12 +150,15 @@ pub fn run_sim(s: &Scenario) -> Result<Vec<Vec<u8>>, SimError> {
         .args
         .iter()
         .map(|a| match a {
-            ArgSpec::Map(m) => SimTensorMap::bf16_sw128(
+            ArgSpec::Map(m) => SimTensorMap::tiled(
                 ins[m.input],
-                m.global_dim,
-                m.global_strides,
-                m.box_dim,
-                [1, 1, 1],
+                2,
+                &m.global_dim,
+                &m.global_strides,
+                &m.box_dim,
+                &[1, 1, 1],
+                m.swizzle,
+                m.oob_fill,
             )
             .expect("valid map")
             .arg(),
@@ -124,7 +167,8 @@ pub fn run_sim(s: &Scenario) -> Result<Vec<Vec<u8>>, SimError> {
             ArgSpec::U32(v) => Arg::U32(*v),
         })
         .collect();
-    let cfg = LaunchConfig::new((1, 1, 1), (s.threads, 1, 1)).with_dynamic_shared(s.dynamic_smem);
+    let cfg =
+        LaunchConfig::new((s.grid, 1, 1), (s.threads, 1, 1)).with_dynamic_shared(s.dynamic_smem);
     gpu.launch(k, &cfg, &args)?;
     outs.iter()
         .zip(&s.outputs)
@@ -136,10 +180,11 @@ pub fn run_sim(s: &Scenario) -> Result<Vec<Vec<u8>>, SimError> {
 // TMA
 // ---------------------------------------------------------------------------------------------
 
-/// `tma_box`: for each row `(c0, c1, c2, dst)` of `coords`, thread 0 arms the mbarrier with
-/// `box_bytes` and loads the box at `[c0, c1, c2]` to shared `base + dst` (base 1024-aligned);
-/// every thread waits (bounded: `flags[i]` = 1 if the phase completed), then the CTA copies
-/// the raw box bytes to `out[i]`.
+/// `tma_box`: the CTA zeroes its 64 KiB box area; then for each row `(c0, c1, c2, dst)` of
+/// `coords`, thread 0 arms the mbarrier with `box_bytes` and loads the box at `[c0, c1, c2]`
+/// to shared `base + dst` (base 1024-aligned); every thread waits (bounded: `flags[i]` = 1
+/// if the phase completed), then the CTA copies the `copy_bytes` from `base + dst` (the
+/// box's shared footprint) to `out[i]`.
 pub fn tma_box_ptx() -> String {
     HEADER.to_string()
         + r#"
@@ -151,7 +196,8 @@ pub fn tma_box_ptx() -> String {
 	.param .u64 .ptr .align 16 out,
 	.param .u64 .ptr .align 16 flags,
 	.param .u32 n,
-	.param .u32 box_bytes
+	.param .u32 box_bytes,
+	.param .u32 copy_bytes
 )
 .maxntid 128, 1, 1
 {
@@ -165,6 +211,15 @@ pub fn tma_box_ptx() -> String {
 	and.b32 %r1, %r1, 4294966272;
 	add.u32 %r2, %r1, 65536;
 	mov.u32 %r3, %tid.x;
+	shl.b32 %r11, %r3, 4;
+	mov.u32 %r13, 0;
+$L_zero:
+	add.u32 %r12, %r1, %r11;
+	st.shared.v4.b32 [%r12], {%r13, %r13, %r13, %r13};
+	add.u32 %r11, %r11, 2048;
+	setp.lt.u32 %p1, %r11, 65536;
+	@%p1 bra $L_zero;
+	fence.proxy.async.shared::cta;
 	setp.eq.u32 %p0, %r3, 0;
 	@%p0 mbarrier.init.shared::cta.b64 [%r2], 1;
 	@%p0 fence.mbarrier_init.release.cluster;
@@ -179,6 +234,7 @@ pub fn tma_box_ptx() -> String {
 	cvta.to.global.u64 %rd4, %rd4;
 	ld.param.u32 %r4, [n];
 	ld.param.u32 %r5, [box_bytes];
+	ld.param.u32 %r17, [copy_bytes];
 	mov.u32 %r6, 0;
 $L_box:
 	setp.ge.u32 %p1, %r6, %r4;
@@ -203,11 +259,11 @@ $L_ready:
 	mul.wide.u32 %rd6, %r6, 4;
 	add.u64 %rd6, %rd4, %rd6;
 	@%p0 st.global.u32 [%rd6], %r10;
-	mul.wide.u32 %rd7, %r6, %r5;
+	mul.wide.u32 %rd7, %r6, %r17;
 	add.u64 %rd7, %rd3, %rd7;
 	shl.b32 %r11, %r3, 4;
 $L_copy:
-	setp.ge.u32 %p1, %r11, %r5;
+	setp.ge.u32 %p1, %r11, %r17;
 	@%p1 bra $L_copied;
 	add.u32 %r12, %r7, %r11;
 	ld.shared.v4.b32 {%r13, %r14, %r15, %r16}, [%r12];
@@ -237,37 +293,62 @@ pub fn distinct_bf16(n: usize, salt: u16) -> Vec<bf16> {
         .collect()
 }
 
-/// A `tma_box` scenario over a `[d2][d1][d0]` bf16 tensor with a box `[b0, b1, b2]`.
+/// A `tma_box` scenario over a `[d2][d1][d0]` bf16 tensor with a box `[b0, b1, b2]`, swizzle
+/// 128B and zero fill (the runtime's maps).
 pub fn tma_scenario(
     name: &'static str,
     dims: [u64; 3],
     box_dim: [u32; 3],
     boxes: &[[i32; 4]],
 ) -> Scenario {
+    tma_scenario_with(name, dims, box_dim, Swizzle::B128, OobFill::Zero, boxes)
+}
+
+/// Shared bytes a bf16 box spans: its rows `max(row bytes, swizzle span)` apart.
+pub fn tma_footprint(box_dim: [u32; 3], swizzle: Swizzle) -> usize {
+    let pitch = (box_dim[0] as usize * 2).max(swizzle.span());
+    pitch * (box_dim[1] * box_dim[2]) as usize
+}
+
+/// A `tma_box` scenario with any swizzle and out-of-bounds fill; each row of `boxes` is
+/// `[c0, c1, c2, destination offset]`.
+pub fn tma_scenario_with(
+    name: &'static str,
+    dims: [u64; 3],
+    box_dim: [u32; 3],
+    swizzle: Swizzle,
+    oob_fill: OobFill,
+    boxes: &[[i32; 4]],
+) -> Scenario {
     let n = (dims[0] * dims[1] * dims[2]) as usize;
     let tensor = distinct_bf16(n, 0x1234);
     let box_bytes = box_dim.iter().product::<u32>() * 2;
+    let copy_bytes = tma_footprint(box_dim, swizzle) as u32;
     let coords: Vec<i32> = boxes.iter().flatten().copied().collect();
     Scenario {
         name,
         ptx: tma_box_ptx(),
         kernel: "tma_box",
+        grid: 1,
         threads: 128,
         dynamic_smem: TMA_BOX_SMEM,
         inputs: vec![bytes_of_bf16(&tensor), bytes_of_i32(&coords)],
-        outputs: vec![boxes.len() * box_bytes as usize, 4 * boxes.len()],
+        outputs: vec![boxes.len() * copy_bytes as usize, 4 * boxes.len()],
         args: vec![
             ArgSpec::Map(MapSpec {
                 input: 0,
                 global_dim: dims,
                 global_strides: [dims[0] * 2, dims[0] * dims[1] * 2],
                 box_dim,
+                swizzle,
+                oob_fill,
             }),
             ArgSpec::In(1),
             ArgSpec::Out(0),
             ArgSpec::Out(1),
             ArgSpec::U32(boxes.len() as u32),
             ArgSpec::U32(box_bytes),
+            ArgSpec::U32(copy_bytes),
         ],
     }
 }
@@ -312,9 +393,8 @@ pub fn tma_key_rows() -> Scenario {
     )
 }
 
-/// Destinations that are 128-byte but not 1024-byte aligned: where the hardware's swizzle
-/// phase comes from (absolute address bits, as modelled, or the box row), or whether it
-/// refuses them.
+/// Destinations that are 128-byte but not 1024-byte aligned: the swizzle phase comes from
+/// the absolute address bits (as an H200 does it).
 pub fn tma_dst_128_aligned() -> Scenario {
     tma_scenario(
         "tma destinations 128-byte aligned [64,16,1]",
@@ -324,8 +404,8 @@ pub fn tma_dst_128_aligned() -> Scenario {
     )
 }
 
-/// An inner coordinate that is not a multiple of 16 bytes (3 elements), 1024-aligned
-/// destination.
+/// Inner coordinates that are not a multiple of 16 bytes (3 and −3 elements), 1024-aligned
+/// destinations: an H200 raises an illegal instruction.
 pub fn tma_inner_unaligned() -> Scenario {
     tma_scenario(
         "tma inner coordinate 3 [64,16,1]",
@@ -335,31 +415,172 @@ pub fn tma_inner_unaligned() -> Scenario {
     )
 }
 
-/// The shared bytes the simulator's model predicts for `tma_box` row `[c0, c1, c2, dst]`:
-/// the dense box, out-of-range elements zero, every 16-byte chunk at
-/// `a ^ (((a >> 7) & 7) << 4)` of its absolute address `a` (base 1024-aligned), read back
-/// from `base + dst`.
-pub fn tma_expected(tensor: &[u8], dims: [u64; 3], box_dim: [u32; 3], row: [i32; 4]) -> Vec<u8> {
+/// A `[3][40][96]` bf16 tensor (192-byte rows) and boxes of two planes that are in range,
+/// cut by each face (negative and past-the-end coordinates in every dimension) or wholly
+/// outside; `inner` elements per box row, inner coordinates multiples of 16 bytes,
+/// destinations 1024-aligned.
+fn tma_faces(name: &'static str, inner: u32, swizzle: Swizzle, oob_fill: OobFill) -> Scenario {
+    let i = inner as i32;
+    // Half a row, in whole 16-byte units.
+    let h = (i / 2 / 8 * 8).max(8);
+    let bytes = 2 * inner * 8 * 2;
+    let step = bytes.div_ceil(1024) as i32 * 1024;
+    let boxes: Vec<[i32; 4]> = [
+        [0, 0, 0],
+        [96 - i, 32, 1],
+        [h, 11, 0],
+        [-h, 3, 1],
+        [96 - h, 20, 0],
+        [8, -5, 1],
+        [16, 36, 0],
+        [0, 0, -1],
+        [24, 16, 2],
+        [96, 0, 0],
+        [-200, 8, 1],
+        [0, 40, 0],
+        [0, 0, 3],
+        [-h, -3, -1],
+    ]
+    .iter()
+    .enumerate()
+    .map(|(k, c)| [c[0], c[1], c[2], k as i32 * step])
+    .filter(|b| b[3] + step <= 65536)
+    .collect();
+    tma_scenario_with(name, [96, 40, 3], [inner, 8, 2], swizzle, oob_fill, &boxes)
+}
+
+/// One scenario per swizzle mode (rows as wide as the span; 48- and 16-byte rows without a
+/// swizzle) with zero fill, and the 128B and none modes with the NaN fill.
+pub fn tma_swizzle_scenarios() -> Vec<Scenario> {
+    use OobFill::*;
+    vec![
+        tma_faces("tma no swizzle, 48-byte rows", 24, Swizzle::None, Zero),
+        tma_faces("tma no swizzle, 16-byte rows", 8, Swizzle::None, Zero),
+        tma_faces("tma swizzle 32B", 16, Swizzle::B32, Zero),
+        tma_faces("tma swizzle 64B", 32, Swizzle::B64, Zero),
+        tma_faces("tma swizzle 128B", 64, Swizzle::B128, Zero),
+        tma_faces("tma swizzle 128B, NaN fill", 64, Swizzle::B128, Nan),
+        tma_faces("tma no swizzle, NaN fill", 24, Swizzle::None, Nan),
+    ]
+}
+
+/// Boxes whose inner row is narrower than the swizzle span (64 bytes under 128B, 32 under
+/// 64B): how the hardware lays them out, or whether it refuses them.
+pub fn tma_narrow_rows(swizzle: Swizzle) -> Scenario {
+    let (name, inner) = match swizzle {
+        Swizzle::B128 => ("tma swizzle 128B, 64-byte rows", 32),
+        _ => ("tma swizzle 64B, 32-byte rows", 16),
+    };
+    tma_scenario_with(
+        name,
+        [96, 40, 3],
+        [inner, 8, 2],
+        swizzle,
+        OobFill::Zero,
+        &[[0, 0, 0, 0], [8, 3, 1, 2048], [-8, 36, 0, 4096]],
+    )
+}
+
+/// Destinations aligned to 128 but not to the swizzle pattern (256 bytes for 32B), and to 16
+/// but not 128 bytes without a swizzle.
+pub fn tma_dst_misaligned(swizzle: Swizzle) -> Scenario {
+    match swizzle {
+        Swizzle::None => tma_scenario_with(
+            "tma no swizzle, destinations 16-byte aligned",
+            [96, 40, 3],
+            [24, 8, 2],
+            Swizzle::None,
+            OobFill::Zero,
+            &[[0, 0, 0, 16], [24, 8, 1, 2048 + 48]],
+        ),
+        _ => tma_scenario_with(
+            "tma swizzle 32B, destinations 128-byte aligned",
+            [96, 40, 3],
+            [16, 8, 2],
+            Swizzle::B32,
+            OobFill::Zero,
+            &[[0, 0, 0, 128], [16, 8, 1, 2048 + 384]],
+        ),
+    }
+}
+
+/// One box at inner coordinate `c0` elements without a swizzle (`[24, 8, 2]` box: 4 is in
+/// range, −4 cut by the face).
+pub fn tma_inner_coordinate(name: &'static str, c0: i32) -> Scenario {
+    tma_scenario_with(
+        name,
+        [96, 40, 3],
+        [24, 8, 2],
+        Swizzle::None,
+        OobFill::Zero,
+        &[[c0, 5, 0, 0]],
+    )
+}
+
+/// Every `tma_box` scenario an H200 runs (compared byte for byte): the runtime's maps, each
+/// swizzle mode and fill, destinations aligned to 128 bytes only, narrow swizzled rows.
+pub fn tma_accepted_scenarios() -> Vec<Scenario> {
+    let mut v = vec![
+        tma_query_rows(),
+        tma_key_rows(),
+        tma_dst_128_aligned(),
+        tma_dst_misaligned(Swizzle::B32),
+        tma_narrow_rows(Swizzle::B128),
+        tma_narrow_rows(Swizzle::B64),
+    ];
+    v.extend(tma_swizzle_scenarios());
+    v
+}
+
+/// An inner coordinate of 3 elements (6 bytes) without a swizzle.
+pub fn tma_inner_unaligned_plain() -> Scenario {
+    tma_scenario_with(
+        "tma no swizzle, inner coordinate 3",
+        [96, 40, 3],
+        [24, 8, 2],
+        Swizzle::None,
+        OobFill::Zero,
+        &[[3, 5, 1, 0], [-3, 0, 0, 2048]],
+    )
+}
+
+/// The shared bytes the model predicts for `tma_box` row `[c0, c1, c2, dst]` of a copy
+/// through `map`: box rows `max(row, span)` bytes apart (a narrow row leaves the rest of its
+/// span untouched, zero here), out-of-range elements filled (zeros, or `0x7ff7` for the NaN
+/// fill), every 16-byte chunk at `a ^ (((a >> 7) & m) << 4)` of its absolute address `a`
+/// with `m` = span/16 − 1 (CUTLASS `Swizzle<B,4,3>`, base 1024-aligned), read back from
+/// `base + dst` over the box's footprint (what the kernel copies out).
+pub fn tma_expected(tensor: &[u8], map: &MapSpec, row: [i32; 4]) -> Vec<u8> {
+    let (dims, box_dim) = (map.global_dim, map.box_dim);
     let esize = 2usize;
-    let bytes = box_dim.iter().product::<u32>() as usize * esize;
+    let bytes = tma_footprint(box_dim, map.swizzle);
     let dst = row[3] as usize;
+    // The NaN fill of a bf16 map is 0x7ff7 on an H200.
+    let fill = match map.oob_fill {
+        OobFill::Zero => [0u8, 0],
+        OobFill::Nan => [0xf7, 0x7f],
+    };
+    let m = (map.swizzle.span() / 16).max(1) - 1;
+    let pitch = (box_dim[0] as usize * esize).max(map.swizzle.span());
     let mut smem = vec![0u8; dst + bytes + 1024];
-    let mut lin = 0usize;
+    let mut r = 0usize;
     for i2 in 0..box_dim[2] as i64 {
         for i1 in 0..box_dim[1] as i64 {
             for i0 in 0..box_dim[0] as i64 {
                 let g = [row[0] as i64 + i0, row[1] as i64 + i1, row[2] as i64 + i2];
                 let inside = (0..3).all(|d| g[d] >= 0 && (g[d] as u64) < dims[d]);
-                let a = dst + lin * esize;
-                let swz = a ^ (((a >> 7) & 7) << 4);
+                let a = dst + r * pitch + i0 as usize * esize;
+                let swz = a ^ (((a >> 7) & m) << 4);
                 if inside {
                     let idx = ((g[2] as u64 * dims[1] + g[1] as u64) * dims[0] + g[0] as u64)
                         as usize
                         * esize;
                     smem[swz..swz + esize].copy_from_slice(&tensor[idx..idx + esize]);
+                } else {
+                    smem[swz..swz + esize].copy_from_slice(&fill);
                 }
-                lin += 1;
             }
+            r += 1;
         }
     }
     smem[dst..dst + bytes].to_vec()
@@ -445,6 +666,7 @@ pub fn mbarrier_scenario() -> Scenario {
         name: "mbarrier phases",
         ptx: mbarrier_ptx(),
         kernel: "mbarrier_phases",
+        grid: 1,
         threads: 32,
         dynamic_smem: 0,
         inputs: vec![],
@@ -485,6 +707,7 @@ $L_end:
         name: "elect.sync",
         ptx,
         kernel: "elect_leader",
+        grid: 1,
         threads: 32,
         dynamic_smem: 0,
         inputs: vec![],
@@ -549,13 +772,31 @@ fn desc_lo(addr: &str, lbo: u32) -> String {
 }
 
 pub fn wgmma_case(form: WgmmaForm, seed: u64) -> WgmmaCase {
+    wgmma_case_with(form, seed, false)
+}
+
+/// A wgmma scenario; `wide`: exponents in `2^[-20, 20]` with zeros, and in every k-step the
+/// first two products of each output cancel exactly (`a[m][k+1] = −a[m][k]`,
+/// `b[k+1][n] = b[k][n]`), so the sums lose their leading bits.
+pub fn wgmma_case_with(form: WgmmaForm, seed: u64, wide: bool) -> WgmmaCase {
     let mut rng = Rng(seed);
     let (n, k) = match form {
         WgmmaForm::SsKK | WgmmaForm::SsMnMn => (64, 128),
         WgmmaForm::RsMn => (128, 64),
     };
-    let a: Vec<bf16> = (0..64 * k).map(|_| rng.bf16()).collect();
-    let b: Vec<bf16> = (0..k * n).map(|_| rng.bf16()).collect();
+    let mut draw = |_| if wide { rng.bf16_wide() } else { rng.bf16() };
+    let mut a: Vec<bf16> = (0..64 * k).map(&mut draw).collect();
+    let mut b: Vec<bf16> = (0..k * n).map(&mut draw).collect();
+    if wide {
+        for k0 in (0..k).step_by(16) {
+            for m in 0..64 {
+                a[m * k + k0 + 1] = -a[m * k + k0];
+            }
+            for j in 0..n {
+                b[(k0 + 1) * n + j] = b[k0 * n + j];
+            }
+        }
+    }
     let steps = k / 16;
     let negated_steps = if form == WgmmaForm::SsMnMn {
         vec![5, 6]
@@ -566,12 +807,7 @@ pub fn wgmma_case(form: WgmmaForm, seed: u64) -> WgmmaCase {
     let (ta, tb, map_a, map_b): (Vec<bf16>, Vec<bf16>, Option<MapSpec>, MapSpec) = match form {
         WgmmaForm::SsKK => {
             let tb: Vec<bf16> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
-            let kmajor = |input| MapSpec {
-                input,
-                global_dim: [128, 64, 1],
-                global_strides: [256, 16384],
-                box_dim: [64, 64, 1],
-            };
+            let kmajor = |input| MapSpec::sw128(input, [128, 64, 1], [256, 16384], [64, 64, 1]);
             (a.clone(), tb, Some(kmajor(0)), kmajor(1))
         }
         WgmmaForm::RsMn => {
@@ -597,22 +833,12 @@ pub fn wgmma_case(form: WgmmaForm, seed: u64) -> WgmmaCase {
                     ]
                 })
                 .collect();
-            let map_b = MapSpec {
-                input: 1,
-                global_dim: [128, 64, 1],
-                global_strides: [256, 16384],
-                box_dim: [64, 64, 1],
-            };
+            let map_b = MapSpec::sw128(1, [128, 64, 1], [256, 16384], [64, 64, 1]);
             (fb, b.clone(), None, map_b)
         }
         WgmmaForm::SsMnMn => {
             let ta: Vec<bf16> = (0..k * 64).map(|i| a[(i % 64) * k + i / 64]).collect();
-            let mn = |input| MapSpec {
-                input,
-                global_dim: [64, 128, 1],
-                global_strides: [128, 16384],
-                box_dim: [64, 128, 1],
-            };
+            let mn = |input| MapSpec::sw128(input, [64, 128, 1], [128, 16384], [64, 128, 1]);
             (ta, b.clone(), Some(mn(0)), mn(1))
         }
     };
@@ -765,20 +991,21 @@ pub fn wgmma_case(form: WgmmaForm, seed: u64) -> WgmmaCase {
 "
     );
     // The unused map of the RS form points at the fragment buffer (never read through).
-    let dummy = MapSpec {
-        input: 0,
-        global_dim: [128, 64, 1],
-        global_strides: [256, 16384],
-        box_dim: [64, 64, 1],
-    };
+    let dummy = MapSpec::sw128(0, [128, 64, 1], [256, 16384], [64, 64, 1]);
     let scenario = Scenario {
-        name: match form {
-            WgmmaForm::SsKK => "wgmma SS K-major m64n64k16 x8",
-            WgmmaForm::RsMn => "wgmma RS, B MN-major m64n128k16 x4",
-            WgmmaForm::SsMnMn => "wgmma SS MN-major m64n64k16 x8, scale-a -1",
+        name: match (form, wide) {
+            (WgmmaForm::SsKK, false) => "wgmma SS K-major m64n64k16 x8",
+            (WgmmaForm::RsMn, false) => "wgmma RS, B MN-major m64n128k16 x4",
+            (WgmmaForm::SsMnMn, false) => "wgmma SS MN-major m64n64k16 x8, scale-a -1",
+            (WgmmaForm::SsKK, true) => "wgmma SS K-major m64n64k16 x8, wide exponents",
+            (WgmmaForm::RsMn, true) => "wgmma RS, B MN-major m64n128k16 x4, wide exponents",
+            (WgmmaForm::SsMnMn, true) => {
+                "wgmma SS MN-major m64n64k16 x8, scale-a -1, wide exponents"
+            }
         },
         ptx,
         kernel: "wgmma_case",
+        grid: 1,
         threads: 128,
         dynamic_smem: 1024 + 32768 + 64,
         inputs: vec![bytes_of_bf16(&ta), bytes_of_bf16(&tb)],
@@ -839,20 +1066,5 @@ impl WgmmaCase {
             }
         }
         (d, mag)
-    }
-
-    /// The simulator's documented order: sequential in k, each addition rounded in f32.
-    pub fn sequential_f32(&self) -> Vec<f32> {
-        let mut d = vec![0f32; 64 * self.n];
-        for m in 0..64 {
-            for j in 0..self.n {
-                let mut acc = 0f32;
-                for kk in 0..self.k {
-                    acc += self.a_at(m, kk) * self.b[kk * self.n + j].to_f32();
-                }
-                d[m * self.n + j] = acc;
-            }
-        }
-        d
     }
 }
