@@ -124,6 +124,105 @@ impl MmaInput {
     }
 }
 
+/// Whether every operand is finite, so that [`sm90_block_finite`] applies.
+pub fn all_finite(ops: &[Operand]) -> bool {
+    ops.iter().all(|o| o.kind == Kind::Finite)
+}
+
+/// Operands prepared for [`sm90_block_prepared`]: each one's exact value as f64 and its
+/// alignment exponent (the encoded exponent; far below any real one for a zero).
+#[derive(Debug, Clone, Default)]
+pub struct Prepared {
+    /// Exact values.
+    pub value: Vec<f64>,
+    /// Alignment exponents.
+    pub exp: Vec<i32>,
+}
+
+/// The exponent of a zero operand: its products never set the alignment.
+const ZERO_EXP: i32 = -1 << 20;
+
+impl Prepared {
+    /// Prepares finite operands (see [`all_finite`]).
+    pub fn new(input: MmaInput, ops: &[Operand]) -> Prepared {
+        let unit = f64::from_bits(((1023 - input.frac() as i32) as u64) << 52);
+        let value = ops
+            .iter()
+            .map(|o| {
+                let v = o.sig as f64 * f64::from_bits(((1023 + o.exp) as u64) << 52) * unit;
+                if o.neg {
+                    -v
+                } else {
+                    v
+                }
+            })
+            .collect();
+        let exp = ops
+            .iter()
+            .map(|o| if o.sig == 0 { ZERO_EXP } else { o.exp })
+            .collect();
+        Prepared { value, exp }
+    }
+}
+
+/// [`sm90_block`] for sixteen finite A and B operands (see [`all_finite`]) given as
+/// [`Prepared`] slices of 16: the same arithmetic in f64, exact, without the special-value
+/// branches. The wgmma hot path; a unit test checks it equals [`sm90_block`].
+pub fn sm90_block_prepared(
+    input: MmaInput,
+    a_val: &[f64],
+    a_exp: &[i32],
+    b_val: &[f64],
+    b_exp: &[i32],
+    c: Option<u32>,
+) -> u32 {
+    let c = c.unwrap_or(0);
+    if (c >> 23) & 0xff == 0xff {
+        // An infinite or NaN accumulator: the general path.
+        let a: Vec<Operand> = a_val.iter().map(|&v| operand(input, v)).collect();
+        let b: Vec<Operand> = b_val.iter().map(|&v| operand(input, v)).collect();
+        return sm90_block(input, &a, &b, Some(c));
+    }
+    let (c_field, c_man) = (((c >> 23) & 0xff) as i32, c & 0x7f_ffff);
+    let mut top = if c_field == 0 && c_man == 0 {
+        ZERO_EXP
+    } else {
+        c_field.max(1) - 127
+    };
+    for k in 0..16 {
+        top = top.max(a_exp[k] + b_exp[k]);
+    }
+    if top < ZERO_EXP / 2 {
+        return 0;
+    }
+    let lsb = (top - KEPT).max(MIN_LSB);
+    // Each term in units of 2^lsb, cut toward zero by the integer conversion. Exact: products
+    // of 8- or 11-bit significands are exact in f64, scaling by a power of two is exact (or
+    // leaves a value below one unit, which the cut makes zero anyway), and every term is below
+    // 2^27 units, so neither the conversion nor the 17-term integer sum rounds.
+    let scale = f64::from_bits(((1023 - lsb) as u64) << 52);
+    let mut sum = (f32::from_bits(c) as f64 * scale) as i64;
+    for k in 0..16 {
+        sum += (a_val[k] * b_val[k] * scale) as i64;
+    }
+    round_toward_zero(sum, lsb)
+}
+
+/// The operand of an exact finite input value (the inverse of [`Prepared::new`]).
+fn operand(input: MmaInput, v: f64) -> Operand {
+    let bits = match input {
+        MmaInput::Bf16 => (((v as f32).to_bits()) >> 16) as u16,
+        MmaInput::F16 => half::f16::from_f64(v).to_bits(),
+    };
+    input.decode(bits, false)
+}
+
+/// [`sm90_block_prepared`] on operands.
+pub fn sm90_block_finite(input: MmaInput, a: &[Operand], b: &[Operand], c: Option<u32>) -> u32 {
+    let (pa, pb) = (Prepared::new(input, a), Prepared::new(input, b));
+    sm90_block_prepared(input, &pa.value, &pa.exp, &pb.value, &pb.exp, c)
+}
+
 /// `c + Σ a[k]·b[k]` over one k16 step as the sm_90 tensor core computes it (see the module
 /// documentation); `c` is raw f32 bits or `None` for scale-d = 0. Returns raw f32 bits.
 pub fn sm90_block(input: MmaInput, a: &[Operand], b: &[Operand], c: Option<u32>) -> u32 {
@@ -238,6 +337,54 @@ mod tests {
         let a: Vec<Operand> = a.iter().map(|&x| bf(x)).collect();
         let b: Vec<Operand> = b.iter().map(|&x| bf(x)).collect();
         f32::from_bits(sm90_block(MmaInput::Bf16, &a, &b, Some(c.to_bits())))
+    }
+
+    #[test]
+    fn the_finite_fast_path_equals_the_general_block() {
+        // splitmix64 over wide exponent ranges, zeros, subnormals and cancellation.
+        let mut state = 0x1234_5678u64;
+        let mut next = || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        for input in [MmaInput::Bf16, MmaInput::F16] {
+            let emax: u64 = match input {
+                MmaInput::Bf16 => 255,
+                MmaInput::F16 => 31,
+            };
+            let frac = input.frac();
+            for case in 0..20_000u32 {
+                let op = |r: u64| {
+                    let field = match r % 8 {
+                        0 => 0,
+                        1 => emax / 2,
+                        _ => (r >> 8) % emax,
+                    };
+                    let bits = ((r >> 3) & 1) << 15 | field << frac | (r >> 16) & ((1 << frac) - 1);
+                    input.decode(bits as u16, false)
+                };
+                let a: Vec<Operand> = (0..16).map(|_| op(next())).collect();
+                let b: Vec<Operand> = (0..16).map(|_| op(next())).collect();
+                if !all_finite(&a) || !all_finite(&b) {
+                    continue;
+                }
+                let r = next();
+                let c = match case % 8 {
+                    0 => None,
+                    3 => Some(0x7f80_0000 | ((r as u32) & 1) << 31), // ±inf: the general path
+                    1 => Some((r as u32) & 0x807f_ffff),             // zero or subnormal
+                    _ => Some((r as u32) & !(0xff << 23) | (((r >> 32) % 255) as u32) << 23),
+                };
+                assert_eq!(
+                    sm90_block_finite(input, &a, &b, c),
+                    sm90_block(input, &a, &b, c),
+                    "{input:?} case {case}: c {c:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -48,7 +48,9 @@ use super::{Cta, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Op, PredSrc, Reg, Src, Wgmma, WgmmaA, WgmmaInput, WgmmaSync};
 use crate::module::Kernel;
-use crate::tensor_core::{sm90_block, MmaInput, Operand};
+use crate::tensor_core::{
+    all_finite, sm90_block, sm90_block_prepared, MmaInput, Operand, Prepared,
+};
 use crate::tensor_map::Swizzle;
 
 /// The state of one warpgroup.
@@ -563,11 +565,23 @@ impl Cta<'_> {
                 }
             }
         }
-        for (row, out) in d.chunks_exact_mut(n).enumerate() {
-            let a = &a[row * 16..row * 16 + 16];
-            for (col, x) in out.iter_mut().enumerate() {
-                let c = m.scale_d.then_some(*x);
-                *x = sm90_block(input, a, &b[col * 16..col * 16 + 16], c);
+        // Special values are rare: take the general path only when an input has one.
+        if all_finite(&a) && all_finite(&b) {
+            let (pa, pb) = (Prepared::new(input, &a), Prepared::new(input, &b));
+            for (row, out) in d.chunks_exact_mut(n).enumerate() {
+                let (av, ae) = (&pa.value[row * 16..][..16], &pa.exp[row * 16..][..16]);
+                for (col, x) in out.iter_mut().enumerate() {
+                    let (bv, be) = (&pb.value[col * 16..][..16], &pb.exp[col * 16..][..16]);
+                    *x = sm90_block_prepared(input, av, ae, bv, be, m.scale_d.then_some(*x));
+                }
+            }
+        } else {
+            for (row, out) in d.chunks_exact_mut(n).enumerate() {
+                let a = &a[row * 16..row * 16 + 16];
+                for (col, x) in out.iter_mut().enumerate() {
+                    let c = m.scale_d.then_some(*x);
+                    *x = sm90_block(input, a, &b[col * 16..col * 16 + 16], c);
+                }
             }
         }
         for q in 0..4 {
