@@ -8,11 +8,14 @@
 //!
 //! - **Warpgroups.** 384 threads. Warpgroup 0 is the producer: after `setmaxnreg.dec` its
 //!   thread 0 issues every TMA load (K/V once per segment, Q/dO as 16-head × 64-d boxes,
-//!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it). Warpgroups 1 and 2
-//!   are consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
+//!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it), and its warp 1
+//!   gathers each task's row scalars (`−lse·log2e`, −∞ for an empty slot; delta; the slots'
+//!   query positions) into shared memory ahead of the softmax. Warpgroups 1 and 2 are
+//!   consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
 //! - **Pipelines** are the typed [`Pipeline`] values the SM100 plan uses: K/V one stage
 //!   (full: 1 arrival + the tx bytes of its four TMA boxes; empty: one arrival per consumer
-//!   warpgroup), Q/dO two stages (32 boxes). Stage indices and parities come from
+//!   warpgroup), Q/dO two stages (32 boxes), row scalars one stage (full: the gather warp's
+//!   32 lanes). Stage indices and parities come from
 //!   [`Pipe`] over running counters, never written by hand; the operand descriptors are the
 //!   plan's [`SmemDesc`] SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
@@ -57,9 +60,15 @@ const SQ: u32 = 2 * TILE_BYTES;
 const SDO: u32 = 4 * TILE_BYTES;
 const SDS: u32 = 6 * TILE_BYTES;
 const BARS: u32 = 7 * TILE_BYTES;
-/// Dynamic shared memory: sK, sV, sQ×2, sdO×2, sdS (32 KiB each) plus the barriers, and
-/// 1 KiB of slack to align the tiles to the 1024-B swizzle atom at run time.
-pub const SMEM_BYTES: u32 = BARS + 1024 + 1024;
+/// The task's row scalars (one stage): `−lse·log2e` (−∞ for an empty slot) and delta per
+/// folded row, then the 8 slots' query positions.
+const SCALARS: u32 = BARS + 128;
+const S_LSE: u32 = SCALARS;
+const S_DELTA: u32 = SCALARS + 4 * 128;
+const S_QPOS: u32 = SCALARS + 8 * 128;
+/// Dynamic shared memory: sK, sV, sQ×2, sdO×2, sdS (32 KiB each), the barriers and the row
+/// scalars, and 1 KiB of slack to align the tiles to the 1024-B swizzle atom at run time.
+pub const SMEM_BYTES: u32 = S_QPOS + 4 * 8 + 96 + 1024;
 
 /// The K/V pipeline: one stage per segment, two 128-key × 64-d boxes each of K and V; each
 /// consumer warpgroup releases it once.
@@ -88,9 +97,17 @@ pub fn qdo_pipeline() -> Pipeline {
     p
 }
 
-/// Barrier slots: K/V full/empty at 0/1, Q/dO full at 2-3 and empty at 4-5.
+/// The row-scalar pipeline: one stage filled by the gather warp's 32 lanes (each arrives
+/// after its stores), released once per consumer warpgroup.
+pub fn rows_pipeline() -> Pipeline {
+    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 2)
+}
+
+/// Barrier slots: K/V full/empty at 0/1, Q/dO full at 2-3 and empty at 4-5, rows full/empty
+/// at 6/7.
 const KV_SLOT: u32 = 0;
 const QDO_SLOT: u32 = 2;
+const ROWS_SLOT: u32 = 6;
 
 fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
     b.require("tcgen05.commit", Target::Sm100a);
@@ -139,7 +156,11 @@ fn describe(b: &mut KernelBuilder) {
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     b.if_then(leader, "init", |b| {
         let bars = barriers(b, base);
-        for (pipeline, slot) in [(kv_pipeline(), KV_SLOT), (qdo_pipeline(), QDO_SLOT)] {
+        for (pipeline, slot) in [
+            (kv_pipeline(), KV_SLOT),
+            (qdo_pipeline(), QDO_SLOT),
+            (rows_pipeline(), ROWS_SLOT),
+        ] {
             for s in 0..pipeline.stages {
                 let full = shared(bars.base, (8 * (slot + s)) as i64);
                 let empty = shared(bars.base, (8 * (slot + pipeline.stages + s)) as i64);
@@ -161,6 +182,9 @@ fn describe(b: &mut KernelBuilder) {
     b.bra_unless(is_producer, &consumers);
     b.setmaxnreg(false, PRODUCER_REGS);
     b.if_then(leader, "producer", |b| producer(b, &p, base, &walk));
+    let warp = b.shr(tid, 5u32);
+    let is_gather = b.setp(Cmp::Eq, warp, 1u32);
+    b.if_then(is_gather, "gather", |b| gather(b, &p, base, tid, &walk));
     b.ret();
 
     b.place(&consumers);
@@ -234,6 +258,73 @@ fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) 
     });
 }
 
+/// The gather warp (warp 1 of the producer warpgroup): per task, the row scalars of its 128
+/// folded rows into shared memory, ahead of the consumers' softmax. Lane `4·slot + part`
+/// fills folded rows `4·lane .. 4·lane+4` (slot `lane/4`, heads `4·part ..`).
+fn gather(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
+    let rows = rows_pipeline();
+    let rows = Pipe {
+        pipeline: &rows,
+        slot: ROWS_SLOT,
+    };
+    let bars = barriers(b, base);
+    let lane = b.and(tid, 31u32);
+    let slot = b.shr(lane, 2u32);
+    let part4 = b.and(lane, 3u32);
+    let part4 = b.shl(part4, 2u32);
+    let lane16 = b.shl(lane, 4u32);
+    let word_lane = b.setp(Cmp::Lt, lane, 8u32);
+    let neg_log2e = -(LOG2E as f32);
+    let tasks = b.mov::<U32>(0u32);
+    b.for_range(walk.lo, walk.hi, 1, "gather_row", |b, row| {
+        let st = rows.producer_acquire(b, &bars, tasks);
+        let meta = b.ld_param_ptr(&p.meta);
+        let m = task_meta(b, meta, row);
+        let head16 = b.shl(m[1], 4u32);
+        let hcol = b.add(head16, part4);
+        let row8 = b.shl(row, 3u32);
+        let qrows = b.ld_param_ptr(&p.qrows);
+        let idx = b.add(row8, slot);
+        let a = common::elem::<S32>(b, qrows, idx);
+        let qrow = b.ld::<S32, _>(&a);
+        let l4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
+        let d4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(0.0f32));
+        let valid = b.setp(Cmp::Ge, qrow, 0i32);
+        b.if_then(valid, "gather_slot", |b| {
+            let r = b.bitcast::<U32, S32>(qrow);
+            let i = b.mad_lo(r, 64u32, hcol);
+            let lse = b.ld_param_ptr(&p.lse);
+            let a = common::elem::<F32>(b, lse, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+            for (dst, x) in l4.iter().zip(v) {
+                let y = b.fmul(x, neg_log2e);
+                b.set(*dst, y);
+            }
+            let delta = b.ld_param_ptr(&p.delta);
+            let a = common::elem::<F32>(b, delta, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+            for (dst, x) in d4.iter().zip(v) {
+                b.set(*dst, x);
+            }
+        });
+        let at = b.add(base, lane16);
+        b.st_v(&shared(at, S_LSE as i64), l4);
+        b.st_v(&shared(at, S_DELTA as i64), d4);
+        b.if_then(word_lane, "gather_qpos", |b| {
+            let idx = b.add(row8, lane);
+            let qpos = b.ld_param_ptr(&p.qpos);
+            let a = common::elem::<S32>(b, qpos, idx);
+            let v = b.ld::<S32, _>(&a);
+            let lane4 = b.shl(lane, 2u32);
+            let at = b.add(base, lane4);
+            b.st(&shared(at, S_QPOS as i64), v);
+        });
+        rows.producer_commit(b, &bars, &st);
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}
+
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
@@ -262,12 +353,11 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     let never = b.setp(Cmp::Ne, zero, 0u32);
     let neg_inf = f32::NEG_INFINITY;
     let scale_log2e = (SCALE as f64 * LOG2E) as f32;
-    let neg_log2e = -(LOG2E as f32);
 
     // Pointers are re-read from the parameter bank where used: holding all eight across the
     // loop costs 16 registers the accumulators need.
 
-    let (kv, qdo) = (kv_pipeline(), qdo_pipeline());
+    let (kv, qdo, rows) = (kv_pipeline(), qdo_pipeline(), rows_pipeline());
     let kv = Pipe {
         pipeline: &kv,
         slot: KV_SLOT,
@@ -275,6 +365,10 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     let qdo = Pipe {
         pipeline: &qdo,
         slot: QDO_SLOT,
+    };
+    let rows = Pipe {
+        pipeline: &rows,
+        slot: ROWS_SLOT,
     };
     let bars = barriers(b, base);
     let c_panel = b.mul_lo(c, PANEL_BYTES);
@@ -325,9 +419,9 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             let a = elem_bytes(b, table, row, 32);
             b.ld::<S32, _>(&a.offset(4 * slot as i64))
         };
-        let head16 = b.shl(head, 4u32);
         let key_pos_s = b.bitcast::<S32, U32>(key_pos);
         let key_pos8_s = b.bitcast::<S32, U32>(key_pos8);
+        let mut rows_stage = None;
 
         for half in 0..2u32 {
             b.comment(&format!(
@@ -353,38 +447,28 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             }
             b.wgmma_commit();
             b.wgmma_wait(0);
+            if half == 0 {
+                b.comment("the gather warp's row scalars for this task");
+                rows_stage = Some(rows.consumer_wait(b, &bars, tasks));
+            }
 
             b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate; dS^T");
             let mut p_frag = Vec::new();
             let mut ds_frag = Vec::new();
             for j in 0..8u32 {
                 // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e.
-                let slot = (4 * half + j / 2) as usize;
-                let slot_qrow = slot_word(b, &p.qrows, slot);
-                let slot_qpos = slot_word(b, &p.qpos, slot);
+                let slot = 4 * half + j / 2;
+                let slot_qpos = b.ld::<S32, _>(&shared(base, (S_QPOS + 4 * slot) as i64));
                 let mut p_pair = [[None; 2]; 2];
                 let mut ds_pair = [[None; 2]; 2];
                 for e in 0..2u32 {
-                    let h_local = b.add(col0, 8 * (j % 2) + e);
-                    let head_g = b.add(head16, h_local);
-                    let valid = b.setp(Cmp::Ge, slot_qrow, 0i32);
-                    let nl = b.mov::<F32>(neg_inf);
-                    let dl = b.mov::<F32>(0.0f32);
-                    // Branched rather than predicated: predicated loads let ptxas hoist all
-                    // of them above the exp2 work, and the extra live values spill.
-                    b.if_then(valid, "lse", |b| {
-                        let r = b.bitcast::<U32, S32>(slot_qrow);
-                        let idx = b.mad_lo(r, 64u32, head_g);
-                        let lse = b.ld_param_ptr(&p.lse);
-                        let a = common::elem::<F32>(b, lse, idx);
-                        let l = b.ld::<F32, _>(&a);
-                        let l = b.fmul(l, neg_log2e);
-                        b.set(nl, l);
-                        let delta = b.ld_param_ptr(&p.delta);
-                        let a = common::elem::<F32>(b, delta, idx);
-                        let d = b.ld::<F32, _>(&a);
-                        b.set(dl, d);
-                    });
+                    // Folded row 16·slot + 8(j%2) + col0 + e: −lse·log2e (−∞ for an empty
+                    // slot) and delta, gathered into shared memory.
+                    let n4 = b.shl(col0, 2u32);
+                    let at = b.add(base, n4);
+                    let n = 16 * slot + 8 * (j % 2) + e;
+                    let nl = b.ld::<F32, _>(&shared(at, (S_LSE + 4 * n) as i64));
+                    let dl = b.ld::<F32, _>(&shared(at, (S_DELTA + 4 * n) as i64));
                     for rr in 0..2usize {
                         let i = (4 * j) as usize + 2 * rr + e as usize;
                         let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
@@ -446,9 +530,13 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             b.wgmma_wait(0);
         }
 
-        b.comment("release the Q/dO stage once the whole warpgroup is done with it");
+        b.comment("release the Q/dO stage and the row scalars once the whole warpgroup is done");
         b.bar_sync_reg(wg_bar, 128);
-        b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
+        let rst = rows_stage.expect("waited in half 0");
+        b.predicated(elected, false, |b| {
+            qdo.consumer_release(b, &bars, &qst);
+            rows.consumer_release(b, &bars, &rst);
+        });
 
         b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
         b.fence_proxy_async_shared();

@@ -66,6 +66,10 @@ pub struct Limits {
     pub register_pool: u32,
     /// When a TMA copy lands in shared memory and completes its bytes on the mbarrier.
     pub tma_completion: TmaCompletion,
+    /// Warps (bit `w` = warp `w` of each CTA) that run only when no other warp can: an
+    /// adversarial schedule under which a warp that reads data a starved warp produces,
+    /// without waiting for it, reads it before it is written.
+    pub starved_warps: u64,
 }
 
 /// When the simulator completes a TMA copy.
@@ -89,6 +93,7 @@ impl Default for Limits {
             max_steps_per_cta: 50_000_000,
             register_pool: 65536,
             tma_completion: TmaCompletion::Deferred,
+            starved_warps: 0,
         }
     }
 }
@@ -364,6 +369,7 @@ struct Cta<'a> {
     shared: Vec<u8>,
     bars: Vec<Barrier>,
     max_steps: u64,
+    starved: u64,
     steps: u64,
     thread_steps: u64,
     /// (shared address, parity) of each lane blocked in `mbarrier.try_wait`.
@@ -458,6 +464,7 @@ impl<'a> Cta<'a> {
                 16
             ],
             max_steps: limits.max_steps_per_cta,
+            starved: limits.starved_warps,
             steps: 0,
             thread_steps: 0,
             mbar_wait: vec![(0, 0); nwarps * 32],
@@ -538,22 +545,35 @@ impl<'a> Cta<'a> {
         self.tmem.reset();
     }
 
+    /// Runs warp `w` until it blocks or its quantum ends; whether it ran at all.
+    fn run_warp(&mut self, w: usize) -> Result<bool, SimError> {
+        let mut n = 0;
+        while self.ready[w] != 0 && n < QUANTUM {
+            if self.steps >= self.max_steps {
+                return Err(SimError::StepLimit {
+                    limit: self.max_steps,
+                    stall: Box::new(self.stall()),
+                });
+            }
+            self.step(w)?;
+            n += 1;
+        }
+        Ok(n > 0)
+    }
+
     fn run(&mut self) -> Result<(), SimError> {
+        let starved = |w: usize| w < 64 && self.starved >> w & 1 == 1;
+        let (normal, last): (Vec<usize>, Vec<usize>) = (0..self.nwarps).partition(|&w| !starved(w));
         loop {
             let mut progressed = false;
-            for w in 0..self.nwarps {
-                let mut n = 0;
-                while self.ready[w] != 0 && n < QUANTUM {
-                    if self.steps >= self.max_steps {
-                        return Err(SimError::StepLimit {
-                            limit: self.max_steps,
-                            stall: Box::new(self.stall()),
-                        });
-                    }
-                    self.step(w)?;
-                    n += 1;
+            for &w in &normal {
+                progressed |= self.run_warp(w)?;
+            }
+            if !progressed {
+                // Starved warps only when nothing else can run.
+                for &w in &last {
+                    progressed |= self.run_warp(w)?;
                 }
-                progressed |= n > 0;
             }
             if !progressed {
                 if self.exited == self.present {

@@ -181,8 +181,9 @@ fn expect_tx_beyond_the_copies_deadlocks_naming_the_mbarrier() {
 
 #[test]
 fn consumer_skipping_the_q_full_wait_is_reported() {
-    // The consumers' Q/dO wait is the fourth try_wait.
-    let text = without_wait(3);
+    // try_waits in text order: producer K/V and Q/dO empty, gather rows empty, consumer K/V,
+    // Q/dO and rows full. The consumers' Q/dO wait is the fifth.
+    let text = without_wait(4);
     expect_error(
         &text,
         Limits::default(),
@@ -248,4 +249,53 @@ fn producer_skipping_the_q_empty_wait_corrupts_results_with_immediate_tma() {
             );
         }
     }
+}
+
+/// Runs `text` on the tiny case; panics unless the simulator reports an error or the gradients
+/// miss the reference.
+fn does_not_pass_silently(text: &str, what: &str) {
+    let c = tiny();
+    match run(&c, text, Limits::default(), 1) {
+        Err(e) => println!("{what}: reported: {e}"),
+        Ok(g) => match msa_sim::backward::check(&c, &g) {
+            Err(m) => println!("{what}: wrong gradients: {m}"),
+            Ok(_) => panic!("{what} went unnoticed"),
+        },
+    }
+}
+
+/// Warp 1 (the gather warp) runs only when no other warp can.
+fn gather_last() -> Limits {
+    Limits {
+        starved_warps: 1 << 1,
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn the_tiny_case_passes_with_the_gather_warp_starved() {
+    let c = tiny();
+    let g = run(&c, main_ptx(), gather_last(), 1).unwrap_or_else(|e| panic!("{e}"));
+    check(&c, &g, "tiny, gather warp last");
+}
+
+#[test]
+fn consumer_skipping_the_row_scalars_wait_is_caught_with_the_gather_warp_starved() {
+    // The consumers' rows full wait is the sixth try_wait: without it, and the gather warp
+    // running last, the softmax reads the scalars before they are written.
+    let c = tiny();
+    match run(&c, &without_wait(5), gather_last(), 1) {
+        Err(e) => println!("reported: {e}"),
+        Ok(g) => {
+            let m = msa_sim::backward::check(&c, &g).expect_err("the missing wait went unnoticed");
+            println!("wrong gradients: {m}");
+        }
+    }
+}
+
+#[test]
+fn gather_skipping_the_row_scalars_empty_wait_does_not_pass_silently() {
+    // The gather warp's empty wait is the third: without it, it overwrites the scalars of a
+    // task the consumers are still using.
+    does_not_pass_silently(&without_wait(2), "no rows empty wait");
 }
