@@ -39,6 +39,11 @@
 //! assert_eq!(gpu.read::<u32>(buf, 4).unwrap(), [11, 21, 31, 41]);
 //! ```
 //!
+//! With the default `runtime` feature, [`device::SimDevice`] implements `msa_runtime::Backend`,
+//! so the runtime's own host flow (`MsaBackward::run_on`, the task build, preprocess and
+//! postprocess) runs on the simulator exactly as on a GPU; [`backward`] builds problems and
+//! checks the gradients.
+//!
 //! # Numerics
 //!
 //! Integer, bit, f32 `add`/`sub`/`mul`/`fma` (round to nearest even, single rounding for
