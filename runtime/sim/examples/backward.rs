@@ -3,9 +3,10 @@
 //! schedule over the given documents (`msa_runtime::build_schedule(&causal_support(&cu), &cu,
 //! 64)`), deterministic random bf16 inputs, and the f32 CPU reference forward and backward;
 //! then either calls `msa_runtime::run_backward` on the device (compute capability 9.0 or
-//! 10.0), or launches the same chain — `bwd_preprocess`, zeroed pools, the four task-build
-//! kernels, the main kernel, `bwd_postprocess` — on the simulator for `--arch sm100` (the
-//! default: `msa_backward_sm100` has no hardware to run on) or `--arch sm90`. It prints the
+//! 10.0), or runs the same host flow (`MsaBackward::run_on`: `bwd_preprocess`, zeroed pools,
+//! the four task-build kernels, the main kernel, `bwd_postprocess`) on a simulated device,
+//! `msa_sim::device::SimDevice`, for `--arch sm100` (the default: `msa_backward_sm100` has no
+//! hardware to run on) or `--arch sm90`. It prints the
 //! max-abs / L2-rel error of dq, dk and dv against the seed tolerances and the wall time, and
 //! exits non-zero when a tolerance fails.
 //!
@@ -121,7 +122,7 @@ fn run_gpu(device: &Device, c: &Case) -> Result<Computed, RuntimeError> {
     })
 }
 
-/// The runtime's launch sequence (`MsaBackward::run`) on the simulator.
+/// The runtime's host flow (`MsaBackward::run_on`) on a simulated device.
 fn run_sim(c: &Case, arch: Arch, num_sms: usize) -> Result<Computed, SimError> {
     let main = MainKernel::shipped(arch);
     let g = backward::run(c, &main, Limits::default(), num_sms)?;
