@@ -3,6 +3,9 @@
 //! Expected values come from hand-worked examples or from brute force written here, never from
 //! the code under test.
 
+mod common;
+
+use common::Parts;
 use msa_runtime::{
     build_schedule, causal_support, workspace_layout, Schedule, ScheduleError, SelectionFault,
 };
@@ -38,41 +41,6 @@ fn cu_from_lengths(lengths: &[usize]) -> Vec<i32> {
         cu.push(cu[cu.len() - 1] + l as i32);
     }
     cu
-}
-
-/// The six raw fields of a schedule, to mutate one at a time.
-#[derive(Clone)]
-struct Parts {
-    row_ptr: Vec<i32>,
-    q_indices: Vec<i32>,
-    metadata: Vec<i32>,
-    work_count: i32,
-    cu_seqlens: Vec<i32>,
-    ws_starts: Vec<i32>,
-}
-
-impl Parts {
-    fn of(s: &Schedule) -> Parts {
-        Parts {
-            row_ptr: s.row_ptr().to_vec(),
-            q_indices: s.q_indices().to_vec(),
-            metadata: s.scheduler_metadata().to_vec(),
-            work_count: s.work_count(),
-            cu_seqlens: s.cu_seqlens().to_vec(),
-            ws_starts: s.document_workspace_starts().to_vec(),
-        }
-    }
-
-    fn build(self) -> Result<Schedule, ScheduleError> {
-        Schedule::new(
-            self.row_ptr,
-            self.q_indices,
-            self.metadata,
-            self.work_count,
-            self.cu_seqlens,
-            self.ws_starts,
-        )
-    }
 }
 
 /// The field an `Invalid` rejection names (panics on success or another variant).

@@ -5,6 +5,9 @@
 //! `rows_per_cta`/`chunk_map` are tested in `tests/contract.rs`; here they are only called, except
 //! for the documented examples worked by hand.
 
+mod common;
+
+use common::Parts;
 use std::sync::OnceLock;
 
 use msa_runtime::reference::tasks::{
@@ -134,55 +137,6 @@ fn corpus() -> &'static [Case] {
         }
         cases
     })
-}
-
-/// The six raw fields of a schedule, to rebuild it with one field changed.
-#[derive(Clone)]
-struct Parts {
-    row_ptr: Vec<i32>,
-    q_indices: Vec<i32>,
-    metadata: Vec<i32>,
-    work_count: i32,
-    cu_seqlens: Vec<i32>,
-    ws_starts: Vec<i32>,
-}
-
-impl Parts {
-    fn of(s: &Schedule) -> Parts {
-        Parts {
-            row_ptr: s.row_ptr().to_vec(),
-            q_indices: s.q_indices().to_vec(),
-            metadata: s.scheduler_metadata().to_vec(),
-            work_count: s.work_count(),
-            cu_seqlens: s.cu_seqlens().to_vec(),
-            ws_starts: s.document_workspace_starts().to_vec(),
-        }
-    }
-
-    fn build(self) -> Schedule {
-        Schedule::new(
-            self.row_ptr,
-            self.q_indices,
-            self.metadata,
-            self.work_count,
-            self.cu_seqlens,
-            self.ws_starts,
-        )
-        .expect("a valid rebuilt schedule")
-    }
-
-    /// Metadata rows, 6 columns each.
-    fn items(&self) -> Vec<[i32; 6]> {
-        self.metadata
-            .chunks_exact(6)
-            .map(|c| c.try_into().unwrap())
-            .collect()
-    }
-
-    fn with_items(mut self, items: &[[i32; 6]]) -> Parts {
-        self.metadata = items.concat();
-        self
-    }
 }
 
 /// One task row: `meta [4]`, `qrows [8]`, `qpos [8]`.
@@ -393,7 +347,7 @@ fn workspace_gaps_shift_the_kblocks() {
     for (d, start) in parts.ws_starts.iter_mut().enumerate() {
         *start += (BLOCK * d) as i32;
     }
-    let gapped = parts.clone().build();
+    let gapped = parts.clone().build().expect("a valid rebuilt schedule");
     let tables = build_task_tables(&gapped, 8);
     let mut expected = Vec::new();
     for (g, kb, t) in edges_of_selection(&case.lengths, &case.q2k) {
@@ -580,7 +534,7 @@ fn work_count_is_clamped_and_truncates_the_tasks() {
     let with_count = |count: i32| {
         let mut p = parts.clone();
         p.work_count = count;
-        p.build()
+        p.build().expect("a valid rebuilt schedule")
     };
 
     // Past the capacity: clamped onto all items.
@@ -714,7 +668,10 @@ fn split_bucket() -> Schedule {
     let mut items = parts.items();
     let moved = items.remove(1);
     items.insert(99, moved);
-    parts.with_items(&items).build()
+    parts
+        .with_items(&items)
+        .build()
+        .expect("a valid rebuilt schedule")
 }
 
 #[test]
@@ -750,7 +707,11 @@ fn moving_whole_rows_keeps_the_locality_tables() {
         }
         assert!(groups.len() > 2, "{}", case.name);
         rng.shuffle(&mut groups);
-        let shuffled = parts.clone().with_items(&groups.concat()).build();
+        let shuffled = parts
+            .clone()
+            .with_items(&groups.concat())
+            .build()
+            .expect("a valid rebuilt schedule");
         assert_ne!(shuffled.scheduler_metadata(), parts.metadata.as_slice());
         let got = build_task_tables(&shuffled, 8);
         assert_eq!(got.desc[7], 0, "{}", case.name);
@@ -774,7 +735,10 @@ fn reversed_order_inside_a_contiguous_segment_still_sorts_by_key() {
     assert!(items[..64].iter().all(|m| m[..2] == [0, 0]));
     assert!(items[64][..2] == [0, 0] && items[64][2] == 512);
     items[..64].reverse();
-    let reversed = parts.with_items(&items).build();
+    let reversed = parts
+        .with_items(&items)
+        .build()
+        .expect("a valid rebuilt schedule");
     let got = build_task_tables(&reversed, 8);
     assert_eq!(got.desc[7], 0);
     assert!(got == build_task_tables(base, 8), "tables changed");
