@@ -806,38 +806,12 @@ fn scalar(b: &mut KernelBuilder, cx: &Ctx) {
     let part4 = b.shl(part4, 2u32);
     let lane16 = b.shl(lane, 4u32);
     let word_lane = b.setp(Cmp::Lt, lane, 8u32);
-    let neg_log2e = -(LOG2E as f32);
     let t = b.mov::<U32>(0u32);
     b.for_range(cx.walk.lo, cx.walk.hi, 1, "scalar_task", |b, row| {
         let st = lay.rows.producer_acquire(b, bars, t);
         let m = task_meta(b, p, row);
-        let head16 = b.shl(m[1], 4u32);
-        let hcol = b.add(head16, part4);
+        let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], slot, part4);
         let row8 = b.shl(row, 3u32);
-        let qrows = b.ld_param_ptr(&p.qrows);
-        let idx = b.add(row8, slot);
-        let a = common::elem::<S32>(b, qrows, idx);
-        let qrow = b.ld::<S32, _>(&a);
-        let l4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
-        let d4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(0.0f32));
-        let valid = b.setp(Cmp::Ge, qrow, 0i32);
-        b.if_then(valid, "gather", |b| {
-            let r = b.bitcast::<U32, S32>(qrow);
-            let i = b.mad_lo(r, 64u32, hcol);
-            let lse = b.ld_param_ptr(&p.lse);
-            let a = common::elem::<F32>(b, lse, i);
-            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
-            for (dst, x) in l4.iter().zip(v) {
-                let y = b.fmul(x, neg_log2e);
-                b.set(*dst, y);
-            }
-            let delta = b.ld_param_ptr(&p.delta);
-            let a = common::elem::<F32>(b, delta, i);
-            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
-            for (dst, x) in d4.iter().zip(v) {
-                b.set(*dst, x);
-            }
-        });
         let lse_a = lay.lse.emit_stage_addr(b, cx.base, st.index);
         let lse_a = b.add(lse_a, lane16);
         b.st_v(&shared(lse_a, 0), l4);

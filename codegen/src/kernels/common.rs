@@ -274,3 +274,46 @@ pub fn load_qdo_tiles(
         }
     }
 }
+
+/// One gather lane's row scalars of task row `row`: lane `4·slot + part` (`part4 = 4·part`)
+/// covers folded rows `16·slot + 4·part .. +4`, heads `4·part ..` of index head `head`.
+/// Returns `−lse·log2e` (−∞ for an empty slot) and delta for those four rows. Shared by the
+/// scalar-gather warps of both main kernels.
+pub fn gather_row_scalars(
+    b: &mut KernelBuilder,
+    p: &MainParams,
+    row: Reg<U32>,
+    head: Reg<U32>,
+    slot: Reg<U32>,
+    part4: Reg<U32>,
+) -> ([Reg<F32>; 4], [Reg<F32>; 4]) {
+    let neg_log2e = -(std::f64::consts::LOG2_E as f32);
+    let head16 = b.shl(head, 4u32);
+    let hcol = b.add(head16, part4);
+    let row8 = b.shl(row, 3u32);
+    let qrows = b.ld_param_ptr(&p.qrows);
+    let idx = b.add(row8, slot);
+    let a = elem::<S32>(b, qrows, idx);
+    let qrow = b.ld::<S32, _>(&a);
+    let l4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
+    let d4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(0.0f32));
+    let valid = b.setp(Cmp::Ge, qrow, 0i32);
+    b.if_then(valid, "gather", |b| {
+        let r = b.bitcast::<U32, S32>(qrow);
+        let i = b.mad_lo(r, 64u32, hcol);
+        let lse = b.ld_param_ptr(&p.lse);
+        let a = elem::<F32>(b, lse, i);
+        let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+        for (dst, x) in l4.iter().zip(v) {
+            let y = b.fmul(x, neg_log2e);
+            b.set(*dst, y);
+        }
+        let delta = b.ld_param_ptr(&p.delta);
+        let a = elem::<F32>(b, delta, i);
+        let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+        for (dst, x) in d4.iter().zip(v) {
+            b.set(*dst, x);
+        }
+    });
+    (l4, d4)
+}
