@@ -30,23 +30,33 @@ impl KernelSpec {
     /// The PTX for capability `cc`, or [`RuntimeError::UnsupportedArch`] naming the ones
     /// there are.
     pub fn ptx(&self, cc: (i32, i32), ordinal: usize) -> Result<&'static str, RuntimeError> {
-        self.variants
-            .iter()
-            .find(|(v, _)| *v == cc)
-            .map(|(_, p)| *p)
-            .ok_or_else(|| RuntimeError::UnsupportedArch {
-                kernel: self.name,
-                ordinal,
-                major: cc.0,
-                minor: cc.1,
-                supported: self
-                    .variants
-                    .iter()
-                    .map(|((a, b), _)| format!("{a}.{b}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+        select_variant(self.name, self.variants, cc, ordinal)
     }
+}
+
+/// The PTX text of `variants` for capability `cc`, or [`RuntimeError::UnsupportedArch`]
+/// naming `kernel`, device `ordinal` and the capabilities there are.
+pub fn select_variant<'a>(
+    kernel: &'static str,
+    variants: &[((i32, i32), &'a str)],
+    cc: (i32, i32),
+    ordinal: usize,
+) -> Result<&'a str, RuntimeError> {
+    variants
+        .iter()
+        .find(|(v, _)| *v == cc)
+        .map(|(_, p)| *p)
+        .ok_or_else(|| RuntimeError::UnsupportedArch {
+            kernel,
+            ordinal,
+            major: cc.0,
+            minor: cc.1,
+            supported: variants
+                .iter()
+                .map(|((a, b), _)| format!("{a}.{b}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
 }
 
 /// A device address of `T` elements that a kernel reads.

@@ -1,6 +1,7 @@
 //! Devices: opening them without panicking, memoized facts (capability, SM count), and
 //! JIT-loading the generated PTX variant that matches the device.
 
+use crate::backend::select_variant;
 use crate::error::RuntimeError;
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
@@ -19,7 +20,8 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     capability: (i32, i32),
     sm_count: usize,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    // Loaded entry functions by kernel name (each keeps its module alive).
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -79,7 +81,7 @@ impl Device {
             ctx,
             capability,
             sm_count: sm_count.max(1) as usize,
-            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -106,36 +108,17 @@ impl Device {
         kernel: &'static str,
         variants: &[((i32, i32), &str)],
     ) -> Result<CudaFunction, RuntimeError> {
-        let (major, minor) = self.capability;
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-            match modules.get(kernel) {
-                Some(m) => m.clone(),
-                None => {
-                    let ptx = variants
-                        .iter()
-                        .find(|(cc, _)| *cc == self.capability)
-                        .map(|(_, p)| *p)
-                        .ok_or_else(|| RuntimeError::UnsupportedArch {
-                            kernel,
-                            ordinal: self.ctx.ordinal(),
-                            major,
-                            minor,
-                            supported: variants
-                                .iter()
-                                .map(|((a, b), _)| format!("{a}.{b}"))
-                                .collect::<Vec<_>>()
-                                .join(", "),
-                        })?;
-                    let m = self.load(kernel, ptx)?;
-                    modules.insert(kernel, m.clone());
-                    m
-                }
-            }
-        };
-        module
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(kernel) {
+            return Ok(f.clone());
+        }
+        let ptx = select_variant(kernel, variants, self.capability, self.ctx.ordinal())?;
+        let f = self
+            .load(kernel, ptx)?
             .load_function(kernel)
-            .map_err(RuntimeError::driver("cuModuleGetFunction"))
+            .map_err(RuntimeError::driver("cuModuleGetFunction"))?;
+        functions.insert(kernel, f.clone());
+        Ok(f)
     }
 
     fn load(&self, kernel: &'static str, ptx: &str) -> Result<Arc<CudaModule>, RuntimeError> {
