@@ -799,28 +799,22 @@ fn scalar(b: &mut KernelBuilder, cx: &Ctx) {
     let lay = cx.lay;
     let bars = &cx.bars;
     let p = cx.p;
-    let lane = b.and(cx.tid, 31u32);
-    // Lane = slot·4 + part fills folded rows slot·16 + part·4 .. +4, i.e. 4·lane .. +4.
-    let slot = b.shr(lane, 2u32);
-    let part4 = b.and(lane, 3u32);
-    let part4 = b.shl(part4, 2u32);
-    let lane16 = b.shl(lane, 4u32);
-    let word_lane = b.setp(Cmp::Lt, lane, 8u32);
+    let g = common::gather_lane(b, cx.tid);
     let t = b.mov::<U32>(0u32);
     b.for_range(cx.walk.lo, cx.walk.hi, 1, "scalar_task", |b, row| {
         let st = lay.rows.producer_acquire(b, bars, t);
         let m = task_meta(b, p, row);
-        let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], slot, part4);
+        let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
         let lse_a = lay.lse.emit_stage_addr(b, cx.base, st.index);
-        let lse_a = b.add(lse_a, lane16);
+        let lse_a = b.add(lse_a, g.lane16);
         b.st_v(&shared(lse_a, 0), l4);
         let delta_a = lay.delta.emit_stage_addr(b, cx.base, st.index);
-        let delta_a = b.add(delta_a, lane16);
+        let delta_a = b.add(delta_a, g.lane16);
         b.st_v(&shared(delta_a, 0), d4);
-        b.if_then(word_lane, "slot_words", |b| {
-            let idx = b.add(row8, lane);
-            let lane4 = b.shl(lane, 2u32);
+        b.if_then(g.word_lane, "slot_words", |b| {
+            let idx = b.add(row8, g.lane);
+            let lane4 = b.shl(g.lane, 2u32);
             for (table, buf) in [(&p.qrows, lay.qrows), (&p.qpos, lay.qpos)] {
                 let ptr = b.ld_param_ptr(table);
                 let a = common::elem::<S32>(b, ptr, idx);

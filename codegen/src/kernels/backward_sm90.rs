@@ -268,28 +268,23 @@ fn gather(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, 
         slot: ROWS_SLOT,
     };
     let bars = barriers(b, base);
-    let lane = b.and(tid, 31u32);
-    let slot = b.shr(lane, 2u32);
-    let part4 = b.and(lane, 3u32);
-    let part4 = b.shl(part4, 2u32);
-    let lane16 = b.shl(lane, 4u32);
-    let word_lane = b.setp(Cmp::Lt, lane, 8u32);
+    let g = common::gather_lane(b, tid);
     let tasks = b.mov::<U32>(0u32);
     b.for_range(walk.lo, walk.hi, 1, "gather_row", |b, row| {
         let st = rows.producer_acquire(b, &bars, tasks);
         let meta = b.ld_param_ptr(&p.meta);
         let m = task_meta(b, meta, row);
-        let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], slot, part4);
+        let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
-        let at = b.add(base, lane16);
+        let at = b.add(base, g.lane16);
         b.st_v(&shared(at, S_LSE as i64), l4);
         b.st_v(&shared(at, S_DELTA as i64), d4);
-        b.if_then(word_lane, "gather_qpos", |b| {
-            let idx = b.add(row8, lane);
+        b.if_then(g.word_lane, "gather_qpos", |b| {
+            let idx = b.add(row8, g.lane);
             let qpos = b.ld_param_ptr(&p.qpos);
             let a = common::elem::<S32>(b, qpos, idx);
             let v = b.ld::<S32, _>(&a);
-            let lane4 = b.shl(lane, 2u32);
+            let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
             b.st(&shared(at, S_QPOS as i64), v);
         });

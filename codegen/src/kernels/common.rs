@@ -275,18 +275,49 @@ pub fn load_qdo_tiles(
     }
 }
 
-/// One gather lane's row scalars of task row `row`: lane `4·slot + part` (`part4 = 4·part`)
-/// covers folded rows `16·slot + 4·part .. +4`, heads `4·part ..` of index head `head`.
-/// Returns `−lse·log2e` (−∞ for an empty slot) and delta for those four rows. Shared by the
-/// scalar-gather warps of both main kernels.
+/// A scalar-gather lane's place: lane `4·slot + part` covers folded rows `4·lane .. +4`
+/// (slot `lane/4`, heads `4·part ..`). Computed once, outside the task loop.
+pub struct GatherLane {
+    /// The lane (0..32).
+    pub lane: Reg<U32>,
+    /// Its query slot, `lane / 4`.
+    pub slot: Reg<U32>,
+    /// Its first head inside the slot, `4·(lane % 4)`.
+    pub part4: Reg<U32>,
+    /// Byte offset of its four f32 row scalars, `16·lane`.
+    pub lane16: Reg<U32>,
+    /// Whether it also copies one of the 8 slot words (`lane < 8`).
+    pub word_lane: Reg<Pred>,
+}
+
+/// The [`GatherLane`] of thread `tid`.
+pub fn gather_lane(b: &mut KernelBuilder, tid: Reg<U32>) -> GatherLane {
+    let lane = b.and(tid, 31u32);
+    let slot = b.shr(lane, 2u32);
+    let part = b.and(lane, 3u32);
+    let part4 = b.shl(part, 2u32);
+    let lane16 = b.shl(lane, 4u32);
+    let word_lane = b.setp(Cmp::Lt, lane, 8u32);
+    GatherLane {
+        lane,
+        slot,
+        part4,
+        lane16,
+        word_lane,
+    }
+}
+
+/// Gather lane `g`'s row scalars of task row `row` for index head `head`: `−lse·log2e` (−∞
+/// for an empty slot) and delta for its four folded rows. Shared by the scalar-gather warps
+/// of both main kernels.
 pub fn gather_row_scalars(
     b: &mut KernelBuilder,
     p: &MainParams,
     row: Reg<U32>,
     head: Reg<U32>,
-    slot: Reg<U32>,
-    part4: Reg<U32>,
+    g: &GatherLane,
 ) -> ([Reg<F32>; 4], [Reg<F32>; 4]) {
+    let (slot, part4) = (g.slot, g.part4);
     let neg_log2e = -(std::f64::consts::LOG2_E as f32);
     let head16 = b.shl(head, 4u32);
     let hcol = b.add(head16, part4);
