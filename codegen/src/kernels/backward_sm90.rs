@@ -161,12 +161,11 @@ fn describe(b: &mut KernelBuilder) {
             (qdo_pipeline(), QDO_SLOT),
             (rows_pipeline(), ROWS_SLOT),
         ] {
-            for s in 0..pipeline.stages {
-                let full = shared(bars.base, (8 * (slot + s)) as i64);
-                let empty = shared(bars.base, (8 * (slot + pipeline.stages + s)) as i64);
-                b.mbarrier_init(&full, pipeline.producer_arrivals);
-                b.mbarrier_init(&empty, pipeline.consumer_arrivals);
+            Pipe {
+                pipeline: &pipeline,
+                slot,
             }
+            .emit_init(b, &bars);
         }
         b.fence_mbarrier_init();
     });

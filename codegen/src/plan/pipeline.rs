@@ -371,10 +371,7 @@ impl PipelinePlan {
     /// the init fence. One thread runs it; a CTA barrier must follow before any use.
     pub fn emit_init(&self, b: &mut KernelBuilder, bars: &Barriers) {
         for p in self.pipes() {
-            for s in 0..p.pipeline.stages {
-                b.mbarrier_init(&p.full_at(bars, s), p.pipeline.producer_arrivals);
-                b.mbarrier_init(&p.empty_at(bars, s), p.pipeline.consumer_arrivals);
-            }
+            p.emit_init(b, bars);
         }
         b.fence_mbarrier_init();
     }
@@ -445,6 +442,15 @@ impl Pipe<'_> {
             bars.base,
             (BARRIER_BYTES * (self.slot + stages + stage)) as i64,
         )
+    }
+
+    /// Emits this pipeline's `mbarrier.init`s (full: producer arrivals, empty: consumer
+    /// arrivals), without the init fence.
+    pub fn emit_init(&self, b: &mut KernelBuilder, bars: &Barriers) {
+        for s in 0..self.pipeline.stages {
+            b.mbarrier_init(&self.full_at(bars, s), self.pipeline.producer_arrivals);
+            b.mbarrier_init(&self.empty_at(bars, s), self.pipeline.consumer_arrivals);
+        }
     }
 
     /// The cursor of stage `stage` in round `round`, for pipelines whose every stage is used
