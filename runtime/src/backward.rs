@@ -10,7 +10,7 @@
 //! CUDA context.
 
 use crate::backend::{Backend, KernelSpec, Span};
-use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, MAX_TOKENS, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::cuda::{read_span, CudaBackend};
 use crate::device::driver_present;
 use crate::error::RuntimeError;
@@ -383,6 +383,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
     // stream-ordered after the kernels that read them, never by a synchronizing free here.
     schedule: Option<DeviceSchedule<B>>,
     allocations: usize,
+    locality: Locality,
 }
 
 impl<B: Backend> Default for MsaBackward<B> {
@@ -393,6 +394,7 @@ impl<B: Backend> Default for MsaBackward<B> {
             tasks: None,
             schedule: None,
             allocations: 0,
+            locality: Locality::default(),
         }
     }
 }
@@ -446,6 +448,18 @@ impl<B: Backend> MsaBackward<B> {
         Self::default()
     }
 
+    /// The locality rule of the task order (default [`Locality::default`]); checked by the
+    /// next call, which rejects an out-of-range rule with [`RuntimeError::Input`]. The
+    /// gradients do not depend on it, only the speed does.
+    pub fn set_locality(&mut self, locality: Locality) {
+        self.locality = locality;
+    }
+
+    /// The locality rule the next call uses.
+    pub fn locality(&self) -> Locality {
+        self.locality
+    }
+
     /// Device allocations the cache has made so far (gradient and task workspaces). A repeated
     /// call with the same schedule shape makes none.
     pub fn allocation_count(&self) -> usize {
@@ -484,7 +498,7 @@ impl<B: Backend> MsaBackward<B> {
     ///   workspace too large to address.
     /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
     /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
-    ///   [`RuntimeError::TooManyBins`], [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
+    ///   [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
     ///   [`RuntimeError::Launch`], [`RuntimeError::Driver`] and [`RuntimeError::Simulator`]
     ///   from the backend.
     pub fn run_on(
@@ -497,6 +511,16 @@ impl<B: Backend> MsaBackward<B> {
         let w = schedule.workspace_rows();
 
         // 1. Shapes and alignment: pure host checks.
+        if t > MAX_TOKENS {
+            return Err(RuntimeError::input(
+                "schedule.cu_seqlens",
+                format!("T = {t} tokens"),
+                format!(
+                    "at most MAX_TOKENS = {MAX_TOKENS} (the dQ pool's 32-bit word index); \
+                     split the call"
+                ),
+            ));
+        }
         let q_len = t.checked_mul(Q_ROW);
         let kv_len = w.checked_mul(KV_ROW);
         let (Some(q_len), Some(kv_len)) = (q_len, kv_len) else {
@@ -538,10 +562,11 @@ impl<B: Backend> MsaBackward<B> {
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         if self.memory_space != Some(backend.memory_space()) {
-            let allocations = self.allocations;
+            let (allocations, locality) = (self.allocations, self.locality);
             *self = MsaBackward {
                 memory_space: Some(backend.memory_space()),
                 allocations,
+                locality,
                 ..MsaBackward::default()
             };
         }
@@ -562,7 +587,7 @@ impl<B: Backend> MsaBackward<B> {
         ] {
             backend.load(k)?;
         }
-        let sizes = TaskBuildSizes::new(schedule, backend.sm_count())?;
+        let sizes = TaskBuildSizes::with_locality(schedule, backend.sm_count(), self.locality)?;
         let grid = u32::try_from(sizes.grid_launch)
             .ok()
             .filter(|&g| g <= i32::MAX as u32)

@@ -93,20 +93,6 @@ pub enum RuntimeError {
         /// What is required.
         expected: String,
     },
-    /// The locality bins of the task build exceed the limit (seed-design §2.2).
-    #[error(
-        "task build needs {bins} locality bins for {num_tokens} tokens and {workspace_rows} workspace rows; at most MAX_BINS = {limit} are supported (about 250k tokens)"
-    )]
-    TooManyBins {
-        /// Bins needed: 4·ceil(T/512)·max(W/128, 1).
-        bins: usize,
-        /// The limit.
-        limit: usize,
-        /// Tokens T.
-        num_tokens: usize,
-        /// Workspace rows W.
-        workspace_rows: usize,
-    },
     /// The schedule is invalid.
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
