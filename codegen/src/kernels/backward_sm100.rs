@@ -22,9 +22,10 @@
 //! - **MMA warp** (one lane picked by `elect.sync` issues every `tcgen05.mma` and every
 //!   `tcgen05.commit`): per task `S^T = K·Q^T` (commit S), after reduce's `t2r_dQ_done`
 //!   `dP^T = V·dO^T` (commit dP), then per chunk stage `dV += P^T·dO` and `dK += dS^T·Q` with
-//!   A from TMEM (overwriting at a segment's first task), release Q/dO, `dQ^T = K^T·dS^T`
-//!   over the dP columns (commit dQ), release the chunk stages; at a segment's end release
-//!   K/V and commit dK/dV.
+//!   A from TMEM (overwriting at a segment's first task), release Q/dO, wait for that
+//!   release (see [`MmaOrder`]: the next MMA overwrites columns the previous ones read, and
+//!   the ISA orders MMAs only on one accumulator), `dQ^T = K^T·dS^T` over the dP columns
+//!   (commit dQ), release the chunk stages; at a segment's end release K/V and commit dK/dV.
 //! - **Compute warps**: per 32-column chunk, `tcgen05.ld` S, `P = exp2(S·scale·log2e +
 //!   sLSE)` under the causal predicate `qpos ≥ kb·128 + key` (workspace coordinates),
 //!   `tcgen05.ld` dP, `dS = P·(dP − Delta)·scale`; P and dS go to TMEM as packed bf16 (P over
@@ -235,6 +236,30 @@ struct Walk {
     lo: Reg<U32>,
     hi: Reg<U32>,
 }
+
+/// How the MMA warp orders `tcgen05.mma`s on different accumulators whose TMEM columns
+/// overlap.
+///
+/// G5 (`dQ^T` into the dP/dS columns 128–255) overwrites the `dS^T` columns that the G4
+/// MMAs (`dK`, another accumulator) read as their A operand, and the next task's G1 (`S^T`,
+/// columns 0–127) overwrites the `P^T` columns the G3 MMAs (`dV`) read. The PTX ISA orders
+/// `tcgen05.mma`s only on the same accumulator, so neither pair is ordered by the
+/// specification; FlashAttention-4 and CUTLASS example 77 rely on issue order there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmaOrder {
+    /// Before G5 the MMA warp waits for the commit that releases the Q/dO stage, which
+    /// arrives once every earlier MMA of the task (all G3 and G4) has completed; that also
+    /// orders G3 before the next G1. Safe under the specification; it costs one drain of the
+    /// tensor pipe per task before G5, not measured (no B200).
+    Explicit,
+    /// Issue order assumed, as FA4 and CUTLASS do: no wait. Faster by that drain if the
+    /// hardware completes in issue order; the simulator reports it as a TMEM hazard.
+    IssueOrder,
+}
+
+/// The order the generated kernel uses: the specification's, until a B200 measurement
+/// shows the drain is costly and that issue order holds.
+pub const MMA_ORDER: MmaOrder = MmaOrder::Explicit;
 
 /// What every role reads.
 struct Ctx<'a> {
@@ -711,6 +736,11 @@ fn mma(b: &mut KernelBuilder, cx: &Ctx) {
             }
         }
         b.predicated(elect, false, |b| lay.q_do.consumer_release(b, bars, &qd));
+        if MMA_ORDER == MmaOrder::Explicit {
+            // The fence after the waits below also covers this one.
+            b.comment("G5 overwrites the dS^T that G4 reads: wait until the release commit lands");
+            b.mbarrier_wait(&qd.empty, qd.parity);
+        }
 
         b.comment("G5 overwrites dP^T/dS^T: compute has read dP, reduce has read the last dQ");
         let t1 = b.add(t, 1u32);

@@ -4,6 +4,14 @@
 //! and belongs to warpgroup `w / 4`. `setmaxnreg` must be executed with one value by all
 //! warps of a warpgroup, so the budgets are checked per warpgroup; the register file limit
 //! binds per SMSP, which holds exactly one warp of each warpgroup.
+//!
+//! The accounting rule checked: after every warpgroup's `setmaxnreg`, the four warps one SMSP
+//! holds (one per warpgroup) need at most `64K / 4 SMSPs / 32 lanes = 512` registers per lane
+//! together, i.e. the per-warpgroup values sum to at most 512. The PTX ISA states
+//! `setmaxnreg.inc` blocks until enough registers are free in the CTA's pool; the pool a
+//! warp can draw from is its SMSP's quarter of the register file (a warp's registers live in
+//! its SMSP), so a sum over 512 could never be satisfied and would hang. The simulator models
+//! the same pool (`register_pool`, with `setmaxnreg.inc` waiting for it).
 
 use super::PlanError;
 use crate::ptx::KernelBuilder;

@@ -1478,7 +1478,9 @@ fn decode_tcgen05(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Tc
         _ => {
             finish_rest(m)?;
             arity(ops, 0)?;
-            Tcgen05::Fence
+            Tcgen05::Fence {
+                before: kind == "fence::before_thread_sync",
+            }
         }
     };
     Ok(op)

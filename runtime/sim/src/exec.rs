@@ -70,6 +70,37 @@ pub struct Limits {
     /// adversarial schedule under which a warp that reads data a starved warp produces,
     /// without waiting for it, reads it before it is written.
     pub starved_warps: u64,
+    /// The order in which in-flight `tcgen05.mma`s complete when a commit forces them.
+    pub umma_order: UmmaOrder,
+    /// The arithmetic of one `tcgen05.mma` k16 step.
+    pub tcgen05_numerics: Tcgen05Numerics,
+}
+
+/// The order in which the simulator completes the in-flight `tcgen05.mma`s a commit covers.
+/// MMAs on one accumulator always complete in issue order (the only order the PTX ISA
+/// gives); MMAs whose TMEM columns conflict across accumulators are reported at issue, so
+/// any order the ISA allows must give the same result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UmmaOrder {
+    /// Issue order.
+    #[default]
+    Issue,
+    /// A random order allowed by the ISA, from this seed (and the CTA index).
+    Seeded(u64),
+    /// Latest issued first wherever the ISA allows: each MMA completes as late as it can.
+    Reversed,
+}
+
+/// How a `tcgen05.mma` k16 step rounds. The B200's tensor core has not been measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Tcgen05Numerics {
+    /// Exact products accumulated sequentially in k in f32, each addition rounded to nearest.
+    #[default]
+    RoundToNearest,
+    /// The H200's wgmma step ([`crate::tensor_core::sm90_block`]): the 16 exact products and
+    /// the accumulator aligned to the largest exponent, cut 25 bits below it, summed and
+    /// rounded toward zero.
+    Truncating,
 }
 
 /// When the simulator completes a TMA copy.
@@ -94,6 +125,8 @@ impl Default for Limits {
             register_pool: 65536,
             tma_completion: TmaCompletion::Deferred,
             starved_warps: 0,
+            umma_order: UmmaOrder::Issue,
+            tcgen05_numerics: Tcgen05Numerics::RoundToNearest,
         }
     }
 }
@@ -370,6 +403,10 @@ struct Cta<'a> {
     bars: Vec<Barrier>,
     max_steps: u64,
     starved: u64,
+    umma_order: UmmaOrder,
+    tcgen05_numerics: Tcgen05Numerics,
+    /// Random state of the seeded MMA completion order.
+    umma_rng: u64,
     steps: u64,
     thread_steps: u64,
     /// (shared address, parity) of each lane blocked in `mbarrier.try_wait`.
@@ -465,6 +502,9 @@ impl<'a> Cta<'a> {
             ],
             max_steps: limits.max_steps_per_cta,
             starved: limits.starved_warps,
+            umma_order: limits.umma_order,
+            tcgen05_numerics: limits.tcgen05_numerics,
+            umma_rng: 0,
             steps: 0,
             thread_steps: 0,
             mbar_wait: vec![(0, 0); nwarps * 32],
@@ -507,6 +547,16 @@ impl<'a> Cta<'a> {
                 },
                 ld_pending_n: vec![0; nwarps],
                 st_pending: vec![None; nwarps],
+                synced: if k.uses_tcgen05 {
+                    vec![None; nwarps * 32]
+                } else {
+                    Vec::new()
+                },
+                accessed: if k.uses_tcgen05 {
+                    vec![None; nwarps * 32]
+                } else {
+                    Vec::new()
+                },
                 ..tcgen05::Tmem::default()
             },
         }
@@ -514,6 +564,11 @@ impl<'a> Cta<'a> {
 
     fn reset(&mut self, ctaid: [u32; 3]) {
         self.ctaid = ctaid;
+        if let UmmaOrder::Seeded(seed) = self.umma_order {
+            let cta =
+                (u64::from(ctaid[2]) << 42) ^ (u64::from(ctaid[1]) << 21) ^ u64::from(ctaid[0]);
+            self.umma_rng = seed ^ cta.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
         self.regs.fill(0);
         self.pc.fill(0);
         self.blocked_on.fill(NOT_BLOCKED);
@@ -1023,6 +1078,7 @@ impl<'a> Cta<'a> {
                 self.check_ld_pending(pcu, w, exec)?;
             }
             self.check_st_pending(pcu, w, exec)?;
+            self.check_fence_before(pcu, w, exec)?;
         }
         match &inst.op {
             Op::Mov { bits, d, a } => {
@@ -1682,12 +1738,16 @@ impl<'a> Cta<'a> {
         for w in release {
             self.materialize(w);
             let arrived = self.bars[id].arrived[w];
+            let mut released = 0u32;
             for l in lanes(arrived) {
                 if self.blocked_on[w * 32 + l] == id as u8 {
                     self.blocked_on[w * 32 + l] = NOT_BLOCKED;
                     self.ready[w] |= 1 << l;
+                    released |= 1 << l;
                 }
             }
+            let at = self.bars[id].pc[w] as usize;
+            self.note_synced(at, w, released);
             self.bars[id].arrived[w] = 0;
         }
         let b = &mut self.bars[id];

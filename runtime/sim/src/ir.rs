@@ -643,8 +643,11 @@ pub enum Tcgen05 {
     WaitLd,
     /// `tcgen05.wait::st.sync.aligned`
     WaitSt,
-    /// `tcgen05.fence::{before,after}_thread_sync` (accepted, no effect here).
-    Fence,
+    /// `tcgen05.fence::before_thread_sync` (`before`) or `::after_thread_sync`.
+    Fence {
+        /// `before_thread_sync`.
+        before: bool,
+    },
 }
 
 /// One decoded operation.
@@ -1203,7 +1206,8 @@ impl Op {
                     addr(out, taddr);
                     s.iter().for_each(|x| src(out, x));
                 }
-                Tcgen05::Relinquish | Tcgen05::WaitLd | Tcgen05::WaitSt | Tcgen05::Fence => {}
+                Tcgen05::Relinquish | Tcgen05::WaitLd | Tcgen05::WaitSt | Tcgen05::Fence { .. } => {
+                }
             },
             Op::WgmmaSync(_)
             | Op::Trap

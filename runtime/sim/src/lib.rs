@@ -92,7 +92,9 @@ pub mod tensor_core;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};
-pub use exec::{Arg, Gpu, LaunchConfig, LaunchStats, Limits, TmaCompletion};
+pub use exec::{
+    Arg, Gpu, LaunchConfig, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder,
+};
 pub use memory::{DevPtr, Element};
 pub use module::{Kernel, Module, Param};
 pub use tensor_map::SimTensorMap;

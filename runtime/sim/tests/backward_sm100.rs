@@ -9,7 +9,7 @@
 
 use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE};
 use msa_sim::backward::{Case, Grads, MainKernel, B200_SMS};
-use msa_sim::{FaultKind, Limits, SimError, TmaCompletion};
+use msa_sim::{FaultKind, Limits, SimError, Tcgen05Numerics, TmaCompletion, UmmaOrder};
 
 mod chain;
 use chain::{case, check};
@@ -59,6 +59,39 @@ fn backward_sm100_top16_window_on_two_sms_matches_the_reference() {
     let c = case(&[1153], 7004);
     let g = run(&c, main_ptx(), Limits::default(), 2).unwrap_or_else(|e| panic!("{e}"));
     check(&c, &g, "1153 tokens, 2 SMs");
+}
+
+#[test]
+fn backward_sm100_under_other_mma_completion_orders_matches_the_reference() {
+    // In-flight MMAs complete in a random order the ISA allows (two seeds) and latest-first;
+    // 2 SMs, so every CTA walks several tasks and the TMEM regions are reused.
+    let c = case(&[127, 129, 4], 7002);
+    for order in [
+        UmmaOrder::Seeded(1),
+        UmmaOrder::Seeded(2),
+        UmmaOrder::Reversed,
+    ] {
+        let limits = Limits {
+            umma_order: order,
+            ..Limits::default()
+        };
+        let g = run(&c, main_ptx(), limits, 2).unwrap_or_else(|e| panic!("{order:?}: {e}"));
+        check(&c, &g, &format!("{order:?}, 2 SMs"));
+    }
+}
+
+#[test]
+fn backward_sm100_with_truncating_tensor_cores_matches_the_reference() {
+    // The H200's wgmma rounding (truncation) instead of round-to-nearest, with a seeded
+    // completion order, on 2 SMs (several tasks per CTA).
+    let c = case(&[127, 129, 4], 7002);
+    let limits = Limits {
+        tcgen05_numerics: Tcgen05Numerics::Truncating,
+        umma_order: UmmaOrder::Seeded(3),
+        ..Limits::default()
+    };
+    let g = run(&c, main_ptx(), limits, 2).unwrap_or_else(|e| panic!("{e}"));
+    check(&c, &g, "2 SMs, truncating, seeded order");
 }
 
 #[test]
@@ -253,4 +286,123 @@ fn producer_skipping_the_q_stage_empty_wait_does_not_pass_silently() {
             );
         }
     }
+}
+
+#[test]
+fn removing_any_tcgen05_fence_is_reported() {
+    // Each `tcgen05.fence::{before,after}_thread_sync` of the kernel, removed in turn, must be
+    // reported by the simulator's fence rules on the tiny case (two threads run the cases).
+    let lines: Vec<&str> = main_ptx().lines().collect();
+    let fences: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains("tcgen05.fence::"))
+        .collect();
+    assert!(fences.len() >= 20, "{} fences", fences.len());
+    let c = tiny();
+    let check = |at: usize| -> Result<String, String> {
+        let text: String = lines
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != at)
+            .map(|(_, l)| format!("{l}\n"))
+            .collect();
+        match run(&c, &text, Limits::default(), 1) {
+            Err(e) if e.to_string().contains("tcgen05.fence::") => Ok(e.to_string()),
+            Err(e) => Err(format!("reported, but not as a fence rule: {e}")),
+            Ok(_) => Err("not reported".to_string()),
+        }
+    };
+    let half = fences.len() / 2;
+    let (a, b) = fences.split_at(half);
+    let results: Vec<(usize, Result<String, String>)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = [a, b]
+            .into_iter()
+            .map(|part| s.spawn(|| part.iter().map(|&i| (i, check(i))).collect::<Vec<_>>()))
+            .collect();
+        jobs.into_iter()
+            .flat_map(|j| j.join().expect("thread"))
+            .collect()
+    });
+    // A fence whose removal changes nothing is one another fence of its kind already covers
+    // on every path (a fence orders against all earlier synchronizations, resp. all earlier
+    // TMEM accesses, of its thread). The kernel keeps these as cheap insurance; they are
+    // exactly: the `after` fence of each role right after the TMEM-address hand-off
+    // (`bar.sync 1`), covered by the role's first wait-and-fence; the `before` fence of
+    // compute and reduce right before the final `bar.sync 6`, covered by the fence after
+    // their last TMEM access; a second `before` fence with no TMEM access since the previous
+    // one; and the `after` fence of the dK/dV acquire, covered by the chunk-stage fence
+    // before the first G3.
+    let covered = |i: usize| -> Option<&'static str> {
+        let line = lines[i];
+        let prev_fence = (0..i).rev().find(|&j| lines[j].contains("tcgen05.fence::"));
+        if line.contains("after_thread_sync") && lines[i - 1].contains("bar.sync 1, 288") {
+            Some("hand-off")
+        } else if line.contains("before_thread_sync") && lines[i + 1].contains("bar.sync 6, 256") {
+            Some("final barrier")
+        } else if line.contains("before_thread_sync")
+            && prev_fence.is_some_and(|j| {
+                lines[j].contains("before_thread_sync")
+                    && !lines[j..i].iter().any(|l| {
+                        l.contains("tcgen05.ld")
+                            || l.contains("tcgen05.st")
+                            || l.contains("tcgen05.alloc")
+                    })
+            })
+        {
+            Some("second before fence")
+        } else if line.contains("after_thread_sync") && lines[i + 1].contains("dkv_acquire") {
+            Some("dK/dV acquire")
+        } else {
+            None
+        }
+    };
+    let (mut missed, mut redundant) = (Vec::new(), Vec::new());
+    for (i, r) in results {
+        match (r, covered(i)) {
+            (Ok(msg), _) => println!("line {}: {msg}", i + 1),
+            (Err(_), Some(why)) => redundant.push(why),
+            (Err(why), None) => missed.push(format!("line {} `{}`: {why}", i + 1, lines[i].trim())),
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "fences whose removal went unnoticed:\n{}",
+        missed.join("\n")
+    );
+    redundant.sort_unstable();
+    assert_eq!(
+        redundant,
+        [
+            "dK/dV acquire",
+            "final barrier",
+            "final barrier",
+            "hand-off",
+            "hand-off",
+            "hand-off",
+            "second before fence"
+        ],
+        "the covered fences changed"
+    );
+}
+
+#[test]
+fn mmas_on_other_accumulators_without_the_order_wait_are_reported() {
+    // The MmaOrder::IssueOrder variant: without the wait for the Q/dO release commit before
+    // G5, G5 overwrites the dS^T columns the in-flight G4 MMAs read.
+    let lines: Vec<&str> = main_ptx().lines().collect();
+    let note = lines
+        .iter()
+        .position(|l| l.contains("G5 overwrites the dS^T that G4 reads"))
+        .expect("the order wait exists");
+    assert!(lines[note + 2].contains("mbarrier.try_wait") && lines[note + 3].contains("bra"));
+    let text: String = lines
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| !(note + 1..=note + 3).contains(&i))
+        .map(|(_, l)| format!("{l}\n"))
+        .collect();
+    expect_error(
+        &text,
+        tcgen05_fault,
+        "MMAs on different accumulators are not ordered",
+    );
 }

@@ -263,7 +263,7 @@ fn use_after_dealloc_is_reported() {
     // Dealloc right after the MMAs completed, before the other warps' loads.
     let text = edited(
         "\ttcgen05.fence::after_thread_sync;\n\ttcgen05.ld",
-        "\t@%p2 tcgen05.dealloc.cta_group::1.sync.aligned.b32 %r7, 64;\n\ttcgen05.ld",
+        "\ttcgen05.fence::after_thread_sync;\n\t@%p2 tcgen05.dealloc.cta_group::1.sync.aligned.b32 %r7, 64;\n\ttcgen05.ld",
     )
     .replace(
         "\ttcgen05.dealloc.cta_group::1.sync.aligned.b32 %r7, 64; // dealloc",

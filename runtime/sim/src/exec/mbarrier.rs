@@ -325,6 +325,7 @@ impl Cta<'_> {
                 self.mbar_wait[w * 32 + l] = (off, want);
             }
         }
+        self.note_synced(pc, w, exec & !blocked);
         if test {
             // test_wait never blocks: the lanes still waiting read false.
             self.put_mask(w, p, exec, exec & !blocked);

@@ -38,22 +38,37 @@
 //! (128B); element addresses as in [`super::wgmma`]. The TS form reads A from TMEM, K-major:
 //! `A[m][k]` is the half `k % 2` (low = even k) of the cell (lane m, column `a_col + k/2`).
 //!
-//! MMAs are asynchronous and complete in issue order at the latest legal point: when a thread
-//! waits on the mbarrier of a `tcgen05.commit` that follows them and the phase has not
-//! completed, or when every live thread is blocked. Their shared operands are snapshot at
+//! MMAs are asynchronous and complete at the latest legal point: when a thread waits on the
+//! mbarrier of a `tcgen05.commit` that follows them and the phase has not completed, or when
+//! every live thread is blocked. Among the MMAs completing then, those on one accumulator
+//! (same D columns and shape) complete in issue order, the only order the PTX ISA gives;
+//! the others complete in issue order, in a seeded random order or latest-first
+//! ([`crate::UmmaOrder`]). So that no order can change a result, an MMA whose TMEM footprint
+//! (D, and A in TMEM) conflicts with an in-flight MMA on another accumulator is reported at
+//! issue.
+//!
+//! Fences: a `tcgen05.mma`, `ld`, `st` or `dealloc` after a thread synchronization (a
+//! `bar.sync` release or a successful mbarrier wait) with no
+//! `tcgen05.fence::after_thread_sync` since, and a `bar`/`mbarrier.arrive` after a
+//! `tcgen05.ld`/`st`/`alloc` with no `tcgen05.fence::before_thread_sync` (or
+//! `tcgen05.commit`, which implies it) since, are reported. Their shared operands are snapshot at
 //! issue (with the async-proxy check of generic stores) and re-read at completion: a change
 //! is a race. `tcgen05.ld` of cells an in-flight MMA writes, and `tcgen05.st` to cells an
 //! in-flight MMA reads or writes, are races. A commit arrives once on its mbarrier when every
-//! MMA its thread issued before it has completed. Products are exact and accumulate
-//! sequentially in k in f32, each addition rounded to nearest even: the B200's internal
-//! order and precision have not been measured (the sm_90 model of [`crate::tensor_core`],
-//! fitted to an H200, is not assumed to carry over).
+//! MMA its thread issued before it has completed. Numerics ([`crate::Tcgen05Numerics`]): by
+//! default products are exact and accumulate sequentially in k in f32, each addition rounded
+//! to nearest even; `Truncating` uses the H200's fitted wgmma step of [`crate::tensor_core`]
+//! instead. The B200's internal order and precision have not been measured, so the kernels
+//! are tested under both.
 
 use super::wgmma::MatrixDesc;
-use super::{lanes, Cta};
+use super::{lanes, Cta, Tcgen05Numerics, UmmaOrder};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Addr, Dst, Op, PredSrc, Space, Src, Tc05A, Tcgen05};
 use crate::numeric::canon;
+use crate::tensor_core::{
+    all_finite, sm90_block, sm90_block_prepared, MmaInput, Operand, Prepared,
+};
 
 /// TMEM lanes.
 pub(super) const TMEM_LANES: usize = 128;
@@ -86,6 +101,12 @@ pub(super) struct Tmem {
     pub ld_pending_n: Vec<u32>,
     /// Per warp: the line of a `tcgen05.st` not yet followed by `tcgen05.wait::st`.
     pub st_pending: Vec<Option<usize>>,
+    /// Per thread: the pc of a thread synchronization it completed (a `bar.sync` release or a
+    /// successful mbarrier wait) not yet followed by `tcgen05.fence::after_thread_sync`.
+    pub synced: Vec<Option<usize>>,
+    /// Per thread: the pc of its TMEM access (`tcgen05.ld`/`st`/`alloc`) not yet followed by
+    /// `tcgen05.fence::before_thread_sync` (or a `tcgen05.commit`, which implies it).
+    pub accessed: Vec<Option<usize>>,
 }
 
 impl Tmem {
@@ -100,6 +121,8 @@ impl Tmem {
         self.ld_pending.fill(false);
         self.ld_pending_n.fill(0);
         self.st_pending.fill(None);
+        self.synced.fill(None);
+        self.accessed.fill(None);
     }
 }
 
@@ -166,6 +189,30 @@ impl Cta<'_> {
                 )),
             ));
         }
+        // The operations that touch TMEM state another thread may have produced or still
+        // use: MMAs, loads, stores and the dealloc. (An alloc and a commit depend on no other
+        // thread's tcgen05 work.)
+        if matches!(
+            op,
+            Tcgen05::Mma { .. } | Tcgen05::Ld { .. } | Tcgen05::St { .. } | Tcgen05::Dealloc { .. }
+        ) {
+            self.check_fence_after(pc, w, exec)?;
+        }
+        let tmem_access = matches!(
+            op,
+            Tcgen05::Ld { .. } | Tcgen05::St { .. } | Tcgen05::Alloc { .. }
+        );
+        for l in lanes(exec) {
+            let t = w * 32 + l;
+            match op {
+                Tcgen05::Fence { before: true } | Tcgen05::Commit { .. } => {
+                    self.tmem.accessed[t] = None
+                }
+                Tcgen05::Fence { before: false } => self.tmem.synced[t] = None,
+                _ if tmem_access => self.tmem.accessed[t] = Some(pc),
+                _ => {}
+            }
+        }
         match op {
             Tcgen05::Alloc { dst, ncols } => self.tmem_alloc(pc, w, exec, dst, *ncols),
             Tcgen05::Dealloc { taddr, ncols } => self.tmem_dealloc(pc, w, exec, *taddr, *ncols),
@@ -214,7 +261,7 @@ impl Cta<'_> {
                 self.tmem.st_pending[w] = None;
                 Ok(())
             }
-            Tcgen05::Fence => Ok(()),
+            Tcgen05::Fence { .. } => Ok(()),
         }
     }
 
@@ -552,6 +599,71 @@ impl Cta<'_> {
         None
     }
 
+    /// A tcgen05 operation after a thread synchronization needs
+    /// `tcgen05.fence::after_thread_sync` in between: without it the operation may be
+    /// performed before the synchronization it depends on (PTX ISA, tcgen05 memory
+    /// consistency).
+    fn check_fence_after(&self, pc: usize, w: usize, exec: u32) -> Result<(), SimError> {
+        for l in lanes(exec) {
+            if let Some(sync) = self.tmem.synced[w * 32 + l] {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    err(format!(
+                        "`{}` follows the thread synchronization at line {} with no \
+                         tcgen05.fence::after_thread_sync in between",
+                        self.k.source[pc].text, self.k.source[sync].line
+                    )),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A thread synchronization that follows a TMEM access (`tcgen05.ld`/`st`/`alloc`) needs
+    /// `tcgen05.fence::before_thread_sync` in between (or a `tcgen05.commit`, which implies
+    /// it): without it the access may be performed after the synchronization that publishes
+    /// it.
+    pub(super) fn check_fence_before(
+        &self,
+        pc: usize,
+        w: usize,
+        exec: u32,
+    ) -> Result<(), SimError> {
+        if !matches!(
+            &self.k.code[pc].op,
+            Op::MbarrierArrive { .. } | Op::Bar { .. }
+        ) {
+            return Ok(());
+        }
+        for l in lanes(exec) {
+            if let Some(access) = self.tmem.accessed[w * 32 + l] {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    err(format!(
+                        "`{}` synchronizes after the TMEM access at line {} with no \
+                         tcgen05.fence::before_thread_sync in between",
+                        self.k.source[pc].text, self.k.source[access].line
+                    )),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Threads `lanes` of warp `w` completed a thread synchronization at `pc`.
+    pub(super) fn note_synced(&mut self, pc: usize, w: usize, lanes_done: u32) {
+        if self.tmem.synced.is_empty() {
+            return;
+        }
+        for l in lanes(lanes_done) {
+            self.tmem.synced[w * 32 + l] = Some(pc);
+        }
+    }
+
     /// A warp that signals other threads (mbarrier arrive, named barrier, commit) must have
     /// waited for its `tcgen05.st` first.
     pub(super) fn check_st_pending(&self, pc: usize, w: usize, exec: u32) -> Result<(), SimError> {
@@ -770,6 +882,40 @@ impl Cta<'_> {
                 (Some(at & 0xffff), None, Vec::new())
             }
         };
+        // The ISA orders an MMA only after earlier MMAs on the same accumulator; any other
+        // in-flight MMA may still run, so their TMEM footprints must not conflict.
+        let a_cols = a_tmem.map(|c| (c, 8));
+        for p in &self.tmem.mmas {
+            if (p.d_col, p.n, p.m) == (d_col, n, m) {
+                continue;
+            }
+            let overlap = |x: (u32, u32), y: (u32, u32)| x.0 < y.0 + y.1 && y.0 < x.0 + x.1;
+            let p_a = p.a_tmem.map(|c| (c, 8));
+            let what = if overlap((d_col, n), (p.d_col, p.n)) {
+                Some("writes TMEM columns the in-flight MMA also writes")
+            } else if p_a.is_some_and(|pa| overlap((d_col, n), pa)) {
+                Some("writes TMEM columns the in-flight MMA reads as its A operand")
+            } else if a_cols.is_some_and(|ac| overlap(ac, (p.d_col, p.n))) {
+                Some("reads as its A operand TMEM columns the in-flight MMA writes")
+            } else {
+                None
+            };
+            if let Some(what) = what {
+                return Err(fault(
+                    self,
+                    format!(
+                        "this tcgen05.mma (D columns {d_col}..{}) {what} (the tcgen05.mma at line \
+                         {}, D columns {}..{}): MMAs on different accumulators are not ordered \
+                         (PTX ISA, tcgen05 completion order); wait for a tcgen05.commit of the \
+                         earlier one first",
+                        d_col + n,
+                        self.k.source[p.pc].line,
+                        p.d_col,
+                        p.d_col + p.n
+                    ),
+                ));
+            }
+        }
         let enable = self.pred_mask(w, enable_d) >> l & 1 == 1;
         self.tmem.seq += 1;
         let seq = self.tmem.seq;
@@ -797,8 +943,28 @@ impl Cta<'_> {
     /// the instruction that forces completion (for fault locations).
     fn umma_complete_upto(&mut self, upto: u64, at: (usize, usize, usize)) -> Result<(), SimError> {
         let n = self.tmem.mmas.iter().take_while(|m| m.seq <= upto).count();
-        let done: Vec<PendingUmma> = self.tmem.mmas.drain(..n).collect();
-        for m in done {
+        let mut done: Vec<PendingUmma> = self.tmem.mmas.drain(..n).collect();
+        while !done.is_empty() {
+            // The MMAs that may complete next: none of an earlier MMA on their accumulator is
+            // still pending.
+            let ready: Vec<usize> = (0..done.len())
+                .filter(|&i| {
+                    let key = |m: &PendingUmma| (m.d_col, m.n, m.m);
+                    !done[..i].iter().any(|e| key(e) == key(&done[i]))
+                })
+                .collect();
+            let pick = match self.umma_order {
+                UmmaOrder::Issue => ready[0],
+                UmmaOrder::Reversed => ready[ready.len() - 1],
+                UmmaOrder::Seeded(_) => {
+                    self.umma_rng = self.umma_rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = self.umma_rng;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    ready[((z ^ (z >> 31)) % ready.len() as u64) as usize]
+                }
+            };
+            let m = done.remove(pick);
             self.umma_compute(&m, at)?;
         }
         Ok(())
@@ -882,6 +1048,42 @@ impl Cta<'_> {
             for kk in 0..16 {
                 bt[kk * n + j] = conv(m.b[j * 16 + kk]) * sb;
             }
+        }
+        if self.tcgen05_numerics == Tcgen05Numerics::Truncating {
+            let input = if m.bf16 {
+                MmaInput::Bf16
+            } else {
+                MmaInput::F16
+            };
+            // The raw halves of A (negated as the descriptor says) and of B, per k16 step.
+            let raw_a: Vec<u16> = match m.a_tmem {
+                None => m.a.clone(),
+                Some(col) => (0..rows * 16)
+                    .map(|i| {
+                        let cell = cells[(i / 16) * TMEM_COLS + col as usize + (i % 16) / 2];
+                        (cell >> (16 * (i % 2))) as u16
+                    })
+                    .collect(),
+            };
+            let a: Vec<Operand> = raw_a.iter().map(|&x| input.decode(x, m.negate_a)).collect();
+            let b: Vec<Operand> = m.b.iter().map(|&x| input.decode(x, m.negate_b)).collect();
+            let fast = all_finite(&a) && all_finite(&b);
+            let (pa, pb) = (Prepared::new(input, &a), Prepared::new(input, &b));
+            for r in 0..rows {
+                let at = r * TMEM_COLS + m.d_col as usize;
+                for j in 0..n {
+                    let c = m.enable_d.then_some(cells[at + j]);
+                    cells[at + j] = if fast {
+                        let (av, ae) = (&pa.value[r * 16..][..16], &pa.exp[r * 16..][..16]);
+                        let (bv, be) = (&pb.value[j * 16..][..16], &pb.exp[j * 16..][..16]);
+                        sm90_block_prepared(input, av, ae, bv, be, c)
+                    } else {
+                        sm90_block(input, &a[r * 16..][..16], &b[j * 16..][..16], c)
+                    };
+                }
+                self.tmem.written[at..at + n].fill(true);
+            }
+            return Ok(());
         }
         let mut out = vec![0f32; n];
         for r in 0..rows {
