@@ -383,6 +383,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
     // stream-ordered after the kernels that read them, never by a synchronizing free here.
     schedule: Option<DeviceSchedule<B>>,
     allocations: usize,
+    in_place: bool,
 }
 
 impl<B: Backend> Default for MsaBackward<B> {
@@ -393,6 +394,7 @@ impl<B: Backend> Default for MsaBackward<B> {
             tasks: None,
             schedule: None,
             allocations: 0,
+            in_place: false,
         }
     }
 }
@@ -427,23 +429,115 @@ pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec
     }
 }
 
-/// Checks the 16-byte alignment of a device address.
-fn check_aligned(field: &'static str, ptr: u64) -> Result<(), RuntimeError> {
-    if ptr.is_multiple_of(BASE_ALIGN) {
-        Ok(())
-    } else {
-        Err(RuntimeError::input(
+/// The buffers of `io` with their byte ranges `[start, end)`, inputs first, and whether each
+/// is an output. The byte size of an element is part of the length check's shape.
+fn byte_ranges(io: &BackwardBuffers) -> Result<[Region; 9], RuntimeError> {
+    fn region<T>(field: &'static str, span: Span<T>, output: bool) -> Result<Region, RuntimeError> {
+        let end = (span.len as u64)
+            .checked_mul(size_of::<T>() as u64)
+            .and_then(|bytes| span.addr.checked_add(bytes))
+            .ok_or_else(|| {
+                RuntimeError::input(
+                    field,
+                    format!("{} elements at {:#x}", span.len, span.addr),
+                    "a buffer that ends below 2^64",
+                )
+            })?;
+        Ok(Region {
             field,
-            format!("base address {ptr:#x}"),
-            "a 16-byte aligned device address",
-        ))
+            start: span.addr,
+            end,
+            output,
+        })
     }
+    Ok([
+        region("q", io.q, false)?,
+        region("k_aligned", io.k_aligned, false)?,
+        region("v_aligned", io.v_aligned, false)?,
+        region("grad_out", io.grad_out, false)?,
+        region("lse", io.lse, false)?,
+        region("out", io.out, false)?,
+        region("dq", io.dq, true)?,
+        region("dk_aligned", io.dk_aligned, true)?,
+        region("dv_aligned", io.dv_aligned, true)?,
+    ])
+}
+
+/// One buffer of a [`BackwardBuffers`] as a byte range.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    field: &'static str,
+    start: u64,
+    end: u64,
+    output: bool,
+}
+
+/// The host checks on the addresses of `io` (its lengths are already checked): every base
+/// non-null and 16-byte aligned, and no output overlapping another output or an input.
+///
+/// With `in_place`, an output may lie exactly on an input of the same byte size (same base,
+/// same end). That is safe because of the launch order: every input is last read by the main
+/// kernel, and the outputs are written only by `bwd_postprocess`, which runs after it and reads
+/// nothing but the runtime's own pools. A partial overlap is never accepted: it has no use and
+/// is almost always a carving mistake.
+fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeError> {
+    let regions = byte_ranges(io)?;
+    for r in &regions {
+        if r.start == 0 {
+            return Err(RuntimeError::NullBuffer { field: r.field });
+        }
+        if !r.start.is_multiple_of(BASE_ALIGN) {
+            return Err(RuntimeError::input(
+                r.field,
+                format!("base address {:#x}", r.start),
+                "a 16-byte aligned device address",
+            ));
+        }
+    }
+    for (i, a) in regions.iter().enumerate() {
+        for b in &regions[i + 1..] {
+            if !(a.output || b.output) || a.end <= b.start || b.end <= a.start {
+                continue;
+            }
+            let exact = a.start == b.start && a.end == b.end;
+            // Only an output on an input: two outputs would race in the postprocess.
+            if in_place && exact && a.output != b.output {
+                continue;
+            }
+            return Err(RuntimeError::Overlap {
+                first: a.field,
+                first_bytes: a.start..a.end,
+                second: b.field,
+                second_bytes: b.start..b.end,
+                hint: if !(a.output && b.output) && exact && !in_place {
+                    "an output may replace an input of the same size only after \
+                     MsaBackward::allow_in_place(true)"
+                } else {
+                    "outputs must not overlap each other, nor partly overlap an input"
+                },
+            });
+        }
+    }
+    Ok(())
 }
 
 impl<B: Backend> MsaBackward<B> {
     /// An empty cache; nothing is allocated until the first call.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Whether an output may lie exactly on an input of the same size (`dq` on `q`, `grad_out`
+    /// or `out`; `dk_aligned`/`dv_aligned` on `k_aligned` or `v_aligned`); off by default, so
+    /// that any overlap is a [`RuntimeError::Overlap`].
+    ///
+    /// In-place use is safe for the gradients because every input is last read by the main
+    /// kernel and the outputs are written only afterwards, by `bwd_postprocess`; the input's
+    /// contents are of course gone after the call. Outputs overlapping each other, and partial
+    /// overlaps, are rejected either way.
+    pub fn allow_in_place(&mut self, allow: bool) -> &mut Self {
+        self.in_place = allow;
+        self
     }
 
     /// Device allocations the cache has made so far (gradient and task workspaces). A repeated
@@ -484,7 +578,7 @@ impl<B: Backend> MsaBackward<B> {
     ///   workspace too large to address.
     /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
     /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
-    ///   [`RuntimeError::TooManyBins`], [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
+    ///   [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
     ///   [`RuntimeError::Launch`], [`RuntimeError::Driver`] and [`RuntimeError::Simulator`]
     ///   from the backend.
     pub fn run_on(
@@ -522,19 +616,7 @@ impl<B: Backend> MsaBackward<B> {
                 "a positive multiple of 128",
             ));
         }
-        for (field, addr) in [
-            ("q", io.q.addr),
-            ("k_aligned", io.k_aligned.addr),
-            ("v_aligned", io.v_aligned.addr),
-            ("grad_out", io.grad_out.addr),
-            ("lse", io.lse.addr),
-            ("out", io.out.addr),
-            ("dq", io.dq.addr),
-            ("dk_aligned", io.dk_aligned.addr),
-            ("dv_aligned", io.dv_aligned.addr),
-        ] {
-            check_aligned(field, addr)?;
-        }
+        check_buffers(io, self.in_place)?;
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         if self.memory_space != Some(backend.memory_space()) {
@@ -542,6 +624,7 @@ impl<B: Backend> MsaBackward<B> {
             *self = MsaBackward {
                 memory_space: Some(backend.memory_space()),
                 allocations,
+                in_place: self.in_place,
                 ..MsaBackward::default()
             };
         }

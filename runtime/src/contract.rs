@@ -46,7 +46,9 @@ pub const ROWS_PER_CTA_SWITCH: usize = 2400;
 /// Queries per locality window of the task order (an absolute query count; seed-design §2.4).
 pub const LOCALITY_WINDOW: usize = 512;
 
-/// Most locality bins (`4 · ceil(T/512) · max(W/128, 1)`) the task build accepts, about 250k tokens.
+/// Most locality bins (`4 · ceil(T/512) · max(W/128, 1)`) the task build accepts. The count
+/// grows with the product of tokens and key blocks: one document reaches it near 256k tokens,
+/// many short documents much sooner (see [`crate::schedule::check_shape_capacity`]).
 pub const MAX_BINS: usize = 1 << 22;
 
 /// Softmax scale `HEAD_DIM^-1/2 = 128^-1/2`.

@@ -93,21 +93,32 @@ pub enum RuntimeError {
         /// What is required.
         expected: String,
     },
-    /// The locality bins of the task build exceed the limit (seed-design §2.2).
-    #[error(
-        "task build needs {bins} locality bins for {num_tokens} tokens and {workspace_rows} workspace rows; at most MAX_BINS = {limit} are supported (about 250k tokens)"
-    )]
-    TooManyBins {
-        /// Bins needed: 4·ceil(T/512)·max(W/128, 1).
-        bins: usize,
-        /// The limit.
-        limit: usize,
-        /// Tokens T.
-        num_tokens: usize,
-        /// Workspace rows W.
-        workspace_rows: usize,
+    /// A buffer of the backward has a null base address.
+    #[error("input `{field}`: found a null base address (0x0), expected a device address")]
+    NullBuffer {
+        /// The buffer.
+        field: &'static str,
     },
-    /// The schedule is invalid.
+    /// Two buffers of the backward overlap where they must not: an output with another output,
+    /// or an output with an input (see `MsaBackward::allow_in_place`).
+    #[error(
+        "buffers `{first}` (bytes {first_bytes:#x?}) and `{second}` (bytes {second_bytes:#x?}) \
+         overlap; {hint}"
+    )]
+    Overlap {
+        /// The first buffer, in `BackwardBuffers` field order.
+        first: &'static str,
+        /// Its device byte range.
+        first_bytes: std::ops::Range<u64>,
+        /// The second buffer.
+        second: &'static str,
+        /// Its device byte range.
+        second_bytes: std::ops::Range<u64>,
+        /// What is allowed instead.
+        hint: &'static str,
+    },
+    /// The schedule is invalid, or larger than the backward supports
+    /// ([`crate::ScheduleError::Capacity`]).
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
     /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.

@@ -57,6 +57,6 @@ pub use error::RuntimeError;
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{
-    build_schedule, causal_support, workspace_layout, Schedule, SelectionFault, WorkItem,
-    METADATA_COLUMNS,
+    build_schedule, causal_support, check_capacity, check_shape_capacity, workspace_layout,
+    Schedule, SelectionFault, WorkItem, METADATA_COLUMNS,
 };

@@ -7,12 +7,12 @@
 
 use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut};
 use crate::contract::{
-    grid_launch_bound, BLOCK_SIZE, LOCALITY_WINDOW, MAX_BINS, NUM_INDEX_HEADS, QUERY_CHUNK,
+    grid_launch_bound, BLOCK_SIZE, LOCALITY_WINDOW, NUM_INDEX_HEADS, QUERY_CHUNK,
 };
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables};
-use crate::schedule::Schedule;
+use crate::schedule::{check_shape_capacity, Schedule};
 use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 
 /// Descriptor flag: more tasks than capacity; the walk has zero rows.
@@ -45,41 +45,28 @@ pub struct TaskBuildSizes {
 }
 
 impl TaskBuildSizes {
-    /// Sizes the task build; fails before any launch when the bins exceed [`MAX_BINS`] or a
-    /// count overflows the kernels' 32-bit index arithmetic.
+    /// Sizes the task build.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] for `num_sms == 0`; [`RuntimeError::Schedule`] with a
+    /// [`crate::ScheduleError::Capacity`] past a limit of [`check_shape_capacity`] (which
+    /// [`Schedule::new`] already applied).
     pub fn new(schedule: &Schedule, num_sms: usize) -> Result<Self, RuntimeError> {
         if num_sms == 0 {
             return Err(RuntimeError::input("num_sms", 0, "at least 1"));
         }
+        // The same limits Schedule::new applied; repeated because the sizes below rely on them.
+        check_shape_capacity(
+            schedule.num_tokens(),
+            schedule.workspace_rows(),
+            schedule.edge_capacity(),
+            schedule.work_capacity(),
+        )?;
         let capacity =
             NUM_INDEX_HEADS * schedule.edge_capacity() / QUERY_CHUNK + schedule.work_capacity();
         let num_windows = schedule.num_tokens().div_ceil(LOCALITY_WINDOW);
         let num_kblocks = schedule.workspace_rows() / BLOCK_SIZE;
         let bins = NUM_INDEX_HEADS * num_windows * num_kblocks.max(1);
-        if bins > MAX_BINS {
-            return Err(RuntimeError::TooManyBins {
-                bins,
-                limit: MAX_BINS,
-                num_tokens: schedule.num_tokens(),
-                workspace_rows: schedule.workspace_rows(),
-            });
-        }
-        // The kernels index `head·edge_capacity + edge` and `3·task` in u32.
-        let limit = u32::MAX as usize;
-        if NUM_INDEX_HEADS * schedule.edge_capacity() > limit {
-            return Err(RuntimeError::input(
-                "schedule.q_indices",
-                format!("edge capacity {}", schedule.edge_capacity()),
-                "4·edge_capacity below 2^32",
-            ));
-        }
-        if 3 * capacity > limit || capacity > i32::MAX as usize {
-            return Err(RuntimeError::input(
-                "schedule",
-                format!("task capacity {capacity}"),
-                "3·capacity below 2^32",
-            ));
-        }
         Ok(TaskBuildSizes {
             capacity,
             num_windows,

@@ -122,7 +122,7 @@ fn corpus() -> &'static [Case] {
         for (name, lengths, seed) in selections {
             let cu = cu_from_lengths(&lengths);
             let q2k = match seed {
-                None => causal_support(&cu),
+                None => causal_support(&cu).unwrap(),
                 Some(seed) => random_selection(&lengths, seed),
             };
             for qpw in [8, 16, 64] {
@@ -479,7 +479,7 @@ fn locality_order_interleaves_rows_by_window_hand_worked() {
     // (queries 0..511) walks kblocks 0..3 with 64, 48, 32, 16 tasks = 160 rows; window 1 then
     // starts again at kblock 0, query 512; head 0 has 160 + 5·64 + 48 + 32 + 16 = 576 rows.
     let cu = vec![0, 1024];
-    let s = build_schedule(&causal_support(&cu), &cu, 64).unwrap();
+    let s = build_schedule(&causal_support(&cu).unwrap(), &cu, 64).unwrap();
     let rows = table_rows(&build_task_tables(&s, 8));
     assert_eq!(rows.len(), 4 * 576);
     let at = |r: usize| (rows[r].0[1], rows[r].0[2], rows[r].1[0], rows[r].0[3]);
@@ -527,7 +527,7 @@ fn descriptor_matches_the_documented_walk_examples() {
 fn work_count_is_clamped_and_truncates_the_tasks() {
     let cu = vec![0, 4096];
     // 24 queries per item: items give 3 tasks, a row's last item 1 or 2.
-    let full = build_schedule(&causal_support(&cu), &cu, 24).unwrap();
+    let full = build_schedule(&causal_support(&cu).unwrap(), &cu, 24).unwrap();
     let parts = Parts::of(&full);
     let capacity = full.work_capacity();
     let reference = build_task_tables(&full, 8);

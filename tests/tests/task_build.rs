@@ -11,7 +11,7 @@ use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use msa_runtime::CudaBackend;
 use msa_runtime::{
     build_schedule, causal_support, chunk_map, contract, rows_per_cta, Device, RuntimeError,
-    Schedule,
+    Schedule, ScheduleError,
 };
 use msa_tests::{gpu_stream, Rng};
 use std::sync::Arc;
@@ -26,7 +26,7 @@ fn docs(lengths: &[i32]) -> Vec<i32> {
 
 fn causal(lengths: &[i32], qpw: usize) -> Schedule {
     let cu = docs(lengths);
-    build_schedule(&causal_support(&cu), &cu, qpw).unwrap()
+    build_schedule(&causal_support(&cu).unwrap(), &cu, qpw).unwrap()
 }
 
 /// The same schedule with other metadata rows or work count.
@@ -99,11 +99,11 @@ fn sizes_follow_the_design_formulas() {
 }
 
 #[test]
-fn too_many_locality_bins_fail_before_any_launch() {
+fn too_many_locality_bins_are_refused_when_the_schedule_is_built() {
     // One 300,000-token document and no edges: 4 · 586 windows · 2344 blocks > 2^22 bins.
     let t = 300_000;
     let rows = (t as usize).div_ceil(128);
-    let s = Schedule::new(
+    let err = Schedule::new(
         vec![0; 4 * (rows + 1)],
         vec![-1; 4],
         vec![0; 6],
@@ -111,14 +111,14 @@ fn too_many_locality_bins_fail_before_any_launch() {
         vec![0, t],
         vec![0],
     )
-    .unwrap();
-    match TaskBuildSizes::new(&s, 132) {
-        Err(e @ RuntimeError::TooManyBins { bins, limit, .. }) => {
-            assert_eq!(bins, 4 * 586 * 2344);
-            assert_eq!(limit, 1 << 22);
-            assert!(e.to_string().contains("locality bins"), "{e}");
+    .expect_err("a schedule past MAX_BINS was built");
+    match &err {
+        ScheduleError::Capacity { found, limit, .. } => {
+            assert!(found.starts_with(&(4 * 586 * 2344).to_string()), "{err}");
+            assert_eq!(*limit, 1 << 22);
+            assert!(err.to_string().contains("locality bins"), "{err}");
         }
-        other => panic!("expected TooManyBins, got {other:?}"),
+        other => panic!("expected a capacity error, got {other:?}"),
     }
 }
 

@@ -80,7 +80,7 @@ pub fn to_f32(v: &[bf16]) -> Vec<f32> {
 /// A causal problem over documents, with its inputs and reference gradients.
 #[derive(Debug, Clone)]
 pub struct Case {
-    /// The causal-support schedule (`build_schedule(&causal_support(&cu), &cu, 64)`).
+    /// The causal-support schedule (`build_schedule(&causal_support(&cu)?, &cu, 64)`).
     pub schedule: Schedule,
     /// Q `[T,64,128]`.
     pub q: Vec<bf16>,
@@ -108,7 +108,7 @@ pub fn case(lengths: &[i32], seed: u64) -> Result<Case, String> {
         cu.push(cu[cu.len() - 1] + l);
     }
     let t = usize::try_from(cu[cu.len() - 1]).map_err(|_| "negative token count".to_string())?;
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).map_err(|e| format!("support: {e}"))?;
     let schedule = build_schedule(&q2k, &cu, 64).map_err(|e| format!("schedule: {e}"))?;
     let mut rng = Rng(seed);
     let (q, q32) = rng.bf16s(t * Q_ROW);
