@@ -10,6 +10,7 @@
 //! CUDA context.
 
 use crate::backend::{Backend, KernelSpec, Span};
+use crate::buffers::{check_regions, Region, BASE_ALIGN};
 use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::cuda::{read_span, CudaBackend};
 use crate::device::driver_present;
@@ -34,8 +35,6 @@ const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
 const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
 /// Workspace regions start on 256-byte boundaries (seed-design §3.1).
 const REGION_ALIGN: usize = 256;
-/// TMA and the 128-bit vector loads of the small kernels need 16-byte aligned bases.
-const BASE_ALIGN: u64 = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Tensor maps
@@ -429,96 +428,26 @@ pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec
     }
 }
 
-/// The buffers of `io` with their byte ranges `[start, end)`, inputs first, and whether each
-/// is an output. The byte size of an element is part of the length check's shape.
-fn byte_ranges(io: &BackwardBuffers) -> Result<[Region; 9], RuntimeError> {
-    fn region<T>(field: &'static str, span: Span<T>, output: bool) -> Result<Region, RuntimeError> {
-        let end = (span.len as u64)
-            .checked_mul(size_of::<T>() as u64)
-            .and_then(|bytes| span.addr.checked_add(bytes))
-            .ok_or_else(|| {
-                RuntimeError::input(
-                    field,
-                    format!("{} elements at {:#x}", span.len, span.addr),
-                    "a buffer that ends below 2^64",
-                )
-            })?;
-        Ok(Region {
-            field,
-            start: span.addr,
-            end,
-            output,
-        })
-    }
-    Ok([
-        region("q", io.q, false)?,
-        region("k_aligned", io.k_aligned, false)?,
-        region("v_aligned", io.v_aligned, false)?,
-        region("grad_out", io.grad_out, false)?,
-        region("lse", io.lse, false)?,
-        region("out", io.out, false)?,
-        region("dq", io.dq, true)?,
-        region("dk_aligned", io.dk_aligned, true)?,
-        region("dv_aligned", io.dv_aligned, true)?,
-    ])
-}
-
-/// One buffer of a [`BackwardBuffers`] as a byte range.
-#[derive(Debug, Clone, Copy)]
-struct Region {
-    field: &'static str,
-    start: u64,
-    end: u64,
-    output: bool,
-}
-
-/// The host checks on the addresses of `io` (its lengths are already checked): every base
-/// non-null and 16-byte aligned, and no output overlapping another output or an input.
-///
-/// With `in_place`, an output may lie exactly on an input of the same byte size (same base,
-/// same end). That is safe because of the launch order: every input is last read by the main
-/// kernel, and the outputs are written only by `bwd_postprocess`, which runs after it and reads
-/// nothing but the runtime's own pools. A partial overlap is never accepted: it has no use and
-/// is almost always a carving mistake.
+/// The host checks on the addresses of `io` (its lengths are already checked); see
+/// [`check_regions`]. With `in_place`, an output may lie exactly on an input of the same
+/// size: every input is last read by the main kernel, and the outputs are written only by
+/// `bwd_postprocess`, which runs after it and reads nothing but the runtime's own pools.
 fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeError> {
-    let regions = byte_ranges(io)?;
-    for r in &regions {
-        if r.start == 0 {
-            return Err(RuntimeError::NullBuffer { field: r.field });
-        }
-        if !r.start.is_multiple_of(BASE_ALIGN) {
-            return Err(RuntimeError::input(
-                r.field,
-                format!("base address {:#x}", r.start),
-                "a 16-byte aligned device address",
-            ));
-        }
-    }
-    for (i, a) in regions.iter().enumerate() {
-        for b in &regions[i + 1..] {
-            if !(a.output || b.output) || a.end <= b.start || b.end <= a.start {
-                continue;
-            }
-            let exact = a.start == b.start && a.end == b.end;
-            // Only an output on an input: two outputs would race in the postprocess.
-            if in_place && exact && a.output != b.output {
-                continue;
-            }
-            return Err(RuntimeError::Overlap {
-                first: a.field,
-                first_bytes: a.start..a.end,
-                second: b.field,
-                second_bytes: b.start..b.end,
-                hint: if !(a.output && b.output) && exact && !in_place {
-                    "an output may replace an input of the same size only after \
-                     MsaBackward::allow_in_place(true)"
-                } else {
-                    "outputs must not overlap each other, nor partly overlap an input"
-                },
-            });
-        }
-    }
-    Ok(())
+    check_regions(
+        &[
+            Region::input("q", io.q)?,
+            Region::input("k_aligned", io.k_aligned)?,
+            Region::input("v_aligned", io.v_aligned)?,
+            Region::input("grad_out", io.grad_out)?,
+            Region::input("lse", io.lse)?,
+            Region::input("out", io.out)?,
+            Region::output("dq", io.dq)?,
+            Region::output("dk_aligned", io.dk_aligned)?,
+            Region::output("dv_aligned", io.dv_aligned)?,
+        ],
+        in_place,
+        "MsaBackward::allow_in_place(true)",
+    )
 }
 
 impl<B: Backend> MsaBackward<B> {
@@ -814,7 +743,7 @@ impl MsaBackward<CudaBackend> {
 }
 
 /// Checks that `view` lives on the stream's context.
-fn check_context<T>(
+pub(crate) fn check_context<T>(
     field: &'static str,
     view: &CudaView<'_, T>,
     stream: &CudaStream,

@@ -103,7 +103,7 @@ pub enum RuntimeError {
     /// or an output with an input (see `MsaBackward::allow_in_place`).
     #[error(
         "buffers `{first}` (bytes {first_bytes:#x?}) and `{second}` (bytes {second_bytes:#x?}) \
-         overlap; {hint}"
+         overlap; {allowed}"
     )]
     Overlap {
         /// The first buffer, in `BackwardBuffers` field order.
@@ -115,7 +115,7 @@ pub enum RuntimeError {
         /// Its device byte range.
         second_bytes: std::ops::Range<u64>,
         /// What is allowed instead.
-        hint: &'static str,
+        allowed: String,
     },
     /// The schedule is invalid, or larger than the backward supports
     /// ([`crate::ScheduleError::Capacity`]).

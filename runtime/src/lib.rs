@@ -4,8 +4,10 @@
 //! an f32 CPU reference of the attention ([`reference`]), and the CUDA driver glue that JIT-loads
 //! the PTX in `generated/` and launches it.
 
+pub mod aligned;
 pub mod backend;
 pub mod backward;
+mod buffers;
 pub mod contract;
 pub mod cuda;
 pub mod device;
@@ -48,6 +50,7 @@ pub mod tma {
     }
 }
 
+pub use aligned::{from_aligned, from_aligned_on, to_aligned, to_aligned_on};
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
 pub use backward::{run_backward, BackwardBuffers, Gradients, MsaBackward};
 pub use contract::*;
