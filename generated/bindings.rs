@@ -6,7 +6,7 @@ use crate::backend::{KernelArg, KernelSpec, Ptr, PtrMut};
 use crate::tma::TensorMap;
 #[allow(unused_imports)]
 use half::bf16;
-/// `bwd_preprocess`: delta[t,h] = sum_d O[t,h,d]*dO[t,h,d] in fp32 from bf16 O and dO.
+/// `bwd_preprocess`: delta\[t,h\] = sum_d O\[t,h,d\]*dO\[t,h,d\] in fp32 from bf16 O and dO.
 pub mod bwd_preprocess {
     use super::*;
     /// Entry name in the PTX module.

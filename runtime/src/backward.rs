@@ -1,4 +1,4 @@
-//! The MSA backward host flow (seed-design §1.5, §3.1): validation, TMA descriptors, the cached
+//! The MSA backward host flow (`docs/design.md` §1.5, §3.1): validation, TMA descriptors, the cached
 //! gradient workspace and the launch sequence
 //! `preprocess → zero pools → task build → main kernel → postprocess`, stream-ordered and
 //! without a host sync.
@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
 /// Elements of one workspace row `[4, 128]` (K, V, dK, dV).
 const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
-/// Workspace regions start on 256-byte boundaries (seed-design §3.1).
+/// Workspace regions start on 256-byte boundaries (`docs/design.md` §3.1).
 const REGION_ALIGN: usize = 256;
 
 // ---------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ pub struct TileMapSpec {
 impl TileMapSpec {
     /// The map of a query-side tensor `[T, 64, 128]` bf16 (`q`, `grad_out`): globalDim
     /// `[128, 64, T]`, strides `[256, 16384]` bytes, box `[64, 16, 1]` = 16 heads × 64 d of one
-    /// token, the K-major SW128 sub-block the MMA reads (seed-design §3.3).
+    /// token, the K-major SW128 sub-block the MMA reads (`docs/design.md` §3.3).
     ///
     /// # Errors
     /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
@@ -87,7 +87,7 @@ impl TileMapSpec {
     ///
     /// # Errors
     /// [`RuntimeError::TensorMap`] unless `W` is a positive multiple of 128 and at most 2^32
-    /// (every key block must be a full tile, seed-design §1.5).
+    /// (every key block must be a full tile, `docs/design.md` §1.5).
     pub fn key_rows(map: &'static str, workspace_rows: usize) -> Result<Self, RuntimeError> {
         if workspace_rows == 0
             || !workspace_rows.is_multiple_of(BLOCK_SIZE)
@@ -232,7 +232,7 @@ impl TileMapSpec {
 // ---------------------------------------------------------------------------------------------
 // The gradient workspace
 
-/// Byte offsets of the regions of the gradient workspace (seed-design §3.1), each rounded up to
+/// Byte offsets of the regions of the gradient workspace (`docs/design.md` §3.1), each rounded up to
 /// 256 bytes: the bf16 dQ pool `[T, 32, 128, 2]`, the fp32 dK then dV pools `[W, 4, 128]` and
 /// delta fp32 `[T, 64]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -333,7 +333,7 @@ impl<B: Backend> GradientPools<B> {
 // ---------------------------------------------------------------------------------------------
 // The backward
 
-/// The device buffers of one backward call: the inputs of seed-design §1.5 and the outputs
+/// The device buffers of one backward call: the inputs of `docs/design.md` §1.5 and the outputs
 /// the call writes. Every base must be 16-byte aligned.
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardBuffers {
@@ -490,12 +490,12 @@ impl<B: Backend> MsaBackward<B> {
 
     /// Runs the backward on `backend`, writing `io.dq`, `io.dk_aligned` and `io.dv_aligned`.
     ///
-    /// Inputs (seed-design §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
+    /// Inputs (`docs/design.md` §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
     /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout, `lse [T, 64]` fp32, with
     /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
     /// aligned.
     ///
-    /// Issues, in order (seed-design §3.1): `bwd_preprocess`, the zeroing of the pools, the
+    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of the pools, the
     /// schedule copy, the four task-build kernels, the main kernel for the capability
     /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
     /// `grid_launch_bound(capacity, sm_count)` CTAs, and `bwd_postprocess`; no host sync.
@@ -612,7 +612,7 @@ impl<B: Backend> MsaBackward<B> {
         )?;
         let dev_schedule = DeviceSchedule::allocate(backend, schedule)?;
 
-        // 5. The launch sequence (seed-design §3.1). The schedule copy follows the first
+        // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
         preprocess(backend, io.out, io.grad_out, delta, t)?;
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
@@ -815,7 +815,7 @@ fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// The MSA backward (seed-design §1.5 `run_backward`) with a process-wide workspace cache per
+/// The MSA backward (`docs/design.md` §1.5 `run_backward`) with a process-wide workspace cache per
 /// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
 ///
 /// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work

@@ -1,7 +1,7 @@
 //! Host runtime of the MSA (MiniMax Sparse Attention) backward kernels.
 //!
 //! The crate holds the schedule contract shared with the kernels ([`contract`], [`schedule`]),
-//! an f32 CPU reference of the attention ([`reference`]), and the CUDA driver glue that JIT-loads
+//! an f32 CPU reference of the attention ([`mod@reference`]), and the CUDA driver glue that JIT-loads
 //! the PTX in `generated/` and launches it.
 
 pub mod aligned;

@@ -1,5 +1,5 @@
-//! `Schedule`: the forward-derived metadata the backward reads (seed-design §2.1), and a CPU
-//! builder of it from a block selection `q2k` (seed-design §1.3, §2.1).
+//! `Schedule`: the forward-derived metadata the backward reads (`docs/design.md` §2.1), and a CPU
+//! builder of it from a block selection `q2k` (`docs/design.md` §1.3, §2.1).
 //!
 //! The schedule is validated once, when it is built, so everything downstream (the task build,
 //! the kernels) can take it as given: every edge a valid work item covers names a query inside
@@ -22,7 +22,7 @@ pub const METADATA_COLUMNS: [&str; 6] = [
     "document_local_kblock",
 ];
 
-/// Why a `q2k` entry breaks the selection contract (seed-design §1.3).
+/// Why a `q2k` entry breaks the selection contract (`docs/design.md` §1.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SelectionFault {
     /// The id is below `-1`; `-1` is the only negative id (padding).
@@ -222,7 +222,7 @@ pub fn check_capacity(cu_seqlens: &[i32]) -> Result<(), ScheduleError> {
     check_shape_capacity(t, rows * BLOCK_SIZE, edge_capacity, work)
 }
 
-/// The aligned workspace layout of packed documents (seed-design §1.5).
+/// The aligned workspace layout of packed documents (`docs/design.md` §1.5).
 ///
 /// Returns `document_workspace_starts` (document `d` starts at `Σ_{e<d} ceil(len_e/128)·128`)
 /// and the workspace size `W = Σ ceil(len/128)·128`. `cu_seqlens` must start at 0, be
@@ -307,7 +307,7 @@ impl Documents {
     /// Validates `cu_seqlens` (see [`total_rows`]) and numbers the CSR rows.
     ///
     /// Rows are level-major and round-robin across documents: block 0 of every document that
-    /// has one, then block 1, and so on (seed-design §2.1). Callers first check the sizes of
+    /// has one, then block 1, and so on (`docs/design.md` §2.1). Callers first check the sizes of
     /// their other inputs against [`total_rows`], so these tables never outgrow the input.
     fn new(cu_seqlens: &[i32]) -> Result<Self, ScheduleError> {
         total_rows(cu_seqlens)?;
@@ -358,7 +358,7 @@ impl Documents {
 
 /// One valid forward work item: `q_count` consecutive edges of one (index head, CSR row),
 /// i.e. `q_count` queries that all selected block `document_local_kblock` of document
-/// `document_ordinal` (seed-design §2.1).
+/// `document_ordinal` (`docs/design.md` §2.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WorkItem {
     /// Index head (= kv head), in `[0, 4)`.

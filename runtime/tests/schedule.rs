@@ -1,4 +1,4 @@
-//! `Schedule` validation and the CPU schedule builder (seed-design §1.3, §1.5, §2.1, §4.2).
+//! `Schedule` validation and the CPU schedule builder (`docs/design.md` §1.3, §1.5, §2.1, §4.2).
 //!
 //! Expected values come from hand-worked examples or from brute force written here, never from
 //! the code under test.

@@ -1,4 +1,4 @@
-//! The CPU oracle of the device task build (`reference::tasks`, seed-design §2.2–§2.4).
+//! The CPU oracle of the device task build (`reference::tasks`, `docs/design.md` §2.2–§2.4).
 //!
 //! Expected values come from the block selection `q2k`, from a forward decode of the raw
 //! schedule fields written here, or from hand-worked examples; never from the code under test.
@@ -157,7 +157,7 @@ fn table_rows(t: &TaskTables) -> Vec<Row> {
         .collect()
 }
 
-/// Task rows in forward order, decoded here from the raw fields (seed-design §2.2).
+/// Task rows in forward order, decoded here from the raw fields (`docs/design.md` §2.2).
 fn forward_rows(s: &Schedule) -> Vec<Row> {
     let rows = s.rows();
     let ec = s.edge_capacity();
@@ -276,7 +276,7 @@ fn coverage_mismatch(
     ))
 }
 
-/// Locality key of a row (seed-design §2.2), written out here.
+/// Locality key of a row (`docs/design.md` §2.2), written out here.
 fn locality_key(s: &Schedule, row: &Row) -> u64 {
     let num_windows = s.num_tokens().div_ceil(WINDOW) as u64;
     let num_kblocks = (s.workspace_rows() / BLOCK) as u64;
@@ -497,7 +497,7 @@ fn locality_order_interleaves_rows_by_window_hand_worked() {
 #[test]
 fn descriptor_matches_the_documented_walk_examples() {
     // Only head 0 selects, only the own block: every block of 128 queries gives 16 tasks.
-    // (T, queries per item) -> descriptor with 8 SMs; walk values from seed-design §2.4.
+    // (T, queries per item) -> descriptor with 8 SMs; walk values from `docs/design.md` §2.4.
     let cases: [(usize, usize, [i32; 8]); 5] = [
         // 1 task: chunk_map(1,4,8) = (0,4,1).
         (5, 8, [1, 4, 0, 4, 1, 1, 1, 0]),
