@@ -334,14 +334,33 @@ impl<B: Backend> GradientPools<B> {
 // The backward
 
 /// The device buffers of one backward call: the inputs of `docs/design.md` §1.5 and the outputs
-/// the call writes. Every base must be 16-byte aligned.
+/// the call writes.
+///
+/// Checked by [`MsaBackward::run_on`] before anything is issued: each length against the
+/// schedule's `T` and `W`; each base non-null and 16-byte aligned; no output overlapping
+/// another output or an input, unless [`MsaBackward::allow_in_place`] allows an output exactly
+/// on an input of the same size. Inputs may share memory with each other.
+///
+/// # The padding contract
+///
+/// `k_aligned` and `v_aligned` are in the schedule's aligned layout, and **their padding rows
+/// must be zero**: every row of `[W, 4, 128]` that holds no token (the tail of each document's
+/// 128-aligned region, and any gap between regions). The main kernels load padding rows as
+/// part of each 128-key block; the causal mask removes their probabilities, but a NaN or Inf
+/// there still reaches dQ through `0·NaN` in the `dS·K` product, so a buffer made with
+/// `torch.empty` or left uninitialised gives NaN gradients. The runtime cannot see device
+/// contents from the host, so instead it owns the layout: make these two buffers with
+/// [`crate::to_aligned`] (or [`crate::to_aligned_on`]), which writes every row, padding
+/// included, from compact `[T, 4, 128]` K/V. The outputs `dk_aligned` and `dv_aligned` are
+/// written whole, padding rows as zeros; [`crate::from_aligned`] brings them back to compact.
+
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardBuffers {
     /// `q [T, 64, 128]` bf16.
     pub q: Span<bf16>,
-    /// `k_aligned [W, 4, 128]` bf16.
+    /// `k_aligned [W, 4, 128]` bf16, padding rows zero (see above).
     pub k_aligned: Span<bf16>,
-    /// `v_aligned [W, 4, 128]` bf16.
+    /// `v_aligned [W, 4, 128]` bf16, padding rows zero (see above).
     pub v_aligned: Span<bf16>,
     /// `grad_out [T, 64, 128]` bf16.
     pub grad_out: Span<bf16>,
@@ -491,7 +510,8 @@ impl<B: Backend> MsaBackward<B> {
     /// Runs the backward on `backend`, writing `io.dq`, `io.dk_aligned` and `io.dv_aligned`.
     ///
     /// Inputs (`docs/design.md` §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
-    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout, `lse [T, 64]` fp32, with
+    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout with zero padding rows
+    /// (made by [`crate::to_aligned`]; see [`BackwardBuffers`]), `lse [T, 64]` fp32, with
     /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
     /// aligned.
     ///
@@ -505,6 +525,8 @@ impl<B: Backend> MsaBackward<B> {
     /// # Errors
     /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, or a
     ///   workspace too large to address.
+    /// - [`RuntimeError::NullBuffer`] naming a null base, and [`RuntimeError::Overlap`] naming
+    ///   two buffers that overlap against the rule of [`BackwardBuffers`].
     /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
     /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
     ///   [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
@@ -817,6 +839,10 @@ fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
 
 /// The MSA backward (`docs/design.md` §1.5 `run_backward`) with a process-wide workspace cache per
 /// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
+///
+/// `k_aligned` and `v_aligned` must have zero padding rows: make them from compact K/V with
+/// [`crate::to_aligned`], and bring the returned `dk_aligned`/`dv_aligned` back to compact rows
+/// with [`crate::from_aligned`] (the crate-level guide has the whole sequence).
 ///
 /// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
 /// itself is asynchronous).
