@@ -353,7 +353,6 @@ impl<B: Backend> GradientPools<B> {
 /// [`crate::to_aligned`] (or [`crate::to_aligned_on`]), which writes every row, padding
 /// included, from compact `[T, 4, 128]` K/V. The outputs `dk_aligned` and `dv_aligned` are
 /// written whole, padding rows as zeros; [`crate::from_aligned`] brings them back to compact.
-
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardBuffers {
     /// `q [T, 64, 128]` bf16.

@@ -103,11 +103,16 @@ pub struct Case {
 /// The causal problem over documents of `lengths` tokens with inputs drawn from `seed`, and
 /// its CPU reference gradients.
 pub fn case(lengths: &[i32], seed: u64) -> Result<Case, String> {
-    let mut cu = vec![0];
-    for l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
+    let mut cu = vec![0i32];
+    for &l in lengths {
+        let end = cu[cu.len() - 1]
+            .checked_add(l)
+            .ok_or_else(|| "the token count overflows i32".to_string())?;
+        cu.push(end);
     }
     let t = usize::try_from(cu[cu.len() - 1]).map_err(|_| "negative token count".to_string())?;
+    // Refuse a shape the backward cannot run before allocating its T·8192-element inputs.
+    msa_runtime::check_capacity(&cu).map_err(|e| format!("capacity: {e}"))?;
     let q2k = causal_support(&cu).map_err(|e| format!("support: {e}"))?;
     let schedule = build_schedule(&q2k, &cu, 64).map_err(|e| format!("schedule: {e}"))?;
     let mut rng = Rng(seed);
