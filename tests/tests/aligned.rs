@@ -87,11 +87,23 @@ fn nan_filled_aligned_buffers_give_the_reference_gradients() {
     }
     let cpu_k = bf16s(&reference::to_aligned(&k32, &cu, 4).unwrap());
     let cpu_v = bf16s(&reference::to_aligned(&v32, &cu, 4).unwrap());
-    assert_eq!(bits(&stream.clone_dtoh(&ka).unwrap()), bits(&cpu_k), "k_aligned");
-    assert_eq!(bits(&stream.clone_dtoh(&va).unwrap()), bits(&cpu_v), "v_aligned");
+    assert_eq!(
+        bits(&stream.clone_dtoh(&ka).unwrap()),
+        bits(&cpu_k),
+        "k_aligned"
+    );
+    assert_eq!(
+        bits(&stream.clone_dtoh(&va).unwrap()),
+        bits(&cpu_v),
+        "v_aligned"
+    );
     // The allocating variant gives the same rows.
     let (ka2, _) = to_aligned(&stream, &schedule, &kc.as_view(), &vc.as_view()).unwrap();
-    assert_eq!(bits(&stream.clone_dtoh(&ka2).unwrap()), bits(&cpu_k), "to_aligned");
+    assert_eq!(
+        bits(&stream.clone_dtoh(&ka2).unwrap()),
+        bits(&cpu_k),
+        "to_aligned"
+    );
 
     let g = run_backward(
         &stream,
@@ -131,5 +143,8 @@ fn nan_filled_aligned_buffers_give_the_reference_gradients() {
         .iter()
         .zip(&dk_aligned)
         .all(|(a, b)| *a == b.to_f32());
-    assert!(zero_padding, "dk_aligned is not its compact rows plus zero padding");
+    assert!(
+        zero_padding,
+        "dk_aligned is not its compact rows plus zero padding"
+    );
 }
