@@ -50,6 +50,13 @@ CASES = {
     "doc8k": [8192],
     "doc32k": [32768],
     "packed64k": PACKED_64K,
+    # long documents (issue 19): one document each, and 1M tokens in 30 packed documents
+    "doc16k": [16384],
+    "doc64k": [65536],
+    "doc128k": [131072],
+    "doc256k": [262144],
+    "doc1m": [1048576],
+    "packed1m": [n * k for k in (1, 3, 12) for n in PACKED_64K],
 }
 TIMED_CASES = ["doc8k", "doc32k", "packed64k"]
 # name -> (document lengths, topk)

@@ -223,15 +223,22 @@ pub mod task_scan_work {
         bin_count: PtrMut<i32>,
         bin_first: PtrMut<i32>,
         bin_last: PtrMut<i32>,
+        cu_seqlens: Ptr<i32>,
+        doc_windows: PtrMut<i32>,
         work_capacity: u32,
         bins: u32,
+        num_docs: u32,
+        min_window_log2: u32,
+        blocks_log2: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(scheduler_metadata), KernelArg::from(work_count),
             KernelArg::from(desc), KernelArg::from(task_ends),
             KernelArg::from(bin_count), KernelArg::from(bin_first),
-            KernelArg::from(bin_last), KernelArg::from(work_capacity),
-            KernelArg::from(bins)
+            KernelArg::from(bin_last), KernelArg::from(cu_seqlens),
+            KernelArg::from(doc_windows), KernelArg::from(work_capacity),
+            KernelArg::from(bins), KernelArg::from(num_docs),
+            KernelArg::from(min_window_log2), KernelArg::from(blocks_log2)
         ]
     }
 }
@@ -278,11 +285,11 @@ pub mod task_assign_segments {
         bin_count: PtrMut<i32>,
         bin_first: PtrMut<i32>,
         bin_last: PtrMut<i32>,
+        doc_windows: Ptr<i32>,
         rows: u32,
         edge_capacity: u32,
         capacity: u32,
-        num_windows: u32,
-        num_kblocks: u32,
+        bins_per_head: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(scheduler_metadata), KernelArg::from(row_ptr),
@@ -290,9 +297,10 @@ pub mod task_assign_segments {
             KernelArg::from(document_workspace_starts), KernelArg::from(desc),
             KernelArg::from(task_ends), KernelArg::from(segments),
             KernelArg::from(decode), KernelArg::from(bin_count),
-            KernelArg::from(bin_first), KernelArg::from(bin_last), KernelArg::from(rows),
+            KernelArg::from(bin_first), KernelArg::from(bin_last),
+            KernelArg::from(doc_windows), KernelArg::from(rows),
             KernelArg::from(edge_capacity), KernelArg::from(capacity),
-            KernelArg::from(num_windows), KernelArg::from(num_kblocks)
+            KernelArg::from(bins_per_head)
         ]
     }
 }
@@ -385,8 +393,6 @@ pub mod task_scatter_tables {
         task_qpos: PtrMut<i32>,
         edge_capacity: u32,
         capacity: u32,
-        num_windows: u32,
-        num_kblocks: u32,
         num_sms: u32,
     ) -> Vec<KernelArg> {
         vec![
@@ -396,8 +402,7 @@ pub mod task_scatter_tables {
             KernelArg::from(bin_first), KernelArg::from(bin_offset),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(edge_capacity),
-            KernelArg::from(capacity), KernelArg::from(num_windows),
-            KernelArg::from(num_kblocks), KernelArg::from(num_sms)
+            KernelArg::from(capacity), KernelArg::from(num_sms)
         ]
     }
 }

@@ -8,7 +8,9 @@
 //!
 //! Cases (identical to `bench/msa_inputs.py`): `doc8k` (one document of 8192 tokens), `doc32k`
 //! (one of 32768), `packed64k` (65536 tokens in 10 documents of 2K–16K), each with the random
-//! top-16 selection of the shared splitmix64 recipe; the small `check*` cases exist too.
+//! top-16 selection of the shared splitmix64 recipe; the long-document cases `doc16k`, `doc64k`,
+//! `doc128k`, `doc256k`, `doc1m` (one document each) and `packed1m` (1,048,576 tokens in 30
+//! documents of 2K–196K) and the small `check*` cases exist too.
 //!
 //! Options:
 //! - `--cases a,b,…`  cases to run (default `doc8k,doc32k,packed64k`)
@@ -23,8 +25,14 @@
 //! - `--no-flush`     do not overwrite a 256 MiB buffer (L2 flush) before each timed call
 //! - `--inputs-only`  print each case's size, keys attended, task count and q2k checksum, and
 //!   stop (no GPU needed)
+//! - `--locality MIN,BLOCKS` the task order's locality rule (`msa_runtime::contract::Locality`:
+//!   windows of at least `2^MIN` queries and `2^BLOCKS` queries per key block; default 13,3;
+//!   `9,0` is the seed's 512-query window on one document of up to 64K tokens)
+//! - `--check N`      after timing, one more call whose gradients are checked against exact
+//!   sampled references (`msa_runtime::reference::sampled`): N random dq rows and N/100 random
+//!   key blocks of dk/dv, at the seed tolerances
 //!
-//! What is timed: one `run_backward` call between two CUDA events on the stream: delta
+//! What is timed: one `MsaBackward::run` call (what `run_backward` runs) between two CUDA events on the stream: delta
 //! preprocess, pool zeroing, the schedule upload, the device task build, the main kernel and the
 //! postprocess, plus the stream-ordered allocation of the three outputs. The host-side
 //! `build_schedule` is not timed. Median and minimum over the timed calls.
@@ -40,10 +48,12 @@
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
+use msa_runtime::contract::Locality;
 use msa_runtime::contract::{
     BLOCK_SIZE, HEAD_DIM, NUM_INDEX_HEADS, NUM_KV_HEADS, NUM_Q_HEADS, QUERY_CHUNK, TOPK_BLOCKS,
 };
-use msa_runtime::{build_schedule, driver_present, run_backward, workspace_layout, Device};
+use msa_runtime::reference::{sampled, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::{build_schedule, driver_present, workspace_layout, Device, MsaBackward};
 use std::error::Error;
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -64,12 +74,27 @@ const MUL2: u64 = 0x94d0_49bb_1331_11eb;
 /// Documents of the packed case: 65536 tokens, 2K–16K each, not multiples of 128.
 const PACKED_64K: [i32; 10] = [9000, 2048, 16384, 5123, 3001, 12000, 2500, 7777, 4100, 3603];
 
+/// `packed1m`: 1,048,576 tokens in 30 documents of 2K to 196K tokens: the packed64k lengths,
+/// then three and twelve times them.
+fn packed_1m() -> Vec<i32> {
+    [1, 3, 12]
+        .iter()
+        .flat_map(|&k| PACKED_64K.iter().map(move |&n| n * k))
+        .collect()
+}
+
 /// (name, document lengths, topk); the first three are the timed cases.
 fn case_table() -> Vec<(&'static str, Vec<i32>, usize)> {
     vec![
         ("doc8k", vec![8192], 16),
         ("doc32k", vec![32768], 16),
         ("packed64k", PACKED_64K.to_vec(), 16),
+        ("doc16k", vec![16384], 16),
+        ("doc64k", vec![65536], 16),
+        ("doc128k", vec![131_072], 16),
+        ("doc256k", vec![262_144], 16),
+        ("doc1m", vec![1_048_576], 16),
+        ("packed1m", packed_1m(), 16),
         ("check2doc_top16", vec![700, 1348], 16),
         ("check2doc_top4", vec![700, 1348], 4),
         ("check1doc_top4", vec![2048], 4),
@@ -97,32 +122,51 @@ fn cu_seqlens(docs: &[i32]) -> Vec<i32> {
 }
 
 /// `q2k [4, T, 16]`: slot 0 the own block, then the `min(topk-1, own)` earlier blocks with the
-/// smallest `(rand(seed, (h·T + t)·65536 + c), c)`, then -1.
+/// smallest `(rand(seed, (h·T + t)·65536 + c), c)`, then -1. Rows are filled in parallel; each
+/// row's result depends on its index alone.
 fn make_q2k(cu: &[i32], seed: u64, topk: usize) -> Vec<i32> {
     let t_total = cu[cu.len() - 1] as usize;
     let mut q2k = vec![-1i32; NUM_INDEX_HEADS * t_total * TOPK_BLOCKS];
-    let mut cand: Vec<(u64, u32)> = Vec::new();
-    for h in 0..NUM_INDEX_HEADS {
-        for w in cu.windows(2) {
-            let (start, end) = (w[0] as usize, w[1] as usize);
-            for t in start..end {
-                let own = (t - start) / BLOCK_SIZE;
-                let slots = &mut q2k[(h * t_total + t) * TOPK_BLOCKS..][..TOPK_BLOCKS];
-                slots[0] = own as i32;
-                let n = own.min(topk.saturating_sub(1));
-                if n == 0 {
-                    continue;
-                }
-                let row = (h * t_total + t) as u64 * CAND_STRIDE;
-                cand.clear();
-                cand.extend((0..own as u32).map(|c| (rand(seed, row + u64::from(c)), c)));
-                cand.sort_unstable();
-                for (slot, &(_, c)) in slots[1..=n].iter_mut().zip(&cand) {
-                    *slot = c as i32;
-                }
-            }
+    // The own block of each token, from its document's start.
+    let mut own = vec![0u32; t_total];
+    for w in cu.windows(2) {
+        let doc = &mut own[w[0] as usize..w[1] as usize];
+        for (p, o) in doc.iter_mut().enumerate() {
+            *o = (p / BLOCK_SIZE) as u32;
         }
     }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |p| p.get())
+        .min(32);
+    let rows_per_part = (NUM_INDEX_HEADS * t_total).div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for (part_index, part) in q2k.chunks_mut(rows_per_part * TOPK_BLOCKS).enumerate() {
+            let own = &own;
+            s.spawn(move || {
+                let mut cand: Vec<(u64, u32)> = Vec::new();
+                for (i, slots) in part.chunks_mut(TOPK_BLOCKS).enumerate() {
+                    let flat = part_index * rows_per_part + i; // h·T + t
+                    let own = own[flat % t_total];
+                    slots[0] = own as i32;
+                    let n = (own as usize).min(topk.saturating_sub(1));
+                    if n == 0 {
+                        continue;
+                    }
+                    let row = flat as u64 * CAND_STRIDE;
+                    cand.clear();
+                    cand.extend((0..own).map(|c| (rand(seed, row + u64::from(c)), c)));
+                    // The n smallest keys, ascending (keys are unique: c breaks ties).
+                    if n < cand.len() {
+                        cand.select_nth_unstable(n - 1);
+                    }
+                    cand[..n].sort_unstable();
+                    for (slot, &(_, c)) in slots[1..=n].iter_mut().zip(&cand) {
+                        *slot = c as i32;
+                    }
+                }
+            });
+        }
+    });
     q2k
 }
 
@@ -155,10 +199,12 @@ struct Options {
     ceiling: Option<f64>,
     flush: bool,
     inputs_only: bool,
+    locality: Locality,
+    check: usize,
 }
 
 const USAGE: &str = "usage: bench [--cases a,b] [--seed N] [--reps R] [--warmup W] [--inputs DIR] \
-[--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only]";
+[--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only] [--locality MIN,BLOCKS] [--check N]";
 
 fn parse_args() -> Result<Options, String> {
     let mut o = Options {
@@ -171,6 +217,8 @@ fn parse_args() -> Result<Options, String> {
         ceiling: None,
         flush: true,
         inputs_only: false,
+        locality: Locality::default(),
+        check: 0,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -205,6 +253,21 @@ fn parse_args() -> Result<Options, String> {
                 );
             }
             "--no-flush" => o.flush = false,
+            "--locality" => {
+                let v = value("--locality")?;
+                let parts: Vec<&str> = v.split(',').collect();
+                let (Some(a), Some(b), 2) = (parts.first(), parts.get(1), parts.len()) else {
+                    return Err(format!(
+                        "--locality needs MIN_WINDOW_LOG2,BLOCKS_LOG2, got `{v}`"
+                    ));
+                };
+                o.locality = Locality {
+                    min_window_log2: number("--locality", a.to_string())? as u32,
+                    blocks_log2: number("--locality", b.to_string())? as u32,
+                };
+                o.locality.validate()?;
+            }
+            "--check" => o.check = number("--check", value("--check")?)? as usize,
             "--inputs-only" => o.inputs_only = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
@@ -390,15 +453,17 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     let d_out = stream.clone_htod(&out)?;
     let d_dout = stream.clone_htod(&dout)?;
     let d_lse = stream.clone_htod(&lse)?;
-    drop((q, k, v, out, dout, lse));
+    let host = (o.check > 0).then_some((q, k, v, out, dout, lse));
     let mut flush: Option<CudaSlice<u8>> = if o.flush {
         Some(stream.alloc_zeros::<u8>(256 << 20)?)
     } else {
         None
     };
 
-    let call = || {
-        run_backward(
+    let mut backward = MsaBackward::new();
+    backward.set_locality(o.locality);
+    let mut call = || {
+        backward.run(
             stream,
             &d_q.as_view(),
             &d_k.as_view(),
@@ -426,6 +491,21 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         drop(grads);
     }
     stream.synchronize()?;
+    if let Some((q, k, v, out, dout, lse)) = host {
+        let grads = call()?;
+        let x = sampled::Inputs {
+            q: &q,
+            k_aligned: &k,
+            v_aligned: &v,
+            grad_out: &dout,
+            out: &out,
+            lse: &lse,
+            q2k: &case.q2k,
+            cu_seqlens: &case.cu,
+            ws_starts: &starts,
+        };
+        check_sampled(stream, &x, &grads, o.check, seed)?;
+    }
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
     Ok(Timing {
         tokens: t,
@@ -436,6 +516,71 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         min_ms,
         samples,
     })
+}
+
+/// Compares `n` random dq rows and `max(1, n/100)` random key blocks of dk/dv (each with its
+/// kv head) with the exact sampled references of `msa_runtime::reference::sampled`, at the
+/// seed tolerances over the sampled values. Prints one line per tensor; an error on a miss.
+fn check_sampled(
+    stream: &Arc<CudaStream>,
+    x: &sampled::Inputs,
+    grads: &msa_runtime::Gradients,
+    n: usize,
+    seed: u64,
+) -> Res<()> {
+    let t = *x.cu_seqlens.last().unwrap_or(&0) as usize;
+    let docs = x.cu_seqlens.len() - 1;
+    let pick = |i: u64, m: usize| (rand(seed ^ 0x5eed, i) % m as u64) as usize;
+    let rows: Vec<(usize, usize)> = (0..n as u64)
+        .map(|i| (pick(2 * i, t), pick(2 * i + 1, NUM_Q_HEADS)))
+        .collect();
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for &(tok, h) in &rows {
+        let at = (tok * NUM_Q_HEADS + h) * HEAD_DIM;
+        let dev = stream.clone_dtoh(&grads.dq.slice(at..at + HEAD_DIM))?;
+        got.extend(dev.iter().map(|v| v.to_f32()));
+        want.extend(sampled::dq_row(x, tok, h));
+    }
+    let stats = DQ_TOLERANCE.check("dq (sampled rows)", &got, &want)?;
+    println!("  check: {} dq rows: {stats}", rows.len());
+
+    let blocks: Vec<(usize, usize, usize)> = (0..n.div_ceil(100).max(1) as u64)
+        .map(|i| {
+            let d = pick(3 * i + 1_000_000, docs);
+            let len = (x.cu_seqlens[d + 1] - x.cu_seqlens[d]) as usize;
+            let kb = pick(3 * i + 1_000_001, len.div_ceil(BLOCK_SIZE).max(1));
+            (pick(3 * i + 1_000_002, NUM_KV_HEADS), d, kb)
+        })
+        .collect();
+    let refs: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let jobs: Vec<_> = blocks
+            .iter()
+            .map(|&(g, d, kb)| s.spawn(move || sampled::dk_dv_block(x, g, d, kb)))
+            .collect();
+        jobs.into_iter()
+            .map(|j| j.join().expect("reference thread"))
+            .collect()
+    });
+    let (mut gk, mut wk, mut gv, mut wv) = (vec![], vec![], vec![], vec![]);
+    for (&(g, d, kb), (rk, rv)) in blocks.iter().zip(refs) {
+        let row0 = x.ws_starts[d] as usize + kb * BLOCK_SIZE;
+        for j in 0..BLOCK_SIZE {
+            let at = ((row0 + j) * NUM_KV_HEADS + g) * HEAD_DIM;
+            let dk = stream.clone_dtoh(&grads.dk_aligned.slice(at..at + HEAD_DIM))?;
+            let dv = stream.clone_dtoh(&grads.dv_aligned.slice(at..at + HEAD_DIM))?;
+            gk.extend(dk.iter().map(|v| v.to_f32()));
+            gv.extend(dv.iter().map(|v| v.to_f32()));
+            wk.extend_from_slice(&rk[j * HEAD_DIM..][..HEAD_DIM]);
+            wv.extend_from_slice(&rv[j * HEAD_DIM..][..HEAD_DIM]);
+        }
+    }
+    let sk = DK_TOLERANCE.check("dk (sampled blocks)", &gk, &wk)?;
+    let sv = DV_TOLERANCE.check("dv (sampled blocks)", &gv, &wv)?;
+    println!(
+        "  check: {} key blocks {blocks:?}: dk {sk}; dv {sv}",
+        blocks.len()
+    );
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

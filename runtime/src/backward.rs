@@ -11,7 +11,7 @@
 
 use crate::backend::{Backend, KernelSpec, Span};
 use crate::buffers::{check_regions, Region, BASE_ALIGN};
-use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, MAX_TOKENS, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::cuda::{read_span, CudaBackend};
 use crate::device::driver_present;
 use crate::error::RuntimeError;
@@ -401,6 +401,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
     schedule: Option<DeviceSchedule<B>>,
     allocations: usize,
     in_place: bool,
+    locality: Locality,
 }
 
 impl<B: Backend> Default for MsaBackward<B> {
@@ -412,6 +413,7 @@ impl<B: Backend> Default for MsaBackward<B> {
             schedule: None,
             allocations: 0,
             in_place: false,
+            locality: Locality::default(),
         }
     }
 }
@@ -487,6 +489,18 @@ impl<B: Backend> MsaBackward<B> {
         self
     }
 
+    /// The locality rule of the task order (default [`Locality::default`]); checked by the
+    /// next call, which rejects an out-of-range rule with [`RuntimeError::Input`]. The
+    /// gradients do not depend on it, only the speed does.
+    pub fn set_locality(&mut self, locality: Locality) {
+        self.locality = locality;
+    }
+
+    /// The locality rule the next call uses.
+    pub fn locality(&self) -> Locality {
+        self.locality
+    }
+
     /// Device allocations the cache has made so far (gradient and task workspaces). A repeated
     /// call with the same schedule shape makes none.
     pub fn allocation_count(&self) -> usize {
@@ -541,6 +555,16 @@ impl<B: Backend> MsaBackward<B> {
         let w = schedule.workspace_rows();
 
         // 1. Shapes and alignment: pure host checks.
+        if t > MAX_TOKENS {
+            return Err(RuntimeError::input(
+                "schedule.cu_seqlens",
+                format!("T = {t} tokens"),
+                format!(
+                    "at most MAX_TOKENS = {MAX_TOKENS} (the dQ pool's 32-bit word index); \
+                     split the call"
+                ),
+            ));
+        }
         let q_len = t.checked_mul(Q_ROW);
         let kv_len = w.checked_mul(KV_ROW);
         let (Some(q_len), Some(kv_len)) = (q_len, kv_len) else {
@@ -570,11 +594,13 @@ impl<B: Backend> MsaBackward<B> {
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         if self.memory_space != Some(backend.memory_space()) {
-            let allocations = self.allocations;
+            let (allocations, locality, in_place) =
+                (self.allocations, self.locality, self.in_place);
             *self = MsaBackward {
                 memory_space: Some(backend.memory_space()),
                 allocations,
-                in_place: self.in_place,
+                in_place,
+                locality,
                 ..MsaBackward::default()
             };
         }
@@ -595,7 +621,7 @@ impl<B: Backend> MsaBackward<B> {
         ] {
             backend.load(k)?;
         }
-        let sizes = TaskBuildSizes::new(schedule, backend.sm_count())?;
+        let sizes = TaskBuildSizes::with_locality(schedule, backend.sm_count(), self.locality)?;
         let grid = u32::try_from(sizes.grid_launch)
             .ok()
             .filter(|&g| g <= i32::MAX as u32)

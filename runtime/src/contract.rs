@@ -43,13 +43,95 @@ pub const ROWS_PER_CTA_LARGE: usize = 64;
 /// Largest task count that still walks [`ROWS_PER_CTA_SMALL`] rows per CTA.
 pub const ROWS_PER_CTA_SWITCH: usize = 2400;
 
-/// Queries per locality window of the task order (an absolute query count; `docs/design.md` §2.4).
+/// The seed's locality window (`docs/design.md` §2.4): 512 queries, global over the packed stream.
+/// This implementation replaced it by [`Locality`]'s per-document windows; the constant stays
+/// as the seed's documented value only.
 pub const LOCALITY_WINDOW: usize = 512;
 
-/// Most locality bins (`4 · ceil(T/512) · max(W/128, 1)`) the task build accepts. The count
-/// grows with the product of tokens and key blocks: one document reaches it near 256k tokens,
-/// many short documents much sooner (see [`crate::schedule::check_shape_capacity`]).
+/// The seed's bin limit `4 · ceil(T/512) · max(W/128, 1) <= 2^22` (about 250k tokens), which
+/// grew as T². [`Locality`]'s bins grow linearly and have no such limit; the constant stays as
+/// the seed's documented value only.
 pub const MAX_BINS: usize = 1 << 22;
+
+/// Most tokens one backward call takes: the main kernels index the dQ pool
+/// `[T, 32, 128]` in 32-bit words, `(row·32 + head pair)·128 + d < 2^32`.
+pub const MAX_TOKENS: usize = 1 << 20;
+
+/// The locality rule of the task order: the tasks of one index head and one document are
+/// grouped by window of document-local queries, then by key block, then by query.
+///
+/// A document of `B` key blocks gets windows of `2^s` queries,
+/// `s = max(min_window_log2, ceil(log2 B) + blocks_log2)`. Within one window a key block's
+/// tasks are consecutive (one segment, one K/V load and one dK/dV flush), and a window of
+/// `2^s >= 8·B` queries gives each block about `2^s·16/B/8 >= 16` tasks, so the segments stay
+/// long however long the document is; the seed's fixed 512-query window left one task per
+/// segment past about 100K tokens (figures in `bench/README.md`). The bins number
+/// `Σ_docs windows·B <= T/2^blocks_log2 + T/128 + docs` per head: linear in `T`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Locality {
+    /// Smallest window, as a power of two of queries.
+    pub min_window_log2: u32,
+    /// Windows hold at least `2^blocks_log2` queries per key block of the document.
+    pub blocks_log2: u32,
+}
+
+impl Default for Locality {
+    /// Windows of at least 8192 queries and at least 8 queries per key block: measured best
+    /// of the rules tried on the H200 (`bench/README.md`, "Long documents").
+    fn default() -> Self {
+        Locality {
+            min_window_log2: 13,
+            blocks_log2: 3,
+        }
+    }
+}
+
+impl Locality {
+    /// Largest `min_window_log2` accepted (windows of 2^30 queries cover any document).
+    pub const MAX_MIN_WINDOW_LOG2: u32 = 30;
+    /// Largest `blocks_log2` accepted (keeps `blocks · 2^blocks_log2` below 2^31).
+    pub const MAX_BLOCKS_LOG2: u32 = 7;
+
+    /// Checks both fields against their bounds.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_window_log2 > Self::MAX_MIN_WINDOW_LOG2 {
+            return Err(format!(
+                "min_window_log2 = {} is above {}",
+                self.min_window_log2,
+                Self::MAX_MIN_WINDOW_LOG2
+            ));
+        }
+        if self.blocks_log2 > Self::MAX_BLOCKS_LOG2 {
+            return Err(format!(
+                "blocks_log2 = {} is above {}",
+                self.blocks_log2,
+                Self::MAX_BLOCKS_LOG2
+            ));
+        }
+        Ok(())
+    }
+
+    /// `log2` of the window of a document of `num_blocks` key blocks.
+    pub fn window_log2(&self, num_blocks: usize) -> u32 {
+        let need = (num_blocks.max(1) as u64) << self.blocks_log2;
+        let ceil_log2 = u64::BITS - (need - 1).leading_zeros();
+        ceil_log2.max(self.min_window_log2)
+    }
+
+    /// Bins of one index head for a document of `len` tokens: its windows times its blocks.
+    pub fn document_bins(&self, len: usize) -> usize {
+        let blocks = len.div_ceil(BLOCK_SIZE);
+        let window = 1usize << self.window_log2(blocks);
+        len.div_ceil(window) * blocks
+    }
+
+    /// An upper bound on the bins of one index head from the token and document counts alone:
+    /// `ceil(T/2^blocks_log2) + ceil(T/128) + docs`, at least 1.
+    pub fn bins_per_head_bound(&self, num_tokens: usize, num_docs: usize) -> usize {
+        (num_tokens.div_ceil(1 << self.blocks_log2) + num_tokens.div_ceil(BLOCK_SIZE) + num_docs)
+            .max(1)
+    }
+}
 
 /// Softmax scale `HEAD_DIM^-1/2 = 128^-1/2`.
 ///

@@ -31,11 +31,10 @@
 //! let schedule = build_schedule(&q2k, &cu_seqlens, 64)?;
 //! assert_eq!((schedule.num_tokens(), schedule.workspace_rows()), (135, 384));
 //!
-//! // Far too many short documents for the task build: refused before any allocation,
-//! // with the real bound in the message.
-//! let many: Vec<i32> = (0..=20_000).map(|d| 5 * d).collect();
-//! let err = check_capacity(&many).unwrap_err();
-//! assert!(err.to_string().contains("locality bins"), "{err}");
+//! // More tokens than one call takes: refused before anything is allocated, with the
+//! // real bound in the message.
+//! let err = check_capacity(&[0, 1 << 19, (1 << 20) + 1]).unwrap_err();
+//! assert!(err.to_string().contains("tokens T = 1048577"), "{err}");
 //! # Ok::<(), msa_runtime::ScheduleError>(())
 //! ```
 //!

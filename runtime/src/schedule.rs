@@ -8,9 +8,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use crate::contract::{
-    BLOCK_SIZE, LOCALITY_WINDOW, MAX_BINS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS,
-};
+use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 
 /// Columns of one `scheduler_metadata` row, in order (see [`WorkItem`]).
 pub const METADATA_COLUMNS: [&str; 6] = [
@@ -152,31 +150,27 @@ impl ScheduleError {
 /// or allocating anything.
 ///
 /// The limits, each a [`ScheduleError::Capacity`] that names the quantity and its value:
-/// - locality bins `4·ceil(T/512)·max(W/128, 1) <= MAX_BINS = 2^22`: the task build keeps one
-///   bin per (head, 512-query window, key block). The product grows with `T` *and* `W`: one
-///   document fits up to about 256k tokens, while 20,000 documents of 5 tokens
-///   (`T` = 100,000, `W` = 2,560,000) need 15.7M bins.
-/// - `4·edge_capacity <= 2^32 − 1` (the kernels index the CSR payload in 32 bits).
-/// - task capacity `4·edge_capacity/8 + work_capacity`: three times it `<= 2^32 − 1`, and it
-///   `<= 2^31 − 1` (task indices are 32-bit).
+/// - `T <= MAX_TOKENS = 2^20`: the main kernels index the dQ pool `[T, 32, 128]` in 32-bit
+///   words. It does not depend on how the tokens are split into documents.
+/// - `4·edge_capacity <= 2^32 − 1` (the task build indexes the CSR payload in 32 bits).
+/// - task capacity `4·edge_capacity/8 + work_capacity`: four times it `<= 2^32 − 1` (the task
+///   build addresses 4 words per task in 32 bits).
+///
+/// With `T <= 2^20` the task build's locality bins (linear in `T`, see
+/// [`crate::contract::Locality`]) stay far below their own 2^31 bound, and `W <= i32::MAX`
+/// is already part of the schedule's validation.
 pub fn check_shape_capacity(
     num_tokens: usize,
     workspace_rows: usize,
     edge_capacity: usize,
     work_capacity: usize,
 ) -> Result<(), ScheduleError> {
-    let t = num_tokens as u64;
-    let w = workspace_rows as u64;
-    let bins = (NUM_INDEX_HEADS as u64)
-        .saturating_mul(t.div_ceil(LOCALITY_WINDOW as u64))
-        .saturating_mul((w / BLOCK_SIZE as u64).max(1));
-    if bins > MAX_BINS as u64 {
+    if num_tokens > MAX_TOKENS {
         return Err(ScheduleError::Capacity {
-            quantity: "locality bins 4·ceil(T/512)·max(W/128, 1)",
-            found: format!("{bins} (T = {num_tokens}, W = {workspace_rows})"),
-            limit: MAX_BINS as u64,
-            why: "MAX_BINS, one task-build bin per index head, 512-query window and key block; \
-                  reduce T·(key blocks)",
+            quantity: "tokens T",
+            found: format!("{num_tokens} (W = {workspace_rows})"),
+            limit: MAX_TOKENS as u64,
+            why: "MAX_TOKENS, the main kernels' 32-bit word index into the dQ pool; split the call",
         });
     }
     let u32_max = u64::from(u32::MAX);
@@ -186,11 +180,11 @@ pub fn check_shape_capacity(
             quantity: "4·edge_capacity",
             found: format!("{edges} (edge_capacity = {edge_capacity})"),
             limit: u32_max,
-            why: "the kernels index the CSR payload with 32-bit offsets",
+            why: "the task build indexes the CSR payload with 32-bit offsets",
         });
     }
-    let tasks = edges / QUERY_CHUNK as u64 + work_capacity as u64;
-    let limit = (u32_max / 3).min(i32::MAX as u64);
+    let tasks = (edges / QUERY_CHUNK as u64).saturating_add(work_capacity as u64);
+    let limit = u32_max / 4;
     if tasks > limit {
         return Err(ScheduleError::Capacity {
             quantity: "task capacity 4·edge_capacity/8 + work_capacity",
@@ -198,7 +192,7 @@ pub fn check_shape_capacity(
                 "{tasks} (edge_capacity = {edge_capacity}, work_capacity = {work_capacity})"
             ),
             limit,
-            why: "the task build addresses 3 words per task with 32-bit offsets",
+            why: "the task build addresses 4 words per task with 32-bit offsets",
         });
     }
     Ok(())

@@ -6,13 +6,11 @@
 //! [`FlagsReadback::wait`]).
 
 use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut};
-use crate::contract::{
-    grid_launch_bound, BLOCK_SIZE, LOCALITY_WINDOW, NUM_INDEX_HEADS, QUERY_CHUNK,
-};
+use crate::contract::{grid_launch_bound, Locality, NUM_INDEX_HEADS, QUERY_CHUNK};
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables};
-use crate::schedule::{check_shape_capacity, Schedule};
+use crate::schedule::Schedule;
 use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 
 /// Descriptor flag: more tasks than capacity; the walk has zero rows.
@@ -23,18 +21,20 @@ pub const FLAG_NONCONTIGUOUS_SEGMENTS: i32 = 2;
 /// Region starts are rounded to 256 bytes, which also satisfies the 16-byte vector stores.
 const REGION_ALIGN_WORDS: usize = 64;
 
-/// Sizes of the task build for one schedule (`docs/design.md` §2.2).
+/// Sizes of the task build for one schedule (`docs/design.md` §2.2, with the bins of [`Locality`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TaskBuildSizes {
     /// Upper bound on tasks: `4·edge_capacity/8 + work_capacity`.
     pub capacity: usize,
-    /// Locality windows: `ceil(T/512)`.
-    pub num_windows: usize,
-    /// Key blocks of the workspace: `W/128`.
-    pub num_kblocks: usize,
-    /// Locality bins: `4·num_windows·max(num_kblocks, 1)`.
+    /// Documents of the schedule.
+    pub num_docs: usize,
+    /// The locality rule the bins follow.
+    pub locality: Locality,
+    /// Bins of one index head: [`Locality::bins_per_head_bound`] of `T` and the documents.
+    pub bins_per_head: usize,
+    /// Locality bins: `4·bins_per_head`.
     pub bins: usize,
-    /// Scratch words: `8 + work_capacity + capacity + 4·bins + 3·capacity`.
+    /// Scratch words: `8 + work_capacity + capacity + 4·bins + 2·docs + 1 + 4·capacity`.
     pub scratch_words: usize,
     /// Table words: `capacity·(4 + 16)`.
     pub table_words: usize,
@@ -45,34 +45,67 @@ pub struct TaskBuildSizes {
 }
 
 impl TaskBuildSizes {
-    /// Sizes the task build.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Input`] for `num_sms == 0`; [`RuntimeError::Schedule`] with a
-    /// [`crate::ScheduleError::Capacity`] past a limit of [`check_shape_capacity`] (which
-    /// [`Schedule::new`] already applied).
+    /// Sizes the task build with the default [`Locality`].
     pub fn new(schedule: &Schedule, num_sms: usize) -> Result<Self, RuntimeError> {
+        Self::with_locality(schedule, num_sms, Locality::default())
+    }
+
+    /// Sizes the task build; fails before any launch when the locality rule is out of range
+    /// or a count overflows the kernels' 32-bit index arithmetic. Every size comes from the
+    /// token, document, edge and work-item counts, never from the selection itself.
+    pub fn with_locality(
+        schedule: &Schedule,
+        num_sms: usize,
+        locality: Locality,
+    ) -> Result<Self, RuntimeError> {
         if num_sms == 0 {
             return Err(RuntimeError::input("num_sms", 0, "at least 1"));
         }
-        // The same limits Schedule::new applied; repeated because the sizes below rely on them.
-        check_shape_capacity(
-            schedule.num_tokens(),
-            schedule.workspace_rows(),
-            schedule.edge_capacity(),
-            schedule.work_capacity(),
-        )?;
+        locality
+            .validate()
+            .map_err(|why| RuntimeError::input("locality", format!("{locality:?}"), why))?;
         let capacity =
             NUM_INDEX_HEADS * schedule.edge_capacity() / QUERY_CHUNK + schedule.work_capacity();
-        let num_windows = schedule.num_tokens().div_ceil(LOCALITY_WINDOW);
-        let num_kblocks = schedule.workspace_rows() / BLOCK_SIZE;
-        let bins = NUM_INDEX_HEADS * num_windows * num_kblocks.max(1);
+        let num_docs = schedule.num_documents();
+        let bins_per_head = locality.bins_per_head_bound(schedule.num_tokens(), num_docs);
+        let bins = NUM_INDEX_HEADS * bins_per_head;
+        // The kernels index `head·edge_capacity + edge`, `4·task`, the bins and `2·doc` in u32,
+        // and store bin offsets and task indices as int32.
+        let limit = u32::MAX as usize;
+        if NUM_INDEX_HEADS * schedule.edge_capacity() > limit {
+            return Err(RuntimeError::input(
+                "schedule.q_indices",
+                format!("edge capacity {}", schedule.edge_capacity()),
+                "4·edge_capacity below 2^32",
+            ));
+        }
+        if 4 * capacity > limit || capacity > i32::MAX as usize {
+            return Err(RuntimeError::input(
+                "schedule",
+                format!("task capacity {capacity}"),
+                "4·capacity below 2^32",
+            ));
+        }
+        if bins > i32::MAX as usize || 2 * num_docs + 1 > limit {
+            return Err(RuntimeError::input(
+                "schedule.cu_seqlens",
+                format!("{bins} locality bins for {num_docs} documents"),
+                "bins below 2^31",
+            ));
+        }
         Ok(TaskBuildSizes {
             capacity,
-            num_windows,
-            num_kblocks,
+            num_docs,
+            locality,
+            bins_per_head,
             bins,
-            scratch_words: 8 + schedule.work_capacity() + capacity + 4 * bins + 3 * capacity,
+            scratch_words: 8
+                + schedule.work_capacity()
+                + capacity
+                + 4 * bins
+                + 2 * num_docs
+                + 1
+                + 4 * capacity,
             table_words: capacity * 20,
             grid_launch: grid_launch_bound(capacity, num_sms),
             num_sms,
@@ -97,7 +130,9 @@ pub struct TaskLayout {
     pub bin_last: usize,
     /// Bin offsets.
     pub bin_offset: usize,
-    /// Decode words `[capacity, 3]`.
+    /// Per document its first bin and window shift, then the bin total: `[2·docs + 1]`.
+    pub doc_windows: usize,
+    /// Decode words `[capacity, 4]`: valid, edge start, document, `head << 24 | kblock`.
     pub decode: usize,
     /// `task_meta [capacity, 4]`.
     pub meta: usize,
@@ -128,7 +163,8 @@ impl TaskLayout {
             bin_first: take(bins),
             bin_last: take(bins),
             bin_offset: take(bins),
-            decode: take(3 * cap),
+            doc_windows: take(2 * sizes.num_docs + 1),
+            decode: take(4 * cap),
             meta: take(4 * cap),
             qrows: take(8 * cap),
             qpos: take(8 * cap),
@@ -151,6 +187,7 @@ pub struct DeviceSchedule<B: Backend> {
     rows: usize,
     edge_capacity: usize,
     work_capacity: usize,
+    num_docs: usize,
 }
 
 impl<B: Backend> DeviceSchedule<B> {
@@ -192,6 +229,7 @@ impl<B: Backend> DeviceSchedule<B> {
             rows: s.rows(),
             edge_capacity: s.edge_capacity(),
             work_capacity: s.work_capacity(),
+            num_docs: s.num_documents(),
         })
     }
 
@@ -318,6 +356,13 @@ impl<B: Backend> TaskWorkspace<B> {
         backend: &mut B,
         schedule: &DeviceSchedule<B>,
     ) -> Result<(), RuntimeError> {
+        if schedule.num_docs != self.sizes.num_docs {
+            return Err(RuntimeError::input(
+                "schedule.cu_seqlens",
+                format!("{} documents", schedule.num_docs),
+                format!("the workspace's {}", self.sizes.num_docs),
+            ));
+        }
         if schedule.work_capacity != self.work_capacity {
             return Err(RuntimeError::input(
                 "schedule.scheduler_metadata",
@@ -342,8 +387,9 @@ impl<B: Backend> TaskWorkspace<B> {
         let rows = u32_of("schedule.rows", schedule.rows)?;
         let edge_cap = u32_of("schedule.edge_capacity", schedule.edge_capacity)?;
         let work_cap = u32_of("schedule.work_capacity", schedule.work_capacity)?;
-        let windows = u32_of("num_windows", sz.num_windows)?;
-        let kblocks = u32_of("num_kblocks", sz.num_kblocks.max(1))?;
+        let docs = u32_of("num_docs", sz.num_docs)?;
+        let per_head = u32_of("bins_per_head", sz.bins_per_head)?;
+        let (min_log2, blocks_log2) = (sz.locality.min_window_log2, sz.locality.blocks_log2);
         let sms = u32_of("num_sms", sz.num_sms)?;
         let task_ctas = sz
             .capacity
@@ -364,8 +410,13 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.bin_count),
                     w(l.bin_first),
                     w(l.bin_last),
+                    Ptr::new(s.cu_seqlens),
+                    w(l.doc_windows),
                     work_cap,
                     bins,
+                    docs,
+                    min_log2,
+                    blocks_log2,
                 ),
             ),
             (
@@ -384,11 +435,11 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.bin_count),
                     w(l.bin_first),
                     w(l.bin_last),
+                    r(l.doc_windows),
                     rows,
                     edge_cap,
                     cap,
-                    windows,
-                    kblocks,
+                    per_head,
                 ),
             ),
             (
@@ -420,8 +471,6 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.qpos),
                     edge_cap,
                     cap,
-                    windows,
-                    kblocks,
                     sms,
                 ),
             ),

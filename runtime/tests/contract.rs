@@ -18,8 +18,81 @@ fn topology_constants() {
     assert_eq!(ROWS_PER_CTA_SMALL, 4);
     assert_eq!(ROWS_PER_CTA_LARGE, 64);
     assert_eq!(ROWS_PER_CTA_SWITCH, 2400);
+    // The seed's values, documented; this implementation uses `Locality` instead.
     assert_eq!(LOCALITY_WINDOW, 512);
     assert_eq!(MAX_BINS, 4_194_304);
+    assert_eq!(MAX_TOKENS, 1 << 20);
+}
+
+#[test]
+fn locality_windows_and_the_bin_bound() {
+    let l = Locality::default();
+    assert_eq!((l.min_window_log2, l.blocks_log2), (13, 3));
+    // max(8192, 8·blocks), rounded up to a power of two.
+    for (blocks, log2) in [
+        (0, 13),
+        (1, 13),
+        (64, 13),
+        (1024, 13),
+        (1025, 14),
+        (8192, 16),
+    ] {
+        assert_eq!(l.window_log2(blocks), log2, "{blocks} blocks");
+    }
+    assert_eq!(l.document_bins(0), 0);
+    assert_eq!(l.document_bins(1), 1);
+    assert_eq!(l.document_bins(8192), 64);
+    assert_eq!(l.document_bins(8193), 65 * 2);
+    // The bound from T and the document count holds for every split of T into documents.
+    let mut state = 7u64;
+    let mut next = |n: u64| {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) % n
+    };
+    for rule in [
+        l,
+        Locality {
+            min_window_log2: 9,
+            blocks_log2: 0,
+        },
+        Locality {
+            min_window_log2: 0,
+            blocks_log2: 7,
+        },
+    ] {
+        for _ in 0..2000 {
+            let docs = 1 + next(40) as usize;
+            let lens: Vec<usize> = (0..docs)
+                .map(|_| match next(4) {
+                    0 => next(3) as usize,
+                    1 => next(300) as usize,
+                    2 => next(20_000) as usize,
+                    _ => next(400_000) as usize,
+                })
+                .collect();
+            let t: usize = lens.iter().sum();
+            let exact: usize = lens.iter().map(|&n| rule.document_bins(n)).sum();
+            assert!(
+                exact <= rule.bins_per_head_bound(t, docs),
+                "{rule:?} {lens:?}"
+            );
+        }
+    }
+    assert!(Locality {
+        min_window_log2: 31,
+        blocks_log2: 0
+    }
+    .validate()
+    .is_err());
+    assert!(Locality {
+        min_window_log2: 0,
+        blocks_log2: 8
+    }
+    .validate()
+    .is_err());
+    assert!(l.validate().is_ok());
 }
 
 #[test]

@@ -975,3 +975,78 @@ fn invalid_inputs_return_typed_errors() {
     let e = reference::postprocess(&pool, &[], &[0.0; 3]).unwrap_err();
     assert_eq!(length_field(e), "dv_pool");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The sampled references against the full one.
+
+#[test]
+fn sampled_rows_and_blocks_match_the_full_reference() {
+    use reference::sampled::{dk_dv_block, dq_row, Inputs};
+    let lens = [300, 1, 700, 129];
+    let c = random_case(&lens, 4242);
+    let fwd = run_forward(&c);
+    let mut rng = Rng(4243);
+    let dout = rng.bf16_values(c.tokens * HQ * D, 1.0);
+    let out: Vec<f32> = fwd
+        .out
+        .iter()
+        .map(|&x| bf16::from_f32(x).to_f32())
+        .collect();
+    let full = reference::backward(&c.q, &c.k, &c.v, &c.q2k, &c.cu, &out, &fwd.lse, &dout).unwrap();
+    let b = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<bf16>>();
+    let k_aligned = reference::to_aligned(&c.k, &c.cu, HKV).unwrap();
+    let v_aligned = reference::to_aligned(&c.v, &c.cu, HKV).unwrap();
+    let (starts, _) = msa_runtime::workspace_layout(&c.cu).unwrap();
+    let (q, k, v, d_o, o) = (b(&c.q), b(&k_aligned), b(&v_aligned), b(&dout), b(&out));
+    let x = Inputs {
+        q: &q,
+        k_aligned: &k,
+        v_aligned: &v,
+        grad_out: &d_o,
+        out: &o,
+        lse: &fwd.lse,
+        q2k: &c.q2k,
+        cu_seqlens: &c.cu,
+        ws_starts: &starts,
+    };
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{what}[{i}]: sampled {g}, full {w}"
+            );
+        }
+    };
+    // Every third token (all heads) keeps the test short; all blocks below.
+    for t in (0..c.tokens).step_by(3) {
+        for h in 0..HQ {
+            let want = &full.dq[(t * HQ + h) * D..][..D];
+            close(&format!("dq[{t},{h}]"), &dq_row(&x, t, h), want);
+        }
+    }
+    let mut blocks = 0;
+    for (doc, &len) in lens.iter().enumerate() {
+        for kb in 0..len.div_ceil(BLOCK) {
+            for g in 0..HKV {
+                let (dk, dv) = dk_dv_block(&x, g, doc, kb);
+                let row0 = starts[doc] as usize + kb * BLOCK;
+                for j in 0..BLOCK {
+                    let at = ((row0 + j) * HKV + g) * D;
+                    let what = format!("doc {doc} block {kb} group {g} key {j}");
+                    close(
+                        &format!("dk {what}"),
+                        &dk[j * D..][..D],
+                        &full.dk_aligned[at..][..D],
+                    );
+                    close(
+                        &format!("dv {what}"),
+                        &dv[j * D..][..D],
+                        &full.dv_aligned[at..][..D],
+                    );
+                }
+                blocks += 1;
+            }
+        }
+    }
+    assert_eq!(blocks, 4 * (3 + 1 + 6 + 2));
+}

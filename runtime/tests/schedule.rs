@@ -7,7 +7,8 @@ mod common;
 
 use common::Parts;
 use msa_runtime::{
-    build_schedule, causal_support, workspace_layout, Schedule, ScheduleError, SelectionFault,
+    build_schedule, causal_support, check_capacity, workspace_layout, Schedule, ScheduleError,
+    SelectionFault,
 };
 
 const HEADS: usize = 4;
@@ -826,4 +827,35 @@ fn error_messages_name_field_value_and_expectation() {
     assert!(msg.contains("row_ptr[1,2]"), "{msg}");
     assert!(msg.contains("found 129"), "{msg}");
     assert!(msg.contains("non-decreasing"), "{msg}");
+}
+
+#[test]
+fn capacity_limits_are_refused_where_the_schedule_is_built() {
+    // One token more than MAX_TOKENS, in two documents and no edges: refused by Schedule::new
+    // itself (not later by run_on), and by check_capacity before anything is allocated.
+    let t: i32 = (1 << 20) + 1;
+    let cu = vec![0, 1 << 19, t];
+    let rows = ((1usize << 19) / 128) + (t as usize - (1 << 19)).div_ceil(128);
+    let err = Schedule::new(
+        vec![0; 4 * (rows + 1)],
+        vec![-1; 4],
+        vec![0; 6],
+        0,
+        cu.clone(),
+        vec![0, 1 << 19],
+    )
+    .expect_err("a schedule past MAX_TOKENS was built");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, ScheduleError::Capacity { limit: 1048576, .. }),
+        "{msg}"
+    );
+    assert!(msg.contains("tokens T = 1048577"), "{msg}");
+    assert_eq!(check_capacity(&cu), Err(err));
+    // At the limit it is accepted.
+    let cu = vec![0, 1 << 20];
+    assert_eq!(check_capacity(&cu), Ok(()));
+    // A huge edge capacity is refused with its own bound.
+    let err = msa_runtime::check_shape_capacity(8, 128, 1 << 30, 1).unwrap_err();
+    assert!(err.to_string().contains("4·edge_capacity"), "{err}");
 }

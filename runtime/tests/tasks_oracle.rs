@@ -10,9 +10,10 @@ mod common;
 use common::Parts;
 use std::sync::OnceLock;
 
+use msa_runtime::contract::Locality;
 use msa_runtime::reference::tasks::{
-    build_task_tables, build_task_tables_with_capacity, task_capacity, TaskTables,
-    FLAG_CAPACITY_OVERFLOW, FLAG_NONCONTIGUOUS_SEGMENTS,
+    build_task_tables, build_task_tables_with, build_task_tables_with_capacity, task_capacity,
+    TaskTables, FLAG_CAPACITY_OVERFLOW, FLAG_NONCONTIGUOUS_SEGMENTS,
 };
 use msa_runtime::{build_schedule, causal_support, chunk_map, rows_per_cta, Schedule};
 
@@ -20,7 +21,19 @@ const HEADS: usize = 4;
 const TOPK: usize = 16;
 const SLOTS: usize = 8;
 const BLOCK: usize = 128;
-const WINDOW: usize = 512;
+/// The default locality rule's smallest window.
+const WINDOW_MIN: u64 = 8192;
+/// The seed's rule (512-query windows) as a `Locality`: on one document starting at token 0
+/// its windows are the seed's global ones, so the hand-worked orders below keep the seed's
+/// figures.
+const SEED_RULE: Locality = Locality {
+    min_window_log2: 9,
+    blocks_log2: 0,
+};
+
+fn seed_tables(s: &Schedule, sms: usize, capacity: usize) -> TaskTables {
+    build_task_tables_with(s, sms, capacity, SEED_RULE)
+}
 const SMS: [usize; 3] = [1, 8, 148];
 
 // ---------------------------------------------------------------------------------------------
@@ -141,6 +154,8 @@ fn corpus() -> &'static [Case] {
 
 /// One task row: `meta [4]`, `qrows [8]`, `qpos [8]`.
 type Row = ([i32; 4], [i32; SLOTS], [i32; SLOTS]);
+/// (head, document, window, local kblock, first query).
+type Key = (u64, u64, u64, u64, u64);
 
 fn table_rows(t: &TaskTables) -> Vec<Row> {
     let n = t.meta.len() / 4;
@@ -276,13 +291,32 @@ fn coverage_mismatch(
     ))
 }
 
-/// Locality key of a row (`docs/design.md` §2.2), written out here.
-fn locality_key(s: &Schedule, row: &Row) -> u64 {
-    let num_windows = s.num_tokens().div_ceil(WINDOW) as u64;
-    let num_kblocks = (s.workspace_rows() / BLOCK) as u64;
-    let (head, kblock, qmin) = (row.0[1] as u64, row.0[2] as u64, row.1[0] as u64);
-    ((head * num_windows + qmin / WINDOW as u64) * num_kblocks + kblock) * WINDOW as u64
-        + qmin % WINDOW as u64
+/// Locality key of a row, written out here from the rule's description: per index head,
+/// documents in order; in a document of `B` key blocks, windows of `2^s` document-local
+/// queries with `2^s` the smallest power of two of at least `max(8192, 8·B)`; then the key
+/// block; then the first query.
+fn locality_key(s: &Schedule, row: &Row) -> Key {
+    let (head, kblock, qmin) = (row.0[1] as u64, row.0[2] as u64, row.1[0] as i64);
+    let cu = s.cu_seqlens();
+    let doc = cu
+        .windows(2)
+        .position(|w| i64::from(w[0]) <= qmin && qmin < i64::from(w[1]))
+        .expect("a row's first query lies in a document");
+    let len = (cu[doc + 1] - cu[doc]) as u64;
+    let blocks = len.div_ceil(BLOCK as u64);
+    let mut window = 1u64;
+    while window < WINDOW_MIN || window < 8 * blocks {
+        window *= 2;
+    }
+    let local_q = (qmin - i64::from(cu[doc])) as u64;
+    let local_kblock = kblock - s.document_workspace_starts()[doc] as u64 / BLOCK as u64;
+    (
+        head,
+        doc as u64,
+        local_q / window,
+        local_kblock,
+        qmin as u64,
+    )
 }
 
 /// The descriptor expected for `n` rows, `num_work` items, `total` tasks and `flags`.
@@ -440,7 +474,7 @@ fn rows_follow_the_locality_key_and_the_descriptor_the_walk_rule() {
         let total = total_tasks(s);
         assert_eq!(rows.len(), total, "{}", case.name);
         // Exactly the forward tasks, sorted by the key written out here.
-        let mut keyed: Vec<(u64, Row)> = forward_rows(s)
+        let mut keyed: Vec<(Key, Row)> = forward_rows(s)
             .into_iter()
             .map(|r| (locality_key(s, &r), r))
             .collect();
@@ -480,7 +514,7 @@ fn locality_order_interleaves_rows_by_window_hand_worked() {
     // starts again at kblock 0, query 512; head 0 has 160 + 5·64 + 48 + 32 + 16 = 576 rows.
     let cu = vec![0, 1024];
     let s = build_schedule(&causal_support(&cu).unwrap(), &cu, 64).unwrap();
-    let rows = table_rows(&build_task_tables(&s, 8));
+    let rows = table_rows(&seed_tables(&s, 8, task_capacity(&s)));
     assert_eq!(rows.len(), 4 * 576);
     let at = |r: usize| (rows[r].0[1], rows[r].0[2], rows[r].1[0], rows[r].0[3]);
     assert_eq!(at(0), (0, 0, 0, 8));
@@ -645,13 +679,13 @@ fn capacity_overflow_keeps_the_segment_flag_of_the_processed_prefix() {
     // 2), so a split segment among them also raises flag 2.
     let s = split_bucket();
     let total = total_tasks(&s);
-    let flags = |capacity| build_task_tables_with_capacity(&s, 8, capacity).desc[7];
+    let flags = |capacity| seed_tables(&s, 8, capacity).desc[7];
     let both = FLAG_CAPACITY_OVERFLOW | FLAG_NONCONTIGUOUS_SEGMENTS;
     // Tasks 0..=98: windows 0 and 1 are still contiguous runs; task 99 splits both.
     assert_eq!(flags(99), FLAG_CAPACITY_OVERFLOW);
     assert_eq!(flags(100), both);
     assert_eq!(flags(total - 1), both);
-    assert_eq!(build_task_tables_with_capacity(&s, 8, 100).num_rows(), 0);
+    assert_eq!(seed_tables(&s, 8, 100).num_rows(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -679,7 +713,7 @@ fn a_split_segment_keeps_source_order() {
     let s = split_bucket();
     let expected = forward_rows(&s);
     for sms in SMS {
-        let tables = build_task_tables(&s, sms);
+        let tables = seed_tables(&s, sms, task_capacity(&s));
         assert_eq!(tables.desc[7], FLAG_NONCONTIGUOUS_SEGMENTS);
         let n = expected.len();
         assert_eq!(tables.desc, expected_desc(n, sms, n, n, 2));

@@ -1,6 +1,8 @@
 //! Shared helpers of the cross-crate tests: locating ptxas, parsing its report, and opening a
 //! GPU (or skipping cleanly without one).
 
+pub mod cases;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;

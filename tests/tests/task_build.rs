@@ -4,14 +4,13 @@
 use codegen::kernels::{common, task_build as tb};
 use codegen::ptx::*;
 use codegen::Target;
-use msa_runtime::reference::tasks::{
-    build_task_tables, build_task_tables_with_capacity, TaskTables,
-};
+use msa_runtime::contract::Locality;
+use msa_runtime::reference::tasks::{build_task_tables_with, task_capacity, TaskTables};
 use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use msa_runtime::CudaBackend;
 use msa_runtime::{
     build_schedule, causal_support, chunk_map, contract, rows_per_cta, Device, RuntimeError,
-    Schedule, ScheduleError,
+    Schedule,
 };
 use msa_tests::{gpu_stream, Rng};
 use std::sync::Arc;
@@ -56,7 +55,6 @@ fn codegen_mirrors_the_host_contract_constants() {
         tb::ROWS_PER_CTA_LARGE as usize,
         contract::ROWS_PER_CTA_LARGE
     );
-    assert_eq!(tb::LOCALITY_WINDOW as usize, contract::LOCALITY_WINDOW);
     assert_eq!(tb::QUERY_CHUNK as usize, contract::QUERY_CHUNK);
     use msa_runtime::reference::tasks as oracle;
     assert_eq!(
@@ -80,12 +78,22 @@ fn sizes_follow_the_design_formulas() {
     let (t, w) = (s.num_tokens(), s.workspace_rows());
     assert_eq!((t, w), (395, 1024));
     assert_eq!(z.capacity, 4 * s.edge_capacity() / 8 + s.work_capacity());
-    assert_eq!(z.num_windows, 1);
-    assert_eq!(z.num_kblocks, 8);
-    assert_eq!(z.bins, 4 * 8);
+    // One head's bins: ceil(T/8) + ceil(T/128) + docs = 50 + 4 + 7.
+    assert_eq!(z.num_docs, 7);
+    assert_eq!(z.bins_per_head, 50 + 4 + 7);
+    assert_eq!(z.bins, 4 * z.bins_per_head);
+    assert!(
+        z.bins_per_head
+            >= (0..7)
+                .map(|d| {
+                    let len = (s.cu_seqlens()[d + 1] - s.cu_seqlens()[d]) as usize;
+                    z.locality.document_bins(len)
+                })
+                .sum::<usize>()
+    );
     assert_eq!(
         z.scratch_words,
-        8 + s.work_capacity() + z.capacity + 4 * z.bins + 3 * z.capacity
+        8 + s.work_capacity() + z.capacity + 4 * z.bins + 2 * 7 + 1 + 4 * z.capacity
     );
     assert_eq!(z.table_words, 20 * z.capacity);
     assert_eq!(z.grid_launch, contract::grid_launch_bound(z.capacity, 8));
@@ -99,11 +107,12 @@ fn sizes_follow_the_design_formulas() {
 }
 
 #[test]
-fn too_many_locality_bins_are_refused_when_the_schedule_is_built() {
-    // One 300,000-token document and no edges: 4 · 586 windows · 2344 blocks > 2^22 bins.
-    let t = 300_000;
+fn locality_bins_grow_linearly_up_to_a_million_tokens() {
+    // One document of 2^20 tokens and no edges: the seed's bins were 4·2048·8192 = 2^26 (past
+    // its 2^22 limit); ours are 4·(2^17 + 2^13 + 1).
+    let t = 1 << 20;
     let rows = (t as usize).div_ceil(128);
-    let err = Schedule::new(
+    let s = Schedule::new(
         vec![0; 4 * (rows + 1)],
         vec![-1; 4],
         vec![0; 6],
@@ -111,14 +120,26 @@ fn too_many_locality_bins_are_refused_when_the_schedule_is_built() {
         vec![0, t],
         vec![0],
     )
-    .expect_err("a schedule past MAX_BINS was built");
-    match &err {
-        ScheduleError::Capacity { found, limit, .. } => {
-            assert!(found.starts_with(&(4 * 586 * 2344).to_string()), "{err}");
-            assert_eq!(*limit, 1 << 22);
-            assert!(err.to_string().contains("locality bins"), "{err}");
+    .unwrap();
+    let z = TaskBuildSizes::new(&s, 132).unwrap();
+    assert_eq!(z.bins, 4 * ((1 << 17) + (1 << 13) + 1));
+    // The document's exact bins: windows of 2^16 queries (8·8192 blocks), 16 of them.
+    assert_eq!(z.locality.document_bins(t as usize), 16 * 8192);
+    let bad = contract::Locality {
+        min_window_log2: 13,
+        blocks_log2: 8,
+    };
+    match TaskBuildSizes::with_locality(&s, 132, bad) {
+        Err(RuntimeError::Input {
+            field,
+            found,
+            expected,
+        }) => {
+            assert_eq!(field, "locality");
+            assert!(found.contains("blocks_log2: 8"), "{found}");
+            assert!(expected.contains("above 7"), "{expected}");
         }
-        other => panic!("expected a capacity error, got {other:?}"),
+        other => panic!("expected an input error, got {other:?}"),
     }
 }
 
@@ -147,14 +168,24 @@ fn check_device_build(
     sms: usize,
     capacity: Option<usize>,
 ) -> [i32; 8] {
-    let mut sizes = TaskBuildSizes::new(schedule, sms).unwrap();
+    check_device_build_with(stream, label, schedule, sms, capacity, Locality::default())
+}
+
+/// [`check_device_build`] under another locality rule.
+fn check_device_build_with(
+    stream: &Arc<cudarc::driver::CudaStream>,
+    label: &str,
+    schedule: &Schedule,
+    sms: usize,
+    capacity: Option<usize>,
+    locality: Locality,
+) -> [i32; 8] {
+    let mut sizes = TaskBuildSizes::with_locality(schedule, sms, locality).unwrap();
     if let Some(cap) = capacity {
         sizes.capacity = cap;
     }
-    let expected = match capacity {
-        Some(cap) => build_task_tables_with_capacity(schedule, sms, cap),
-        None => build_task_tables(schedule, sms),
-    };
+    let cap = capacity.unwrap_or_else(|| task_capacity(schedule));
+    let expected = build_task_tables_with(schedule, sms, cap, locality);
     assert_eq!(
         expected.desc,
         expected_desc(&expected, schedule, sms),
@@ -237,6 +268,21 @@ fn device_tables_equal_the_oracle_on_documents() {
     }
     let s = build_schedule(&q2k, &cu, 32).unwrap();
     check_device_build(&stream, "random top-16", &s, real_sms, None);
+    // Windows smaller than these documents: several per document, per-document bin bases.
+    for (min_window_log2, blocks_log2) in [(9, 0), (7, 0), (0, 0), (0, 2)] {
+        let rule = Locality {
+            min_window_log2,
+            blocks_log2,
+        };
+        check_device_build_with(
+            &stream,
+            &format!("random top-16, {rule:?}"),
+            &s,
+            real_sms,
+            None,
+            rule,
+        );
+    }
 }
 
 #[test]

@@ -10,12 +10,17 @@
 //!   thread 0 issues every TMA load (K/V once per segment, Q/dO as 16-head × 64-d boxes,
 //!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it), and its warp 1
 //!   gathers each task's row scalars (`−lse·log2e`, −∞ for an empty slot; delta; the slots'
-//!   query positions) into shared memory ahead of the softmax. Warpgroups 1 and 2 are
+//!   query positions) into shared memory ahead of the softmax. Every consumer thread
+//!   releases the row scalars itself, right after its last read of them: the write-after-read
+//!   order of the next fill then rests on each reader's own `mbarrier.arrive` (release) and
+//!   the gather lanes' `try_wait` (acquire), which compute-sanitizer's racecheck follows; a
+//!   hand-off through `bar.sync` and one elected arrival is just as ordered by the PTX memory
+//!   model, but racecheck reports it as a hazard. Warpgroups 1 and 2 are
 //!   consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
 //! - **Pipelines** are the typed [`Pipeline`] values the SM100 plan uses: K/V one stage
 //!   (full: 1 arrival + the tx bytes of its four TMA boxes; empty: one arrival per consumer
 //!   warpgroup), Q/dO two stages (32 boxes), row scalars one stage (full: the gather warp's
-//!   32 lanes). Stage indices and parities come from
+//!   32 lanes; empty: all 256 consumer threads). Stage indices and parities come from
 //!   [`Pipe`] over running counters, never written by hand; the operand descriptors are the
 //!   plan's [`SmemDesc`] SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
@@ -98,9 +103,11 @@ pub fn qdo_pipeline() -> Pipeline {
 }
 
 /// The row-scalar pipeline: one stage filled by the gather warp's 32 lanes (each arrives
-/// after its stores), released once per consumer warpgroup.
+/// after its stores) and released by every consumer thread after its own last read, so that
+/// each read is ordered before the next fill by that thread's own release-arrive (no
+/// hand-off through a warpgroup barrier and one elected thread).
 pub fn rows_pipeline() -> Pipeline {
-    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 2)
+    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 2 * 128)
 }
 
 /// Barrier slots: K/V full/empty at 0/1, Q/dO full at 2-3 and empty at 4-5, rows full/empty
@@ -459,6 +466,12 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
                 }
             }
 
+            if half == 1 {
+                b.comment("this thread's last read of the row scalars is done: release them");
+                let rst = rows_stage.as_ref().expect("waited in half 0");
+                rows.consumer_release(b, &bars, rst);
+            }
+
             b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded]");
             for j in 0..8u32 {
                 for rr in 0..2u32 {
@@ -498,13 +511,9 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             b.wgmma_wait(0);
         }
 
-        b.comment("release the Q/dO stage and the row scalars once the whole warpgroup is done");
+        b.comment("release the Q/dO stage once the whole warpgroup is done");
         b.bar_sync_reg(wg_bar, 128);
-        let rst = rows_stage.expect("waited in half 0");
-        b.predicated(elected, false, |b| {
-            qdo.consumer_release(b, &bars, &qst);
-            rows.consumer_release(b, &bars, &rst);
-        });
+        b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
 
         b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
         b.fence_proxy_async_shared();

@@ -34,6 +34,17 @@ pub fn div_ceil(b: &mut KernelBuilder, a: Reg<U32>, d: impl Src<U32> + Copy) -> 
     b.div(s, d)
 }
 
+/// `ceil(log2(x))` for `x >= 1` (0 for `x = 1`): the number of `k < 32` with `x > 2^k`.
+pub fn ceil_log2(b: &mut KernelBuilder, x: Reg<U32>) -> Reg<U32> {
+    let mut n = b.mov::<U32>(0u32);
+    for k in 0..32u32 {
+        let above = b.setp(Cmp::Gt, x, 1u32 << k);
+        let one = b.selp(1u32, 0u32, above);
+        n = b.add(n, one);
+    }
+    n
+}
+
 /// Warp-inclusive scan of `v` (Kogge-Stone over `shfl.up`).
 pub fn warp_inclusive_scan(b: &mut KernelBuilder, v: Reg<U32>, lane: Reg<U32>) -> Reg<U32> {
     let mut acc = v;

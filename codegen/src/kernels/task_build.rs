@@ -2,9 +2,14 @@
 //! CTA-walk task tables, in locality order, with no host sync.
 //!
 //! 1. [`SCAN_WORK`]: inclusive prefix of `ceil(q_count/8)` per work item into `task_ends`,
-//!    `num_work = clamp(work_count, 0, work_capacity)`, descriptor words 5–7, bins cleared.
+//!    `num_work = clamp(work_count, 0, work_capacity)`, descriptor words 5–7, bins cleared;
+//!    per document its window shift and the exclusive prefix of its bins (`doc_windows`).
 //! 2. [`ASSIGN_SEGMENTS`]: one thread per forward-order task: decodes it (binary search over
 //!    `task_ends`), computes its locality segment and folds it into the bins with atomics.
+//!    The segment of a task of index head `h`, document `d`, key block `k` (document-local)
+//!    whose first query is `q` (document-local) is
+//!    `h·bins_per_head + base[d] + (q >> shift[d])·blocks[d] + k`: per head, documents in
+//!    order, windows of `2^shift[d]` queries, then key blocks (the runtime's `Locality`).
 //! 3. [`SCAN_BINS`]: exclusive scan of the bin counts; flags non-contiguous segments.
 //! 4. [`SCATTER_TABLES`]: writes `task_meta`, `task_qrows`, `task_qpos`; thread 0 writes the
 //!    CTA-walk descriptor words 0–4 with the same rule as the host contract.
@@ -22,8 +27,6 @@ pub const ROWS_PER_CTA_SWITCH: u32 = 2400;
 pub const ROWS_PER_CTA_SMALL: u32 = 4;
 /// Host contract mirror: rows per CTA of a large walk.
 pub const ROWS_PER_CTA_LARGE: u32 = 64;
-/// Host contract mirror: queries per locality window.
-pub const LOCALITY_WINDOW: u32 = 512;
 /// Queries per task (one task row = 8 query slots).
 pub const QUERY_CHUNK: u32 = 8;
 /// Descriptor flag: more tasks than capacity; no rows are walked.
@@ -140,8 +143,13 @@ fn scan_work(b: &mut KernelBuilder) {
     let count_p = b.param_ptr("bin_count", HostElem::I32, true);
     let first_p = b.param_ptr("bin_first", HostElem::I32, true);
     let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
+    let windows_p = b.param_ptr("doc_windows", HostElem::I32, true);
     let cap_p = b.param_u32("work_capacity");
     let bins_p = b.param_u32("bins");
+    let docs_p = b.param_u32("num_docs");
+    let min_log2_p = b.param_u32("min_window_log2");
+    let blocks_log2_p = b.param_u32("blocks_log2");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
 
     let metadata = b.ld_param_ptr(&metadata_p);
@@ -185,6 +193,50 @@ fn scan_work(b: &mut KernelBuilder) {
         b.st::<U32, _>(&global(desc, 28), 0u32);
     });
 
+    b.comment("per document: doc_windows[2d] = bins before it, doc_windows[2d+1] = window shift");
+    let cu = b.ld_param_ptr(&cu_p);
+    let windows = b.ld_param_ptr(&windows_p);
+    let num_docs = b.ld_param(&docs_p);
+    let min_log2 = b.ld_param(&min_log2_p);
+    let blocks_log2 = b.ld_param(&blocks_log2_p);
+    // The block, window and bin counts of document `d`; the shift is
+    // max(min_log2, ceil(log2(blocks << blocks_log2))).
+    let doc_bins = |b: &mut KernelBuilder, d: Reg<U32>| {
+        let start = load_u32(b, cu, d);
+        let d1 = b.add(d, 1u32);
+        let end = load_u32(b, cu, d1);
+        let len = b.sub(end, start);
+        let blocks = div_ceil(b, len, 128u32);
+        let one = b.max(blocks, 1u32);
+        let need = b.shl(one, blocks_log2);
+        let shift = common::ceil_log2(b, need);
+        let shift = b.max(shift, min_log2);
+        let window = b.mov::<U32>(1u32);
+        let window = b.shl(window, shift);
+        let wins = div_ceil(b, len, window);
+        (b.mul_lo(wins, blocks), shift)
+    };
+    let doc_total = tiled_scan(
+        b,
+        num_docs,
+        tid,
+        &warp_totals,
+        |b, i, live| load_if(b, live, |b| doc_bins(b, i).0),
+        |b, i, live, before, _| {
+            b.if_then(live, "store_doc", |b| {
+                let (_, shift) = doc_bins(b, i);
+                let at = b.shl(i, 1u32);
+                store_u32(b, windows, at, before);
+                let at = b.add(at, 1u32);
+                store_u32(b, windows, at, shift);
+            });
+        },
+    );
+    b.if_then(leader, "doc_total", |b| {
+        let at = b.shl(num_docs, 1u32);
+        store_u32(b, windows, at, doc_total);
+    });
+
     b.comment("clear the bins: count 0, first INT32_MAX, last -1");
     let count = b.ld_param_ptr(&count_p);
     let first = b.ld_param_ptr(&first_p);
@@ -203,8 +255,6 @@ struct TaskParams {
     cu_seqlens: Reg<U64>,
     ws_starts: Reg<U64>,
     edge_capacity: Reg<U32>,
-    num_windows: Reg<U32>,
-    num_kblocks: Reg<U32>,
 }
 
 fn assign_segments(b: &mut KernelBuilder) {
@@ -221,11 +271,11 @@ fn assign_segments(b: &mut KernelBuilder) {
     let count_p = b.param_ptr("bin_count", HostElem::I32, true);
     let first_p = b.param_ptr("bin_first", HostElem::I32, true);
     let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let windows_p = b.param_ptr("doc_windows", HostElem::I32, false);
     let rows_p = b.param_u32("rows");
     let edge_cap_p = b.param_u32("edge_capacity");
     let cap_p = b.param_u32("capacity");
-    let windows_p = b.param_u32("num_windows");
-    let kblocks_p = b.param_u32("num_kblocks");
+    let per_head_p = b.param_u32("bins_per_head");
 
     let tid = b.sreg(SReg::TidX);
     let cta = b.sreg(SReg::CtaidX);
@@ -289,35 +339,36 @@ fn assign_segments(b: &mut KernelBuilder) {
         let edge_start = b.add(rp, q_begin);
         let edge_start = b.add(edge_start, skip);
 
-        let p = task_params(
-            b,
-            &q_indices_p,
-            &cu_p,
-            &ws_p,
-            &edge_cap_p,
-            &windows_p,
-            &kblocks_p,
-        );
+        let p = task_params(b, &q_indices_p, &cu_p, &ws_p, &edge_cap_p);
         let edge = b.mad_lo(head, p.edge_capacity, edge_start);
         let q0 = load_u32(b, p.q_indices, edge);
-        let cu = load_u32(b, p.cu_seqlens, doc);
-        let first_query = b.add(cu, q0);
         let ws = load_u32(b, p.ws_starts, doc);
         let kb = b.shr(ws, 7u32);
         let kblock = b.add(kb, local_kblock);
-        let window = b.div(first_query, LOCALITY_WINDOW);
-        let seg = b.mad_lo(head, p.num_windows, window);
-        let seg = b.mad_lo(seg, p.num_kblocks, kblock);
+        // The document's blocks, window shift and first bin (scan_work's doc_windows).
+        let start = load_u32(b, p.cu_seqlens, doc);
+        let doc1 = b.add(doc, 1u32);
+        let end = load_u32(b, p.cu_seqlens, doc1);
+        let len = b.sub(end, start);
+        let blocks = div_ceil(b, len, 128u32);
+        let windows = b.ld_param_ptr(&windows_p);
+        let at = b.shl(doc, 1u32);
+        let doc_base = load_u32(b, windows, at);
+        let at = b.add(at, 1u32);
+        let shift = load_u32(b, windows, at);
+        let window = b.shr(q0, shift);
+        let per_head = b.ld_param(&per_head_p);
+        let seg = b.mad_lo(head, per_head, doc_base);
+        let seg = b.mad_lo(window, blocks, seg);
+        let seg = b.add(seg, local_kblock);
 
         let segments = b.ld_param_ptr(&segments_p);
         store_u32(b, segments, j, seg);
         let decode = b.ld_param_ptr(&decode_p);
-        let d0 = b.mul_lo(j, 3u32);
-        store_u32(b, decode, d0, valid);
-        let d1 = b.add(d0, 1u32);
-        store_u32(b, decode, d1, edge_start);
-        let d2 = b.add(d0, 2u32);
-        store_u32(b, decode, d2, doc);
+        let head_kblock = b.shl(head, 24u32);
+        let head_kblock = b.or(head_kblock, kblock);
+        let a = common::elem_bytes(b, decode, j, 16);
+        b.st_v(&a, [valid, edge_start, doc, head_kblock]);
 
         let count = b.ld_param_ptr(&count_p);
         let first = b.ld_param_ptr(&first_p);
@@ -339,16 +390,12 @@ fn task_params(
     cu: &ParamRef<U64>,
     ws: &ParamRef<U64>,
     edge_cap: &ParamRef<U32>,
-    windows: &ParamRef<U32>,
-    kblocks: &ParamRef<U32>,
 ) -> TaskParams {
     TaskParams {
         q_indices: b.ld_param_ptr(q_indices),
         cu_seqlens: b.ld_param_ptr(cu),
         ws_starts: b.ld_param_ptr(ws),
         edge_capacity: b.ld_param(edge_cap),
-        num_windows: b.ld_param(windows),
-        num_kblocks: b.ld_param(kblocks),
     }
 }
 
@@ -415,8 +462,6 @@ fn scatter_tables(b: &mut KernelBuilder) {
     let qpos_p = b.param_ptr("task_qpos", HostElem::I32, true);
     let edge_cap_p = b.param_u32("edge_capacity");
     let cap_p = b.param_u32("capacity");
-    let windows_p = b.param_u32("num_windows");
-    let kblocks_p = b.param_u32("num_kblocks");
     let sms_p = b.param_u32("num_sms");
 
     let tid = b.sreg(SReg::TidX);
@@ -467,25 +512,12 @@ fn scatter_tables(b: &mut KernelBuilder) {
             b.set(row, r);
         });
 
-        let p = task_params(
-            b,
-            &q_indices_p,
-            &cu_p,
-            &ws_p,
-            &edge_cap_p,
-            &windows_p,
-            &kblocks_p,
-        );
-        let hw = b.div(seg, p.num_kblocks);
-        let head = b.div(hw, p.num_windows);
-        let kblock = b.rem(seg, p.num_kblocks);
+        let p = task_params(b, &q_indices_p, &cu_p, &ws_p, &edge_cap_p);
         let decode = b.ld_param_ptr(&decode_p);
-        let d0 = b.mul_lo(j, 3u32);
-        let valid = load_u32(b, decode, d0);
-        let d1 = b.add(d0, 1u32);
-        let edge_start = load_u32(b, decode, d1);
-        let d2 = b.add(d0, 2u32);
-        let doc = load_u32(b, decode, d2);
+        let a = common::elem_bytes(b, decode, j, 16);
+        let [valid, edge_start, doc, head_kblock]: [Reg<U32>; 4] = b.ld_v(&a);
+        let head = b.shr(head_kblock, 24u32);
+        let kblock = b.and(head_kblock, (1u32 << 24) - 1);
 
         let meta = b.ld_param_ptr(&meta_p);
         let zero = b.mov::<U32>(0u32);

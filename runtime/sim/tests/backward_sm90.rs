@@ -299,3 +299,64 @@ fn gather_skipping_the_row_scalars_empty_wait_does_not_pass_silently() {
     // task the consumers are still using.
     does_not_pass_silently(&without_wait(2), "no rows empty wait");
 }
+
+/// The consumer warps (4-11) run only when no other warp can: the gather warp then refills
+/// the row scalars as soon as their stage is released.
+fn consumers_last() -> Limits {
+    Limits {
+        starved_warps: 0xff0,
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn the_tiny_case_passes_with_the_consumers_starved() {
+    let c = tiny();
+    let g = run(&c, main_ptx(), consumers_last(), 1).unwrap_or_else(|e| panic!("{e}"));
+    check(&c, &g, "tiny, consumers last");
+}
+
+/// The main kernel with each consumer thread's release of the row scalars moved from after
+/// its last read to right after its rows full wait (the sixth `try_wait` loop).
+fn rows_released_before_the_reads() -> String {
+    let lines: Vec<&str> = main_ptx().lines().collect();
+    let note = lines
+        .iter()
+        .position(|l| l.contains("last read of the row scalars is done"))
+        .expect("the release exists");
+    let release = lines[note + 1];
+    assert!(release.contains("mbarrier.arrive") && !release.contains('@'));
+    let wait = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.contains("mbarrier.try_wait"))
+        .nth(5)
+        .map(|(i, _)| i)
+        .expect("the rows full wait exists");
+    assert!(wait < note && lines[wait + 1].contains("bra"));
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if i != note + 1 {
+            out.push(*l);
+        }
+        if i == wait + 1 {
+            out.push(release);
+        }
+    }
+    out.join("\n") + "\n"
+}
+
+#[test]
+fn releasing_the_row_scalars_before_the_last_read_is_caught_with_the_consumers_starved() {
+    // The write-after-read order that compute-sanitizer's racecheck checks (issue 18): a
+    // consumer that hands the stage back before it has read it lets the gather warp
+    // overwrite the scalars of the task being computed.
+    let c = tiny();
+    match run(&c, &rows_released_before_the_reads(), consumers_last(), 1) {
+        Err(e) => println!("reported: {e}"),
+        Ok(g) => {
+            let m = msa_sim::backward::check(&c, &g).expect_err("the early release went unnoticed");
+            println!("wrong gradients: {m}");
+        }
+    }
+}

@@ -5,8 +5,10 @@
 use std::time::Instant;
 
 use half::bf16;
+use msa_runtime::contract::Locality;
 use msa_runtime::ops::{postprocess as run_postprocess, preprocess};
-use msa_runtime::reference::{postprocess, preprocess_delta, tasks::build_task_tables};
+use msa_runtime::reference::tasks::{build_task_tables, build_task_tables_with, task_capacity};
+use msa_runtime::reference::{postprocess, preprocess_delta};
 use msa_runtime::schedule::Schedule;
 use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use msa_runtime::{build_schedule, causal_support, Span};
@@ -218,12 +220,16 @@ fn causal(lengths: &[i32]) -> Schedule {
 }
 
 fn check_task_build(what: &str, schedule: &Schedule, num_sms: usize) {
-    let expected = build_task_tables(schedule, num_sms);
+    check_task_build_with(what, schedule, num_sms, Locality::default());
+}
+
+fn check_task_build_with(what: &str, schedule: &Schedule, num_sms: usize, locality: Locality) {
+    let expected = build_task_tables_with(schedule, num_sms, task_capacity(schedule), locality);
     for arch in ARCHES {
         // The runtime's own task build (sizing, carving, the four launches) on the simulator.
         let mut dev = SimDevice::new(arch, num_sms);
         let t0 = Instant::now();
-        let sizes = TaskBuildSizes::new(schedule, num_sms).expect("sizes");
+        let sizes = TaskBuildSizes::with_locality(schedule, num_sms, locality).expect("sizes");
         let uploaded = DeviceSchedule::upload(&mut dev, schedule).expect("upload");
         let mut build =
             TaskWorkspace::new(&mut dev, sizes, schedule.work_capacity()).expect("workspace");
@@ -280,6 +286,26 @@ fn task_build_matches_the_oracle_with_64_rows_per_cta() {
     let tasks = build_task_tables(&s, 132).num_rows();
     assert!(tasks > 2400, "{tasks} tasks");
     check_task_build("docs (1500,700,300)", &s, 132);
+}
+
+#[test]
+fn task_build_matches_the_oracle_with_several_windows_per_document() {
+    // The default rule gives these short documents one window each; smaller windows (the
+    // seed's 512 queries, 128 queries, and one query per block of the document) exercise
+    // the per-document window shifts and bin bases, including empty and one-token documents.
+    let s = causal(&[1500, 0, 700, 1, 300, 129]);
+    for (min_window_log2, blocks_log2) in [(9, 0), (7, 0), (0, 0), (0, 2)] {
+        let rule = Locality {
+            min_window_log2,
+            blocks_log2,
+        };
+        check_task_build_with(
+            &format!("docs (1500,0,700,1,300,129), {rule:?}"),
+            &s,
+            8,
+            rule,
+        );
+    }
 }
 
 /// `s` with its work items (metadata rows) reordered by `order`.

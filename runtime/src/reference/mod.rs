@@ -21,6 +21,7 @@
 mod attention;
 mod check;
 mod layout;
+pub mod sampled;
 pub mod tasks;
 
 pub use attention::{backward, forward, Forward, Gradients};

@@ -10,18 +10,20 @@
 //!    head `h`, `valid = min(8, q_count − 8j)` of them. This is the *forward* task order.
 //! 2. **Capacity.** `total` (unclamped) tasks against [`task_capacity`]: past it, flag
 //!    [`FLAG_CAPACITY_OVERFLOW`] and an empty table (the backward then walks nothing).
-//! 3. **Segments.** A task's segment is `(head·num_windows + qmin/512)·num_kblocks + kblock`
-//!    with `qmin` the compact row of slot 0. If the forward indices of any segment's tasks are
-//!    not one contiguous run, flag [`FLAG_NONCONTIGUOUS_SEGMENTS`] and keep forward order.
-//! 4. **Order.** Otherwise rows are sorted by `key = segment·512 + qmin%512` (unique on a
-//!    valid schedule). The device's scatter rule `row = offsets[seg] + (task − first[seg])`
-//!    gives the same order whenever each segment's forward order ascends in `qmin`, as with
+//! 3. **Segments.** A task's segment is the tuple `(head, document, window, local kblock)`,
+//!    where `window = q / 2^s` for the document-local query `q` of slot 0 and the document's
+//!    window `2^s` of [`Locality::window_log2`]. If the forward indices of any segment's tasks
+//!    are not one contiguous run, flag [`FLAG_NONCONTIGUOUS_SEGMENTS`] and keep forward order.
+//! 4. **Order.** Otherwise rows are sorted by `(segment, qmin)` (unique on a valid schedule),
+//!    `qmin` the compact row of slot 0. The device's scatter rule
+//!    `row = offsets[seg] + (task − first[seg])` gives the same order whenever each segment's
+//!    forward order ascends in `qmin`, as with
 //!    [`build_schedule`](crate::schedule::build_schedule)'s order; for a contiguous segment
-//!    whose forward order does not ascend, the oracle follows the §2.2 argsort.
+//!    whose forward order does not ascend, the oracle sorts by `qmin`.
 //! 5. **Descriptor.** `[n, rows_per_cta(n), chunk_map(n, ..)…, num_work, total, flags]`.
 
 use crate::contract::{
-    chunk_map, rows_per_cta, BLOCK_SIZE, LOCALITY_WINDOW, NUM_INDEX_HEADS, QUERY_CHUNK,
+    chunk_map, rows_per_cta, Locality, BLOCK_SIZE, NUM_INDEX_HEADS, QUERY_CHUNK,
 };
 use crate::schedule::Schedule;
 
@@ -80,6 +82,16 @@ pub fn build_task_tables(schedule: &Schedule, num_sms: usize) -> TaskTables {
     build_task_tables_with_capacity(schedule, num_sms, task_capacity(schedule))
 }
 
+/// [`build_task_tables_with_capacity`] with another locality rule.
+pub fn build_task_tables_with(
+    schedule: &Schedule,
+    num_sms: usize,
+    capacity: usize,
+    locality: Locality,
+) -> TaskTables {
+    build_tables(schedule, num_sms, capacity, locality)
+}
+
 /// [`build_task_tables`] with an explicit table `capacity` (rows the device buffers hold).
 ///
 /// With `total > capacity` the device still assigns segments to its first `capacity` tasks, so
@@ -90,6 +102,15 @@ pub fn build_task_tables_with_capacity(
     num_sms: usize,
     capacity: usize,
 ) -> TaskTables {
+    build_tables(schedule, num_sms, capacity, Locality::default())
+}
+
+fn build_tables(
+    schedule: &Schedule,
+    num_sms: usize,
+    capacity: usize,
+    locality: Locality,
+) -> TaskTables {
     let num_work = schedule.num_work();
     let total: usize = schedule
         .work_items()
@@ -98,15 +119,19 @@ pub fn build_task_tables_with_capacity(
     let overflow = total > capacity;
     let tasks = forward_tasks(schedule, total.min(capacity));
 
-    let window = LOCALITY_WINDOW as u64;
-    let num_windows = schedule.num_tokens().div_ceil(LOCALITY_WINDOW) as u64;
-    let num_kblocks = (schedule.workspace_rows() / BLOCK_SIZE) as u64;
-    // In u64: head < 4, window index < 2^22 and kblock < 2^24 (T, W <= i32::MAX), so the
-    // segment stays below 2^48 and the key below 2^57.
-    let segment = |t: &Task| (t.head * num_windows + t.qmin / window) * num_kblocks + t.kblock;
-    let key = |t: &Task| segment(t) * window + t.qmin % window;
+    // Each document's window, from its length.
+    let cu = schedule.cu_seqlens();
+    let window_log2: Vec<u32> = cu
+        .windows(2)
+        .map(|w| locality.window_log2(((w[1] - w[0]) as usize).div_ceil(BLOCK_SIZE)))
+        .collect();
+    let segment = |t: &Task| {
+        let q = t.queries[0] as u64;
+        (t.head, t.doc, q >> window_log2[t.doc], t.local_kblock)
+    };
+    let key = |t: &Task| (segment(t), t.qmin);
 
-    // Forward indices sorted by key; a segment is then one run of equal `key/512`.
+    // Forward indices sorted by key; a segment is then one run of equal segment tuples.
     let mut order: Vec<usize> = (0..tasks.len()).collect();
     order.sort_by_key(|&i| key(&tasks[i]));
     let noncontiguous = order
@@ -184,6 +209,10 @@ struct Task<'a> {
     head: u64,
     /// Workspace-global key block `ws_start[doc]/128 + local_kblock`.
     kblock: u64,
+    /// Document ordinal.
+    doc: usize,
+    /// Document-local key block.
+    local_kblock: usize,
     /// Compact row of slot 0, `cu_seqlens[doc] + queries[0]`.
     qmin: u64,
     /// `cu_seqlens[doc]`.
@@ -223,6 +252,8 @@ fn forward_tasks(schedule: &Schedule, limit: usize) -> Vec<Task<'_>> {
             tasks.push(Task {
                 head: item.index_head as u64,
                 kblock: kblock as u64,
+                doc,
+                local_kblock: item.document_local_kblock,
                 qmin: (i64::from(row_base) + i64::from(first)) as u64,
                 row_base,
                 ws_base,
