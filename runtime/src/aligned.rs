@@ -11,7 +11,7 @@
 //!
 //! Both are one launch each, stream-ordered, with no host sync.
 
-use crate::backend::{bytes_of, Backend, Ptr, PtrMut, Span};
+use crate::backend::{bytes_of, Backend, Ptr, Span};
 use crate::backward::check_context;
 use crate::buffers::{check_regions, Region};
 use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS};
@@ -108,8 +108,8 @@ fn launch<B: Backend>(
             aligned[0].1.ptr(),
             aligned[1].1.ptr(),
             table_ptr,
-            PtrMut::new(compact[0].1.addr),
-            PtrMut::new(compact[1].1.addr),
+            compact[0].1.ptr_mut(),
+            compact[1].1.ptr_mut(),
             ws_rows,
         )
     };
