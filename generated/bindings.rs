@@ -6,7 +6,7 @@ use crate::backend::{KernelArg, KernelSpec, Ptr, PtrMut};
 use crate::tma::TensorMap;
 #[allow(unused_imports)]
 use half::bf16;
-/// `bwd_preprocess`: delta[t,h] = sum_d O[t,h,d]*dO[t,h,d] in fp32 from bf16 O and dO.
+/// `bwd_preprocess`: delta\[t,h\] = sum_d O\[t,h,d\]*dO\[t,h,d\] in fp32 from bf16 O and dO.
 pub mod bwd_preprocess {
     use super::*;
     /// Entry name in the PTX module.
@@ -92,6 +92,96 @@ pub mod bwd_postprocess {
             KernelArg::from(dq_pool), KernelArg::from(dk_pool), KernelArg::from(dv_pool),
             KernelArg::from(dq), KernelArg::from(dk), KernelArg::from(dv),
             KernelArg::from(num_tokens), KernelArg::from(workspace_rows)
+        ]
+    }
+}
+/// `kv_to_aligned`: packs compact K/V rows into the zero-padded aligned workspace layout.
+pub mod kv_to_aligned {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "kv_to_aligned";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `kv_to_aligned` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("kv_to_aligned.sm_90a.ptx");
+    /// PTX of `kv_to_aligned` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("kv_to_aligned.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [workspace_rows / 4, 2, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        k: Ptr<bf16>,
+        v: Ptr<bf16>,
+        block_rows: Ptr<u32>,
+        k_aligned: PtrMut<bf16>,
+        v_aligned: PtrMut<bf16>,
+        workspace_rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(k), KernelArg::from(v), KernelArg::from(block_rows),
+            KernelArg::from(k_aligned), KernelArg::from(v_aligned),
+            KernelArg::from(workspace_rows)
+        ]
+    }
+}
+/// `kv_from_aligned`: gathers the real rows of aligned dK/dV back into compact rows.
+pub mod kv_from_aligned {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "kv_from_aligned";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `kv_from_aligned` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("kv_from_aligned.sm_90a.ptx");
+    /// PTX of `kv_from_aligned` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("kv_from_aligned.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [workspace_rows / 4, 2, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        dk_aligned: Ptr<bf16>,
+        dv_aligned: Ptr<bf16>,
+        block_rows: Ptr<u32>,
+        dk: PtrMut<bf16>,
+        dv: PtrMut<bf16>,
+        workspace_rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(dk_aligned), KernelArg::from(dv_aligned),
+            KernelArg::from(block_rows), KernelArg::from(dk), KernelArg::from(dv),
+            KernelArg::from(workspace_rows)
         ]
     }
 }

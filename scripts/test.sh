@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's one test command (README, `.ci/run`): installs ptxas when it is missing,
-# then checks formatting, lints and runs every test. GPU tests skip without a GPU unless
+# then checks formatting, lints and rustdoc (warnings are errors), and runs every test
+# (doc tests and the bounded proptest suite included). GPU tests skip without a GPU unless
 # REQUIRE_GPU=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +21,5 @@ export PTXAS
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 cargo test --workspace

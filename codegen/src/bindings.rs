@@ -84,7 +84,13 @@ fn kernel_module(
         let ident = format_ident!("{}", p.name);
         quote! { KernelArg::from(#ident) }
     });
-    let about = format!(" `{}`: {}.", k.name, spec.about);
+    // Kernel descriptions use index notation (`delta[t,h]`); escaped, rustdoc does not read
+    // the brackets as intra-doc links.
+    let about = format!(
+        " `{}`: {}.",
+        k.name,
+        spec.about.replace('[', "\\[").replace(']', "\\]")
+    );
     let grid_doc = format!(" Grid: {}.", k.grid);
     quote! {
         #[doc = #about]

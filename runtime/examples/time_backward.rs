@@ -99,7 +99,7 @@ fn run(stream: &Arc<CudaStream>, o: &Options) -> Result<(), RuntimeError> {
     for &len in &o.docs {
         cu.push(cu[cu.len() - 1] + len);
     }
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).unwrap();
     let schedule = build_schedule(&q2k, &cu, 64)?;
     let (t, w) = (schedule.num_tokens(), schedule.workspace_rows());
 

@@ -1,4 +1,4 @@
-//! The MSA backward host flow (seed-design §1.5, §3.1): validation, TMA descriptors, the cached
+//! The MSA backward host flow (`docs/design.md` §1.5, §3.1): validation, TMA descriptors, the cached
 //! gradient workspace and the launch sequence
 //! `preprocess → zero pools → task build → main kernel → postprocess`, stream-ordered and
 //! without a host sync.
@@ -10,6 +10,7 @@
 //! CUDA context.
 
 use crate::backend::{Backend, KernelSpec, Span};
+use crate::buffers::{check_regions, Region, BASE_ALIGN};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, MAX_TOKENS, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::cuda::{read_span, CudaBackend};
 use crate::device::driver_present;
@@ -32,10 +33,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
 /// Elements of one workspace row `[4, 128]` (K, V, dK, dV).
 const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
-/// Workspace regions start on 256-byte boundaries (seed-design §3.1).
+/// Workspace regions start on 256-byte boundaries (`docs/design.md` §3.1).
 const REGION_ALIGN: usize = 256;
-/// TMA and the 128-bit vector loads of the small kernels need 16-byte aligned bases.
-const BASE_ALIGN: u64 = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Tensor maps
@@ -60,7 +59,7 @@ pub struct TileMapSpec {
 impl TileMapSpec {
     /// The map of a query-side tensor `[T, 64, 128]` bf16 (`q`, `grad_out`): globalDim
     /// `[128, 64, T]`, strides `[256, 16384]` bytes, box `[64, 16, 1]` = 16 heads × 64 d of one
-    /// token, the K-major SW128 sub-block the MMA reads (seed-design §3.3).
+    /// token, the K-major SW128 sub-block the MMA reads (`docs/design.md` §3.3).
     ///
     /// # Errors
     /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
@@ -88,7 +87,7 @@ impl TileMapSpec {
     ///
     /// # Errors
     /// [`RuntimeError::TensorMap`] unless `W` is a positive multiple of 128 and at most 2^32
-    /// (every key block must be a full tile, seed-design §1.5).
+    /// (every key block must be a full tile, `docs/design.md` §1.5).
     pub fn key_rows(map: &'static str, workspace_rows: usize) -> Result<Self, RuntimeError> {
         if workspace_rows == 0
             || !workspace_rows.is_multiple_of(BLOCK_SIZE)
@@ -233,7 +232,7 @@ impl TileMapSpec {
 // ---------------------------------------------------------------------------------------------
 // The gradient workspace
 
-/// Byte offsets of the regions of the gradient workspace (seed-design §3.1), each rounded up to
+/// Byte offsets of the regions of the gradient workspace (`docs/design.md` §3.1), each rounded up to
 /// 256 bytes: the bf16 dQ pool `[T, 32, 128, 2]`, the fp32 dK then dV pools `[W, 4, 128]` and
 /// delta fp32 `[T, 64]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -334,15 +333,33 @@ impl<B: Backend> GradientPools<B> {
 // ---------------------------------------------------------------------------------------------
 // The backward
 
-/// The device buffers of one backward call: the inputs of seed-design §1.5 and the outputs
-/// the call writes. Every base must be 16-byte aligned.
+/// The device buffers of one backward call: the inputs of `docs/design.md` §1.5 and the outputs
+/// the call writes.
+///
+/// Checked by [`MsaBackward::run_on`] before anything is issued: each length against the
+/// schedule's `T` and `W`; each base non-null and 16-byte aligned; no output overlapping
+/// another output or an input, unless [`MsaBackward::allow_in_place`] allows an output exactly
+/// on an input of the same size. Inputs may share memory with each other.
+///
+/// # The padding contract
+///
+/// `k_aligned` and `v_aligned` are in the schedule's aligned layout, and **their padding rows
+/// must be zero**: every row of `[W, 4, 128]` that holds no token (the tail of each document's
+/// 128-aligned region, and any gap between regions). The main kernels load padding rows as
+/// part of each 128-key block; the causal mask removes their probabilities, but a NaN or Inf
+/// there still reaches dQ through `0·NaN` in the `dS·K` product, so a buffer made with
+/// `torch.empty` or left uninitialised gives NaN gradients. The runtime cannot see device
+/// contents from the host, so instead it owns the layout: make these two buffers with
+/// [`crate::to_aligned`] (or [`crate::to_aligned_on`]), which writes every row, padding
+/// included, from compact `[T, 4, 128]` K/V. The outputs `dk_aligned` and `dv_aligned` are
+/// written whole, padding rows as zeros; [`crate::from_aligned`] brings them back to compact.
 #[derive(Debug, Clone, Copy)]
 pub struct BackwardBuffers {
     /// `q [T, 64, 128]` bf16.
     pub q: Span<bf16>,
-    /// `k_aligned [W, 4, 128]` bf16.
+    /// `k_aligned [W, 4, 128]` bf16, padding rows zero (see above).
     pub k_aligned: Span<bf16>,
-    /// `v_aligned [W, 4, 128]` bf16.
+    /// `v_aligned [W, 4, 128]` bf16, padding rows zero (see above).
     pub v_aligned: Span<bf16>,
     /// `grad_out [T, 64, 128]` bf16.
     pub grad_out: Span<bf16>,
@@ -383,6 +400,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
     // stream-ordered after the kernels that read them, never by a synchronizing free here.
     schedule: Option<DeviceSchedule<B>>,
     allocations: usize,
+    in_place: bool,
     locality: Locality,
 }
 
@@ -394,6 +412,7 @@ impl<B: Backend> Default for MsaBackward<B> {
             tasks: None,
             schedule: None,
             allocations: 0,
+            in_place: false,
             locality: Locality::default(),
         }
     }
@@ -429,23 +448,45 @@ pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec
     }
 }
 
-/// Checks the 16-byte alignment of a device address.
-fn check_aligned(field: &'static str, ptr: u64) -> Result<(), RuntimeError> {
-    if ptr.is_multiple_of(BASE_ALIGN) {
-        Ok(())
-    } else {
-        Err(RuntimeError::input(
-            field,
-            format!("base address {ptr:#x}"),
-            "a 16-byte aligned device address",
-        ))
-    }
+/// The host checks on the addresses of `io` (its lengths are already checked); see
+/// [`check_regions`]. With `in_place`, an output may lie exactly on an input of the same
+/// size: every input is last read by the main kernel, and the outputs are written only by
+/// `bwd_postprocess`, which runs after it and reads nothing but the runtime's own pools.
+fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeError> {
+    check_regions(
+        &[
+            Region::input("q", io.q)?,
+            Region::input("k_aligned", io.k_aligned)?,
+            Region::input("v_aligned", io.v_aligned)?,
+            Region::input("grad_out", io.grad_out)?,
+            Region::input("lse", io.lse)?,
+            Region::input("out", io.out)?,
+            Region::output("dq", io.dq)?,
+            Region::output("dk_aligned", io.dk_aligned)?,
+            Region::output("dv_aligned", io.dv_aligned)?,
+        ],
+        in_place,
+        "MsaBackward::allow_in_place(true)",
+    )
 }
 
 impl<B: Backend> MsaBackward<B> {
     /// An empty cache; nothing is allocated until the first call.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Whether an output may lie exactly on an input of the same size (`dq` on `q`, `grad_out`
+    /// or `out`; `dk_aligned`/`dv_aligned` on `k_aligned` or `v_aligned`); off by default, so
+    /// that any overlap is a [`RuntimeError::Overlap`].
+    ///
+    /// In-place use is safe for the gradients because every input is last read by the main
+    /// kernel and the outputs are written only afterwards, by `bwd_postprocess`; the input's
+    /// contents are of course gone after the call. Outputs overlapping each other, and partial
+    /// overlaps, are rejected either way.
+    pub fn allow_in_place(&mut self, allow: bool) -> &mut Self {
+        self.in_place = allow;
+        self
     }
 
     /// The locality rule of the task order (default [`Locality::default`]); checked by the
@@ -481,12 +522,13 @@ impl<B: Backend> MsaBackward<B> {
 
     /// Runs the backward on `backend`, writing `io.dq`, `io.dk_aligned` and `io.dv_aligned`.
     ///
-    /// Inputs (seed-design §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
-    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout, `lse [T, 64]` fp32, with
+    /// Inputs (`docs/design.md` §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
+    /// `v_aligned` `[W, 4, 128]` bf16 in the aligned workspace layout with zero padding rows
+    /// (made by [`crate::to_aligned`]; see [`BackwardBuffers`]), `lse [T, 64]` fp32, with
     /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
     /// aligned.
     ///
-    /// Issues, in order (seed-design §3.1): `bwd_preprocess`, the zeroing of the pools, the
+    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of the pools, the
     /// schedule copy, the four task-build kernels, the main kernel for the capability
     /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
     /// `grid_launch_bound(capacity, sm_count)` CTAs, and `bwd_postprocess`; no host sync.
@@ -496,6 +538,8 @@ impl<B: Backend> MsaBackward<B> {
     /// # Errors
     /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, or a
     ///   workspace too large to address.
+    /// - [`RuntimeError::NullBuffer`] naming a null base, and [`RuntimeError::Overlap`] naming
+    ///   two buffers that overlap against the rule of [`BackwardBuffers`].
     /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
     /// - [`RuntimeError::TensorMap`]/[`RuntimeError::TensorMapEncode`],
     ///   [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
@@ -546,26 +590,16 @@ impl<B: Backend> MsaBackward<B> {
                 "a positive multiple of 128",
             ));
         }
-        for (field, addr) in [
-            ("q", io.q.addr),
-            ("k_aligned", io.k_aligned.addr),
-            ("v_aligned", io.v_aligned.addr),
-            ("grad_out", io.grad_out.addr),
-            ("lse", io.lse.addr),
-            ("out", io.out.addr),
-            ("dq", io.dq.addr),
-            ("dk_aligned", io.dk_aligned.addr),
-            ("dv_aligned", io.dv_aligned.addr),
-        ] {
-            check_aligned(field, addr)?;
-        }
+        check_buffers(io, self.in_place)?;
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         if self.memory_space != Some(backend.memory_space()) {
-            let (allocations, locality) = (self.allocations, self.locality);
+            let (allocations, locality, in_place) =
+                (self.allocations, self.locality, self.in_place);
             *self = MsaBackward {
                 memory_space: Some(backend.memory_space()),
                 allocations,
+                in_place,
                 locality,
                 ..MsaBackward::default()
             };
@@ -625,7 +659,7 @@ impl<B: Backend> MsaBackward<B> {
         )?;
         let dev_schedule = DeviceSchedule::allocate(backend, schedule)?;
 
-        // 5. The launch sequence (seed-design §3.1). The schedule copy follows the first
+        // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
         preprocess(backend, io.out, io.grad_out, delta, t)?;
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
@@ -756,7 +790,7 @@ impl MsaBackward<CudaBackend> {
 }
 
 /// Checks that `view` lives on the stream's context.
-fn check_context<T>(
+pub(crate) fn check_context<T>(
     field: &'static str,
     view: &CudaView<'_, T>,
     stream: &CudaStream,
@@ -828,8 +862,12 @@ fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// The MSA backward (seed-design §1.5 `run_backward`) with a process-wide workspace cache per
+/// The MSA backward (`docs/design.md` §1.5 `run_backward`) with a process-wide workspace cache per
 /// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
+///
+/// `k_aligned` and `v_aligned` must have zero padding rows: make them from compact K/V with
+/// [`crate::to_aligned`], and bring the returned `dk_aligned`/`dv_aligned` back to compact rows
+/// with [`crate::from_aligned`] (the crate-level guide has the whole sequence).
 ///
 /// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
 /// itself is asynchronous).

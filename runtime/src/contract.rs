@@ -1,4 +1,4 @@
-//! Topology constants and the CTA-walk rule (seed-design §1.1, §2.4).
+//! Topology constants and the CTA-walk rule (`docs/design.md` §1.1, §2.4).
 //!
 //! This is the one home of the attention topology the kernels are compiled for and of the walk
 //! rule the device task build mirrors (thread 0 of its scatter step writes the descriptor the main
@@ -43,7 +43,7 @@ pub const ROWS_PER_CTA_LARGE: usize = 64;
 /// Largest task count that still walks [`ROWS_PER_CTA_SMALL`] rows per CTA.
 pub const ROWS_PER_CTA_SWITCH: usize = 2400;
 
-/// The seed's locality window (seed-design §2.4): 512 queries, global over the packed stream.
+/// The seed's locality window (`docs/design.md` §2.4): 512 queries, global over the packed stream.
 /// This implementation replaced it by [`Locality`]'s per-document windows; the constant stays
 /// as the seed's documented value only.
 pub const LOCALITY_WINDOW: usize = 512;

@@ -93,7 +93,32 @@ pub enum RuntimeError {
         /// What is required.
         expected: String,
     },
-    /// The schedule is invalid.
+    /// A buffer of the backward has a null base address.
+    #[error("input `{field}`: found a null base address (0x0), expected a device address")]
+    NullBuffer {
+        /// The buffer.
+        field: &'static str,
+    },
+    /// Two buffers of the backward overlap where they must not: an output with another output,
+    /// or an output with an input (see `MsaBackward::allow_in_place`).
+    #[error(
+        "buffers `{first}` (bytes {first_bytes:#x?}) and `{second}` (bytes {second_bytes:#x?}) \
+         overlap; {allowed}"
+    )]
+    Overlap {
+        /// The first buffer, in `BackwardBuffers` field order.
+        first: &'static str,
+        /// Its device byte range.
+        first_bytes: std::ops::Range<u64>,
+        /// The second buffer.
+        second: &'static str,
+        /// Its device byte range.
+        second_bytes: std::ops::Range<u64>,
+        /// What is allowed instead.
+        allowed: String,
+    },
+    /// The schedule is invalid, or larger than the backward supports
+    /// ([`crate::ScheduleError::Capacity`]).
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
     /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.

@@ -1,11 +1,109 @@
-//! Host runtime of the MSA (MiniMax Sparse Attention) backward kernels.
+//! Host runtime of the MSA (MiniMax Sparse Attention) backward kernels: it JIT-loads the PTX
+//! in `generated/` through the CUDA driver and runs the whole backward on one stream, with no
+//! host sync.
 //!
-//! The crate holds the schedule contract shared with the kernels ([`contract`], [`schedule`]),
-//! an f32 CPU reference of the attention ([`reference`]), and the CUDA driver glue that JIT-loads
-//! the PTX in `generated/` and launches it.
+//! # From host data to gradients
+//!
+//! 1. **Describe the documents and the selection.** `cu_seqlens [docs+1]` packs the
+//!    documents; `q2k [4, T, 16]` holds each query's selected document-local key blocks
+//!    (`docs/design.md` §1.3; [`causal_support`] makes the causal one). Ask
+//!    [`check_capacity`] first if the shape may be large: it answers before anything is
+//!    allocated.
+//! 2. **Build the schedule** with [`build_schedule`] (or validate the forward's arrays with
+//!    [`Schedule::new`]). Every error names the field, the value and the expectation.
+//! 3. **Upload** `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `lse [T, 64]` fp32 and compact
+//!    `k`, `v` `[T, 4, 128]` bf16, then pack K and V into the aligned layout with
+//!    [`to_aligned`]. It zero-fills the padding rows, which the backward requires
+//!    (see [`BackwardBuffers`]).
+//! 4. **Run** [`run_backward`] (or [`MsaBackward::run`] to own the cached workspace). It
+//!    returns `dq [T, 64, 128]` and the aligned `dk_aligned`, `dv_aligned [W, 4, 128]`.
+//! 5. **Unpack** dK and dV to compact rows with [`from_aligned`], and download.
+//!
+//! The host side runs anywhere:
+//!
+//! ```
+//! use msa_runtime::{build_schedule, causal_support, check_capacity};
+//!
+//! // Two documents of 130 and 5 tokens: T = 135, aligned W = 256 + 128 = 384 rows.
+//! let cu_seqlens = [0, 130, 135];
+//! check_capacity(&cu_seqlens)?;
+//! let q2k = causal_support(&cu_seqlens)?;
+//! let schedule = build_schedule(&q2k, &cu_seqlens, 64)?;
+//! assert_eq!((schedule.num_tokens(), schedule.workspace_rows()), (135, 384));
+//!
+//! // More tokens than one call takes: refused before anything is allocated, with the
+//! // real bound in the message.
+//! let err = check_capacity(&[0, 1 << 19, (1 << 20) + 1]).unwrap_err();
+//! assert!(err.to_string().contains("tokens T = 1048577"), "{err}");
+//! # Ok::<(), msa_runtime::ScheduleError>(())
+//! ```
+//!
+//! On a GPU (compute capability 9.0 or 10.0):
+//!
+//! ```no_run
+//! use half::bf16;
+//! use msa_runtime::{build_schedule, causal_support, from_aligned, run_backward, to_aligned};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let cu_seqlens = [0, 130, 135];
+//! let schedule = build_schedule(&causal_support(&cu_seqlens)?, &cu_seqlens, 64)?;
+//! let t = schedule.num_tokens();
+//! // Your tensors, row-major; zeros stand in for them here.
+//! let (q, grad_out, out) = (vec![bf16::ZERO; t * 64 * 128], vec![bf16::ZERO; t * 64 * 128],
+//!     vec![bf16::ZERO; t * 64 * 128]);
+//! let (k, v) = (vec![bf16::ZERO; t * 4 * 128], vec![bf16::ZERO; t * 4 * 128]);
+//! let lse = vec![0.0f32; t * 64];
+//!
+//! let stream = msa_runtime::Device::open(0)?.context().default_stream();
+//! let (q, grad_out, out) =
+//!     (stream.clone_htod(&q)?, stream.clone_htod(&grad_out)?, stream.clone_htod(&out)?);
+//! let (k, v, lse) = (stream.clone_htod(&k)?, stream.clone_htod(&v)?, stream.clone_htod(&lse)?);
+//! // Compact K/V into the zero-padded aligned layout, on the device.
+//! let (k_aligned, v_aligned) = to_aligned(&stream, &schedule, &k.as_view(), &v.as_view())?;
+//! let g = run_backward(
+//!     &stream,
+//!     &q.as_view(),
+//!     &k_aligned.as_view(),
+//!     &v_aligned.as_view(),
+//!     &grad_out.as_view(),
+//!     &lse.as_view(),
+//!     &out.as_view(),
+//!     &schedule,
+//! )?;
+//! let (dk, dv) = from_aligned(&stream, &schedule, &g.dk_aligned.as_view(), &g.dv_aligned.as_view())?;
+//! let (dq, dk, dv) = (stream.clone_dtoh(&g.dq)?, stream.clone_dtoh(&dk)?, stream.clone_dtoh(&dv)?);
+//! assert_eq!((dq.len(), dk.len(), dv.len()), (t * 64 * 128, t * 512, t * 512));
+//! # Ok(()) }
+//! ```
+//!
+//! Without a GPU, the `msa-sim` crate runs the same host flow on a simulator of the generated
+//! PTX: `msa_sim::backward::upload_inputs` takes your host tensors (compact K/V) and
+//! `msa_sim::backward::download_gradients` returns compact dQ/dK/dV, around
+//! `MsaBackward::<msa_sim::device::SimDevice>::run_on`. Build it optimised (the README says
+//! which profile settings a dependent crate needs).
+//!
+//! # What the backward checks
+//!
+//! Before anything is issued: every buffer's length against the schedule's `T` and `W`, every
+//! base non-null and 16-byte aligned, and no output overlapping another output or an input
+//! ([`RuntimeError::NullBuffer`], [`RuntimeError::Overlap`]; exact in-place use is an
+//! explicit choice, [`MsaBackward::allow_in_place`]); the architecture, the kernels' JIT and
+//! the tensor maps. An error therefore never leaves the outputs half-written. The one thing a
+//! host check cannot see is the contents of device memory: that is why the runtime writes the
+//! aligned padding itself ([`to_aligned`]).
+//!
+//! # Modules
+//!
+//! The schedule contract ([`contract`], [`schedule`]), an f32 CPU reference of the attention
+//! ([`mod@reference`]), the [`Backend`] trait the host flow is written against and its CUDA
+//! implementation ([`cuda`], [`device`]), the launches ([`ops`], [`tasks`], [`aligned`]) and
+//! the whole backward ([`backward`]). The design notes the documentation cites as
+//! "`docs/design.md` §N" are in the repository's `docs/design.md`.
 
+pub mod aligned;
 pub mod backend;
 pub mod backward;
+mod buffers;
 pub mod contract;
 pub mod cuda;
 pub mod device;
@@ -48,6 +146,7 @@ pub mod tma {
     }
 }
 
+pub use aligned::{from_aligned, from_aligned_on, to_aligned, to_aligned_on};
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
 pub use backward::{run_backward, BackwardBuffers, Gradients, MsaBackward};
 pub use contract::*;
@@ -57,6 +156,6 @@ pub use error::RuntimeError;
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{
-    build_schedule, causal_support, workspace_layout, Schedule, SelectionFault, WorkItem,
-    METADATA_COLUMNS,
+    build_schedule, causal_support, check_capacity, check_shape_capacity, workspace_layout,
+    Schedule, SelectionFault, WorkItem, METADATA_COLUMNS,
 };

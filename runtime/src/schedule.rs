@@ -1,5 +1,5 @@
-//! `Schedule`: the forward-derived metadata the backward reads (seed-design §2.1), and a CPU
-//! builder of it from a block selection `q2k` (seed-design §1.3, §2.1).
+//! `Schedule`: the forward-derived metadata the backward reads (`docs/design.md` §2.1), and a CPU
+//! builder of it from a block selection `q2k` (`docs/design.md` §1.3, §2.1).
 //!
 //! The schedule is validated once, when it is built, so everything downstream (the task build,
 //! the kernels) can take it as given: every edge a valid work item covers names a query inside
@@ -8,7 +8,7 @@
 use std::fmt;
 use std::ops::Range;
 
-use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
+use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 
 /// Columns of one `scheduler_metadata` row, in order (see [`WorkItem`]).
 pub const METADATA_COLUMNS: [&str; 6] = [
@@ -20,7 +20,7 @@ pub const METADATA_COLUMNS: [&str; 6] = [
     "document_local_kblock",
 ];
 
-/// Why a `q2k` entry breaks the selection contract (seed-design §1.3).
+/// Why a `q2k` entry breaks the selection contract (`docs/design.md` §1.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SelectionFault {
     /// The id is below `-1`; `-1` is the only negative id (padding).
@@ -93,6 +93,28 @@ pub enum ScheduleError {
         /// What is wrong with it; its `Display` is the expectation.
         fault: SelectionFault,
     },
+    /// The schedule is valid but larger than the backward supports; see [`check_capacity`].
+    #[error(
+        "schedule too large: {quantity} = {found}, the backward supports at most {limit} ({why})"
+    )]
+    Capacity {
+        /// The bounded quantity, as a formula of the schedule's shape.
+        quantity: &'static str,
+        /// Its value, with the shape it was computed from.
+        found: String,
+        /// The largest value supported.
+        limit: u64,
+        /// Where the limit comes from.
+        why: &'static str,
+    },
+    /// A host allocation of the requested size failed (the process would otherwise abort).
+    #[error("cannot allocate {bytes} bytes of host memory for `{what}`")]
+    OutOfMemory {
+        /// What the memory was for.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+    },
 }
 
 impl ScheduleError {
@@ -115,11 +137,86 @@ impl ScheduleError {
             ScheduleError::Selection {
                 head, row, slot, ..
             } => format!("q2k[{head},{row},{slot}]"),
+            ScheduleError::Capacity { quantity, .. } => (*quantity).to_string(),
+            ScheduleError::OutOfMemory { what, .. } => (*what).to_string(),
         }
     }
 }
 
-/// The aligned workspace layout of packed documents (seed-design §1.5).
+/// The capacity limits of the backward for a schedule of `num_tokens` tokens `T`,
+/// `workspace_rows` rows `W`, `edge_capacity` CSR slots per head and `work_capacity` metadata
+/// rows. [`Schedule::new`] (hence [`build_schedule`]) applies them, so a schedule that exists
+/// can also be run; call this (or [`check_capacity`]) to learn the answer before building
+/// or allocating anything.
+///
+/// The limits, each a [`ScheduleError::Capacity`] that names the quantity and its value:
+/// - `T <= MAX_TOKENS = 2^20`: the main kernels index the dQ pool `[T, 32, 128]` in 32-bit
+///   words. It does not depend on how the tokens are split into documents.
+/// - `4·edge_capacity <= 2^32 − 1` (the task build indexes the CSR payload in 32 bits).
+/// - task capacity `4·edge_capacity/8 + work_capacity`: four times it `<= 2^32 − 1` (the task
+///   build addresses 4 words per task in 32 bits).
+///
+/// With `T <= 2^20` the task build's locality bins (linear in `T`, see
+/// [`crate::contract::Locality`]) stay far below their own 2^31 bound, and `W <= i32::MAX`
+/// is already part of the schedule's validation.
+pub fn check_shape_capacity(
+    num_tokens: usize,
+    workspace_rows: usize,
+    edge_capacity: usize,
+    work_capacity: usize,
+) -> Result<(), ScheduleError> {
+    if num_tokens > MAX_TOKENS {
+        return Err(ScheduleError::Capacity {
+            quantity: "tokens T",
+            found: format!("{num_tokens} (W = {workspace_rows})"),
+            limit: MAX_TOKENS as u64,
+            why: "MAX_TOKENS, the main kernels' 32-bit word index into the dQ pool; split the call",
+        });
+    }
+    let u32_max = u64::from(u32::MAX);
+    let edges = (NUM_INDEX_HEADS as u64).saturating_mul(edge_capacity as u64);
+    if edges > u32_max {
+        return Err(ScheduleError::Capacity {
+            quantity: "4·edge_capacity",
+            found: format!("{edges} (edge_capacity = {edge_capacity})"),
+            limit: u32_max,
+            why: "the task build indexes the CSR payload with 32-bit offsets",
+        });
+    }
+    let tasks = (edges / QUERY_CHUNK as u64).saturating_add(work_capacity as u64);
+    let limit = u32_max / 4;
+    if tasks > limit {
+        return Err(ScheduleError::Capacity {
+            quantity: "task capacity 4·edge_capacity/8 + work_capacity",
+            found: format!(
+                "{tasks} (edge_capacity = {edge_capacity}, work_capacity = {work_capacity})"
+            ),
+            limit,
+            why: "the task build addresses 4 words per task with 32-bit offsets",
+        });
+    }
+    Ok(())
+}
+
+/// [`check_shape_capacity`] for the schedule [`build_schedule`] makes over `cu_seqlens`
+/// (`edge_capacity = 16·T`, and the most work items any `queries_per_work` can give,
+/// `8·T + 4·rows`), without building anything: call it before allocating the inputs.
+///
+/// # Errors
+/// [`ScheduleError::Invalid`] for a `cu_seqlens` [`workspace_layout`] rejects or without
+/// tokens, [`ScheduleError::Capacity`] past a limit.
+pub fn check_capacity(cu_seqlens: &[i32]) -> Result<(), ScheduleError> {
+    let rows = total_rows(cu_seqlens)?;
+    // Validated by total_rows: starts at 0, non-decreasing.
+    let t = cu_seqlens[cu_seqlens.len() - 1] as usize;
+    let edge_capacity = t.saturating_mul(TOPK_BLOCKS);
+    let work = t
+        .saturating_mul(NUM_INDEX_HEADS * TOPK_BLOCKS / QUERY_CHUNK)
+        .saturating_add(NUM_INDEX_HEADS * rows);
+    check_shape_capacity(t, rows * BLOCK_SIZE, edge_capacity, work)
+}
+
+/// The aligned workspace layout of packed documents (`docs/design.md` §1.5).
 ///
 /// Returns `document_workspace_starts` (document `d` starts at `Σ_{e<d} ceil(len_e/128)·128`)
 /// and the workspace size `W = Σ ceil(len/128)·128`. `cu_seqlens` must start at 0, be
@@ -204,7 +301,7 @@ impl Documents {
     /// Validates `cu_seqlens` (see [`total_rows`]) and numbers the CSR rows.
     ///
     /// Rows are level-major and round-robin across documents: block 0 of every document that
-    /// has one, then block 1, and so on (seed-design §2.1). Callers first check the sizes of
+    /// has one, then block 1, and so on (`docs/design.md` §2.1). Callers first check the sizes of
     /// their other inputs against [`total_rows`], so these tables never outgrow the input.
     fn new(cu_seqlens: &[i32]) -> Result<Self, ScheduleError> {
         total_rows(cu_seqlens)?;
@@ -255,7 +352,7 @@ impl Documents {
 
 /// One valid forward work item: `q_count` consecutive edges of one (index head, CSR row),
 /// i.e. `q_count` queries that all selected block `document_local_kblock` of document
-/// `document_ordinal` (seed-design §2.1).
+/// `document_ordinal` (`docs/design.md` §2.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WorkItem {
     /// Index head (= kv head), in `[0, 4)`.
@@ -363,6 +460,12 @@ impl Schedule {
         check_row_ptr(&row_ptr, rows, edge_capacity)?;
         check_edges(&docs, &row_ptr, &q_indices, edge_capacity)?;
 
+        check_shape_capacity(
+            docs.num_tokens,
+            workspace_rows,
+            edge_capacity,
+            scheduler_metadata.len() / cols,
+        )?;
         let schedule = Schedule {
             row_ptr,
             q_indices,
@@ -754,6 +857,10 @@ pub fn build_schedule(
             "T·16 <= i32::MAX (CSR offsets are int32)",
         ));
     }
+    // The limits that depend on the documents alone, before the tables are allocated; the
+    // work capacity is known (and checked by Schedule::new) once the items are cut.
+    let (_, w) = workspace_layout(cu_seqlens)?;
+    check_shape_capacity(t_total, w, edge_capacity, 1)?;
     let rows = docs.rows();
     let list = |h: usize, t: usize| &q2k[(h * t_total + t) * per_query..][..per_query];
 
@@ -854,24 +961,49 @@ pub fn build_schedule(
 /// The causal support: every query selects every block of its document at or before its own
 /// block, nearest first (`own, own−1, …`), truncated to the 16 nearest, `-1` padded.
 ///
-/// Returns `q2k [4, T, 16]` (the same list for all 4 index heads), or an empty vector when
-/// `cu_seqlens` is not valid for [`workspace_layout`].
-pub fn causal_support(cu_seqlens: &[i32]) -> Vec<i32> {
-    if workspace_layout(cu_seqlens).is_err() {
-        return Vec::new();
-    }
+/// Returns `q2k [4, T, 16]` (the same list for all 4 index heads), ready for
+/// [`build_schedule`].
+///
+/// # Errors
+/// - [`ScheduleError::Invalid`] when `cu_seqlens` is not valid for [`workspace_layout`], or when
+///   `T·16` exceeds `i32::MAX` (the bound [`build_schedule`] puts on its CSR offsets, so
+///   such a selection could not be used).
+/// - [`ScheduleError::OutOfMemory`] when the `4·T·16` ids cannot be allocated.
+pub fn causal_support(cu_seqlens: &[i32]) -> Result<Vec<i32>, ScheduleError> {
+    workspace_layout(cu_seqlens)?;
     // Validated: starts at 0, non-decreasing.
     let t_total = cu_seqlens[cu_seqlens.len() - 1] as usize;
-    let mut head = vec![-1i32; t_total * TOPK_BLOCKS];
+    let per_head = t_total
+        .checked_mul(TOPK_BLOCKS)
+        .filter(|&n| i32::try_from(n).is_ok())
+        .ok_or_else(|| {
+            ScheduleError::invalid(
+                format!("cu_seqlens[{}]", cu_seqlens.len() - 1),
+                t_total,
+                "T·16 <= i32::MAX (CSR offsets are int32)",
+            )
+        })?;
+    let len = per_head * NUM_INDEX_HEADS;
+    let mut q2k: Vec<i32> = Vec::new();
+    q2k.try_reserve_exact(len)
+        .map_err(|_| ScheduleError::OutOfMemory {
+            what: "q2k",
+            bytes: len * std::mem::size_of::<i32>(),
+        })?;
+    q2k.resize(per_head, -1);
     for w in cu_seqlens.windows(2) {
         let (start, end) = (w[0] as usize, w[1] as usize);
         for t in start..end {
             let own = (t - start) / BLOCK_SIZE;
-            let ids = &mut head[t * TOPK_BLOCKS..(t + 1) * TOPK_BLOCKS];
+            let ids = &mut q2k[t * TOPK_BLOCKS..(t + 1) * TOPK_BLOCKS];
             for (j, id) in ids.iter_mut().enumerate().take(own + 1) {
                 *id = (own - j) as i32;
             }
         }
     }
-    head.repeat(NUM_INDEX_HEADS)
+    // The other three heads repeat head 0 within the reserved capacity.
+    for _ in 1..NUM_INDEX_HEADS {
+        q2k.extend_from_within(..per_head);
+    }
+    Ok(q2k)
 }

@@ -1,4 +1,4 @@
-//! The device task build (seed-design §2.2–§2.4): sizing, the one workspace allocation carved
+//! The device task build (`docs/design.md` §2.2–§2.4): sizing, the one workspace allocation carved
 //! into aligned regions, the four launches, and reading the results back.
 //!
 //! Everything is issued through a [`Backend`] (a CUDA stream or the simulator); nothing here
@@ -21,7 +21,7 @@ pub const FLAG_NONCONTIGUOUS_SEGMENTS: i32 = 2;
 /// Region starts are rounded to 256 bytes, which also satisfies the 16-byte vector stores.
 const REGION_ALIGN_WORDS: usize = 64;
 
-/// Sizes of the task build for one schedule (seed-design §2.2, with the bins of [`Locality`]).
+/// Sizes of the task build for one schedule (`docs/design.md` §2.2, with the bins of [`Locality`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TaskBuildSizes {
     /// Upper bound on tasks: `4·edge_capacity/8 + work_capacity`.

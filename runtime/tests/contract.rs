@@ -1,4 +1,4 @@
-//! The topology constants and the CTA-walk rule against seed-design §1.1, §2.4 and §4.1.
+//! The topology constants and the CTA-walk rule against `docs/design.md` §1.1, §2.4 and §4.1.
 
 use msa_runtime::contract::*;
 
@@ -159,7 +159,7 @@ fn zero_sms_or_rows_per_cta_act_as_one() {
     assert_eq!(grid_launch_bound(usize::MAX, usize::MAX), usize::MAX);
 }
 
-/// Checks the walk of `n` rows with `r` rows per CTA on `s` SMs (seed-design §4.1).
+/// Checks the walk of `n` rows with `r` rows per CTA on `s` SMs (`docs/design.md` §4.1).
 fn assert_walk_covers(n: usize, r: usize, s: usize) {
     let walk = chunk_map(n, r, s);
     let grid = walk.2;

@@ -1,5 +1,5 @@
 //! Validation of the f32 CPU reference (`msa_runtime::reference`) against independent f64
-//! formulations written here (seed-design §1.4, §1.5, §3.2, §3.6, §4.3).
+//! formulations written here (`docs/design.md` §1.4, §1.5, §3.2, §3.6, §4.3).
 //!
 //! The f64 code below deliberately shares nothing with the module: it spells out the mask of
 //! §1.4 per (query, key) pair and works on dense rows / dense T×T matrices.
@@ -116,7 +116,7 @@ fn doc_bounds(cu: &[i32], t: usize) -> (usize, usize) {
     (cu[d] as usize, cu[d + 1] as usize)
 }
 
-/// The mask of seed-design §1.4, straight from its three conditions.
+/// The mask of `docs/design.md` §1.4, straight from its three conditions.
 fn attends(cu: &[i32], q2k: &[i32], tokens: usize, g: usize, t: usize, s: usize) -> bool {
     let (start, end) = doc_bounds(cu, t);
     let same_doc = (start..end).contains(&s);
@@ -702,7 +702,7 @@ fn document_across_work_chunks_matches_document_alone() {
 // ---------------------------------------------------------------------------------------------
 // 4. Aligned workspace layout.
 
-/// Geometry of seed-design §4.2: `cu_seqlens [0,3,5,9]` puts the documents at workspace rows
+/// Geometry of `docs/design.md` §4.2: `cu_seqlens [0,3,5,9]` puts the documents at workspace rows
 /// 0, 128 and 256 of `W = 384`; the scatter and gather are inverse; backward's aligned dK/dV
 /// are the compact ones scattered.
 #[test]

@@ -1,4 +1,4 @@
-//! `Schedule` validation and the CPU schedule builder (seed-design §1.3, §1.5, §2.1, §4.2).
+//! `Schedule` validation and the CPU schedule builder (`docs/design.md` §1.3, §1.5, §2.1, §4.2).
 //!
 //! Expected values come from hand-worked examples or from brute force written here, never from
 //! the code under test.
@@ -7,7 +7,8 @@ mod common;
 
 use common::Parts;
 use msa_runtime::{
-    build_schedule, causal_support, workspace_layout, Schedule, ScheduleError, SelectionFault,
+    build_schedule, causal_support, check_capacity, workspace_layout, Schedule, ScheduleError,
+    SelectionFault,
 };
 
 const HEADS: usize = 4;
@@ -58,7 +59,7 @@ fn invalid_field(r: Result<Schedule, ScheduleError>) -> String {
 /// CSR rows: 0 = (doc 0, block 0), 1 = (doc 1, block 0), 2 = (doc 0, block 1).
 fn small_base() -> Parts {
     let cu = vec![0, 130, 131];
-    let s = build_schedule(&causal_support(&cu), &cu, 8).expect("valid base");
+    let s = build_schedule(&causal_support(&cu).unwrap(), &cu, 8).expect("valid base");
     Parts::of(&s)
 }
 
@@ -106,7 +107,7 @@ fn geometry_example_of_the_packing_tests() {
     assert_eq!(starts, vec![0, 128, 256]);
     assert_eq!(w, 384);
 
-    let s = build_schedule(&causal_support(&cu), &cu, 8).unwrap();
+    let s = build_schedule(&causal_support(&cu).unwrap(), &cu, 8).unwrap();
     assert_eq!(s.document_workspace_starts(), &[0, 128, 256]);
     assert_eq!(s.workspace_rows(), 384);
     assert_eq!(s.rows(), 3);
@@ -146,7 +147,7 @@ fn workspace_layout_rejections() {
 #[test]
 fn causal_support_selects_every_block_up_to_own_nearest_first() {
     let cu = vec![0, 300, 301];
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).unwrap();
     assert_eq!(q2k.len(), HEADS * 301 * TOPK);
     let list = |h: usize, t: usize| &q2k[(h * 301 + t) * TOPK..(h * 301 + t + 1) * TOPK];
     let pad = |ids: &[i32]| {
@@ -167,7 +168,7 @@ fn causal_support_selects_every_block_up_to_own_nearest_first() {
 #[test]
 fn causal_support_truncates_to_the_16_nearest_blocks() {
     let cu = vec![0, 2177];
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).unwrap();
     let last = &q2k[2176 * TOPK..2177 * TOPK];
     let want: Vec<i32> = (2..=17).rev().collect();
     assert_eq!(last, want.as_slice());
@@ -175,9 +176,13 @@ fn causal_support_truncates_to_the_16_nearest_blocks() {
 
 #[test]
 fn causal_support_of_invalid_offsets_is_empty() {
-    assert!(causal_support(&[0]).is_empty());
-    assert!(causal_support(&[3, 5]).is_empty());
-    assert!(causal_support(&[0, 5, 2]).is_empty());
+    for bad in [&[0][..], &[3, 5], &[0, 5, 2]] {
+        let err = causal_support(bad).expect_err("invalid cu_seqlens accepted");
+        assert!(err.field().starts_with("cu_seqlens"), "{err}");
+    }
+    // Asked for 2^30 tokens (2^36 ids) it refuses with the bound instead of aborting.
+    let err = causal_support(&[0, 1 << 30]).expect_err("huge support accepted");
+    assert!(err.to_string().contains("T·16 <= i32::MAX"), "{err}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -319,7 +324,7 @@ fn check_against_brute_force(q2k: &[i32], lengths: &[usize], qpw: usize) -> Sche
 fn packed_documents_with_causal_support() {
     let lengths = [127, 129, 1, 2, 3, 5, 128];
     let cu = cu_from_lengths(&lengths);
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).unwrap();
     for qpw in [8, 16, 64, 4096] {
         check_against_brute_force(&q2k, &lengths, qpw);
     }
@@ -368,7 +373,7 @@ fn packed_documents_with_causal_support() {
 #[test]
 fn one_long_document_truncated_to_top16() {
     let lengths = [2177];
-    let q2k = causal_support(&cu_from_lengths(&lengths));
+    let q2k = causal_support(&cu_from_lengths(&lengths)).unwrap();
     for qpw in [8, 24, 4096] {
         let s = check_against_brute_force(&q2k, &lengths, qpw);
         // Hand-worked: block b is selected by the queries of blocks b..=b+15.
@@ -464,7 +469,7 @@ fn selection_fault(
 #[test]
 fn builder_rejects_bad_queries_per_work() {
     let cu = vec![0, 10];
-    let q2k = causal_support(&cu);
+    let q2k = causal_support(&cu).unwrap();
     for qpw in [0, 4, 12, 4095] {
         assert_eq!(
             invalid_field(build_schedule(&q2k, &cu, qpw)),
@@ -476,7 +481,7 @@ fn builder_rejects_bad_queries_per_work() {
 #[test]
 fn builder_rejects_wrong_q2k_length() {
     let cu = vec![0, 10];
-    let mut q2k = causal_support(&cu);
+    let mut q2k = causal_support(&cu).unwrap();
     q2k.pop();
     assert_eq!(invalid_field(build_schedule(&q2k, &cu, 8)), "q2k.len()");
     assert_eq!(invalid_field(build_schedule(&[], &cu, 8)), "q2k.len()");
@@ -506,7 +511,7 @@ fn builder_rejects_bad_cu_seqlens() {
 /// Documents 130 and 5 tokens: doc 0 has blocks 0, 1; doc 1 starts at compact row 130.
 fn two_docs() -> (Vec<i32>, Vec<i32>, usize) {
     let cu = vec![0, 130, 135];
-    (causal_support(&cu), cu, 135)
+    (causal_support(&cu).unwrap(), cu, 135)
 }
 
 #[test]
@@ -822,4 +827,35 @@ fn error_messages_name_field_value_and_expectation() {
     assert!(msg.contains("row_ptr[1,2]"), "{msg}");
     assert!(msg.contains("found 129"), "{msg}");
     assert!(msg.contains("non-decreasing"), "{msg}");
+}
+
+#[test]
+fn capacity_limits_are_refused_where_the_schedule_is_built() {
+    // One token more than MAX_TOKENS, in two documents and no edges: refused by Schedule::new
+    // itself (not later by run_on), and by check_capacity before anything is allocated.
+    let t: i32 = (1 << 20) + 1;
+    let cu = vec![0, 1 << 19, t];
+    let rows = ((1usize << 19) / 128) + (t as usize - (1 << 19)).div_ceil(128);
+    let err = Schedule::new(
+        vec![0; 4 * (rows + 1)],
+        vec![-1; 4],
+        vec![0; 6],
+        0,
+        cu.clone(),
+        vec![0, 1 << 19],
+    )
+    .expect_err("a schedule past MAX_TOKENS was built");
+    let msg = err.to_string();
+    assert!(
+        matches!(err, ScheduleError::Capacity { limit: 1048576, .. }),
+        "{msg}"
+    );
+    assert!(msg.contains("tokens T = 1048577"), "{msg}");
+    assert_eq!(check_capacity(&cu), Err(err));
+    // At the limit it is accepted.
+    let cu = vec![0, 1 << 20];
+    assert_eq!(check_capacity(&cu), Ok(()));
+    // A huge edge capacity is refused with its own bound.
+    let err = msa_runtime::check_shape_capacity(8, 128, 1 << 30, 1).unwrap_err();
+    assert!(err.to_string().contains("4·edge_capacity"), "{err}");
 }

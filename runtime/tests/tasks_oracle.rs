@@ -1,4 +1,4 @@
-//! The CPU oracle of the device task build (`reference::tasks`, seed-design §2.2–§2.4).
+//! The CPU oracle of the device task build (`reference::tasks`, `docs/design.md` §2.2–§2.4).
 //!
 //! Expected values come from the block selection `q2k`, from a forward decode of the raw
 //! schedule fields written here, or from hand-worked examples; never from the code under test.
@@ -135,7 +135,7 @@ fn corpus() -> &'static [Case] {
         for (name, lengths, seed) in selections {
             let cu = cu_from_lengths(&lengths);
             let q2k = match seed {
-                None => causal_support(&cu),
+                None => causal_support(&cu).unwrap(),
                 Some(seed) => random_selection(&lengths, seed),
             };
             for qpw in [8, 16, 64] {
@@ -172,7 +172,7 @@ fn table_rows(t: &TaskTables) -> Vec<Row> {
         .collect()
 }
 
-/// Task rows in forward order, decoded here from the raw fields (seed-design §2.2).
+/// Task rows in forward order, decoded here from the raw fields (`docs/design.md` §2.2).
 fn forward_rows(s: &Schedule) -> Vec<Row> {
     let rows = s.rows();
     let ec = s.edge_capacity();
@@ -513,7 +513,7 @@ fn locality_order_interleaves_rows_by_window_hand_worked() {
     // (queries 0..511) walks kblocks 0..3 with 64, 48, 32, 16 tasks = 160 rows; window 1 then
     // starts again at kblock 0, query 512; head 0 has 160 + 5·64 + 48 + 32 + 16 = 576 rows.
     let cu = vec![0, 1024];
-    let s = build_schedule(&causal_support(&cu), &cu, 64).unwrap();
+    let s = build_schedule(&causal_support(&cu).unwrap(), &cu, 64).unwrap();
     let rows = table_rows(&seed_tables(&s, 8, task_capacity(&s)));
     assert_eq!(rows.len(), 4 * 576);
     let at = |r: usize| (rows[r].0[1], rows[r].0[2], rows[r].1[0], rows[r].0[3]);
@@ -531,7 +531,7 @@ fn locality_order_interleaves_rows_by_window_hand_worked() {
 #[test]
 fn descriptor_matches_the_documented_walk_examples() {
     // Only head 0 selects, only the own block: every block of 128 queries gives 16 tasks.
-    // (T, queries per item) -> descriptor with 8 SMs; walk values from seed-design §2.4.
+    // (T, queries per item) -> descriptor with 8 SMs; walk values from `docs/design.md` §2.4.
     let cases: [(usize, usize, [i32; 8]); 5] = [
         // 1 task: chunk_map(1,4,8) = (0,4,1).
         (5, 8, [1, 4, 0, 4, 1, 1, 1, 0]),
@@ -561,7 +561,7 @@ fn descriptor_matches_the_documented_walk_examples() {
 fn work_count_is_clamped_and_truncates_the_tasks() {
     let cu = vec![0, 4096];
     // 24 queries per item: items give 3 tasks, a row's last item 1 or 2.
-    let full = build_schedule(&causal_support(&cu), &cu, 24).unwrap();
+    let full = build_schedule(&causal_support(&cu).unwrap(), &cu, 24).unwrap();
     let parts = Parts::of(&full);
     let capacity = full.work_capacity();
     let reference = build_task_tables(&full, 8);

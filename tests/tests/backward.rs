@@ -39,7 +39,12 @@ fn check_case(stream: &Arc<CudaStream>, p: &Problem) {
 fn backward_small_documents_causal() {
     let Some(stream) = gpu_stream() else { return };
     let cu = docs(&[127, 129, 1, 2, 3, 5, 128]);
-    let p = Problem::new("small documents", cu.clone(), causal_support(&cu), 7001);
+    let p = Problem::new(
+        "small documents",
+        cu.clone(),
+        causal_support(&cu).unwrap(),
+        7001,
+    );
     check_case(&stream, &p);
 }
 
@@ -54,7 +59,7 @@ fn backward_one_document_truncated_causal() {
     let p = Problem::new(
         "one document of 2177",
         cu.clone(),
-        causal_support(&cu),
+        causal_support(&cu).unwrap(),
         7002,
     );
     check_case(&stream, &p);
@@ -81,7 +86,7 @@ fn backward_random_top16() {
 fn backward_reuses_its_workspace() {
     let Some(stream) = gpu_stream() else { return };
     let cu = docs(&[127, 129, 1, 2, 3, 5, 128]);
-    let p = Problem::new("reuse", cu.clone(), causal_support(&cu), 7005);
+    let p = Problem::new("reuse", cu.clone(), causal_support(&cu).unwrap(), 7005);
     let inputs = DeviceInputs::upload(&stream, &p);
     let mut backward = MsaBackward::new();
     assert_eq!(backward.allocation_count(), 0);
@@ -110,7 +115,7 @@ fn backward_reuses_its_workspace() {
     let small = Problem::new(
         "reuse, smaller",
         small_cu.clone(),
-        causal_support(&small_cu),
+        causal_support(&small_cu).unwrap(),
         7006,
     );
     let small_inputs = DeviceInputs::upload(&stream, &small);
@@ -148,7 +153,7 @@ fn expect_input_error(result: Result<Gradients, RuntimeError>, field: &str, need
 fn backward_rejects_invalid_inputs() {
     let Some(stream) = gpu_stream() else { return };
     let cu = docs(&[127, 129]);
-    let schedule = build_schedule(&causal_support(&cu), &cu, 64).unwrap();
+    let schedule = build_schedule(&causal_support(&cu).unwrap(), &cu, 64).unwrap();
     let (t, w) = (schedule.num_tokens(), schedule.workspace_rows());
     let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
     let q = zeros_bf16(t * Q_ROW);

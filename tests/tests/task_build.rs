@@ -25,7 +25,7 @@ fn docs(lengths: &[i32]) -> Vec<i32> {
 
 fn causal(lengths: &[i32], qpw: usize) -> Schedule {
     let cu = docs(lengths);
-    build_schedule(&causal_support(&cu), &cu, qpw).unwrap()
+    build_schedule(&causal_support(&cu).unwrap(), &cu, qpw).unwrap()
 }
 
 /// The same schedule with other metadata rows or work count.

@@ -4,7 +4,7 @@
 //! The same work as [`super::backward_sm90`] — the CTA walk over task rows from the
 //! descriptor, buckets `(index_head, kblock)` and segments of consecutive rows of one bucket,
 //! one 128×128 tile per task row (128 keys × 8 query slots · 16 heads, head dim 128) — with
-//! the tensor-core work moved to `tcgen05` and tensor memory (seed-design §3.3–§3.5). Every
+//! the tensor-core work moved to `tcgen05` and tensor memory (`docs/design.md` §3.3–§3.5). Every
 //! resource comes from the typed plans of [`crate::plan`]: warp roles and `setmaxnreg`
 //! values, the TMEM regions, the shared-memory offsets, the mbarrier pipelines with their
 //! generated parity bookkeeping, the named barriers, and the GEMM, instruction and

@@ -105,7 +105,7 @@ pub fn cta_exclusive_scan(
 }
 
 /// The CTA walk `(num_full_ctas, tail_rows, grid_ctas)` of `n` rows, the device mirror of the
-/// host contract's `chunk_map` (seed-design §2.4). `r` and `s` must be at least 1.
+/// host contract's `chunk_map` (`docs/design.md` §2.4). `r` and `s` must be at least 1.
 pub fn chunk_map(
     b: &mut KernelBuilder,
     n: Reg<U32>,
@@ -150,7 +150,7 @@ pub fn rows_per_cta(
 }
 
 /// CTA `cta`'s task rows `[lo, hi)` from the descriptor words `(n, r, full, tail, grid)`:
-/// the device mirror of the host contract's `cta_interval` (seed-design §2.4).
+/// the device mirror of the host contract's `cta_interval` (`docs/design.md` §2.4).
 pub fn cta_interval(
     b: &mut KernelBuilder,
     cta: Reg<U32>,

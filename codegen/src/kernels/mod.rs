@@ -4,6 +4,7 @@
 pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
+pub mod kv_layout;
 pub mod postprocess;
 pub mod preprocess;
 pub mod task_build;
@@ -39,6 +40,8 @@ pub fn all() -> &'static [KernelSpec] {
     &[
         preprocess::SPEC,
         postprocess::SPEC,
+        kv_layout::TO_ALIGNED,
+        kv_layout::FROM_ALIGNED,
         task_build::SCAN_WORK,
         task_build::ASSIGN_SEGMENTS,
         task_build::SCAN_BINS,

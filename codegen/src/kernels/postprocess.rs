@@ -1,4 +1,4 @@
-//! `bwd_postprocess`: one launch finishes all three gradients (seed-design §3.6).
+//! `bwd_postprocess`: one launch finishes all three gradients (`docs/design.md` §3.6).
 //!
 //! - `blockIdx.y == 0` de-interleaves the bf16 dQ pool `[T, 32, 128, 2]` (element
 //!   `(t, hp, d, e) = dQ[t, 2hp+e, d]`) into `dq [T, 64, 128]`. A pool row (one head pair) is

@@ -1,4 +1,4 @@
-//! `bwd_preprocess`: `delta[t, h] = Σ_d O[t, h, d] · dO[t, h, d]` in fp32 (seed-design §3.2).
+//! `bwd_preprocess`: `delta[t, h] = Σ_d O[t, h, d] · dO[t, h, d]` in fp32 (`docs/design.md` §3.2).
 //!
 //! Grid `[ceil(T/128), 64]`, 256 threads: one CTA reduces 128 rows of one head. A row is
 //! 128 bf16 = 256 bytes, read by 16 lanes with one 16-byte load each of O and dO; the 16

@@ -1,4 +1,4 @@
-//! The device task build (seed-design §2.2–§2.4): four launches turn the schedule into the
+//! The device task build (`docs/design.md` §2.2–§2.4): four launches turn the schedule into the
 //! CTA-walk task tables, in locality order, with no host sync.
 //!
 //! 1. [`SCAN_WORK`]: inclusive prefix of `ceil(q_count/8)` per work item into `task_ends`,

@@ -1,5 +1,5 @@
 //! tcgen05 instruction descriptors, shared-memory matrix descriptors and the five GEMMs
-//! (seed-design §3.3; sm100-ptx.md §5.4–§5.5).
+//! (`docs/design.md` §3.3; sm100-ptx.md §5.4–§5.5).
 //!
 //! Every GEMM is 128×128×128, bf16 in, fp32 accumulated in TMEM, `cta_group::1`, issued as
 //! eight K=16 MMAs. Shared operands are 128×128 bf16 tiles in two SW128 panels; a K-major

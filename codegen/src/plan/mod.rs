@@ -531,7 +531,7 @@ pub struct KernelPlan {
 }
 
 impl KernelPlan {
-    /// The design's plan (seed-design §3.3–§3.5, with one `setmaxnreg` value per warpgroup).
+    /// The design's plan (`docs/design.md` §3.3–§3.5, with one `setmaxnreg` value per warpgroup).
     pub fn design() -> Result<Self, PlanError> {
         let warps = WarpPlan::design()?;
         let tmem = TmemPlan::design()?;

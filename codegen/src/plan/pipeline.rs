@@ -1,4 +1,4 @@
-//! Typed mbarrier pipelines and named barriers (seed-design §3.4).
+//! Typed mbarrier pipelines and named barriers (`docs/design.md` §3.4).
 //!
 //! A pipeline of `stages` stages owns `2·stages` consecutive mbarriers in the barrier array:
 //! `full[0..stages]` (producer → consumer) then `empty[0..stages]` (consumer → producer).
@@ -613,7 +613,7 @@ const KV_BOX: [u32; 3] = [64, 1, 128];
 /// One query row's 16 heads × 64 d (one d-half) of Q or dO.
 const QDO_BOX: [u32; 3] = [64, 16, 1];
 
-/// The design's pipelines (seed-design §3.4), in barrier-slot order.
+/// The design's pipelines (`docs/design.md` §3.4), in barrier-slot order.
 pub fn design_pipelines() -> Vec<Pipeline> {
     use Role::*;
     let boxes = |dims: [u32; 3], n: usize| {
@@ -655,7 +655,7 @@ pub fn design_pipelines() -> Vec<Pipeline> {
     ]
 }
 
-/// The design's named barriers (seed-design §3.4).
+/// The design's named barriers (`docs/design.md` §3.4).
 pub fn design_barriers() -> Vec<NamedBarrier> {
     use Role::*;
     let nb = |name, id, threads, roles: &[Role]| NamedBarrier {

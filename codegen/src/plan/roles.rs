@@ -1,4 +1,4 @@
-//! Warp roles and their register budgets (seed-design §3.4).
+//! Warp roles and their register budgets (`docs/design.md` §3.4).
 //!
 //! 16 warps, 512 threads, one CTA per SM. Warp `w` runs on SM sub-partition (SMSP) `w % 4`
 //! and belongs to warpgroup `w / 4`. `setmaxnreg` must be executed with one value by all
@@ -260,7 +260,7 @@ impl WarpPlan {
     }
 }
 
-/// The design's registers: compute 184 and reduce 128 (seed-design §3.4); warpgroup 3 and
+/// The design's registers: compute 184 and reduce 128 (`docs/design.md` §3.4); warpgroup 3 and
 /// the idle warpgroup 0 at 48. Sum per SMSP: 48 + 184 + 128 + 48 = 408 ≤ 512.
 pub const DESIGN_REGS: RoleRegs = RoleRegs {
     idle: 48,

@@ -282,7 +282,7 @@ impl SmemPlan {
         Ok(SmemPlan { buffers, total })
     }
 
-    /// The design's buffers (seed-design §3.3): sK, sV, sQ×2, sdO×2, sPdS; sLSE and sDelta
+    /// The design's buffers (`docs/design.md` §3.3): sK, sV, sQ×2, sdO×2, sPdS; sLSE and sDelta
     /// `[2][128]` fp32; sQRows and sQPos `[2][8]` int32; `barrier_slots` mbarriers; the TMEM
     /// address word.
     pub fn design(barrier_slots: u32) -> Result<Self, PlanError> {

@@ -1,5 +1,5 @@
 //! The tensor-memory plan: 128 lanes × up to 512 32-bit columns, split into named regions
-//! (seed-design §3.3).
+//! (`docs/design.md` §3.3).
 //!
 //! Regions span all 128 lanes (lane = key row or head dim, the MMA's M). Overlapping regions
 //! must be declared aliases: they share columns by design (P over S, dS over dP, dQ over

@@ -1,6 +1,6 @@
 //! Runs the whole MSA backward once and checks it against the CPU reference: on GPU 0 when
 //! one is usable, otherwise on the `msa_sim` PTX simulator. It builds a causal-support
-//! schedule over the given documents (`msa_runtime::build_schedule(&causal_support(&cu), &cu,
+//! schedule over the given documents (`msa_runtime::build_schedule(&causal_support(&cu)?, &cu,
 //! 64)`), deterministic random bf16 inputs, and the f32 CPU reference forward and backward;
 //! then either calls `msa_runtime::run_backward` on the device (compute capability 9.0 or
 //! 10.0), or runs the same host flow (`MsaBackward::run_on`: `bwd_preprocess`, zeroed pools,

@@ -80,7 +80,7 @@ pub fn to_f32(v: &[bf16]) -> Vec<f32> {
 /// A causal problem over documents, with its inputs and reference gradients.
 #[derive(Debug, Clone)]
 pub struct Case {
-    /// The causal-support schedule (`build_schedule(&causal_support(&cu), &cu, 64)`).
+    /// The causal-support schedule (`build_schedule(&causal_support(&cu)?, &cu, 64)`).
     pub schedule: Schedule,
     /// Q `[T,64,128]`.
     pub q: Vec<bf16>,
@@ -103,12 +103,17 @@ pub struct Case {
 /// The causal problem over documents of `lengths` tokens with inputs drawn from `seed`, and
 /// its CPU reference gradients.
 pub fn case(lengths: &[i32], seed: u64) -> Result<Case, String> {
-    let mut cu = vec![0];
-    for l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
+    let mut cu = vec![0i32];
+    for &l in lengths {
+        let end = cu[cu.len() - 1]
+            .checked_add(l)
+            .ok_or_else(|| "the token count overflows i32".to_string())?;
+        cu.push(end);
     }
     let t = usize::try_from(cu[cu.len() - 1]).map_err(|_| "negative token count".to_string())?;
-    let q2k = causal_support(&cu);
+    // Refuse a shape the backward cannot run before allocating its T·8192-element inputs.
+    msa_runtime::check_capacity(&cu).map_err(|e| format!("capacity: {e}"))?;
+    let q2k = causal_support(&cu).map_err(|e| format!("support: {e}"))?;
     let schedule = build_schedule(&q2k, &cu, 64).map_err(|e| format!("schedule: {e}"))?;
     let mut rng = Rng(seed);
     let (q, q32) = rng.bf16s(t * Q_ROW);
@@ -251,6 +256,116 @@ pub fn upload(dev: &mut SimDevice, c: &Case) -> BackwardBuffers {
         dk_aligned,
         dv_aligned,
     }
+}
+
+/// The host tensors of one backward, as a user holds them: compact K and V.
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    /// `q [T, 64, 128]`.
+    pub q: &'a [bf16],
+    /// Compact `k [T, 4, 128]`.
+    pub k: &'a [bf16],
+    /// Compact `v [T, 4, 128]`.
+    pub v: &'a [bf16],
+    /// `grad_out [T, 64, 128]`.
+    pub grad_out: &'a [bf16],
+    /// `lse [T, 64]` (natural log, as the forward returns it).
+    pub lse: &'a [f32],
+    /// `out [T, 64, 128]`.
+    pub out: &'a [bf16],
+}
+
+/// The gradients of one backward on the host, all compact.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostGradients {
+    /// `dq [T, 64, 128]`.
+    pub dq: Vec<bf16>,
+    /// `dk [T, 4, 128]`.
+    pub dk: Vec<bf16>,
+    /// `dv [T, 4, 128]`.
+    pub dv: Vec<bf16>,
+}
+
+/// Uploads a user's tensors to `dev` for `MsaBackward::run_on`: K and V are packed into the
+/// schedule's zero-padded aligned layout on the device ([`msa_runtime::to_aligned_on`]), and
+/// the three output buffers are allocated.
+///
+/// ```no_run
+/// # fn main() -> Result<(), msa_runtime::RuntimeError> {
+/// # let (schedule, inputs): (msa_runtime::Schedule, msa_sim::backward::Inputs) = todo!();
+/// use msa_runtime::MsaBackward;
+/// use msa_sim::backward::{download_gradients, upload_inputs};
+/// use msa_sim::device::{Arch, SimDevice};
+///
+/// let mut dev = SimDevice::new(Arch::Sm90, 132);
+/// let io = upload_inputs(&mut dev, &schedule, &inputs)?;
+/// MsaBackward::<SimDevice>::new().run_on(&mut dev, &io, &schedule)?;
+/// let grads = download_gradients(&mut dev, &schedule, &io)?; // compact dq, dk, dv
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// Those of [`msa_runtime::to_aligned_on`] (a compact K or V of the wrong length); the other
+/// lengths are checked by `run_on`.
+pub fn upload_inputs(
+    dev: &mut SimDevice,
+    schedule: &Schedule,
+    x: &Inputs<'_>,
+) -> Result<BackwardBuffers, RuntimeError> {
+    let t = schedule.num_tokens();
+    let w = schedule.workspace_rows();
+    let mut span = |name: &str, data: &[bf16]| {
+        let b = dev.upload_new(name, data);
+        Span::new(b.ptr.0, data.len())
+    };
+    let k = span("k", x.k);
+    let v = span("v", x.v);
+    let io = BackwardBuffers {
+        q: span("q", x.q),
+        k_aligned: span("k_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        v_aligned: span("v_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        grad_out: span("grad_out", x.grad_out),
+        out: span("out", x.out),
+        dq: span("dq", &vec![bf16::ZERO; t * Q_ROW]),
+        dk_aligned: span("dk_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        dv_aligned: span("dv_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        lse: {
+            let b = dev.upload_new("lse", x.lse);
+            Span::new(b.ptr.0, x.lse.len())
+        },
+    };
+    msa_runtime::to_aligned_on(dev, schedule, k, v, io.k_aligned, io.v_aligned)?;
+    Ok(io)
+}
+
+/// Reads the gradients `run_on` wrote into `io` back to the host, with dK and dV gathered to
+/// compact rows on the device ([`msa_runtime::from_aligned_on`]).
+///
+/// # Errors
+/// Those of [`msa_runtime::from_aligned_on`], and a simulator error for a buffer that is not
+/// on `dev`.
+pub fn download_gradients(
+    dev: &mut SimDevice,
+    schedule: &Schedule,
+    io: &BackwardBuffers,
+) -> Result<HostGradients, RuntimeError> {
+    let len = schedule.num_tokens() * KV_ROW;
+    let dk = dev.upload_new("dk", &vec![bf16::ZERO; len]);
+    let dv = dev.upload_new("dv", &vec![bf16::ZERO; len]);
+    let (dk, dv) = (Span::new(dk.ptr.0, len), Span::new(dv.ptr.0, len));
+    msa_runtime::from_aligned_on(dev, schedule, io.dk_aligned, io.dv_aligned, dk, dv)?;
+    let read = |dev: &SimDevice, s: Span<bf16>| {
+        dev.read::<bf16>(s.addr, s.len)
+            .map_err(|e| RuntimeError::Simulator {
+                call: "download_gradients".into(),
+                source: Box::new(e),
+            })
+    };
+    Ok(HostGradients {
+        dq: read(dev, io.dq)?,
+        dk: read(dev, dk)?,
+        dv: read(dev, dv)?,
+    })
 }
 
 /// The error the simulator reported, or the runtime's as a [`SimError::Launch`].

@@ -205,10 +205,11 @@ impl Backend for SimDevice {
     }
 
     fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<SimBuffer, RuntimeError> {
-        Ok(SimBuffer {
-            ptr: self.gpu.alloc(what, bytes.max(1)),
-            bytes,
-        })
+        let ptr = self
+            .gpu
+            .try_alloc(what, bytes.max(1))
+            .map_err(|e| simulated(what, e))?;
+        Ok(SimBuffer { ptr, bytes })
     }
 
     fn address(&self, buffer: &SimBuffer) -> u64 {

@@ -220,6 +220,11 @@ impl Gpu {
         self.mem.alloc(name, bytes)
     }
 
+    /// [`Gpu::alloc`], with an error instead of an abort for a size the host cannot hold.
+    pub fn try_alloc(&mut self, name: &str, bytes: usize) -> Result<DevPtr, SimError> {
+        self.mem.try_alloc(name, bytes).map_err(SimError::Host)
+    }
+
     /// Allocates and fills a buffer with `data`.
     pub fn upload<T: Element>(&mut self, name: &str, data: &[T]) -> DevPtr {
         let p = self.mem.alloc(name, data.len() * T::SIZE);

@@ -9,6 +9,12 @@
 //! `shfl.sync`, misused barrier and deadlock is an error naming the kernel, PC, source line,
 //! CTA and thread (or, for a deadlock, every warp's PC and the barrier it waits on).
 //!
+//! To run the MSA backward on your own tensors, see [`backward::upload_inputs`] and
+//! [`backward::download_gradients`]. Build the simulator optimised: a dependent crate must set
+//! `[profile.dev.package.msa-sim] opt-level = 3` (and the same for `msa-runtime`) in its own
+//! root `Cargo.toml`, because Cargo ignores a dependency's profile settings; unoptimised it is
+//! about 14 times slower (the repository README has the figures).
+//!
 //! ```
 //! use msa_sim::{Arg, Gpu, LaunchConfig, Module};
 //!

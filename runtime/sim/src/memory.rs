@@ -108,16 +108,35 @@ impl Default for GlobalMemory {
 
 impl GlobalMemory {
     /// Allocates `bytes` zeroed bytes named `name` (for error messages).
+    ///
+    /// # Panics
+    /// When the host cannot provide the memory; [`GlobalMemory::try_alloc`] returns an error
+    /// instead.
     pub fn alloc(&mut self, name: &str, bytes: usize) -> DevPtr {
+        self.try_alloc(name, bytes)
+            .unwrap_or_else(|e| panic!("simulated allocation: {e}"))
+    }
+
+    /// [`GlobalMemory::alloc`], with an error instead of an abort when the host memory (or the
+    /// simulated address space) cannot hold `bytes` more.
+    pub fn try_alloc(&mut self, name: &str, bytes: usize) -> Result<DevPtr, String> {
         let start = self.next;
-        let len = bytes as u64;
-        self.next = (start + len).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN + GUARD_BYTES;
+        let refused = || format!("cannot allocate {bytes} bytes for `{name}`");
+        let next = start
+            .checked_add(bytes as u64)
+            .and_then(|end| end.checked_next_multiple_of(ALLOC_ALIGN))
+            .and_then(|end| end.checked_add(GUARD_BYTES))
+            .ok_or_else(refused)?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(bytes).map_err(|_| refused())?;
+        data.resize(bytes, 0);
+        self.next = next;
         self.allocs.push(Allocation {
             start,
             name: name.to_string(),
-            data: vec![0; bytes],
+            data,
         });
-        DevPtr(start)
+        Ok(DevPtr(start))
     }
 
     fn find(&self, addr: u64) -> Option<usize> {

@@ -164,7 +164,7 @@ fn preprocess_task_build_and_postprocess_agree_bit_for_bit() {
         ("one document of 4093", vec![4093], 16),
     ] {
         let cu = cu_of(&lengths);
-        let s = build_schedule(&causal_support(&cu), &cu, qpw).unwrap();
+        let s = build_schedule(&causal_support(&cu).unwrap(), &cu, qpw).unwrap();
         let g = tables_on(&mut cuda, &s);
         let m = tables_on(&mut sim, &s);
         let diffs: Vec<String> = [

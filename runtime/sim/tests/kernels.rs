@@ -216,7 +216,7 @@ fn cu_of(lengths: &[i32]) -> Vec<i32> {
 
 fn causal(lengths: &[i32]) -> Schedule {
     let cu = cu_of(lengths);
-    build_schedule(&causal_support(&cu), &cu, 16).expect("valid schedule")
+    build_schedule(&causal_support(&cu).unwrap(), &cu, 16).expect("valid schedule")
 }
 
 fn check_task_build(what: &str, schedule: &Schedule, num_sms: usize) {

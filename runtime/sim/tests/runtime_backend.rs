@@ -1,5 +1,5 @@
 //! The runtime's host flow (`MsaBackward::run_on`) with the simulator as its backend: the
-//! launch sequence and geometry of seed-design §3.1, the workspace cache, typed input errors
+//! launch sequence and geometry of `docs/design.md` §3.1, the workspace cache, typed input errors
 //! that issue nothing, and kernel faults surfacing as `RuntimeError::Simulator`. No GPU needed.
 
 use half::bf16;

@@ -154,7 +154,7 @@ impl<'a> Problem<'a> {
     /// The kept keys of query `t` (in document `doc`) for group `g`, as ascending compact
     /// ranges, one per distinct selected block that holds a key `<= t`. Returns their count.
     ///
-    /// `q2k` is a set (seed-design §1.4 (a)): order is irrelevant and a repeated id counts once.
+    /// `q2k` is a set (`docs/design.md` §1.4 (a)): order is irrelevant and a repeated id counts once.
     fn kept_keys(
         &self,
         g: usize,
@@ -286,7 +286,7 @@ fn axpy(y: &mut Row, a: f32, x: &Row) {
     }
 }
 
-/// Sparse attention forward (seed-design §1.4), in f32.
+/// Sparse attention forward (`docs/design.md` §1.4), in f32.
 ///
 /// `q [T,64,128]`, `k`/`v [T,4,128]`, `q2k [4,T,16]` (document-local block ids, `-1` pads) and
 /// `cu_seqlens [docs+1]`; `T = cu_seqlens[docs]`. Loops only over the keys of the selected
@@ -373,7 +373,7 @@ fn forward_chunk(p: &Problem, g: usize, queries: Range<usize>, out: &mut [f32], 
     }
 }
 
-/// Sparse attention backward (seed-design §1.4, §3), in f32.
+/// Sparse attention backward (`docs/design.md` §1.4, §3), in f32.
 ///
 /// Takes the forward inputs plus `out [T,64,128]` (the forward output the kernel is given),
 /// `lse [T,64]` and `dout [T,64,128]`. With `P = exp(scale·S − lse)` over the kept keys,

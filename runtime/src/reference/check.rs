@@ -1,4 +1,4 @@
-//! The tolerance checker of the numeric tests (seed-design §4.3, `_assert_error`).
+//! The tolerance checker of the numeric tests (`docs/design.md` §4.3, `_assert_error`).
 
 use std::fmt;
 
@@ -21,22 +21,22 @@ impl Tolerance {
     }
 }
 
-/// Tolerance of the attention output `O` against the f32 reference (seed-design §4.3).
+/// Tolerance of the attention output `O` against the f32 reference (`docs/design.md` §4.3).
 pub const O_TOLERANCE: Tolerance = Tolerance {
     max_abs: 0.025,
     l2_rel: 0.006,
 };
-/// Tolerance of `dQ` (seed-design §4.3).
+/// Tolerance of `dQ` (`docs/design.md` §4.3).
 pub const DQ_TOLERANCE: Tolerance = Tolerance {
     max_abs: 0.035,
     l2_rel: 0.007,
 };
-/// Tolerance of `dK` (seed-design §4.3).
+/// Tolerance of `dK` (`docs/design.md` §4.3).
 pub const DK_TOLERANCE: Tolerance = Tolerance {
     max_abs: 0.075,
     l2_rel: 0.007,
 };
-/// Tolerance of `dV` (seed-design §4.3).
+/// Tolerance of `dV` (`docs/design.md` §4.3).
 pub const DV_TOLERANCE: Tolerance = Tolerance {
     max_abs: 0.1,
     l2_rel: 0.007,
@@ -75,7 +75,7 @@ impl fmt::Display for ErrorStats {
     }
 }
 
-/// Compares `got` with `expected` by max-abs and L2-relative error (seed-design §4.3).
+/// Compares `got` with `expected` by max-abs and L2-relative error (`docs/design.md` §4.3).
 ///
 /// Passes iff `max |got − expected| <= max_abs` and `‖got − expected‖ / ‖expected‖ <= l2_rel`
 /// (the latter skipped when `‖expected‖ = 0`). Equal values match, including equal infinities

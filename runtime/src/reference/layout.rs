@@ -6,7 +6,7 @@ use super::{check_len, num_tokens, ReferenceError, KV_ROW, Q_ROW};
 use crate::contract::{HEAD_DIM, NUM_Q_HEADS};
 
 /// Scatters compact rows `[T, heads, 128]` into the aligned workspace layout `[W, heads, 128]`
-/// (seed-design §1.5): token `t` of document `d` lands on row `ws_start[d] + (t − cu_seqlens[d])`;
+/// (`docs/design.md` §1.5): token `t` of document `d` lands on row `ws_start[d] + (t − cu_seqlens[d])`;
 /// padding rows are zero. Used for `k`/`v` (`heads = 4`) before a kernel launch.
 ///
 /// # Errors
@@ -58,7 +58,7 @@ pub fn from_aligned(
     Ok(compact)
 }
 
-/// CPU model of the delta preprocess kernel (seed-design §3.2):
+/// CPU model of the delta preprocess kernel (`docs/design.md` §3.2):
 /// `delta[t,h] = Σ_d O[t,h,d]·dO[t,h,d]` in f32, shape `[T,64]`.
 ///
 /// # Errors
@@ -83,7 +83,7 @@ pub fn preprocess_delta(
 }
 
 /// Element of the head-pair-interleaved dQ pool `[T,32,128,2]` that holds `dQ[t,h,d]`
-/// (seed-design §3.6: pool element `(t, hp, d, e)` is `dQ[t, 2hp+e, d]`).
+/// (`docs/design.md` §3.6: pool element `(t, hp, d, e)` is `dQ[t, 2hp+e, d]`).
 fn pool_index(t: usize, h: usize, d: usize) -> usize {
     (((t * NUM_Q_HEADS / 2 + h / 2) * HEAD_DIM + d) * 2) + h % 2
 }
@@ -136,7 +136,7 @@ pub fn deinterleave_dq_pool<E: Copy>(pool: &[E]) -> Result<Vec<E>, ReferenceErro
     Ok(dq)
 }
 
-/// Exact CPU model of the postprocess (`grad_finalize`) kernel (seed-design §3.6).
+/// Exact CPU model of the postprocess (`grad_finalize`) kernel (`docs/design.md` §3.6).
 ///
 /// De-interleaves the bf16 dQ pool `[T,32,128,2]` into `dq [T,64,128]` (a pure permutation)
 /// and casts the fp32 dK and dV pools (`[W,4,128]`) to bf16 with round-to-nearest-even.

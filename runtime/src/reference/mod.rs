@@ -1,4 +1,4 @@
-//! f32 CPU reference of the MSA forward and backward (seed-design §1.4, §1.5, §3.2, §3.6).
+//! f32 CPU reference of the MSA forward and backward (`docs/design.md` §1.4, §1.5, §3.2, §3.6).
 //!
 //! Everything here works on compact, row-major `f32` slices holding the values of bf16 data:
 //! `q [T,64,128]`, `k`/`v [T,4,128]`, `q2k [4,T,16]` (document-local block ids, `-1` = padding)
@@ -16,7 +16,7 @@
 //! The module also holds the exact CPU models of the small kernels around the main one
 //! ([`preprocess_delta`], [`postprocess`]), the aligned-workspace scatter/gather
 //! ([`to_aligned`], [`from_aligned`]) and the tolerance checker every numeric test uses
-//! ([`check_close`], seed-design §4.3).
+//! ([`check_close`], `docs/design.md` §4.3).
 
 mod attention;
 mod check;

@@ -1,4 +1,4 @@
-//! CPU oracle of the device task build (seed-design §2.2–§2.4).
+//! CPU oracle of the device task build (`docs/design.md` §2.2–§2.4).
 //!
 //! The device build (four launches, no host sync) turns the forward work items of a
 //! [`Schedule`] into 8-query backward tasks, orders them by locality and writes the CTA-walk
@@ -54,7 +54,7 @@ pub struct TaskTables {
     /// `document_workspace_starts[doc] + q` (causal predicate only); other slots are `-1`.
     pub qpos: Vec<i32>,
     /// `NUM_TASK_ROWS, ROWS_PER_CTA, NUM_FULL_CTAS, TAIL_ROWS, GRID_CTAS, NUM_WORK, NUM_TASKS,
-    /// FLAGS` (seed-design §2.3, §2.4).
+    /// FLAGS` (`docs/design.md` §2.3, §2.4).
     pub desc: [i32; 8],
 }
 
@@ -203,7 +203,7 @@ fn build_tables(
     tables
 }
 
-/// One decoded task (seed-design §2.2).
+/// One decoded task (`docs/design.md` §2.2).
 struct Task<'a> {
     /// Index head.
     head: u64,
