@@ -6,6 +6,7 @@ pub mod backward_sm90;
 pub mod common;
 pub mod postprocess;
 pub mod preprocess;
+pub mod schedule_build;
 pub mod task_build;
 
 use crate::ptx::{Kernel, KernelBuilder};
@@ -39,6 +40,11 @@ pub fn all() -> &'static [KernelSpec] {
     &[
         preprocess::SPEC,
         postprocess::SPEC,
+        schedule_build::DOCUMENTS,
+        schedule_build::COUNT,
+        schedule_build::OFFSETS,
+        schedule_build::FILL,
+        schedule_build::ITEMS,
         task_build::SCAN_WORK,
         task_build::ASSIGN_SEGMENTS,
         task_build::SCAN_BINS,
