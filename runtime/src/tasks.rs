@@ -48,28 +48,45 @@ impl TaskBuildSizes {
     /// Sizes the task build; fails before any launch when the bins exceed [`MAX_BINS`] or a
     /// count overflows the kernels' 32-bit index arithmetic.
     pub fn new(schedule: &Schedule, num_sms: usize) -> Result<Self, RuntimeError> {
+        Self::for_shape(
+            schedule.num_tokens(),
+            schedule.workspace_rows(),
+            schedule.edge_capacity(),
+            schedule.work_capacity(),
+            num_sms,
+        )
+    }
+
+    /// [`TaskBuildSizes::new`] from the schedule's shape alone: `T`, `W`, the edge capacity
+    /// per head and the work capacity (a device-built schedule has no host copy).
+    pub fn for_shape(
+        num_tokens: usize,
+        workspace_rows: usize,
+        edge_capacity: usize,
+        work_capacity: usize,
+        num_sms: usize,
+    ) -> Result<Self, RuntimeError> {
         if num_sms == 0 {
             return Err(RuntimeError::input("num_sms", 0, "at least 1"));
         }
-        let capacity =
-            NUM_INDEX_HEADS * schedule.edge_capacity() / QUERY_CHUNK + schedule.work_capacity();
-        let num_windows = schedule.num_tokens().div_ceil(LOCALITY_WINDOW);
-        let num_kblocks = schedule.workspace_rows() / BLOCK_SIZE;
+        let capacity = NUM_INDEX_HEADS * edge_capacity / QUERY_CHUNK + work_capacity;
+        let num_windows = num_tokens.div_ceil(LOCALITY_WINDOW);
+        let num_kblocks = workspace_rows / BLOCK_SIZE;
         let bins = NUM_INDEX_HEADS * num_windows * num_kblocks.max(1);
         if bins > MAX_BINS {
             return Err(RuntimeError::TooManyBins {
                 bins,
                 limit: MAX_BINS,
-                num_tokens: schedule.num_tokens(),
-                workspace_rows: schedule.workspace_rows(),
+                num_tokens: num_tokens,
+                workspace_rows: workspace_rows,
             });
         }
         // The kernels index `head·edge_capacity + edge` and `3·task` in u32.
         let limit = u32::MAX as usize;
-        if NUM_INDEX_HEADS * schedule.edge_capacity() > limit {
+        if NUM_INDEX_HEADS * edge_capacity > limit {
             return Err(RuntimeError::input(
                 "schedule.q_indices",
-                format!("edge capacity {}", schedule.edge_capacity()),
+                format!("edge capacity {}", edge_capacity),
                 "4·edge_capacity below 2^32",
             ));
         }
@@ -85,7 +102,7 @@ impl TaskBuildSizes {
             num_windows,
             num_kblocks,
             bins,
-            scratch_words: 8 + schedule.work_capacity() + capacity + 4 * bins + 3 * capacity,
+            scratch_words: 8 + work_capacity + capacity + 4 * bins + 3 * capacity,
             table_words: capacity * 20,
             grid_launch: grid_launch_bound(capacity, num_sms),
             num_sms,
@@ -148,6 +165,31 @@ impl TaskLayout {
             words: at,
         }
     }
+}
+
+/// Where a schedule's six arrays live on the device, and the shape the task build reads them
+/// with: an uploaded host [`Schedule`] ([`DeviceSchedule::refs`]) or one the device built
+/// ([`crate::schedule_build::ResidentSchedule::refs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleRefs {
+    /// `row_ptr [4, rows+1]`.
+    pub row_ptr: u64,
+    /// `q_indices [4, edge_capacity]`.
+    pub q_indices: u64,
+    /// `scheduler_metadata [work_capacity, 6]`.
+    pub metadata: u64,
+    /// `work_count [1]`.
+    pub work_count: u64,
+    /// `cu_seqlens [docs+1]`.
+    pub cu_seqlens: u64,
+    /// `document_workspace_starts [docs]`.
+    pub ws_starts: u64,
+    /// CSR rows per head (the `row_ptr` stride is `rows + 1`).
+    pub rows: usize,
+    /// Edge slots per head.
+    pub edge_capacity: usize,
+    /// Rows of `scheduler_metadata`.
+    pub work_capacity: usize,
 }
 
 /// The schedule's arrays on the device: one allocation carved into 256-byte aligned regions.
@@ -240,6 +282,21 @@ impl<B: Backend> DeviceSchedule<B> {
         Ok(())
     }
 
+    /// The addresses and shape the task build reads.
+    pub fn refs(&self) -> ScheduleRefs {
+        ScheduleRefs {
+            row_ptr: self.row_ptr,
+            q_indices: self.q_indices,
+            metadata: self.metadata,
+            work_count: self.work_count,
+            cu_seqlens: self.cu_seqlens,
+            ws_starts: self.ws_starts,
+            rows: self.rows,
+            edge_capacity: self.edge_capacity,
+            work_capacity: self.work_capacity,
+        }
+    }
+
     /// Allocates and copies a validated schedule (stream-ordered).
     pub fn upload(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
         let d = Self::allocate(backend, s)?;
@@ -330,6 +387,15 @@ impl<B: Backend> TaskWorkspace<B> {
         &mut self,
         backend: &mut B,
         schedule: &DeviceSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        self.build_from(backend, &schedule.refs())
+    }
+
+    /// [`TaskWorkspace::build`] from any schedule on the device. No host sync.
+    pub fn build_from(
+        &mut self,
+        backend: &mut B,
+        schedule: &ScheduleRefs,
     ) -> Result<(), RuntimeError> {
         if schedule.work_capacity != self.work_capacity {
             return Err(RuntimeError::input(
@@ -441,7 +507,7 @@ impl<B: Backend> TaskWorkspace<B> {
         ];
         for (kernel, grid, args) in &launches {
             // SAFETY: every region was carved from the same `sizes` the scalars come from,
-            // and the schedule's arrays were uploaded whole.
+            // and the schedule's arrays hold the shape `ScheduleRefs` states.
             unsafe { backend.launch(kernel, *grid, args) }?;
         }
         Ok(())

@@ -410,4 +410,3 @@ pub fn load_if(
     });
     out
 }
-

@@ -591,12 +591,7 @@ fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryB
 }
 
 /// Index of pair `(row of key block k, qb)` of `head` in the pair table.
-fn pair_index(
-    b: &mut KernelBuilder,
-    p: &BlockParams,
-    blk: &QueryBlock,
-    k: Reg<U32>,
-) -> Reg<U32> {
+fn pair_index(b: &mut KernelBuilder, p: &BlockParams, blk: &QueryBlock, k: Reg<U32>) -> Reg<U32> {
     let row_of = b.ld_param_ptr(&p.row_of);
     let pair = b.ld_param_ptr(&p.pair);
     let fk = b.add(blk.first_block, k);
