@@ -62,17 +62,28 @@ pub const FLAG_SELECTION: i32 = 4;
 /// Status flag: the pair table outgrew its bound (an internal error; never expected).
 pub const FLAG_PAIR_CAPACITY: i32 = 8;
 
-// Status word indices (mirrors of the codegen constants; a test compares them).
-const ST_FLAGS: usize = 0;
-const ST_CU_FAULT: usize = 1;
-const ST_ROWS: usize = 3;
-const ST_PAIRS: usize = 6;
-const ST_KIND: usize = 7;
-const ST_VALUE: usize = 8;
-const ST_AUX: usize = 9;
-const ST_HEAD: usize = 10;
-const ST_ROW: usize = 11;
-const ST_SLOT: usize = 12;
+// Status word indices, mirrors of the codegen constants (a test compares them).
+/// Status word: the flags.
+pub const ST_FLAGS: usize = 0;
+/// Status word: the first malformed `cu_seqlens` index.
+pub const ST_CU_FAULT: usize = 1;
+/// Status word: CSR rows `Σ ceil(len_d/128)`.
+pub const ST_ROWS: usize = 3;
+/// Status word: `(row, query block)` pairs per head.
+pub const ST_PAIRS: usize = 6;
+/// Status word: the selection fault's kind (1 below -1, 2 past the end, 3 after the own
+/// block, 4 repeated).
+pub const ST_KIND: usize = 7;
+/// Status word: the faulty value.
+pub const ST_VALUE: usize = 8;
+/// Status word: the fault's context (block count, own block, first slot, previous offset).
+pub const ST_AUX: usize = 9;
+/// Status word: head of the faulty `q2k` entry.
+pub const ST_HEAD: usize = 10;
+/// Status word: compact query row of the faulty entry.
+pub const ST_ROW: usize = 11;
+/// Status word: slot of the faulty entry.
+pub const ST_SLOT: usize = 12;
 
 /// Region starts are rounded to 256 bytes (16-byte vector access everywhere).
 const REGION_ALIGN_WORDS: usize = 64;
