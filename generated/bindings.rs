@@ -134,7 +134,7 @@ pub mod schedule_documents {
         doc_rank0: PtrMut<i32>,
         doc_long_index: PtrMut<i32>,
         long_blocks: PtrMut<i32>,
-        block_doc: PtrMut<i32>,
+        block_record: PtrMut<i32>,
         row_of_block: PtrMut<i32>,
         block_of_row: PtrMut<i32>,
         row_pair_offset: PtrMut<i32>,
@@ -148,7 +148,7 @@ pub mod schedule_documents {
             KernelArg::from(document_workspace_starts), KernelArg::from(status),
             KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
             KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
-            KernelArg::from(block_doc), KernelArg::from(row_of_block),
+            KernelArg::from(block_record), KernelArg::from(row_of_block),
             KernelArg::from(block_of_row), KernelArg::from(row_pair_offset),
             KernelArg::from(num_docs), KernelArg::from(num_tokens),
             KernelArg::from(workspace_blocks), KernelArg::from(pair_capacity)
@@ -187,11 +187,8 @@ pub mod schedule_count {
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         q2k: Ptr<i32>,
-        cu_copy: Ptr<i32>,
-        document_workspace_starts: Ptr<i32>,
         status: PtrMut<i32>,
-        doc_blocks: Ptr<i32>,
-        block_doc: Ptr<i32>,
+        block_record: Ptr<i32>,
         row_of_block: Ptr<i32>,
         row_pair_offset: Ptr<i32>,
         pair_counts: PtrMut<i32>,
@@ -199,9 +196,7 @@ pub mod schedule_count {
         pair_capacity: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q2k), KernelArg::from(cu_copy),
-            KernelArg::from(document_workspace_starts), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(block_doc),
+            KernelArg::from(q2k), KernelArg::from(status), KernelArg::from(block_record),
             KernelArg::from(row_of_block), KernelArg::from(row_pair_offset),
             KernelArg::from(pair_counts), KernelArg::from(num_tokens),
             KernelArg::from(pair_capacity)
@@ -295,11 +290,8 @@ pub mod schedule_fill {
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         q2k: Ptr<i32>,
-        cu_copy: Ptr<i32>,
-        document_workspace_starts: Ptr<i32>,
         status: Ptr<i32>,
-        doc_blocks: Ptr<i32>,
-        block_doc: Ptr<i32>,
+        block_record: Ptr<i32>,
         row_of_block: Ptr<i32>,
         row_pair_offset: Ptr<i32>,
         pair_counts: Ptr<i32>,
@@ -308,9 +300,7 @@ pub mod schedule_fill {
         q_indices: PtrMut<i32>,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q2k), KernelArg::from(cu_copy),
-            KernelArg::from(document_workspace_starts), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(block_doc),
+            KernelArg::from(q2k), KernelArg::from(status), KernelArg::from(block_record),
             KernelArg::from(row_of_block), KernelArg::from(row_pair_offset),
             KernelArg::from(pair_counts), KernelArg::from(num_tokens),
             KernelArg::from(pair_capacity), KernelArg::from(q_indices)
@@ -349,8 +339,7 @@ pub mod schedule_items {
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         status: Ptr<i32>,
-        document_workspace_starts: Ptr<i32>,
-        block_doc: Ptr<i32>,
+        block_record: Ptr<i32>,
         block_of_row: Ptr<i32>,
         row_ptr: Ptr<i32>,
         item_offsets: Ptr<i32>,
@@ -363,13 +352,12 @@ pub mod schedule_items {
         queries_per_work: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(status), KernelArg::from(document_workspace_starts),
-            KernelArg::from(block_doc), KernelArg::from(block_of_row),
-            KernelArg::from(row_ptr), KernelArg::from(item_offsets),
-            KernelArg::from(q_indices), KernelArg::from(scheduler_metadata),
-            KernelArg::from(work_count), KernelArg::from(num_tokens),
-            KernelArg::from(rows_capacity), KernelArg::from(work_capacity),
-            KernelArg::from(queries_per_work)
+            KernelArg::from(status), KernelArg::from(block_record),
+            KernelArg::from(block_of_row), KernelArg::from(row_ptr),
+            KernelArg::from(item_offsets), KernelArg::from(q_indices),
+            KernelArg::from(scheduler_metadata), KernelArg::from(work_count),
+            KernelArg::from(num_tokens), KernelArg::from(rows_capacity),
+            KernelArg::from(work_capacity), KernelArg::from(queries_per_work)
         ]
     }
 }

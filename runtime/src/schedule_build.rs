@@ -237,7 +237,7 @@ impl Layout {
             doc_rank0: take(d),
             doc_long: take(d),
             long_blocks: take(d),
-            block_doc: take(r),
+            block_doc: take(4 * r),
             row_of_block: take(r),
             block_of_row: take(r),
             pair_offset: take(r),
@@ -447,8 +447,12 @@ impl<B: Backend> ResidentSchedule<B> {
         let l = self.layout;
         let rows_cap = u(z.rows_capacity);
         let block_grid = (rows_cap.max(1), NUM_INDEX_HEADS as u32, 1);
-        let item_ctas = z
+        // Enough threads for the items and for the -1 tail (about 8 stores each); the
+        // kernel's loops are grid-strided, so any grid is correct.
+        let item_threads = z
             .work_capacity
+            .max(NUM_INDEX_HEADS * z.edge_capacity / 8);
+        let item_ctas = item_threads
             .div_ceil(schedule_items::THREADS.0 as usize)
             .max(1) as u32;
         let launches = [
@@ -479,10 +483,7 @@ impl<B: Backend> ResidentSchedule<B> {
                 block_grid,
                 schedule_count::args(
                     q2k.ptr(),
-                    self.r(l.cu),
-                    self.r(l.ws),
                     self.w(l.status),
-                    self.r(l.doc_blocks),
                     self.r(l.block_doc),
                     self.r(l.row_of_block),
                     self.r(l.pair_offset),
@@ -515,10 +516,7 @@ impl<B: Backend> ResidentSchedule<B> {
                 block_grid,
                 schedule_fill::args(
                     q2k.ptr(),
-                    self.r(l.cu),
-                    self.r(l.ws),
                     self.r(l.status),
-                    self.r(l.doc_blocks),
                     self.r(l.block_doc),
                     self.r(l.row_of_block),
                     self.r(l.pair_offset),
@@ -533,7 +531,6 @@ impl<B: Backend> ResidentSchedule<B> {
                 (item_ctas, 1, 1),
                 schedule_items::args(
                     self.r(l.status),
-                    self.r(l.ws),
                     self.r(l.block_doc),
                     self.r(l.block_of_row),
                     self.r(l.row_ptr),

@@ -5,10 +5,13 @@
 //! skip without a GPU and fail with `REQUIRE_GPU=1`.
 
 use codegen::kernels::schedule_build as sb;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use msa_runtime::backward::TileMapSpec;
+use msa_runtime::tma::TensorMap;
+use msa_runtime::{Backend, KernelArg, KernelSpec};
 use half::bf16;
 use msa_runtime::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
-use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::reference;
 use msa_runtime::schedule_build as rs;
 use msa_runtime::{
     build_schedule, max_workspace_rows, run_backward, workspace_layout, BackwardBuffers,
@@ -130,6 +133,94 @@ fn build(stream: &Arc<CudaStream>, q2k: &[i32], cu: &[i32], w: usize) -> Built {
     }
 }
 
+/// A CUDA backend that times every launch with events (for the cost breakdown).
+struct Timed {
+    inner: CudaBackend,
+    launches: Vec<(&'static str, CudaEvent, CudaEvent)>,
+}
+
+impl Backend for Timed {
+    type Buffer = CudaSlice<u8>;
+    fn capability(&self) -> (i32, i32) {
+        self.inner.capability()
+    }
+    fn sm_count(&self) -> usize {
+        self.inner.sm_count()
+    }
+    fn ordinal(&self) -> usize {
+        self.inner.ordinal()
+    }
+    fn memory_space(&self) -> u64 {
+        self.inner.memory_space()
+    }
+    fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<Self::Buffer, RuntimeError> {
+        self.inner.alloc(what, bytes)
+    }
+    fn address(&self, buffer: &Self::Buffer) -> u64 {
+        self.inner.address(buffer)
+    }
+    fn upload(&mut self, what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.inner.upload(what, dst, bytes)
+    }
+    fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError> {
+        self.inner.zero(what, dst, bytes)
+    }
+    fn download(
+        &mut self,
+        what: &'static str,
+        src: u64,
+        bytes: usize,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        self.inner.download(what, src, bytes)
+    }
+    fn load(&mut self, kernel: &KernelSpec) -> Result<(), RuntimeError> {
+        self.inner.load(kernel)
+    }
+    fn tensor_map(&mut self, spec: &TileMapSpec, base: u64) -> Result<TensorMap, RuntimeError> {
+        self.inner.tensor_map(spec, base)
+    }
+    unsafe fn launch(
+        &mut self,
+        kernel: &KernelSpec,
+        grid: (u32, u32, u32),
+        args: &[KernelArg],
+    ) -> Result<(), RuntimeError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let stream = self.inner.stream().clone();
+        let start = stream.record_event(flags).unwrap();
+        // SAFETY: forwarded unchanged from the caller, who upholds the contract.
+        unsafe { self.inner.launch(kernel, grid, args) }?;
+        let end = stream.record_event(flags).unwrap();
+        self.launches.push((kernel.name, start, end));
+        Ok(())
+    }
+}
+
+/// Per-kernel milliseconds of one warm build.
+fn breakdown(stream: &Arc<CudaStream>, q2k: &[i32], cu: &[i32], w: usize) -> String {
+    let mut backend = Timed {
+        inner: CudaBackend::new(stream).unwrap(),
+        launches: Vec::new(),
+    };
+    let sizes = ScheduleBuildSizes::new(q2k.len() / 64, cu.len() - 1, w, 64).unwrap();
+    let mut schedule = ResidentSchedule::new(&mut backend, sizes).unwrap();
+    let d_q2k = stream.clone_htod(q2k).unwrap();
+    let d_cu = stream.clone_htod(cu).unwrap();
+    let qs = Span::new(d_q2k.device_ptr(stream).0, q2k.len());
+    let cs = Span::new(d_cu.device_ptr(stream).0, cu.len());
+    schedule.build(&mut backend, qs, cs).unwrap();
+    stream.synchronize().unwrap();
+    backend.launches.clear();
+    schedule.build(&mut backend, qs, cs).unwrap();
+    stream.synchronize().unwrap();
+    backend
+        .launches
+        .iter()
+        .map(|(n, a, b)| format!("{n} {:.4}", a.elapsed_ms(b).unwrap()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[test]
 fn device_tables_equal_build_schedule_bit_for_bit() {
     let Some(stream) = gpu_stream() else { return };
@@ -179,6 +270,7 @@ fn device_tables_equal_build_schedule_bit_for_bit() {
             host.num_work(),
             b.ms
         );
+        println!("  per kernel (ms): {}", breakdown(&stream, &q2k, &cu, host.workspace_rows()));
     }
 }
 
@@ -243,19 +335,21 @@ fn as3(g: &[Vec<bf16>; 3]) -> [&[bf16]; 3] {
     [&g[0][..], &g[1][..], &g[2][..]]
 }
 
-/// Gradients of two paths agree up to the order of the atomics: L2-relative at most 1e-3
-/// and max-abs at most a tenth of the seed tolerance, per tensor.
+/// Gradients of two paths agree up to the order of the atomics. The bf16 dQ pool rounds each
+/// atomic add, so two runs of the *same* path differ too (measured on the H200 at T = 8192:
+/// dQ L2-relative 1.3e-3, max |diff| 0.5 on values in the hundreds): L2-relative at most 5e-3
+/// (the seed's dQ tolerance is 7e-3) and max |diff| at most 2^-6 of the largest |value|.
 fn assert_same_up_to_atomics(label: &str, a: [&[bf16]; 3], b: [&[bf16]; 3]) {
-    let tol = [DQ_TOLERANCE, DK_TOLERANCE, DV_TOLERANCE];
     for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
         let (max, l2, same) = diff(a[i], b[i]);
         println!(
             "{label} {name}: max |diff| {max:.3e}, L2-rel {l2:.3e}, {:.2} % bit-identical",
             100.0 * same
         );
+        let largest = b[i].iter().fold(0f32, |m, x| m.max(x.to_f32().abs()));
         assert!(
-            l2 <= 1e-3 && max <= tol[i].max_abs / 10.0,
-            "{label} {name}: max {max}, L2-rel {l2}"
+            l2 <= 5e-3 && max <= largest / 64.0,
+            "{label} {name}: max {max} (largest {largest}), L2-rel {l2}"
         );
         assert!(
             b[i].iter().any(|x| x.to_f32() != 0.0),
@@ -435,7 +529,9 @@ impl DeviceIo {
 
 #[test]
 fn the_backward_with_its_schedule_build_replays_in_a_cuda_graph() {
-    let Some(stream) = gpu_stream() else { return };
+    let Some(default) = gpu_stream() else { return };
+    // The legacy default stream cannot be captured.
+    let stream = default.context().new_stream().unwrap();
     // Same shapes (T = 6144, 3 documents), other lengths and selections on replay.
     let (cu_a, cu_b) = (docs(&[3000, 1000, 2144]), docs(&[130, 5000, 1014]));
     let (t, d) = (6144usize, 3usize);

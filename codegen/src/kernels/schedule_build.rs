@@ -22,7 +22,10 @@
 //! place. All index arithmetic is `u32`; the host sizes every region from `T`, the document
 //! count and `W` alone and rejects shapes whose indices would not fit.
 
-use super::common::{div_ceil, load_if, load_u32, store_u32, tiled_scan, SCAN_THREADS};
+use super::common::{
+    div_ceil, load_if, load_u32, store_u32, tiled_scan, warp_inclusive_scan, SCAN_PER_THREAD,
+    SCAN_THREADS,
+};
 use super::KernelSpec;
 use crate::ptx::*;
 use crate::Target;
@@ -181,6 +184,127 @@ fn last_le(b: &mut KernelBuilder, a: Reg<U64>, n: Reg<U32>, key: Reg<U32>) -> Re
     b.sub(found, 1u32)
 }
 
+/// [`common::cta_exclusive_scan`] of `N` values per thread at once: one set of barriers for
+/// all `N`. `warp_totals` holds `N·32` words. Returns (exclusive prefixes, CTA totals).
+fn cta_exclusive_scan_n<const N: usize>(
+    b: &mut KernelBuilder,
+    v: [Reg<U32>; N],
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+) -> ([Reg<U32>; N], [Reg<U32>; N]) {
+    let lane = b.and(tid, 31u32);
+    let warp = b.shr(tid, 5u32);
+    let base = b.shared_base(warp_totals);
+    let incl: [Reg<U32>; N] = std::array::from_fn(|i| warp_inclusive_scan(b, v[i], lane));
+    let last = b.setp(Cmp::Eq, lane, 31u32);
+    let warp4 = b.shl(warp, 2u32);
+    let slot = b.add(base, warp4);
+    for (i, &x) in incl.iter().enumerate() {
+        b.predicated(last, false, |b| b.st(&shared(slot, 128 * i as i64), x));
+    }
+    b.bar_sync(0, None);
+    let first_warp = b.setp(Cmp::Eq, warp, 0u32);
+    b.if_then(first_warp, "warp_totals", |b| {
+        let lane4 = b.shl(lane, 2u32);
+        let mine = b.add(base, lane4);
+        for i in 0..N {
+            let t = b.ld::<U32, _>(&shared(mine, 128 * i as i64));
+            let t = warp_inclusive_scan(b, t, lane);
+            b.st(&shared(mine, 128 * i as i64), t);
+        }
+    });
+    b.bar_sync(0, None);
+    let ntid = b.sreg(SReg::NtidX);
+    let warps = b.shr(ntid, 5u32);
+    let last_warp = b.sub(warps, 1u32);
+    let last4 = b.shl(last_warp, 2u32);
+    let last_slot = b.add(base, last4);
+    let has_prev = b.setp(Cmp::Gt, warp, 0u32);
+    let mut before = Vec::new();
+    let mut total = Vec::new();
+    for i in 0..N {
+        let off = 128 * i as i64;
+        total.push(b.ld::<U32, _>(&shared(last_slot, off)));
+        let prev = b.mov::<U32>(0u32);
+        b.predicated(has_prev, false, |b| {
+            let p = b.ld::<U32, _>(&shared(slot, off - 4));
+            b.set(prev, p);
+        });
+        let ex = b.sub(incl[i], v[i]);
+        before.push(b.add(prev, ex));
+    }
+    b.bar_sync(0, None);
+    (
+        std::array::from_fn(|i| before[i]),
+        std::array::from_fn(|i| total[i]),
+    )
+}
+
+/// [`common::tiled_scan`] of `N` values per entry (one scan's barriers for all of them):
+/// `value` gives the entry's `N` values (zeros when not live), `store` gets the sums before it.
+fn tiled_scan_n<const N: usize>(
+    b: &mut KernelBuilder,
+    n: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> [Reg<U32>; N],
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
+) -> [Reg<U32>; N] {
+    let carry: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
+    let tile = SCAN_THREADS * SCAN_PER_THREAD;
+    b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
+        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
+        let mut entries = Vec::new();
+        let mut sum: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
+        for k in 0..SCAN_PER_THREAD {
+            let i = b.add(first, k);
+            let l = b.setp(Cmp::Lt, i, n);
+            let v = value(b, i, l);
+            for c in 0..N {
+                sum[c] = b.add(sum[c], v[c]);
+            }
+            entries.push((i, l, v));
+        }
+        let (before, total) = cta_exclusive_scan_n(b, sum, tid, warp_totals);
+        let mut running: [Reg<U32>; N] = std::array::from_fn(|c| b.add(carry[c], before[c]));
+        for &(i, l, v) in &entries {
+            store(b, i, l, running, v);
+            running = std::array::from_fn(|c| b.add(running[c], v[c]));
+        }
+        for c in 0..N {
+            let next = b.add(carry[c], total[c]);
+            b.set(carry[c], next);
+        }
+    });
+    carry
+}
+
+/// Address of the 16-byte record `i` at `base`.
+fn common_elem16(b: &mut KernelBuilder, base: Reg<U64>, i: Reg<U32>) -> GlobalAddr {
+    super::common::elem_bytes(b, base, i, 16)
+}
+
+/// `for i in (start..end).step_by(step)` with a register step (grid-stride loops).
+fn strided(
+    b: &mut KernelBuilder,
+    start: Reg<U32>,
+    end: Reg<U32>,
+    step: Reg<U32>,
+    body: impl FnOnce(&mut KernelBuilder, Reg<U32>),
+) {
+    let i = b.mov::<U32>(start);
+    let top = b.label("strided");
+    let done = b.label("strided_done");
+    b.place(&top);
+    let out = b.setp(Cmp::Ge, i, end);
+    b.bra_if(out, &done);
+    body(b, i);
+    let next = b.add(i, step);
+    b.set(i, next);
+    b.bra(&top);
+    b.place(&done);
+}
+
 /// Returns from the kernel when `status[FLAGS] & mask` is set. Every thread reads the same
 /// word, so the exit is uniform and later barriers see the whole CTA.
 fn exit_if_flagged(b: &mut KernelBuilder, status: Reg<U64>, mask: u32) {
@@ -200,7 +324,7 @@ fn documents(b: &mut KernelBuilder) {
     let rank0_p = b.param_ptr("doc_rank0", HostElem::I32, true);
     let long_idx_p = b.param_ptr("doc_long_index", HostElem::I32, true);
     let long_nb_p = b.param_ptr("long_blocks", HostElem::I32, true);
-    let blk_doc_p = b.param_ptr("block_doc", HostElem::I32, true);
+    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, true);
     let row_of_p = b.param_ptr("row_of_block", HostElem::I32, true);
     let block_of_p = b.param_ptr("block_of_row", HostElem::I32, true);
     let pair_p = b.param_ptr("row_pair_offset", HostElem::I32, true);
@@ -209,6 +333,7 @@ fn documents(b: &mut KernelBuilder) {
     let kblocks_p = b.param_u32("workspace_blocks");
     let pair_cap_p = b.param_u32("pair_capacity");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
+    let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
 
     let cu_in = b.ld_param_ptr(&cu_in_p);
     let cu = b.ld_param_ptr(&cu_p);
@@ -249,14 +374,16 @@ fn documents(b: &mut KernelBuilder) {
     });
     b.bar_sync(0, None);
 
-    b.comment("pass 1: blocks per document; workspace starts = 128 x exclusive prefix");
-    let rows = tiled_scan(
+    b.comment("one scan over the documents of (blocks, non-empty, long): workspace starts,");
+    b.comment("the level-0 row of each document and the compacted list of long documents");
+    let [rows, nonempty, long] = tiled_scan_n(
         b,
         docs,
         tid,
-        &warp_totals,
+        &doc_totals,
         |b, d, live| {
-            load_if(b, live, |b| {
+            let out: [Reg<U32>; 3] = std::array::from_fn(|_| b.mov::<U32>(0u32));
+            b.if_then(live, "doc", |b| {
                 let c0 = load_u32(b, cu_in, d);
                 let d1 = b.add(d, 1u32);
                 let c1 = load_u32(b, cu_in, d1);
@@ -273,53 +400,25 @@ fn documents(b: &mut KernelBuilder) {
                 let nb = b.add(len, 127u32);
                 let nb = b.shr(nb, 7u32);
                 store_u32(b, nb_a, d, nb);
-                nb
-            })
-        },
-        |b, d, live, before, _| {
-            b.if_then(live, "ws", |b| {
-                let start = b.shl(before, 7u32);
-                store_u32(b, ws, d, start);
-            });
-        },
-    );
-    b.comment("pass 2: rank among the non-empty documents (the level-0 row)");
-    let nonempty = tiled_scan(
-        b,
-        docs,
-        tid,
-        &warp_totals,
-        |b, d, live| {
-            load_if(b, live, |b| {
-                let nb = load_u32(b, nb_a, d);
+                b.set(out[0], nb);
                 let has = b.setp(Cmp::Gt, nb, 0u32);
-                b.selp(1u32, 0u32, has)
-            })
-        },
-        |b, d, live, before, _| {
-            b.if_then(live, "rank0", |b| store_u32(b, rank0_a, d, before));
-        },
-    );
-    b.comment("pass 3: the documents of two or more blocks, compacted in order");
-    let long = tiled_scan(
-        b,
-        docs,
-        tid,
-        &warp_totals,
-        |b, d, live| {
-            load_if(b, live, |b| {
-                let nb = load_u32(b, nb_a, d);
+                let one = b.selp::<U32>(1u32, 0u32, has);
+                b.set(out[1], one);
                 let is_long = b.setp(Cmp::Gt, nb, 1u32);
-                b.selp(1u32, 0u32, is_long)
-            })
+                let one = b.selp::<U32>(1u32, 0u32, is_long);
+                b.set(out[2], one);
+            });
+            out
         },
         |b, d, live, before, v| {
-            b.if_then(live, "long", |b| {
-                store_u32(b, long_idx_a, d, before);
-                let is_long = b.setp(Cmp::Ne, v, 0u32);
+            b.if_then(live, "doc_store", |b| {
+                let start = b.shl(before[0], 7u32);
+                store_u32(b, ws, d, start);
+                store_u32(b, rank0_a, d, before[1]);
+                store_u32(b, long_idx_a, d, before[2]);
+                let is_long = b.setp(Cmp::Ne, v[2], 0u32);
                 b.if_then(is_long, "long_nb", |b| {
-                    let nb = load_u32(b, nb_a, d);
-                    store_u32(b, long_nb_a, before, nb);
+                    store_u32(b, long_nb_a, before[2], v[0]);
                 });
             });
         },
@@ -380,7 +479,14 @@ fn documents(b: &mut KernelBuilder) {
             });
             b.set(row, acc);
         });
-        store_u32(b, blk_doc, f, d);
+        // The block's record (document, its first block, its start and length): the
+        // per-block kernels get their document in one vector load.
+        let cs = load_u32(b, cu, d);
+        let d1 = b.add(d, 1u32);
+        let ce = load_u32(b, cu, d1);
+        let len = b.sub(ce, cs);
+        let rec = common_elem16(b, blk_doc, f);
+        b.st_v(&rec, [d, first, cs, len]);
         store_u32(b, row_of, f, row);
         store_u32(b, block_of, row, f);
         let pairs = b.sub(nb, k);
@@ -430,10 +536,7 @@ struct QueryBlock {
 
 struct BlockParams {
     q2k: ParamRef<U64>,
-    cu: ParamRef<U64>,
-    ws: ParamRef<U64>,
     status: ParamRef<U64>,
-    nb: ParamRef<U64>,
     blk_doc: ParamRef<U64>,
     row_of: ParamRef<U64>,
     pair: ParamRef<U64>,
@@ -445,11 +548,8 @@ struct BlockParams {
 fn block_params(b: &mut KernelBuilder, counts_written: bool) -> BlockParams {
     BlockParams {
         q2k: b.param_ptr("q2k", HostElem::I32, false),
-        cu: b.param_ptr("cu_copy", HostElem::I32, false),
-        ws: b.param_ptr("document_workspace_starts", HostElem::I32, false),
         status: b.param_ptr("status", HostElem::I32, counts_written),
-        nb: b.param_ptr("doc_blocks", HostElem::I32, false),
-        blk_doc: b.param_ptr("block_doc", HostElem::I32, false),
+        blk_doc: b.param_ptr("block_record", HostElem::I32, false),
         row_of: b.param_ptr("row_of_block", HostElem::I32, false),
         pair: b.param_ptr("row_pair_offset", HostElem::I32, false),
         pair_counts: b.param_ptr("pair_counts", HostElem::I32, counts_written),
@@ -473,24 +573,20 @@ fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryB
     } else {
         u32::MAX
     };
-    exit_if_flagged(b, status, exit_mask);
-    let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
+    // Flags (word 0) and rows (word 3) in one load; the exit is uniform per CTA.
+    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
+    let hit = b.and(flags, exit_mask);
+    let flagged = b.setp(Cmp::Ne, hit, 0u32);
     let past = b.setp(Cmp::Ge, f, rows);
-    b.if_then(past, "past_rows", |b| b.ret());
+    let done = b.or_pred(flagged, past);
+    b.if_then(done, "block_done", |b| b.ret());
 
     let blk_doc = b.ld_param_ptr(&p.blk_doc);
-    let d = load_u32(b, blk_doc, f);
-    let ws = b.ld_param_ptr(&p.ws);
-    let ws_d = load_u32(b, ws, d);
-    let first_block = b.shr(ws_d, 7u32);
+    let rec = common_elem16(b, blk_doc, f);
+    let [_, first_block, start, len]: [Reg<U32>; 4] = b.ld_v(&rec);
     let qb = b.sub(f, first_block);
-    let cu = b.ld_param_ptr(&p.cu);
-    let start = load_u32(b, cu, d);
-    let d1 = b.add(d, 1u32);
-    let end = load_u32(b, cu, d1);
-    let len = b.sub(end, start);
-    let nb_a = b.ld_param_ptr(&p.nb);
-    let nb = load_u32(b, nb_a, d);
+    let nb = b.add(len, 127u32);
+    let nb = b.shr(nb, 7u32);
     let q = b.mad_lo(qb, 128u32, tid);
     let live = b.setp(Cmp::Lt, q, len);
 
@@ -629,12 +725,27 @@ fn fill(b: &mut KernelBuilder) {
     b.grid("[rows capacity, 4, 1]");
     let p = block_params(b, false);
     let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
+    let bases_var = b.shared_array("edge_base", MAX_KEY_BLOCKS * 4, 16);
     let blk = query_block(b, &p, false);
     let offsets = b.ld_param_ptr(&p.pair_counts);
     let q_indices = b.ld_param_ptr(&q_indices_p);
     let tokens = b.ld_param(&p.tokens);
     let edge_cap = b.mul_lo(tokens, TOPK);
     let head_base = b.mul_lo(blk.head, edge_cap);
+    // The three dependent global lookups of a pair's offset, once per key block of the CTA
+    // into shared memory, instead of once per (query, slot).
+    b.comment("edge_base[k] = head base + offset of pair (row of k, qb), for k <= qb");
+    let bases = b.shared_base(&bases_var);
+    let qb1 = b.add(blk.qb, 1u32);
+    b.for_range(blk.tid, qb1, BLOCK_THREADS, "bases", |b, k| {
+        let i = pair_index(b, &p, &blk, k);
+        let o = load_u32(b, offsets, i);
+        let o = b.add(o, head_base);
+        let off = b.shl(k, 2u32);
+        let a = b.add(bases, off);
+        b.st::<U32, _>(&shared(a, 0), o);
+    });
+    b.bar_sync(0, None);
     b.comment("edge place = offset[pair] + #(earlier queries of the block with the same id)");
     let word = b.shr(blk.tid, 5u32);
     let lane = b.and(blk.tid, 31u32);
@@ -657,10 +768,10 @@ fn fill(b: &mut KernelBuilder) {
                 let r = b.add(rank, c);
                 b.set(rank, r);
             }
-            let i = pair_index(b, &p, &blk, id);
-            let o = load_u32(b, offsets, i);
+            let off = b.shl(id, 2u32);
+            let a = b.add(bases, off);
+            let o = b.ld::<U32, _>(&shared(a, 0));
             let e = b.add(o, rank);
-            let e = b.add(e, head_base);
             store_u32(b, q_indices, e, blk.q);
         });
     }
@@ -795,13 +906,18 @@ fn offsets(b: &mut KernelBuilder) {
         b.st::<U32, _>(&global(a, 0), edges);
     });
 
-    b.comment("row_ptr[head, r] = offset of the row's first pair; rows past the last: total");
+    b.comment("row_ptr[head, r] = offset of the row's first pair (rows past the last: total),");
+    b.comment("and the work items per row, ceil(edges / queries_per_work): exclusive scan");
     let pair = b.ld_param_ptr(&pair_p);
     let row_ptr = b.ld_param_ptr(&row_ptr_p);
     let rows_cap = b.ld_param(&rows_cap_p);
     let stride = b.add(rows_cap, 1u32);
     let rp_head = b.mul_lo(head, stride);
-    b.for_range(tid, stride, SCAN_THREADS, "row_ptr", |b, r| {
+    let qpw = b.ld_param(&qpw_p);
+    let item_off = b.ld_param_ptr(&item_off_p);
+    let io_head = b.mul_lo(head, rows_cap);
+    // The first edge of row r, or the head's total past the last row.
+    let row_start = |b: &mut KernelBuilder, r: Reg<U32>| {
         let v = b.mov::<U32>(edges);
         let inside = b.setp(Cmp::Lt, r, rows);
         b.if_then(inside, "row_first", |b| {
@@ -810,15 +926,8 @@ fn offsets(b: &mut KernelBuilder) {
             let o = load_u32(b, counts, j);
             b.set(v, o);
         });
-        let i = b.add(rp_head, r);
-        store_u32(b, row_ptr, i, v);
-    });
-    b.bar_sync(0, None);
-
-    b.comment("work items per row, ceil(edges / queries_per_work): exclusive scan");
-    let qpw = b.ld_param(&qpw_p);
-    let item_off = b.ld_param_ptr(&item_off_p);
-    let io_head = b.mul_lo(head, rows_cap);
+        v
+    };
     let items = tiled_scan(
         b,
         rows,
@@ -826,10 +935,11 @@ fn offsets(b: &mut KernelBuilder) {
         &warp_totals,
         |b, r, live| {
             load_if(b, live, |b| {
+                let lo = row_start(b, r);
+                let r1 = b.add(r, 1u32);
+                let hi = row_start(b, r1);
                 let i = b.add(rp_head, r);
-                let lo = load_u32(b, row_ptr, i);
-                let i1 = b.add(i, 1u32);
-                let hi = load_u32(b, row_ptr, i1);
+                store_u32(b, row_ptr, i, lo);
                 let c = b.sub(hi, lo);
                 div_ceil(b, c, qpw)
             })
@@ -841,6 +951,11 @@ fn offsets(b: &mut KernelBuilder) {
             });
         },
     );
+    let pad_from = b.add(rows, tid);
+    b.for_range(pad_from, stride, SCAN_THREADS, "row_ptr_pad", |b, r| {
+        let i = b.add(rp_head, r);
+        store_u32(b, row_ptr, i, edges);
+    });
     b.if_then(t0, "items", |b| {
         let w = b.add(head, ST_ITEMS);
         let a = b.mul_wide(w, 4u32);
@@ -853,8 +968,7 @@ fn offsets(b: &mut KernelBuilder) {
 fn items(b: &mut KernelBuilder) {
     b.grid("[ceil(work_capacity / 256), 1, 1]");
     let status_p = b.param_ptr("status", HostElem::I32, false);
-    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
-    let blk_doc_p = b.param_ptr("block_doc", HostElem::I32, false);
+    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
     let block_of_p = b.param_ptr("block_of_row", HostElem::I32, false);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
     let item_off_p = b.param_ptr("item_offsets", HostElem::I32, false);
@@ -890,60 +1004,66 @@ fn items(b: &mut KernelBuilder) {
 
     let work_cap = b.ld_param(&work_cap_p);
     let metadata = b.ld_param_ptr(&metadata_p);
-    let in_cap = b.setp(Cmp::Lt, j, work_cap);
-    b.if_then(in_cap, "item", |b| {
-        let vals: Vec<Reg<U32>> = (0..6).map(|_| b.mov::<U32>(0u32)).collect();
-        let valid = b.setp(Cmp::Lt, j, total);
-        b.if_then(valid, "decode_item", |b| {
-            let head = b.mov::<U32>(0u32);
-            for (h, &base) in bases.iter().enumerate().skip(1) {
-                let at = b.setp(Cmp::Ge, j, base);
-                let hh = b.selp(h as u32, head, at);
-                b.set(head, hh);
-            }
+    let ctas = b.sreg(SReg::NctaidX);
+    let threads = b.mul_lo(ctas, ITEM_THREADS);
+    let warps = b.shr(threads, 5u32);
+    let lane = b.and(tid, 31u32);
+    let warp = b.shr(j, 5u32);
+
+    b.comment("one warp per (head, row): its lanes write the row's items");
+    b.if_then(clean, "items", |b| {
+        let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
+        let pairs = b.mul_lo(rows, 4u32);
+        let rows_cap = b.ld_param(&rows_cap_p);
+        let stride = b.add(rows_cap, 1u32);
+        let qpw = b.ld_param(&qpw_p);
+        let item_off = b.ld_param_ptr(&item_off_p);
+        let row_ptr = b.ld_param_ptr(&row_ptr_p);
+        let block_of = b.ld_param_ptr(&block_of_p);
+        let blk_doc = b.ld_param_ptr(&blk_doc_p);
+        strided(b, warp, pairs, warps, |b, hr| {
+            let head = b.div(hr, rows);
+            let row = b.rem(hr, rows);
             let base = b.mov::<U32>(0u32);
             for (h, &bh) in bases.iter().enumerate().skip(1) {
                 let is = b.setp(Cmp::Eq, head, h as u32);
                 let v = b.selp(bh, base, is);
                 b.set(base, v);
             }
-            let local = b.sub(j, base);
-            let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
-            let rows_cap = b.ld_param(&rows_cap_p);
-            let item_off = b.ld_param_ptr(&item_off_p);
-            let io_head = b.mul_lo(head, rows_cap);
-            let io_head = b.mul_wide(io_head, 4u32);
-            let io = b.add(item_off, io_head);
-            let row = last_le(b, io, rows, local);
-            let first_item = load_u32(b, io, row);
-            let m = b.sub(local, first_item);
-            let qpw = b.ld_param(&qpw_p);
-            let q_begin = b.mul_lo(m, qpw);
-            let row_ptr = b.ld_param_ptr(&row_ptr_p);
-            let stride = b.add(rows_cap, 1u32);
+            let io = b.mad_lo(head, rows_cap, row);
+            let first = load_u32(b, item_off, io);
+            let first = b.add(first, base);
             let rp = b.mad_lo(head, stride, row);
             let lo = load_u32(b, row_ptr, rp);
             let rp1 = b.add(rp, 1u32);
             let hi = load_u32(b, row_ptr, rp1);
             let c = b.sub(hi, lo);
-            let left = b.sub(c, q_begin);
-            let q_count = b.min(left, qpw);
-            let block_of = b.ld_param_ptr(&block_of_p);
+            let n = div_ceil(b, c, qpw);
             let f = load_u32(b, block_of, row);
-            let blk_doc = b.ld_param_ptr(&blk_doc_p);
-            let d = load_u32(b, blk_doc, f);
-            let ws = b.ld_param_ptr(&ws_p);
-            let ws_d = load_u32(b, ws, d);
-            let fb = b.shr(ws_d, 7u32);
+            let rec = common_elem16(b, blk_doc, f);
+            let [d, fb, _, _]: [Reg<U32>; 4] = b.ld_v(&rec);
             let k = b.sub(f, fb);
-            for (slot, v) in vals.iter().zip([head, row, q_begin, q_count, d, k]) {
-                b.set(*slot, v);
-            }
+            b.for_range(lane, n, 32, "row_items", |b, m| {
+                let q_begin = b.mul_lo(m, qpw);
+                let left = b.sub(c, q_begin);
+                let q_count = b.min(left, qpw);
+                let it = b.add(first, m);
+                let at = b.mul_lo(it, 6u32);
+                for (col, v) in [head, row, q_begin, q_count, d, k].into_iter().enumerate() {
+                    let i = b.add(at, col as u32);
+                    store_u32(b, metadata, i, v);
+                }
+            });
         });
-        let at = b.mul_lo(j, 6u32);
-        for (c, &v) in vals.iter().enumerate() {
-            let i = b.add(at, c as u32);
-            store_u32(b, metadata, i, v);
+    });
+
+    b.comment("metadata rows past work_count: zero");
+    let from = b.add(total, j);
+    strided(b, from, work_cap, threads, |b, e| {
+        let at = b.mul_lo(e, 6u32);
+        for col in 0..6u32 {
+            let i = b.add(at, col);
+            store_u32(b, metadata, i, 0u32);
         }
     });
 
@@ -951,25 +1071,15 @@ fn items(b: &mut KernelBuilder) {
     b.if_then(clean, "tail", |b| {
         let tokens = b.ld_param(&tokens_p);
         let edge_cap = b.mul_lo(tokens, TOPK);
-        let ctas = b.sreg(SReg::NctaidX);
-        let threads = b.mul_lo(ctas, ITEM_THREADS);
         let q_indices = b.ld_param_ptr(&q_indices_p);
         for h in 0..4 {
             let used = b.ld::<U32, _>(&status_addr(status, ST_EDGES + h));
             let from = b.add(used, j);
             let head_base = b.mul_lo(edge_cap, h);
-            let e = b.mov::<U32>(from);
-            let top = b.label("tail");
-            let done = b.label("tail_done");
-            b.place(&top);
-            let out = b.setp(Cmp::Ge, e, edge_cap);
-            b.bra_if(out, &done);
-            let i = b.add(head_base, e);
-            store_u32(b, q_indices, i, u32::MAX);
-            let n = b.add(e, threads);
-            b.set(e, n);
-            b.bra(&top);
-            b.place(&done);
+            strided(b, from, edge_cap, threads, |b, e| {
+                let i = b.add(head_base, e);
+                store_u32(b, q_indices, i, u32::MAX);
+            });
         }
     });
     b.ret();
