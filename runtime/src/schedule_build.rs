@@ -449,9 +449,7 @@ impl<B: Backend> ResidentSchedule<B> {
         let block_grid = (rows_cap.max(1), NUM_INDEX_HEADS as u32, 1);
         // Enough threads for the items and for the -1 tail (about 8 stores each); the
         // kernel's loops are grid-strided, so any grid is correct.
-        let item_threads = z
-            .work_capacity
-            .max(NUM_INDEX_HEADS * z.edge_capacity / 8);
+        let item_threads = z.work_capacity.max(NUM_INDEX_HEADS * z.edge_capacity / 8);
         let item_ctas = item_threads
             .div_ceil(schedule_items::THREADS.0 as usize)
             .max(1) as u32;

@@ -77,8 +77,8 @@ impl TaskBuildSizes {
             return Err(RuntimeError::TooManyBins {
                 bins,
                 limit: MAX_BINS,
-                num_tokens: num_tokens,
-                workspace_rows: workspace_rows,
+                num_tokens,
+                workspace_rows,
             });
         }
         // The kernels index `head·edge_capacity + edge` and `3·task` in u32.

@@ -6,18 +6,18 @@
 
 use codegen::kernels::schedule_build as sb;
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use msa_runtime::backward::TileMapSpec;
-use msa_runtime::tma::TensorMap;
-use msa_runtime::{Backend, KernelArg, KernelSpec};
 use half::bf16;
+use msa_runtime::backward::TileMapSpec;
 use msa_runtime::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
 use msa_runtime::reference;
 use msa_runtime::schedule_build as rs;
+use msa_runtime::tma::TensorMap;
 use msa_runtime::{
     build_schedule, max_workspace_rows, run_backward, workspace_layout, BackwardBuffers,
     CudaBackend, Gradients, MsaBackward, ResidentSchedule, RuntimeError, Schedule,
     ScheduleBuildSizes, Span,
 };
+use msa_runtime::{Backend, KernelArg, KernelSpec};
 use msa_tests::{gpu_stream, Rng};
 use std::sync::Arc;
 
@@ -270,7 +270,10 @@ fn device_tables_equal_build_schedule_bit_for_bit() {
             host.num_work(),
             b.ms
         );
-        println!("  per kernel (ms): {}", breakdown(&stream, &q2k, &cu, host.workspace_rows()));
+        println!(
+            "  per kernel (ms): {}",
+            breakdown(&stream, &q2k, &cu, host.workspace_rows())
+        );
     }
 }
 

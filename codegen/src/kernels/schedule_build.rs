@@ -334,6 +334,9 @@ fn documents(b: &mut KernelBuilder) {
     let pair_cap_p = b.param_u32("pair_capacity");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
     let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
+    // [first cu_seqlens fault, flags]: the kernel is one CTA, so its own fault bookkeeping
+    // stays in shared memory and only the verdict goes to the status block.
+    let verdict_var = b.shared_array("verdict", 16, 16);
 
     let cu_in = b.ld_param_ptr(&cu_in_p);
     let cu = b.ld_param_ptr(&cu_p);
@@ -348,6 +351,7 @@ fn documents(b: &mut KernelBuilder) {
     let kblocks = b.ld_param(&kblocks_p);
     let tid = b.sreg(SReg::TidX);
     let leader = b.setp(Cmp::Eq, tid, 0u32);
+    let verdict = b.shared_base(&verdict_var);
 
     b.comment("reset the status block; a bad cu_seqlens[0] is fault index 0");
     b.if_then(leader, "reset", |b| {
@@ -363,9 +367,8 @@ fn documents(b: &mut KernelBuilder) {
         }
         let c0 = b.ld::<U32, _>(&global(cu_in, 0));
         let bad = b.setp(Cmp::Ne, c0, 0u32);
-        b.if_then(bad, "cu0", |b| {
-            b.st::<U32, _>(&status_addr(status, ST_CU_FAULT), 0u32);
-        });
+        let first = b.selp::<U32>(0u32, i32::MAX as u32, bad);
+        b.st::<U32, _>(&shared(verdict, 0), first);
         let last = b.mul_wide(docs, 4u32);
         let last_in = b.add(cu_in, last);
         let c_last = b.ld::<U32, _>(&global(last_in, 0));
@@ -393,7 +396,7 @@ fn documents(b: &mut KernelBuilder) {
                 let len = b.sub(c1s, c0s);
                 let neg = b.setp(Cmp::Lt, len, 0i32);
                 b.if_then(neg, "decreasing", |b| {
-                    b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_CU_FAULT), d1);
+                    b.red::<U32, _>(AtomOp::Min, &shared(verdict, 0), d1);
                 });
                 let len = b.max(len, 0i32);
                 let len = b.bitcast::<U32, S32>(len);
@@ -429,23 +432,26 @@ fn documents(b: &mut KernelBuilder) {
         let last = b.add(cu_in, last);
         let c_last = b.ld::<U32, _>(&global(last, 0));
         let wrong_t = b.setp(Cmp::Ne, c_last, tokens);
-        b.if_then(wrong_t, "last", |b| {
-            b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_CU_FAULT), docs);
-        });
+        let fault = b.ld::<U32, _>(&shared(verdict, 0));
+        let at_end = b.min(fault, docs);
+        let fault = b.selp(at_end, fault, wrong_t);
+        b.st::<U32, _>(&status_addr(status, ST_CU_FAULT), fault);
         b.st::<U32, _>(&status_addr(status, ST_ROWS), rows);
         b.st::<U32, _>(&status_addr(status, ST_NONEMPTY), nonempty);
         b.st::<U32, _>(&status_addr(status, ST_LONG), long);
-        let fault = b.ld::<U32, _>(&status_addr(status, ST_CU_FAULT));
         let cu_bad = b.setp(Cmp::Ne, fault, i32::MAX as u32);
         let too_big = b.setp(Cmp::Gt, rows, kblocks);
         let f_cu = b.selp(FLAG_CU_SEQLENS, 0u32, cu_bad);
         let f_ws = b.selp(FLAG_WORKSPACE, 0u32, too_big);
         let flags = b.or(f_cu, f_ws);
         b.st::<U32, _>(&status_addr(status, ST_FLAGS), flags);
+        b.st::<U32, _>(&shared(verdict, 4), flags);
     });
     b.bar_sync(0, None);
     // A malformed cu_seqlens or a workspace too small: the row tables would not fit.
-    exit_if_flagged(b, status, FLAG_CU_SEQLENS | FLAG_WORKSPACE);
+    let flags = b.ld::<U32, _>(&shared(verdict, 4));
+    let bad = b.setp(Cmp::Ne, flags, 0u32);
+    b.if_then(bad, "flagged", |b| b.ret());
 
     b.comment("rows: document d's block k is row rank0(d) at level 0, else");
     b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
@@ -621,8 +627,7 @@ fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryB
     let own = b.shr(q, 7u32);
     let first_fault = b.mov::<U32>(TOPK);
     let mut ids = Vec::new();
-    for s in 0..TOPK as usize {
-        let id = raw[s];
+    for (s, &id) in raw.iter().enumerate() {
         let pad = b.setp(Cmp::Eq, id, u32::MAX);
         let ids_ = b.bitcast::<S32, U32>(id);
         let below = b.setp(Cmp::Lt, ids_, -1i32);
