@@ -229,6 +229,20 @@ fn a_larger_workspace_and_empty_documents_change_nothing() {
     check_tables("empty documents, W bound", &q2k, &cu, w, 16);
 }
 
+#[test]
+fn more_documents_than_one_scan_tile() {
+    // 9003 documents (two 8192-entry tiles of the documents scan), most of them empty so that
+    // the per-block kernels stay small in the simulator.
+    let mut lengths = vec![5];
+    lengths.extend(std::iter::repeat_n(0, 4500));
+    lengths.push(130);
+    lengths.extend(std::iter::repeat_n(0, 4500));
+    lengths.push(7);
+    let cu = cu_of(&lengths);
+    let q2k = random_q2k(&cu, &mut Rng(4), &[]);
+    check_tables("9003 documents", &q2k, &cu, dense_w(&cu), 8);
+}
+
 /// Builds `q2k`/`cu` on both targets and expects a flagged status whose error equals
 /// `expected` and a build with no work.
 fn expect_fault(
@@ -515,4 +529,34 @@ fn a_backward_on_a_device_schedule_equals_the_host_schedule_path() {
         "device-schedule gradients differ from the host path"
     );
     assert!(host[0].iter().any(|&x| x != 0), "non-trivial gradients");
+}
+
+#[test]
+fn after_reserve_a_backward_on_a_device_schedule_allocates_nothing() {
+    let c = msa_sim::backward::case(&[130, 3], 5).expect("case");
+    let cu = c.schedule.cu_seqlens().to_vec();
+    let (mut dev, s) = device_build(
+        Arch::Sm90,
+        &causal_support(&cu),
+        &cu,
+        c.schedule.workspace_rows(),
+        64,
+    );
+    let io = msa_sim::backward::upload(&mut dev, &c);
+    let mut backward = MsaBackward::<SimDevice>::new();
+    backward.reserve(&mut dev, &s).unwrap();
+    let reserved = backward.allocation_count();
+    assert_eq!(reserved, 2, "gradient and task workspaces");
+    let launched = dev.launches().len();
+    backward.run_on(&mut dev, &io, &s).unwrap();
+    assert_eq!(backward.allocation_count(), reserved, "run_on allocated");
+    let names: Vec<&str> = dev.launches()[launched..]
+        .iter()
+        .map(|l| l.kernel)
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.starts_with("schedule_")),
+        "{names:?}"
+    );
+    println!("after reserve: {names:?}");
 }
