@@ -44,8 +44,15 @@
 //! are not checked here (the GPU tests check numerics). The sparse work does not depend on the
 //! values.
 //!
+//! Then the device schedule build (issue 10) on the same case: `ResidentSchedule::build` from
+//! the device `q2k`/`cu_seqlens` alone between two events (`sched_ms`, checked bit-exact against
+//! `build_schedule` first), and the backward with it, build included (`dev_ms`: build +
+//! `run_backward` on the resident schedule, no host schedule anywhere). `sched%` is
+//! `sched_ms / ms_med`, the build's share of the host-schedule backward.
+//!
 //! Without a GPU (no libcuda, no device, or an error opening it) it says so and exits 0.
 
+use cudarc::driver::DevicePtr;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
 use msa_runtime::contract::Locality;
@@ -53,7 +60,10 @@ use msa_runtime::contract::{
     BLOCK_SIZE, HEAD_DIM, NUM_INDEX_HEADS, NUM_KV_HEADS, NUM_Q_HEADS, QUERY_CHUNK, TOPK_BLOCKS,
 };
 use msa_runtime::reference::{sampled, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
-use msa_runtime::{build_schedule, driver_present, workspace_layout, Device, MsaBackward};
+use msa_runtime::{
+    build_schedule, driver_present, run_backward, workspace_layout, CudaBackend, Device,
+    MsaBackward, ResidentSchedule, ScheduleBuildSizes, Span,
+};
 use std::error::Error;
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -420,6 +430,11 @@ struct Timing {
     samples: Vec<f32>,
     median_ms: f32,
     min_ms: f32,
+    /// Device schedule build alone: median and minimum.
+    sched_median_ms: f32,
+    sched_min_ms: f32,
+    /// Device schedule build plus the backward on it: median.
+    device_path_median_ms: f32,
 }
 
 fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> Res<Timing> {
@@ -507,6 +522,60 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         check_sampled(stream, &x, &grads, o.check, seed)?;
     }
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
+
+    // The device schedule build, sized from T, the document count and W alone.
+    let mut backend = CudaBackend::new(stream)?;
+    let sizes = ScheduleBuildSizes::new(t, case.cu.len() - 1, w, 64)?;
+    let mut resident = ResidentSchedule::new(&mut backend, sizes)?;
+    let d_q2k = stream.clone_htod(&case.q2k)?;
+    let d_cu = stream.clone_htod(&case.cu)?;
+    let q2k_span = Span::new(d_q2k.device_ptr(stream).0, case.q2k.len());
+    let cu_span = Span::new(d_cu.device_ptr(stream).0, case.cu.len());
+    resident.build(&mut backend, q2k_span, cu_span)?;
+    resident.status(&mut backend)?;
+    if resident.read_tables(&mut backend)?.to_schedule()? != schedule {
+        return Err(format!(
+            "{}: the device schedule differs from build_schedule",
+            case.name
+        )
+        .into());
+    }
+    // Warm-up calls run the same body (the backward's cached workspaces adapt to the
+    // resident schedule's capacities there, not in a timed call).
+    let mut timed = |with_backward: bool| -> Res<Vec<f32>> {
+        let mut samples = Vec::with_capacity(o.reps);
+        for i in 0..o.warmup + o.reps {
+            if let Some(buf) = flush.as_mut() {
+                stream.memset_zeros(buf)?;
+            }
+            let start = stream.record_event(timing)?;
+            resident.build(&mut backend, q2k_span, cu_span)?;
+            let grads = if with_backward {
+                Some(run_backward(
+                    stream,
+                    &d_q.as_view(),
+                    &d_k.as_view(),
+                    &d_v.as_view(),
+                    &d_dout.as_view(),
+                    &d_lse.as_view(),
+                    &d_out.as_view(),
+                    &resident,
+                )?)
+            } else {
+                None
+            };
+            let end = stream.record_event(timing)?;
+            if i >= o.warmup {
+                samples.push(start.elapsed_ms(&end)?);
+            }
+            drop(grads);
+        }
+        stream.synchronize()?;
+        Ok(samples)
+    };
+    let sched = timed(false)?;
+    let device_path = timed(true)?;
+    resident.status(&mut backend)?;
     Ok(Timing {
         tokens: t,
         workspace_rows: w,
@@ -515,6 +584,9 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         median_ms: median(samples.clone()),
         min_ms,
         samples,
+        sched_median_ms: median(sched.clone()),
+        sched_min_ms: sched.iter().copied().fold(f32::INFINITY, f32::min),
+        device_path_median_ms: median(device_path),
     })
 }
 
@@ -616,7 +688,8 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             ", \"workspace_rows\": {}, \"work_items\": {}, \"tile_tasks\": {}, \
              \"tile_flop\": {:.6e}, \"ms_median\": {:.4}, \"ms_min\": {:.4}, \
              \"useful_tflops\": {:.2}, \"tile_tflops\": {:.2}, \"fraction_of_ceiling\": {}, \
-             \"samples_ms\": [{}]",
+             \"samples_ms\": [{}], \"device_schedule_ms_median\": {:.4}, \
+             \"device_schedule_ms_min\": {:.4}, \"device_path_ms_median\": {:.4}",
             tm.workspace_rows,
             tm.work_items,
             tm.tasks,
@@ -627,7 +700,10 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             tile_flop / (f64::from(tm.median_ms) * 1e-3) / 1e12,
             o.ceiling
                 .map_or("null".to_string(), |c| format!("{:.4}", useful / c)),
-            samples.join(", ")
+            samples.join(", "),
+            tm.sched_median_ms,
+            tm.sched_min_ms,
+            tm.device_path_median_ms
         );
     }
     s.push('}');
@@ -705,8 +781,20 @@ fn run(o: &Options) -> Res<()> {
     let stream = device.context().default_stream();
 
     println!(
-        "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8}",
-        "case", "T", "docs", "tasks", "keys", "ms_med", "ms_min", "useful", "tile", "frac"
+        "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7}",
+        "case",
+        "T",
+        "docs",
+        "tasks",
+        "keys",
+        "ms_med",
+        "ms_min",
+        "useful",
+        "tile",
+        "frac",
+        "sched_ms",
+        "dev_ms",
+        "sched%"
     );
     let mut entries = Vec::new();
     let mut failed = 0usize;
@@ -727,7 +815,8 @@ fn run(o: &Options) -> Res<()> {
         let useful = useful_flop(c.keys) / (f64::from(tm.median_ms) * 1e-3) / 1e12;
         let tile = tm.tasks as f64 * TILE_FLOP / (f64::from(tm.median_ms) * 1e-3) / 1e12;
         println!(
-            "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9.3} {:>9.3} {:>8.1} {:>8.1} {:>8}",
+            "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9.3} {:>9.3} {:>8.1} {:>8.1} {:>8} {:>9.4} {:>9.3} \
+             {:>6.2}%",
             c.name,
             tm.tokens,
             c.docs.len(),
@@ -738,7 +827,10 @@ fn run(o: &Options) -> Res<()> {
             useful,
             tile,
             o.ceiling
-                .map_or("-".to_string(), |x| format!("{:.3}", useful / x))
+                .map_or("-".to_string(), |x| format!("{:.3}", useful / x)),
+            tm.sched_median_ms,
+            tm.device_path_median_ms,
+            100.0 * tm.sched_median_ms / tm.median_ms
         );
         entries.push(json_case(c, Some(&tm), o));
         // after every case, so a run cut short keeps what it finished
@@ -746,7 +838,8 @@ fn run(o: &Options) -> Res<()> {
     }
     println!(
         "ms: median / min of {} run_backward calls after {} warm-up{}; useful and tile in TFLOP/s; \
-         frac = useful / matmul ceiling",
+         frac = useful / matmul ceiling; sched_ms: median device schedule build; dev_ms: median \
+         build + run_backward on it; sched% = sched_ms / ms_med",
         o.reps,
         o.warmup,
         if o.flush { ", L2 flushed before each" } else { "" }

@@ -21,7 +21,8 @@ use crate::kernels::{
 };
 use crate::ops::{check_len, postprocess, preprocess};
 use crate::schedule::Schedule;
-use crate::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
+use crate::schedule_build::ResidentSchedule;
+use crate::tasks::{DeviceSchedule, ScheduleRefs, ScheduleShape, TaskBuildSizes, TaskWorkspace};
 use crate::tma::TensorMap;
 use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceSlice};
 use half::bf16;
@@ -427,6 +428,66 @@ impl<B: Backend> std::fmt::Debug for MsaBackward<B> {
     }
 }
 
+/// The schedule a backward runs on: a validated host [`Schedule`] (uploaded by the call), or a
+/// [`ResidentSchedule`] the device built (read in place: nothing is copied).
+pub enum BackwardSchedule<'a, B: Backend> {
+    /// A host schedule; `run_on` copies it to the device, stream-ordered.
+    Host(&'a Schedule),
+    /// A schedule built on the device; a flagged one has no work (zero gradients).
+    Device(&'a ResidentSchedule<B>),
+}
+
+impl<'a, B: Backend> From<&'a Schedule> for BackwardSchedule<'a, B> {
+    fn from(s: &'a Schedule) -> Self {
+        BackwardSchedule::Host(s)
+    }
+}
+
+impl<'a, B: Backend> From<&'a ResidentSchedule<B>> for BackwardSchedule<'a, B> {
+    fn from(s: &'a ResidentSchedule<B>) -> Self {
+        BackwardSchedule::Device(s)
+    }
+}
+
+impl<B: Backend> BackwardSchedule<'_, B> {
+    /// The shape the task build is sized from, and `W`.
+    fn shape(&self) -> (ScheduleShape, usize) {
+        match self {
+            BackwardSchedule::Host(s) => (
+                ScheduleShape {
+                    num_tokens: s.num_tokens(),
+                    num_docs: s.num_documents(),
+                    edge_capacity: s.edge_capacity(),
+                    work_capacity: s.work_capacity(),
+                },
+                s.workspace_rows(),
+            ),
+            BackwardSchedule::Device(s) => {
+                let z = s.sizes();
+                (
+                    ScheduleShape {
+                        num_tokens: z.num_tokens,
+                        num_docs: z.num_documents,
+                        edge_capacity: z.edge_capacity,
+                        work_capacity: z.work_capacity,
+                    },
+                    z.workspace_rows,
+                )
+            }
+        }
+    }
+}
+
+/// The kernels of every backward besides the main one.
+const BACKWARD_KERNELS: [&KernelSpec; 6] = [
+    &bwd_preprocess::KERNEL,
+    &bwd_postprocess::KERNEL,
+    &task_scan_work::KERNEL,
+    &task_assign_segments::KERNEL,
+    &task_scan_bins::KERNEL,
+    &task_scatter_tables::KERNEL,
+];
+
 /// The capabilities the main kernel has a variant for, for error messages.
 const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
 
@@ -520,6 +581,50 @@ impl<B: Backend> MsaBackward<B> {
             .map(|p| (p.layout.num_tokens, p.layout.workspace_rows))
     }
 
+    /// Allocates the workspaces and loads every kernel a backward on `schedule` needs, so that
+    /// a following [`MsaBackward::run_on`] of that shape (the schedule's build included)
+    /// allocates nothing and loads nothing: the step before capturing them in a CUDA graph.
+    ///
+    /// # Errors
+    /// Those of [`MsaBackward::run_on`]'s preparation (architecture, sizes, allocation, JIT).
+    pub fn reserve(
+        &mut self,
+        backend: &mut B,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        self.adopt(backend);
+        let main = main_kernel(backend.capability(), backend.ordinal())?;
+        for k in BACKWARD_KERNELS
+            .iter()
+            .copied()
+            .chain([main])
+            .chain(ResidentSchedule::<B>::kernels())
+        {
+            backend.load(k)?;
+        }
+        let (shape, w) = BackwardSchedule::Device(schedule).shape();
+        let (t, work) = (shape.num_tokens, shape.work_capacity);
+        let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
+        ensure_pools(&mut self.pools, &mut self.allocations, backend, t, w)?;
+        ensure_tasks(&mut self.tasks, &mut self.allocations, backend, sizes, work)?;
+        Ok(())
+    }
+
+    /// Drops the cache when `backend` is another memory space than the cached one.
+    fn adopt(&mut self, backend: &B) {
+        if self.memory_space != Some(backend.memory_space()) {
+            let (allocations, locality, in_place) =
+                (self.allocations, self.locality, self.in_place);
+            *self = MsaBackward {
+                memory_space: Some(backend.memory_space()),
+                allocations,
+                in_place,
+                locality,
+                ..MsaBackward::default()
+            };
+        }
+    }
+
     /// Runs the backward on `backend`, writing `io.dq`, `io.dk_aligned` and `io.dv_aligned`.
     ///
     /// Inputs (`docs/design.md` §1.5): `q`, `grad_out`, `out` `[T, 64, 128]` bf16, `k_aligned`,
@@ -528,8 +633,15 @@ impl<B: Backend> MsaBackward<B> {
     /// `T = schedule.num_tokens()` and `W = schedule.workspace_rows()`; every base 16-byte
     /// aligned.
     ///
-    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of the pools, the
-    /// schedule copy, the four task-build kernels, the main kernel for the capability
+    /// `schedule` is a host [`Schedule`] or a device-built [`ResidentSchedule`] (anything
+    /// that converts into a [`BackwardSchedule`]); for the latter `T` and `W` are its sizes,
+    /// nothing is copied from the host, and after [`MsaBackward::reserve`] nothing is
+    /// allocated either (the call can be captured in a CUDA graph). A flagged resident
+    /// schedule has no work items: the call writes zero gradients.
+    ///
+    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of the pools,
+    /// the schedule copy (host schedules only), the four task-build kernels, the main kernel
+    /// for the capability
     /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
     /// `grid_launch_bound(capacity, sm_count)` CTAs, and `bwd_postprocess`; no host sync.
     /// All checks, kernel loading, tensor maps and workspace allocation come before the first
@@ -545,14 +657,18 @@ impl<B: Backend> MsaBackward<B> {
     ///   [`RuntimeError::Jit`], [`RuntimeError::Alloc`],
     ///   [`RuntimeError::Launch`], [`RuntimeError::Driver`] and [`RuntimeError::Simulator`]
     ///   from the backend.
-    pub fn run_on(
+    pub fn run_on<'s>(
         &mut self,
         backend: &mut B,
         io: &BackwardBuffers,
-        schedule: &Schedule,
-    ) -> Result<(), RuntimeError> {
-        let t = schedule.num_tokens();
-        let w = schedule.workspace_rows();
+        schedule: impl Into<BackwardSchedule<'s, B>>,
+    ) -> Result<(), RuntimeError>
+    where
+        B: 's,
+    {
+        let schedule = schedule.into();
+        let (shape, w) = schedule.shape();
+        let t = shape.num_tokens;
 
         // 1. Shapes and alignment: pure host checks.
         if t > MAX_TOKENS {
@@ -592,36 +708,28 @@ impl<B: Backend> MsaBackward<B> {
         }
         check_buffers(io, self.in_place)?;
 
-        // 2. Architecture dispatch and kernel loading (JIT errors surface here).
-        if self.memory_space != Some(backend.memory_space()) {
-            let (allocations, locality, in_place) =
-                (self.allocations, self.locality, self.in_place);
-            *self = MsaBackward {
-                memory_space: Some(backend.memory_space()),
-                allocations,
-                in_place,
-                locality,
-                ..MsaBackward::default()
-            };
+        if let BackwardSchedule::Device(s) = &schedule {
+            if s.memory_space() != backend.memory_space() {
+                return Err(RuntimeError::input(
+                    "schedule",
+                    "a resident schedule of another memory space",
+                    "one built on this backend's device",
+                ));
+            }
         }
+
+        // 2. Architecture dispatch and kernel loading (JIT errors surface here).
+        self.adopt(backend);
         let main = main_kernel(backend.capability(), backend.ordinal())?;
         if t == 0 {
             // No tokens: no kernel to run (a validated Schedule always has T >= 1).
             backend.zero("dk_aligned", io.dk_aligned.addr, 2 * kv_len)?;
             return backend.zero("dv_aligned", io.dv_aligned.addr, 2 * kv_len);
         }
-        for k in [
-            main,
-            &bwd_preprocess::KERNEL,
-            &bwd_postprocess::KERNEL,
-            &task_scan_work::KERNEL,
-            &task_assign_segments::KERNEL,
-            &task_scan_bins::KERNEL,
-            &task_scatter_tables::KERNEL,
-        ] {
+        for k in BACKWARD_KERNELS.iter().copied().chain([main]) {
             backend.load(k)?;
         }
-        let sizes = TaskBuildSizes::with_locality(schedule, backend.sm_count(), self.locality)?;
+        let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
         let grid = u32::try_from(sizes.grid_launch)
             .ok()
             .filter(|&g| g <= i32::MAX as u32)
@@ -655,9 +763,12 @@ impl<B: Backend> MsaBackward<B> {
             &mut self.allocations,
             backend,
             sizes,
-            schedule.work_capacity(),
+            shape.work_capacity,
         )?;
-        let dev_schedule = DeviceSchedule::allocate(backend, schedule)?;
+        let upload = match &schedule {
+            BackwardSchedule::Host(s) => Some((*s, DeviceSchedule::allocate(backend, s)?)),
+            BackwardSchedule::Device(_) => None,
+        };
 
         // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
@@ -665,8 +776,15 @@ impl<B: Backend> MsaBackward<B> {
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
         backend.zero("dk pool", dk_pool.addr, 4 * kv_len)?;
         backend.zero("dv pool", dv_pool.addr, 4 * kv_len)?;
-        dev_schedule.write(backend, schedule)?;
-        tasks.build(backend, &dev_schedule)?;
+        let refs: ScheduleRefs = match (&upload, &schedule) {
+            (Some((s, d)), _) => {
+                d.write(backend, s)?;
+                d.refs()
+            }
+            (None, BackwardSchedule::Device(s)) => s.refs(),
+            (None, BackwardSchedule::Host(_)) => unreachable!("host schedules are uploaded"),
+        };
+        tasks.build_from(backend, &refs)?;
         if grid > 0 {
             let args = msa_backward_sm90::args(
                 &tmap_q,
@@ -702,7 +820,10 @@ impl<B: Backend> MsaBackward<B> {
             w,
         )?;
         // Replacing the previous upload frees it stream-ordered behind that call's kernels.
-        self.schedule = Some(dev_schedule);
+        // A resident schedule leaves it alone: dropping it there would free inside a capture.
+        if let Some((_, d)) = upload {
+            self.schedule = Some(d);
+        }
         Ok(())
     }
 }
@@ -718,7 +839,7 @@ impl MsaBackward<CudaBackend> {
     /// Those of [`MsaBackward::run_on`], and [`RuntimeError::Input`] for a buffer of another
     /// context.
     #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
-    pub fn run(
+    pub fn run<'s>(
         &mut self,
         stream: &Arc<CudaStream>,
         q: &CudaView<'_, bf16>,
@@ -727,7 +848,7 @@ impl MsaBackward<CudaBackend> {
         grad_out: &CudaView<'_, bf16>,
         lse: &CudaView<'_, f32>,
         out: &CudaView<'_, bf16>,
-        schedule: &Schedule,
+        schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
     ) -> Result<Gradients, RuntimeError> {
         check_context("q", q, stream)?;
         check_context("k_aligned", k_aligned, stream)?;
@@ -872,7 +993,7 @@ fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
 /// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
 /// itself is asynchronous).
 #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
-pub fn run_backward(
+pub fn run_backward<'s>(
     stream: &Arc<CudaStream>,
     q: &CudaView<'_, bf16>,
     k_aligned: &CudaView<'_, bf16>,
@@ -880,7 +1001,7 @@ pub fn run_backward(
     grad_out: &CudaView<'_, bf16>,
     lse: &CudaView<'_, f32>,
     out: &CudaView<'_, bf16>,
-    schedule: &Schedule,
+    schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
 ) -> Result<Gradients, RuntimeError> {
     let entry = {
         let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());

@@ -121,6 +121,11 @@ pub enum RuntimeError {
     /// ([`crate::ScheduleError::Capacity`]).
     #[error(transparent)]
     Schedule(#[from] crate::schedule::ScheduleError),
+    /// The device schedule build flagged its input: the first fault, as the host
+    /// `build_schedule` would report it for the same `q2k` and `cu_seqlens`. The flagged
+    /// schedule has no work, so a backward run on it wrote zero gradients.
+    #[error("the device schedule build rejected its input: {0}")]
+    ScheduleFlagged(crate::schedule::ScheduleError),
     /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.
     #[error("tensor map `{map}`: {what} is {found}, expected {expected}")]
     TensorMap {

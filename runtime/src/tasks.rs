@@ -58,24 +58,47 @@ impl TaskBuildSizes {
         num_sms: usize,
         locality: Locality,
     ) -> Result<Self, RuntimeError> {
+        Self::for_shape(
+            ScheduleShape {
+                num_tokens: schedule.num_tokens(),
+                num_docs: schedule.num_documents(),
+                edge_capacity: schedule.edge_capacity(),
+                work_capacity: schedule.work_capacity(),
+            },
+            num_sms,
+            locality,
+        )
+    }
+
+    /// [`TaskBuildSizes::with_locality`] from the schedule's shape alone (a device-built
+    /// schedule has no host copy).
+    pub fn for_shape(
+        shape: ScheduleShape,
+        num_sms: usize,
+        locality: Locality,
+    ) -> Result<Self, RuntimeError> {
+        let ScheduleShape {
+            num_tokens,
+            num_docs,
+            edge_capacity,
+            work_capacity,
+        } = shape;
         if num_sms == 0 {
             return Err(RuntimeError::input("num_sms", 0, "at least 1"));
         }
         locality
             .validate()
             .map_err(|why| RuntimeError::input("locality", format!("{locality:?}"), why))?;
-        let capacity =
-            NUM_INDEX_HEADS * schedule.edge_capacity() / QUERY_CHUNK + schedule.work_capacity();
-        let num_docs = schedule.num_documents();
-        let bins_per_head = locality.bins_per_head_bound(schedule.num_tokens(), num_docs);
+        let capacity = NUM_INDEX_HEADS * edge_capacity / QUERY_CHUNK + work_capacity;
+        let bins_per_head = locality.bins_per_head_bound(num_tokens, num_docs);
         let bins = NUM_INDEX_HEADS * bins_per_head;
         // The kernels index `head·edge_capacity + edge`, `4·task`, the bins and `2·doc` in u32,
         // and store bin offsets and task indices as int32.
         let limit = u32::MAX as usize;
-        if NUM_INDEX_HEADS * schedule.edge_capacity() > limit {
+        if NUM_INDEX_HEADS * edge_capacity > limit {
             return Err(RuntimeError::input(
                 "schedule.q_indices",
-                format!("edge capacity {}", schedule.edge_capacity()),
+                format!("edge capacity {}", edge_capacity),
                 "4·edge_capacity below 2^32",
             ));
         }
@@ -100,7 +123,7 @@ impl TaskBuildSizes {
             bins_per_head,
             bins,
             scratch_words: 8
-                + schedule.work_capacity()
+                + work_capacity
                 + capacity
                 + 4 * bins
                 + 2 * num_docs
@@ -111,6 +134,19 @@ impl TaskBuildSizes {
             num_sms,
         })
     }
+}
+
+/// The counts a task build is sized from: a schedule's shape, not its contents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleShape {
+    /// Tokens `T`.
+    pub num_tokens: usize,
+    /// Documents.
+    pub num_docs: usize,
+    /// Edge capacity per index head.
+    pub edge_capacity: usize,
+    /// Work-item capacity.
+    pub work_capacity: usize,
 }
 
 /// Word offsets of the regions inside the one allocation.
@@ -171,6 +207,33 @@ impl TaskLayout {
             words: at,
         }
     }
+}
+
+/// Where a schedule's six arrays live on the device, and the shape the task build reads them
+/// with: an uploaded host [`Schedule`] ([`DeviceSchedule::refs`]) or one the device built
+/// ([`crate::schedule_build::ResidentSchedule::refs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleRefs {
+    /// `row_ptr [4, rows+1]`.
+    pub row_ptr: u64,
+    /// `q_indices [4, edge_capacity]`.
+    pub q_indices: u64,
+    /// `scheduler_metadata [work_capacity, 6]`.
+    pub metadata: u64,
+    /// `work_count [1]`.
+    pub work_count: u64,
+    /// `cu_seqlens [docs+1]`.
+    pub cu_seqlens: u64,
+    /// `document_workspace_starts [docs]`.
+    pub ws_starts: u64,
+    /// CSR rows per head (the `row_ptr` stride is `rows + 1`).
+    pub rows: usize,
+    /// Edge slots per head.
+    pub edge_capacity: usize,
+    /// Rows of `scheduler_metadata`.
+    pub work_capacity: usize,
+    /// Documents (`cu_seqlens` holds `num_docs + 1` entries).
+    pub num_docs: usize,
 }
 
 /// The schedule's arrays on the device: one allocation carved into 256-byte aligned regions.
@@ -265,6 +328,22 @@ impl<B: Backend> DeviceSchedule<B> {
         Ok(())
     }
 
+    /// The addresses and shape the task build reads.
+    pub fn refs(&self) -> ScheduleRefs {
+        ScheduleRefs {
+            row_ptr: self.row_ptr,
+            q_indices: self.q_indices,
+            metadata: self.metadata,
+            work_count: self.work_count,
+            cu_seqlens: self.cu_seqlens,
+            ws_starts: self.ws_starts,
+            rows: self.rows,
+            edge_capacity: self.edge_capacity,
+            work_capacity: self.work_capacity,
+            num_docs: self.num_docs,
+        }
+    }
+
     /// Allocates and copies a validated schedule (stream-ordered).
     pub fn upload(backend: &mut B, s: &Schedule) -> Result<Self, RuntimeError> {
         let d = Self::allocate(backend, s)?;
@@ -355,6 +434,15 @@ impl<B: Backend> TaskWorkspace<B> {
         &mut self,
         backend: &mut B,
         schedule: &DeviceSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        self.build_from(backend, &schedule.refs())
+    }
+
+    /// [`TaskWorkspace::build`] from any schedule on the device. No host sync.
+    pub fn build_from(
+        &mut self,
+        backend: &mut B,
+        schedule: &ScheduleRefs,
     ) -> Result<(), RuntimeError> {
         if schedule.num_docs != self.sizes.num_docs {
             return Err(RuntimeError::input(
@@ -477,7 +565,7 @@ impl<B: Backend> TaskWorkspace<B> {
         ];
         for (kernel, grid, args) in &launches {
             // SAFETY: every region was carved from the same `sizes` the scalars come from,
-            // and the schedule's arrays were uploaded whole.
+            // and the schedule's arrays hold the shape `ScheduleRefs` states.
             unsafe { backend.launch(kernel, *grid, args) }?;
         }
         Ok(())

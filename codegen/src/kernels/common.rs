@@ -3,6 +3,11 @@
 
 use crate::ptx::*;
 
+/// Threads of the single-CTA scans ([`tiled_scan`]).
+pub const SCAN_THREADS: u32 = 1024;
+/// Entries each scan thread owns per tile.
+pub const SCAN_PER_THREAD: u32 = 8;
+
 /// Address of element `idx` of an array of `T` at `base`.
 pub fn elem<T: Ty>(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>) -> GlobalAddr {
     elem_bytes(b, base, idx, T::BYTES)
@@ -358,4 +363,61 @@ pub fn gather_row_scalars(
         }
     });
     (l4, d4)
+}
+
+/// Runs `value(b, i, live)` for every `i` a scan thread owns, tile by tile, in a CTA of
+/// [`SCAN_THREADS`] threads: thread `t` owns entries `tile + 8t .. tile + 8t + 8`, and `live`
+/// says `i < n`. Each tile's per-thread value sums are scanned across the CTA;
+/// `store(b, i, live, before, value)` then gets the sum of all values before entry `i`.
+/// Returns the grand total. The stores of the last tile follow its last barrier: a reader in
+/// the same CTA needs a `bar.sync` first.
+pub fn tiled_scan(
+    b: &mut KernelBuilder,
+    n: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> Reg<U32>,
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, Reg<U32>, Reg<U32>),
+) -> Reg<U32> {
+    let carry = b.mov::<U32>(0u32);
+    let tile = SCAN_THREADS * SCAN_PER_THREAD;
+    b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
+        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
+        let mut idx = Vec::new();
+        let mut vals = Vec::new();
+        let mut live = Vec::new();
+        let mut sum = b.mov::<U32>(0u32);
+        for k in 0..SCAN_PER_THREAD {
+            let i = b.add(first, k);
+            let l = b.setp(Cmp::Lt, i, n);
+            let v = value(b, i, l);
+            sum = b.add(sum, v);
+            idx.push(i);
+            vals.push(v);
+            live.push(l);
+        }
+        let (before, total) = cta_exclusive_scan(b, sum, tid, warp_totals);
+        let mut running = b.add(carry, before);
+        for k in 0..SCAN_PER_THREAD as usize {
+            store(b, idx[k], live[k], running, vals[k]);
+            running = b.add(running, vals[k]);
+        }
+        let next = b.add(carry, total);
+        b.set(carry, next);
+    });
+    carry
+}
+
+/// `value` if `live`, else 0, loading through `load` only when live.
+pub fn load_if(
+    b: &mut KernelBuilder,
+    live: Reg<Pred>,
+    load: impl FnOnce(&mut KernelBuilder) -> Reg<U32>,
+) -> Reg<U32> {
+    let out = b.mov::<U32>(0u32);
+    b.if_then(live, "load_if", |b| {
+        let v = load(b);
+        b.set(out, v);
+    });
+    out
 }

@@ -7,6 +7,7 @@ pub mod common;
 pub mod kv_layout;
 pub mod postprocess;
 pub mod preprocess;
+pub mod schedule_build;
 pub mod task_build;
 
 use crate::ptx::{Kernel, KernelBuilder};
@@ -42,6 +43,11 @@ pub fn all() -> &'static [KernelSpec] {
         postprocess::SPEC,
         kv_layout::TO_ALIGNED,
         kv_layout::FROM_ALIGNED,
+        schedule_build::DOCUMENTS,
+        schedule_build::COUNT,
+        schedule_build::OFFSETS,
+        schedule_build::FILL,
+        schedule_build::ITEMS,
         task_build::SCAN_WORK,
         task_build::ASSIGN_SEGMENTS,
         task_build::SCAN_BINS,

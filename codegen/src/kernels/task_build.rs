@@ -16,7 +16,7 @@
 //!
 //! All index arithmetic is `u32`: the host rejects schedules whose counts do not fit `i32`.
 
-use super::common::{self, cta_exclusive_scan, div_ceil, elem, load_u32, store_u32};
+use super::common::{self, div_ceil, elem, load_if, load_u32, store_u32, tiled_scan};
 use super::KernelSpec;
 use crate::ptx::*;
 use crate::Target;
@@ -35,9 +35,7 @@ pub const FLAG_CAPACITY_OVERFLOW: u32 = 1;
 pub const FLAG_NONCONTIGUOUS_SEGMENTS: u32 = 2;
 
 /// Threads of the single-CTA scans.
-pub const SCAN_THREADS: u32 = 1024;
-/// Entries each scan thread owns per tile.
-pub const SCAN_PER_THREAD: u32 = 8;
+pub const SCAN_THREADS: u32 = common::SCAN_THREADS;
 /// Threads per CTA of the per-task launches.
 pub const TASK_THREADS: u32 = 256;
 
@@ -78,61 +76,6 @@ pub const SCATTER_TABLES: KernelSpec = KernelSpec {
     threads: (TASK_THREADS, 1, 1),
     describe: scatter_tables,
 };
-
-/// Runs `body(b, i, live)` for every `i` a scan thread owns, tile by tile: thread `t` owns
-/// entries `tile + 8t .. tile + 8t + 8`, and `live` says `i < n`. Each tile's per-thread
-/// value sums are scanned across the CTA; `store(b, i, live, before)` then gets the sum of
-/// all values before entry `i`. Returns the grand total.
-fn tiled_scan(
-    b: &mut KernelBuilder,
-    n: Reg<U32>,
-    tid: Reg<U32>,
-    warp_totals: &SharedVar,
-    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> Reg<U32>,
-    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, Reg<U32>, Reg<U32>),
-) -> Reg<U32> {
-    let carry = b.mov::<U32>(0u32);
-    let tile = SCAN_THREADS * SCAN_PER_THREAD;
-    b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
-        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
-        let mut idx = Vec::new();
-        let mut vals = Vec::new();
-        let mut live = Vec::new();
-        let mut sum = b.mov::<U32>(0u32);
-        for k in 0..SCAN_PER_THREAD {
-            let i = b.add(first, k);
-            let l = b.setp(Cmp::Lt, i, n);
-            let v = value(b, i, l);
-            sum = b.add(sum, v);
-            idx.push(i);
-            vals.push(v);
-            live.push(l);
-        }
-        let (before, total) = cta_exclusive_scan(b, sum, tid, warp_totals);
-        let mut running = b.add(carry, before);
-        for k in 0..SCAN_PER_THREAD as usize {
-            store(b, idx[k], live[k], running, vals[k]);
-            running = b.add(running, vals[k]);
-        }
-        let next = b.add(carry, total);
-        b.set(carry, next);
-    });
-    carry
-}
-
-/// `value` if `live`, else 0, loading through `load` only when live.
-fn load_if(
-    b: &mut KernelBuilder,
-    live: Reg<Pred>,
-    load: impl FnOnce(&mut KernelBuilder) -> Reg<U32>,
-) -> Reg<U32> {
-    let out = b.mov::<U32>(0u32);
-    b.if_then(live, "load_if", |b| {
-        let v = load(b);
-        b.set(out, v);
-    });
-    out
-}
 
 fn scan_work(b: &mut KernelBuilder) {
     b.grid("[1, 1, 1]");

@@ -1,0 +1,713 @@
+//! The schedule built on the device from a device block selection (issue 10): no host copy of
+//! `q2k`, no host sync from `q2k` to the gradients, and nothing allocated after
+//! [`ResidentSchedule::new`], so a build and a backward can be captured in a CUDA graph.
+//!
+//! # Sizing from shapes alone
+//!
+//! The host knows `T` (from `q2k [4, T, 16]`), the document count `D` (from
+//! `cu_seqlens [D+1]`) and the workspace rows `W` of the aligned K/V buffers `[W, 4, 128]` the
+//! caller scattered, but not the lengths. Every capacity comes from those three:
+//! - CSR rows per head: `R = min(T, floor((T + 127·D)/128), W/128)`, since
+//!   `Σ ceil(len_d/128) <= Σ (len_d + 127)/128` and every block holds a token. `row_ptr` is
+//!   `[4, R+1]`; rows past the real count `Σ ceil(len_d/128)` are empty (they repeat the total).
+//! - `q_indices [4, 16·T]`, as on the host; entries past each head's edges are `-1`.
+//! - Work items: `4·R + ceil(64·T/queries_per_work)`, since a row of `c` edges gives
+//!   `ceil(c/q) < c/q + 1` items and a head has at most `16·T` edges. Rows past `work_count`
+//!   are zero.
+//! - `(row, query block)` pairs per head: `min(D, R) + X(X+1)/2` with `X = min(R,
+//!   ceil(T/128) + min(D, floor(T/129)))`: a one-block document has one pair, and the long
+//!   documents (at most `floor(T/129)` of them, at most `ceil(T/128) + their count` blocks in
+//!   all) have `Σ nb(nb+1)/2 <= X(X+1)/2`.
+//!
+//! `W` must be at least the dense layout `Σ ceil(len_d/128)·128` (checked on the device,
+//! [`ScheduleError`] naming `workspace_rows` otherwise); rows past it are padding that no key
+//! block names, and their dK/dV come back zero. A caller that knows only `T` and `D` can
+//! allocate [`max_workspace_rows`].
+//!
+//! # Validation
+//!
+//! The device checks what [`build_schedule`](crate::schedule::build_schedule) checks, with the
+//! same precedence, and records the first fault in the order the host would find it: a
+//! malformed `cu_seqlens` (first entry not 0, a decrease, last entry not `T`), then a workspace
+//! too small, then the first faulty `q2k[head, row, slot]` (id below `-1`, past the document's
+//! end, after the query's own block, or repeated in the list). A flagged build sets
+//! `work_count = 0`, so a backward launched on it walks no task and writes zero gradients.
+//! [`ResidentSchedule::status`] (blocking) or [`ResidentSchedule::read_status`] (CUDA, a
+//! non-blocking `poll`/`wait`) turn the flags into [`RuntimeError::ScheduleFlagged`], whose
+//! [`ScheduleError`] is the one `build_schedule` returns for the same input.
+
+use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
+use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
+use crate::cuda::CudaBackend;
+use crate::error::RuntimeError;
+use crate::kernels::{
+    schedule_count, schedule_documents, schedule_fill, schedule_items, schedule_offsets,
+};
+use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
+use crate::tasks::ScheduleRefs;
+use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+
+/// Largest `T` the device schedule build supports: a query block's selection mask names at
+/// most 2048 blocks. Longer inputs (up to [`crate::MAX_TOKENS`]) take the host
+/// [`crate::build_schedule`] path.
+pub const MAX_BUILD_TOKENS: usize = 2048 * BLOCK_SIZE;
+
+/// Words of the status block the kernels write (mirrors `codegen::kernels::schedule_build`).
+pub const STATUS_WORDS: usize = 32;
+/// Status flag: `cu_seqlens` is malformed.
+pub const FLAG_CU_SEQLENS: i32 = 1;
+/// Status flag: the dense workspace exceeds the `W` given.
+pub const FLAG_WORKSPACE: i32 = 2;
+/// Status flag: a `q2k` entry breaks the selection contract.
+pub const FLAG_SELECTION: i32 = 4;
+/// Status flag: the pair table outgrew its bound (an internal error; never expected).
+pub const FLAG_PAIR_CAPACITY: i32 = 8;
+
+// Status word indices, mirrors of the codegen constants (a test compares them).
+/// Status word: the flags.
+pub const ST_FLAGS: usize = 0;
+/// Status word: the first malformed `cu_seqlens` index.
+pub const ST_CU_FAULT: usize = 1;
+/// Status word: CSR rows `Σ ceil(len_d/128)`.
+pub const ST_ROWS: usize = 3;
+/// Status word: `(row, query block)` pairs per head.
+pub const ST_PAIRS: usize = 6;
+/// Status word: the selection fault's kind (1 below -1, 2 past the end, 3 after the own
+/// block, 4 repeated).
+pub const ST_KIND: usize = 7;
+/// Status word: the faulty value.
+pub const ST_VALUE: usize = 8;
+/// Status word: the fault's context (block count, own block, first slot, previous offset).
+pub const ST_AUX: usize = 9;
+/// Status word: head of the faulty `q2k` entry.
+pub const ST_HEAD: usize = 10;
+/// Status word: compact query row of the faulty entry.
+pub const ST_ROW: usize = 11;
+/// Status word: slot of the faulty entry.
+pub const ST_SLOT: usize = 12;
+
+/// Region starts are rounded to 256 bytes (16-byte vector access everywhere).
+const REGION_ALIGN_WORDS: usize = 64;
+
+/// `W` for the largest dense layout `T` tokens in `D` documents can need:
+/// `128·min(T, floor((T + 127·D)/128))`.
+pub fn max_workspace_rows(num_tokens: usize, num_documents: usize) -> usize {
+    BLOCK_SIZE * num_tokens.min((num_tokens + (BLOCK_SIZE - 1) * num_documents) / BLOCK_SIZE)
+}
+
+/// Every capacity of one device schedule build, from the shapes alone (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleBuildSizes {
+    /// Tokens `T`.
+    pub num_tokens: usize,
+    /// Documents `D`.
+    pub num_documents: usize,
+    /// Workspace rows `W` of the aligned K/V buffers.
+    pub workspace_rows: usize,
+    /// Edges per work item (a positive multiple of 8).
+    pub queries_per_work: usize,
+    /// CSR rows per head `R` (the `row_ptr` stride is `R + 1`).
+    pub rows_capacity: usize,
+    /// Edge slots per head, `16·T`.
+    pub edge_capacity: usize,
+    /// Rows of `scheduler_metadata`.
+    pub work_capacity: usize,
+    /// `(row, query block)` pairs per head.
+    pub pair_capacity: usize,
+}
+
+impl ScheduleBuildSizes {
+    /// Sizes a build of `q2k [4, T, 16]`, `cu_seqlens [D+1]` for K/V buffers of `W` rows.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] naming the argument unless `1 <= T <= MAX_BUILD_TOKENS`, `D >= 1`,
+    /// `W` is a positive multiple of 128 and `queries_per_work` a positive multiple of 8, and
+    /// unless every region's index fits the kernels' 32-bit arithmetic.
+    pub fn new(
+        num_tokens: usize,
+        num_documents: usize,
+        workspace_rows: usize,
+        queries_per_work: usize,
+    ) -> Result<Self, RuntimeError> {
+        if num_tokens == 0 || num_tokens > MAX_BUILD_TOKENS {
+            return Err(RuntimeError::input(
+                "q2k",
+                format!("T = {num_tokens} tokens"),
+                format!("1 <= T <= {MAX_BUILD_TOKENS} (own blocks must fit the 2048-block mask)"),
+            ));
+        }
+        if num_documents == 0 {
+            return Err(RuntimeError::input(
+                "cu_seqlens",
+                "1 entry (0 documents)",
+                "at least 2 entries (documents + 1)",
+            ));
+        }
+        if workspace_rows == 0 || !workspace_rows.is_multiple_of(BLOCK_SIZE) {
+            return Err(RuntimeError::input(
+                "workspace_rows",
+                workspace_rows,
+                "a positive multiple of 128 (the rows of k_aligned/v_aligned)",
+            ));
+        }
+        if queries_per_work == 0 || !queries_per_work.is_multiple_of(QUERY_CHUNK) {
+            return Err(RuntimeError::input(
+                "queries_per_work",
+                queries_per_work,
+                "a positive multiple of 8 (QUERY_CHUNK)",
+            ));
+        }
+        let (t, d) = (num_tokens, num_documents);
+        let rows = t
+            .min((t + (BLOCK_SIZE - 1) * d) / BLOCK_SIZE)
+            .min(workspace_rows / BLOCK_SIZE);
+        let edge_capacity = TOPK_BLOCKS * t;
+        let heads = NUM_INDEX_HEADS;
+        let work_capacity = heads * rows + (heads * edge_capacity).div_ceil(queries_per_work);
+        let long_blocks = rows.min(t.div_ceil(BLOCK_SIZE) + d.min(t / (BLOCK_SIZE + 1)));
+        let pair_capacity = d.min(rows) + long_blocks * (long_blocks + 1) / 2;
+        // Indices the kernels form in u32: head·16T + edge, head·P + pair, 6·item, ids·16.
+        let limit = u32::MAX as usize;
+        for (what, words) in [
+            ("q_indices", heads * edge_capacity),
+            ("pair table", heads * pair_capacity),
+            ("scheduler_metadata", 6 * work_capacity),
+        ] {
+            if words > limit || words > i32::MAX as usize {
+                return Err(RuntimeError::input(
+                    "schedule build",
+                    format!("{what} of {words} words for T = {t}, D = {d}"),
+                    "below 2^31 words",
+                ));
+            }
+        }
+        Ok(ScheduleBuildSizes {
+            num_tokens,
+            num_documents,
+            workspace_rows,
+            queries_per_work,
+            rows_capacity: rows,
+            edge_capacity,
+            work_capacity,
+            pair_capacity,
+        })
+    }
+}
+
+/// Word offsets of the regions of the one allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Layout {
+    row_ptr: usize,
+    q_indices: usize,
+    metadata: usize,
+    work_count: usize,
+    cu: usize,
+    ws: usize,
+    status: usize,
+    doc_blocks: usize,
+    doc_rank0: usize,
+    doc_long: usize,
+    long_blocks: usize,
+    block_doc: usize,
+    row_of_block: usize,
+    block_of_row: usize,
+    pair_offset: usize,
+    pair_counts: usize,
+    item_offsets: usize,
+    words: usize,
+}
+
+impl Layout {
+    fn new(z: &ScheduleBuildSizes) -> Self {
+        let mut at = 0;
+        let mut take = |len: usize| {
+            let start = at;
+            at = (at + len.max(1)).next_multiple_of(REGION_ALIGN_WORDS);
+            start
+        };
+        let (h, r, d) = (NUM_INDEX_HEADS, z.rows_capacity, z.num_documents);
+        Layout {
+            row_ptr: take(h * (r + 1)),
+            q_indices: take(h * z.edge_capacity),
+            metadata: take(METADATA_COLUMNS.len() * z.work_capacity),
+            work_count: take(1),
+            cu: take(d + 1),
+            ws: take(d),
+            status: take(STATUS_WORDS),
+            doc_blocks: take(d),
+            doc_rank0: take(d),
+            doc_long: take(d),
+            long_blocks: take(d),
+            block_doc: take(4 * r),
+            row_of_block: take(r),
+            block_of_row: take(r),
+            pair_offset: take(r),
+            pair_counts: take(h * z.pair_capacity),
+            item_offsets: take(h * r),
+            words: at,
+        }
+    }
+}
+
+/// A schedule built on, and kept on, the device: the five arrays of seed-design §2.1 plus the
+/// build's scratch and status, in one allocation made by [`ResidentSchedule::new`]. Rebuild it
+/// from new inputs of the same shapes with [`ResidentSchedule::build`]; pass it to
+/// [`MsaBackward::run_on`](crate::MsaBackward::run_on) or
+/// [`run_backward`](crate::run_backward).
+pub struct ResidentSchedule<B: Backend> {
+    sizes: ScheduleBuildSizes,
+    layout: Layout,
+    base: u64,
+    memory_space: u64,
+    // Never read: it owns the memory `base` points into.
+    #[allow(dead_code)]
+    storage: B::Buffer,
+}
+
+impl<B: Backend> std::fmt::Debug for ResidentSchedule<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidentSchedule")
+            .field("sizes", &self.sizes)
+            .field("base", &format_args!("{:#x}", self.base))
+            .finish()
+    }
+}
+
+/// The schedule's tables copied back to the host by [`ResidentSchedule::read_tables`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResidentTables {
+    /// `row_ptr [4, R+1]` as stored (rows past the real count repeat each head's total).
+    pub row_ptr: Vec<i32>,
+    /// `q_indices [4, 16·T]`.
+    pub q_indices: Vec<i32>,
+    /// `scheduler_metadata [work_capacity, 6]`.
+    pub scheduler_metadata: Vec<i32>,
+    /// `work_count`.
+    pub work_count: i32,
+    /// `cu_seqlens [D+1]` (the build's copy).
+    pub cu_seqlens: Vec<i32>,
+    /// `document_workspace_starts [D]`.
+    pub document_workspace_starts: Vec<i32>,
+    /// CSR rows the lengths give, `Σ ceil(len_d/128)`.
+    pub rows: usize,
+}
+
+impl ResidentTables {
+    /// The tables as a validated host [`Schedule`]: `row_ptr` trimmed to the real rows,
+    /// `scheduler_metadata` to `max(1, work_count)` rows, and `W` the dense layout. For an
+    /// unflagged build this equals what [`build_schedule`](crate::build_schedule) returns.
+    pub fn to_schedule(&self) -> Result<Schedule, ScheduleError> {
+        let stride = self.row_ptr.len() / NUM_INDEX_HEADS;
+        let rows = self.rows.min(stride.saturating_sub(1));
+        let row_ptr = self
+            .row_ptr
+            .chunks_exact(stride.max(1))
+            .flat_map(|h| h[..=rows].iter().copied())
+            .collect();
+        let cols = METADATA_COLUMNS.len();
+        let items = (self.work_count.max(1) as usize).min(self.scheduler_metadata.len() / cols);
+        Schedule::new(
+            row_ptr,
+            self.q_indices.clone(),
+            self.scheduler_metadata[..items * cols].to_vec(),
+            self.work_count,
+            self.cu_seqlens.clone(),
+            self.document_workspace_starts.clone(),
+        )
+    }
+}
+
+impl<B: Backend> ResidentSchedule<B> {
+    /// Allocates the schedule and its scratch for `sizes` (the only allocation: everything
+    /// after it is stream-ordered kernel work, so it is the `reserve` step before a capture).
+    pub fn new(backend: &mut B, sizes: ScheduleBuildSizes) -> Result<Self, RuntimeError> {
+        let layout = Layout::new(&sizes);
+        let storage = backend.alloc("device schedule", 4 * layout.words)?;
+        let base = backend.address(&storage);
+        Ok(ResidentSchedule {
+            sizes,
+            layout,
+            base,
+            memory_space: backend.memory_space(),
+            storage,
+        })
+    }
+
+    /// The sizes it was allocated for.
+    pub fn sizes(&self) -> &ScheduleBuildSizes {
+        &self.sizes
+    }
+
+    /// The memory space (CUDA context or simulated device) it lives in.
+    pub fn memory_space(&self) -> u64 {
+        self.memory_space
+    }
+
+    fn at(&self, words: usize) -> u64 {
+        self.base + 4 * words as u64
+    }
+
+    fn r(&self, words: usize) -> Ptr<i32> {
+        Ptr::new(self.at(words))
+    }
+
+    fn w(&self, words: usize) -> PtrMut<i32> {
+        PtrMut::new(self.at(words))
+    }
+
+    /// The status block `int32[32]` on the device (word 0: the flags).
+    pub fn status_ptr(&self) -> Ptr<i32> {
+        self.r(self.layout.status)
+    }
+
+    /// The arrays and shape the task build reads: `rows` is the capacity `R` (its trailing
+    /// rows are empty), the edge and work capacities those of [`ScheduleBuildSizes`].
+    pub fn refs(&self) -> ScheduleRefs {
+        let l = &self.layout;
+        ScheduleRefs {
+            row_ptr: self.at(l.row_ptr),
+            q_indices: self.at(l.q_indices),
+            metadata: self.at(l.metadata),
+            work_count: self.at(l.work_count),
+            cu_seqlens: self.at(l.cu),
+            ws_starts: self.at(l.ws),
+            rows: self.sizes.rows_capacity,
+            edge_capacity: self.sizes.edge_capacity,
+            work_capacity: self.sizes.work_capacity,
+            num_docs: self.sizes.num_documents,
+        }
+    }
+
+    /// The kernels of the build, for loading ahead of a capture.
+    pub fn kernels() -> [&'static crate::KernelSpec; 5] {
+        [
+            &schedule_documents::KERNEL,
+            &schedule_count::KERNEL,
+            &schedule_offsets::KERNEL,
+            &schedule_fill::KERNEL,
+            &schedule_items::KERNEL,
+        ]
+    }
+
+    /// Issues the five build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
+    /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] for a length that does not match the sizes, a `q2k` base not
+    /// 16-byte aligned, a `cu_seqlens` base not 4-byte aligned or a buffer of another memory
+    /// space; load and launch errors from the backend. Faults in the inputs' *values* are
+    /// not errors here: they are flagged on the device (see [`ResidentSchedule::status`]).
+    pub fn build(
+        &mut self,
+        backend: &mut B,
+        q2k: Span<i32>,
+        cu_seqlens: Span<i32>,
+    ) -> Result<(), RuntimeError> {
+        let z = self.sizes;
+        if backend.memory_space() != self.memory_space {
+            return Err(RuntimeError::input(
+                "backend",
+                "another memory space",
+                "the one the schedule was allocated in",
+            ));
+        }
+        let q2k_len = NUM_INDEX_HEADS * z.num_tokens * TOPK_BLOCKS;
+        if q2k.len != q2k_len {
+            return Err(RuntimeError::input(
+                "q2k",
+                format!("{} elements", q2k.len),
+                format!("[4, T, 16] = {q2k_len} int32 (T = {})", z.num_tokens),
+            ));
+        }
+        if cu_seqlens.len != z.num_documents + 1 {
+            return Err(RuntimeError::input(
+                "cu_seqlens",
+                format!("{} elements", cu_seqlens.len),
+                format!("D + 1 = {} int32", z.num_documents + 1),
+            ));
+        }
+        if !q2k.addr.is_multiple_of(16) || q2k.addr == 0 {
+            return Err(RuntimeError::input(
+                "q2k",
+                format!("base address {:#x}", q2k.addr),
+                "a 16-byte aligned device address",
+            ));
+        }
+        if !cu_seqlens.addr.is_multiple_of(4) || cu_seqlens.addr == 0 {
+            return Err(RuntimeError::input(
+                "cu_seqlens",
+                format!("base address {:#x}", cu_seqlens.addr),
+                "a 4-byte aligned device address",
+            ));
+        }
+        for k in Self::kernels() {
+            backend.load(k)?;
+        }
+        // Every value below fits u32: ScheduleBuildSizes::new bounded them.
+        let u = |v: usize| v as u32;
+        let l = self.layout;
+        let rows_cap = u(z.rows_capacity);
+        let block_grid = (rows_cap.max(1), NUM_INDEX_HEADS as u32, 1);
+        // Enough threads for the items and for the -1 tail (about 8 stores each); the
+        // kernel's loops are grid-strided, so any grid is correct.
+        let item_threads = z.work_capacity.max(NUM_INDEX_HEADS * z.edge_capacity / 8);
+        let item_ctas = item_threads
+            .div_ceil(schedule_items::THREADS.0 as usize)
+            .max(1) as u32;
+        let launches = [
+            (
+                &schedule_documents::KERNEL,
+                (1, 1, 1),
+                schedule_documents::args(
+                    cu_seqlens.ptr(),
+                    self.w(l.cu),
+                    self.w(l.ws),
+                    self.w(l.status),
+                    self.w(l.doc_blocks),
+                    self.w(l.doc_rank0),
+                    self.w(l.doc_long),
+                    self.w(l.long_blocks),
+                    self.w(l.block_doc),
+                    self.w(l.row_of_block),
+                    self.w(l.block_of_row),
+                    self.w(l.pair_offset),
+                    u(z.num_documents),
+                    u(z.num_tokens),
+                    u(z.workspace_rows / BLOCK_SIZE),
+                    u(z.pair_capacity),
+                ),
+            ),
+            (
+                &schedule_count::KERNEL,
+                block_grid,
+                schedule_count::args(
+                    q2k.ptr(),
+                    self.w(l.status),
+                    self.r(l.block_doc),
+                    self.r(l.row_of_block),
+                    self.r(l.pair_offset),
+                    self.w(l.pair_counts),
+                    u(z.num_tokens),
+                    u(z.pair_capacity),
+                ),
+            ),
+            (
+                &schedule_offsets::KERNEL,
+                (NUM_INDEX_HEADS as u32, 1, 1),
+                schedule_offsets::args(
+                    q2k.ptr(),
+                    self.r(l.cu),
+                    self.w(l.status),
+                    self.r(l.doc_blocks),
+                    self.r(l.pair_offset),
+                    self.w(l.pair_counts),
+                    self.w(l.row_ptr),
+                    self.w(l.item_offsets),
+                    u(z.num_documents),
+                    u(z.num_tokens),
+                    rows_cap,
+                    u(z.pair_capacity),
+                    u(z.queries_per_work),
+                ),
+            ),
+            (
+                &schedule_fill::KERNEL,
+                block_grid,
+                schedule_fill::args(
+                    q2k.ptr(),
+                    self.r(l.status),
+                    self.r(l.block_doc),
+                    self.r(l.row_of_block),
+                    self.r(l.pair_offset),
+                    self.r(l.pair_counts),
+                    u(z.num_tokens),
+                    u(z.pair_capacity),
+                    self.w(l.q_indices),
+                ),
+            ),
+            (
+                &schedule_items::KERNEL,
+                (item_ctas, 1, 1),
+                schedule_items::args(
+                    self.r(l.status),
+                    self.r(l.block_doc),
+                    self.r(l.block_of_row),
+                    self.r(l.row_ptr),
+                    self.r(l.item_offsets),
+                    self.w(l.q_indices),
+                    self.w(l.metadata),
+                    self.w(l.work_count),
+                    u(z.num_tokens),
+                    rows_cap,
+                    u(z.work_capacity),
+                    u(z.queries_per_work),
+                ),
+            ),
+        ];
+        for (kernel, grid, args) in &launches {
+            // SAFETY: every region was carved by `Layout::new` from the sizes the scalars
+            // come from; q2k and cu_seqlens were checked to hold [4, T, 16] and D+1 int32.
+            unsafe { backend.launch(kernel, *grid, args) }?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the build and returns its verdict: `Ok` for a valid input, else
+    /// [`RuntimeError::ScheduleFlagged`] naming the first fault. Synchronizes.
+    pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
+        let bytes = backend.download("schedule status", self.at(self.layout.status), 4 * 32)?;
+        let words: Vec<i32> = from_bytes(&bytes);
+        decode_status(&words, &self.sizes)
+    }
+
+    /// Copies the tables back (for tests and inspection). Synchronizes.
+    pub fn read_tables(&self, backend: &mut B) -> Result<ResidentTables, RuntimeError> {
+        let l = self.layout;
+        let z = self.sizes;
+        let mut read = |what: &'static str, words: usize, len: usize| {
+            backend
+                .download(what, self.at(words), 4 * len)
+                .map(|b| from_bytes::<i32>(&b))
+        };
+        let status = read("schedule status", l.status, STATUS_WORDS)?;
+        Ok(ResidentTables {
+            row_ptr: read(
+                "row_ptr",
+                l.row_ptr,
+                NUM_INDEX_HEADS * (z.rows_capacity + 1),
+            )?,
+            q_indices: read("q_indices", l.q_indices, NUM_INDEX_HEADS * z.edge_capacity)?,
+            scheduler_metadata: read(
+                "scheduler_metadata",
+                l.metadata,
+                METADATA_COLUMNS.len() * z.work_capacity,
+            )?,
+            work_count: read("work_count", l.work_count, 1)?[0],
+            cu_seqlens: read("cu_seqlens", l.cu, z.num_documents + 1)?,
+            document_workspace_starts: read("document_workspace_starts", l.ws, z.num_documents)?,
+            rows: status[ST_ROWS].max(0) as usize,
+        })
+    }
+}
+
+/// The verdict of a status block (see [`ResidentSchedule::status`]).
+fn decode_status(s: &[i32], z: &ScheduleBuildSizes) -> Result<(), RuntimeError> {
+    let flags = s[ST_FLAGS];
+    let fault = if flags & FLAG_CU_SEQLENS != 0 {
+        let (i, found, prev) = (s[ST_CU_FAULT] as usize, s[ST_VALUE], s[ST_AUX]);
+        let field = format!("cu_seqlens[{i}]");
+        if i == 0 {
+            ScheduleError::Invalid {
+                field,
+                found: found.to_string(),
+                expected: "0".into(),
+            }
+        } else if found < prev {
+            ScheduleError::Invalid {
+                field,
+                found: found.to_string(),
+                expected: format!(">= cu_seqlens[{}] = {prev} (non-decreasing)", i - 1),
+            }
+        } else {
+            ScheduleError::Invalid {
+                field,
+                found: found.to_string(),
+                expected: format!("T = {}, the tokens of q2k [4, T, 16]", z.num_tokens),
+            }
+        }
+    } else if flags & FLAG_WORKSPACE != 0 {
+        ScheduleError::Invalid {
+            field: "workspace_rows".into(),
+            found: z.workspace_rows.to_string(),
+            expected: format!(
+                ">= Σ ceil(len_d/128)·128 = {} (the aligned layout of cu_seqlens)",
+                BLOCK_SIZE * s[ST_ROWS].max(0) as usize
+            ),
+        }
+    } else if flags & FLAG_SELECTION != 0 {
+        let aux = s[ST_AUX].max(0) as usize;
+        let fault = match s[ST_KIND] {
+            1 => SelectionFault::BelowPadding,
+            2 => SelectionFault::PastDocumentEnd { num_blocks: aux },
+            3 => SelectionFault::AfterOwnBlock { own_block: aux },
+            _ => SelectionFault::Repeated { first_slot: aux },
+        };
+        ScheduleError::Selection {
+            head: s[ST_HEAD].max(0) as usize,
+            row: s[ST_ROW].max(0) as usize,
+            slot: s[ST_SLOT].max(0) as usize,
+            block: s[ST_VALUE],
+            fault,
+        }
+    } else if flags & FLAG_PAIR_CAPACITY != 0 {
+        ScheduleError::Invalid {
+            field: "schedule build pair table".into(),
+            found: format!("{} pairs", s[ST_PAIRS]),
+            expected: format!("<= the bound {} (an internal error)", z.pair_capacity),
+        }
+    } else {
+        return Ok(());
+    };
+    Err(RuntimeError::ScheduleFlagged(fault))
+}
+
+impl ResidentSchedule<CudaBackend> {
+    /// Enqueues a copy of the status block to pinned host memory without blocking; the
+    /// handle's [`StatusReadback::poll`] and [`StatusReadback::wait`] give the verdict.
+    /// (Allocates pinned memory and records an event: call it outside a graph capture.)
+    pub fn read_status(&self, backend: &CudaBackend) -> Result<StatusReadback, RuntimeError> {
+        let stream = backend.stream();
+        // SAFETY: pinned memory of the status words, written only by the copy below.
+        let mut host = unsafe { stream.context().alloc_pinned::<i32>(STATUS_WORDS) }
+            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
+        let dst = host
+            .as_mut_slice()
+            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
+        // SAFETY: the status block lies inside the allocation; `host` lives in the returned
+        // handle, which reads it only after `done` has completed.
+        unsafe { result::memcpy_dtoh_async(dst, self.status_ptr().addr(), stream.cu_stream()) }
+            .map_err(RuntimeError::driver("cuMemcpyDtoHAsync(schedule status)"))?;
+        let done = stream
+            .record_event(None)
+            .map_err(RuntimeError::driver("cuEventRecord"))?;
+        Ok(StatusReadback {
+            host,
+            done,
+            sizes: self.sizes,
+        })
+    }
+}
+
+/// The status block on its way to the host.
+pub struct StatusReadback {
+    host: PinnedHostSlice<i32>,
+    done: CudaEvent,
+    sizes: ScheduleBuildSizes,
+}
+
+impl StatusReadback {
+    /// The verdict if the copy has finished, without blocking.
+    pub fn poll(&self) -> Option<Result<(), RuntimeError>> {
+        if !self.done.is_complete() {
+            return None;
+        }
+        Some(self.decode())
+    }
+
+    /// Blocks until the copy has finished and returns the verdict.
+    pub fn wait(&self) -> Result<(), RuntimeError> {
+        self.done
+            .synchronize()
+            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
+        self.decode()
+    }
+
+    fn decode(&self) -> Result<(), RuntimeError> {
+        let s = self
+            .host
+            .as_slice()
+            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
+        decode_status(s, &self.sizes)
+    }
+}
