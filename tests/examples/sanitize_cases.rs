@@ -7,6 +7,11 @@
 //! cargo run -p msa-tests --release --example sanitize_cases -- packed-holes two-docs
 //! ```
 //!
+//! Each case runs twice: with the host schedule (`build_schedule`, uploaded), and on the
+//! device path: compact K/V packed by `to_aligned`, the schedule built on the device from
+//! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
+//! with the reference's compact dK/dV). Every kernel of the runtime runs at least once.
+//!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in
 //!   shuffled slots with −1 holes;
@@ -16,9 +21,17 @@
 //! Exit status 1 when a case's gradients miss the tolerances or the backward fails; 2 for a
 //! usage error or when no GPU is usable.
 
+use cudarc::driver::{CudaStream, DevicePtr};
+use half::bf16;
+use msa_runtime::contract::NUM_KV_HEADS;
+use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::{
+    from_aligned, run_backward, to_aligned, CudaBackend, ResidentSchedule, ScheduleBuildSizes, Span,
+};
 use msa_tests::cases::{compare, docs, random_top16, DeviceInputs, Problem};
 use msa_tests::Rng;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// (name, document lengths, selection seed, data seed).
 const CASES: [(&str, &[i32], u64, u64); 3] = [
@@ -50,12 +63,16 @@ fn main() -> ExitCode {
     for &(name, lengths, sel_seed, data_seed) in CASES.iter().filter(|c| wanted.contains(&c.0)) {
         let cu = docs(lengths);
         let q2k = random_top16(&cu, &mut Rng::new(sel_seed));
-        let p = Problem::new(name, cu, q2k, data_seed);
+        let p = Problem::new(name, cu, q2k.clone(), data_seed);
         let inputs = DeviceInputs::upload(&stream, &p);
         let result = inputs
             .run(&stream, &p.schedule, None)
             .map_err(|e| e.to_string())
-            .and_then(|g| compare(&stream, &p, &g, "run_backward"));
+            .and_then(|g| compare(&stream, &p, &g, "run_backward"))
+            .and_then(|mut lines| {
+                lines.extend(device_path(&stream, &p, &inputs, &q2k)?);
+                Ok(lines)
+            });
         match result {
             Ok(lines) => {
                 lines.iter().for_each(|l| println!("{l}"));
@@ -72,4 +89,71 @@ fn main() -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The device path of one case: `to_aligned` of the compact K/V, the schedule built on the
+/// device, the backward on it, `from_aligned` of dK/dV; dQ and the compact dK/dV against the
+/// reference.
+fn device_path(
+    stream: &Arc<CudaStream>,
+    p: &Problem,
+    inputs: &DeviceInputs,
+    q2k: &[i32],
+) -> Result<Vec<String>, String> {
+    let e = |x: msa_runtime::RuntimeError| x.to_string();
+    let cu = p.schedule.cu_seqlens();
+    let compact = |aligned: &[bf16]| -> Result<Vec<bf16>, String> {
+        let f: Vec<f32> = aligned.iter().map(|x| x.to_f32()).collect();
+        let c = reference::from_aligned(&f, cu, NUM_KV_HEADS).map_err(|x| x.to_string())?;
+        Ok(c.iter().map(|&x| bf16::from_f32(x)).collect())
+    };
+    let up = |v: &[bf16]| stream.clone_htod(v).map_err(|x| x.to_string());
+    let (k, v) = (up(&compact(&p.k_aligned)?)?, up(&compact(&p.v_aligned)?)?);
+    let (k_al, v_al) = to_aligned(stream, &p.schedule, &k.as_view(), &v.as_view()).map_err(e)?;
+
+    let (t, w) = (p.schedule.num_tokens(), p.schedule.workspace_rows());
+    let mut backend = CudaBackend::new(stream).map_err(e)?;
+    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).map_err(e)?;
+    let mut schedule = ResidentSchedule::new(&mut backend, sizes).map_err(e)?;
+    let d_q2k = stream.clone_htod(q2k).map_err(|x| x.to_string())?;
+    let d_cu = stream.clone_htod(cu).map_err(|x| x.to_string())?;
+    let qs = Span::new(d_q2k.device_ptr(stream).0, q2k.len());
+    let cs = Span::new(d_cu.device_ptr(stream).0, cu.len());
+    schedule.build(&mut backend, qs, cs).map_err(e)?;
+    let g = run_backward(
+        stream,
+        &inputs.q.as_view(),
+        &k_al.as_view(),
+        &v_al.as_view(),
+        &inputs.grad_out.as_view(),
+        &inputs.lse.as_view(),
+        &inputs.out.as_view(),
+        &schedule,
+    )
+    .map_err(e)?;
+    schedule.status(&mut backend).map_err(e)?;
+    let mut lines = compare(stream, p, &g, "device schedule")?;
+    let (dk, dv) = from_aligned(
+        stream,
+        &p.schedule,
+        &g.dk_aligned.as_view(),
+        &g.dv_aligned.as_view(),
+    )
+    .map_err(e)?;
+    let f32s = |x: &cudarc::driver::CudaSlice<bf16>| -> Result<Vec<f32>, String> {
+        let h = stream.clone_dtoh(x).map_err(|x| x.to_string())?;
+        Ok(h.iter().map(|v| v.to_f32()).collect())
+    };
+    let (dk, dv) = (f32s(&dk)?, f32s(&dv)?);
+    let want_dk = reference::from_aligned(&p.expected.dk_aligned, cu, NUM_KV_HEADS)
+        .map_err(|x| x.to_string())?;
+    let want_dv = reference::from_aligned(&p.expected.dv_aligned, cu, NUM_KV_HEADS)
+        .map_err(|x| x.to_string())?;
+    let sk = DK_TOLERANCE.check("dk (from_aligned)", &dk, &want_dk)?;
+    let sv = DV_TOLERANCE.check("dv (from_aligned)", &dv, &want_dv)?;
+    lines.push(format!(
+        "{} (device path) dk compact: {sk}; dv compact: {sv}",
+        p.name
+    ));
+    Ok(lines)
 }
