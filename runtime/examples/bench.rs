@@ -48,7 +48,8 @@
 //! the device `q2k`/`cu_seqlens` alone between two events (`sched_ms`, checked bit-exact against
 //! `build_schedule` first), and the backward with it, build included (`dev_ms`: build +
 //! `run_backward` on the resident schedule, no host schedule anywhere). `sched%` is
-//! `sched_ms / ms_med`, the build's share of the host-schedule backward.
+//! `sched_ms / ms_med`, the build's share of the host-schedule backward. Cases past the device
+//! build's `MAX_BUILD_TOKENS` (262,144) show `-` there and time the host-schedule path only.
 //!
 //! Without a GPU (no libcuda, no device, or an error opening it) it says so and exits 0.
 
@@ -62,7 +63,7 @@ use msa_runtime::contract::{
 use msa_runtime::reference::{sampled, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
     build_schedule, driver_present, run_backward, workspace_layout, CudaBackend, Device,
-    MsaBackward, ResidentSchedule, ScheduleBuildSizes, Span,
+    MsaBackward, ResidentSchedule, ScheduleBuildSizes, Span, MAX_BUILD_TOKENS,
 };
 use std::error::Error;
 use std::fmt::Write as _;
@@ -430,6 +431,12 @@ struct Timing {
     samples: Vec<f32>,
     median_ms: f32,
     min_ms: f32,
+    /// The device schedule path, when `T` is within the device build's limit.
+    device: Option<DeviceTiming>,
+}
+
+/// The device schedule build's timings.
+struct DeviceTiming {
     /// Device schedule build alone: median and minimum.
     sched_median_ms: f32,
     sched_min_ms: f32,
@@ -523,59 +530,69 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     }
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
 
-    // The device schedule build, sized from T, the document count and W alone.
-    let mut backend = CudaBackend::new(stream)?;
-    let sizes = ScheduleBuildSizes::new(t, case.cu.len() - 1, w, 64)?;
-    let mut resident = ResidentSchedule::new(&mut backend, sizes)?;
-    let d_q2k = stream.clone_htod(&case.q2k)?;
-    let d_cu = stream.clone_htod(&case.cu)?;
-    let q2k_span = Span::new(d_q2k.device_ptr(stream).0, case.q2k.len());
-    let cu_span = Span::new(d_cu.device_ptr(stream).0, case.cu.len());
-    resident.build(&mut backend, q2k_span, cu_span)?;
-    resident.status(&mut backend)?;
-    if resident.read_tables(&mut backend)?.to_schedule()? != schedule {
-        return Err(format!(
-            "{}: the device schedule differs from build_schedule",
-            case.name
-        )
-        .into());
-    }
-    // Warm-up calls run the same body (the backward's cached workspaces adapt to the
-    // resident schedule's capacities there, not in a timed call).
-    let mut timed = |with_backward: bool| -> Res<Vec<f32>> {
-        let mut samples = Vec::with_capacity(o.reps);
-        for i in 0..o.warmup + o.reps {
-            if let Some(buf) = flush.as_mut() {
-                stream.memset_zeros(buf)?;
-            }
-            let start = stream.record_event(timing)?;
-            resident.build(&mut backend, q2k_span, cu_span)?;
-            let grads = if with_backward {
-                Some(run_backward(
-                    stream,
-                    &d_q.as_view(),
-                    &d_k.as_view(),
-                    &d_v.as_view(),
-                    &d_dout.as_view(),
-                    &d_lse.as_view(),
-                    &d_out.as_view(),
-                    &resident,
-                )?)
-            } else {
-                None
-            };
-            let end = stream.record_event(timing)?;
-            if i >= o.warmup {
-                samples.push(start.elapsed_ms(&end)?);
-            }
-            drop(grads);
+    // The device schedule build, sized from T, the document count and W alone; it covers
+    // T <= MAX_BUILD_TOKENS (longer inputs take the host schedule only).
+    let device = if t <= MAX_BUILD_TOKENS {
+        let mut backend = CudaBackend::new(stream)?;
+        let sizes = ScheduleBuildSizes::new(t, case.cu.len() - 1, w, 64)?;
+        let mut resident = ResidentSchedule::new(&mut backend, sizes)?;
+        let d_q2k = stream.clone_htod(&case.q2k)?;
+        let d_cu = stream.clone_htod(&case.cu)?;
+        let q2k_span = Span::new(d_q2k.device_ptr(stream).0, case.q2k.len());
+        let cu_span = Span::new(d_cu.device_ptr(stream).0, case.cu.len());
+        resident.build(&mut backend, q2k_span, cu_span)?;
+        resident.status(&mut backend)?;
+        if resident.read_tables(&mut backend)?.to_schedule()? != schedule {
+            return Err(format!(
+                "{}: the device schedule differs from build_schedule",
+                case.name
+            )
+            .into());
         }
-        stream.synchronize()?;
-        Ok(samples)
+        // Warm-up calls run the same body (the backward's cached workspaces adapt to the
+        // resident schedule's capacities there, not in a timed call).
+        let mut timed = |with_backward: bool| -> Res<Vec<f32>> {
+            let mut samples = Vec::with_capacity(o.reps);
+            for i in 0..o.warmup + o.reps {
+                if let Some(buf) = flush.as_mut() {
+                    stream.memset_zeros(buf)?;
+                }
+                let start = stream.record_event(timing)?;
+                resident.build(&mut backend, q2k_span, cu_span)?;
+                let grads = if with_backward {
+                    Some(run_backward(
+                        stream,
+                        &d_q.as_view(),
+                        &d_k.as_view(),
+                        &d_v.as_view(),
+                        &d_dout.as_view(),
+                        &d_lse.as_view(),
+                        &d_out.as_view(),
+                        &resident,
+                    )?)
+                } else {
+                    None
+                };
+                let end = stream.record_event(timing)?;
+                if i >= o.warmup {
+                    samples.push(start.elapsed_ms(&end)?);
+                }
+                drop(grads);
+            }
+            stream.synchronize()?;
+            Ok(samples)
+        };
+        let sched = timed(false)?;
+        let device_path = timed(true)?;
+        resident.status(&mut backend)?;
+        Some(DeviceTiming {
+            sched_median_ms: median(sched.clone()),
+            sched_min_ms: sched.iter().copied().fold(f32::INFINITY, f32::min),
+            device_path_median_ms: median(device_path),
+        })
+    } else {
+        None
     };
-    let sched = timed(false)?;
-    let device_path = timed(true)?;
-    resident.status(&mut backend)?;
     Ok(Timing {
         tokens: t,
         workspace_rows: w,
@@ -584,10 +601,13 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         median_ms: median(samples.clone()),
         min_ms,
         samples,
-        sched_median_ms: median(sched.clone()),
-        sched_min_ms: sched.iter().copied().fold(f32::INFINITY, f32::min),
-        device_path_median_ms: median(device_path),
+        device,
     })
+}
+
+/// A JSON number, or `null`.
+fn opt(v: Option<f32>) -> String {
+    v.map_or("null".to_string(), |x| format!("{x:.4}"))
 }
 
 /// Compares `n` random dq rows and `max(1, n/100)` random key blocks of dk/dv (each with its
@@ -688,8 +708,8 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             ", \"workspace_rows\": {}, \"work_items\": {}, \"tile_tasks\": {}, \
              \"tile_flop\": {:.6e}, \"ms_median\": {:.4}, \"ms_min\": {:.4}, \
              \"useful_tflops\": {:.2}, \"tile_tflops\": {:.2}, \"fraction_of_ceiling\": {}, \
-             \"samples_ms\": [{}], \"device_schedule_ms_median\": {:.4}, \
-             \"device_schedule_ms_min\": {:.4}, \"device_path_ms_median\": {:.4}",
+             \"samples_ms\": [{}], \"device_schedule_ms_median\": {}, \
+             \"device_schedule_ms_min\": {}, \"device_path_ms_median\": {}",
             tm.workspace_rows,
             tm.work_items,
             tm.tasks,
@@ -701,9 +721,9 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             o.ceiling
                 .map_or("null".to_string(), |c| format!("{:.4}", useful / c)),
             samples.join(", "),
-            tm.sched_median_ms,
-            tm.sched_min_ms,
-            tm.device_path_median_ms
+            opt(tm.device.as_ref().map(|d| d.sched_median_ms)),
+            opt(tm.device.as_ref().map(|d| d.sched_min_ms)),
+            opt(tm.device.as_ref().map(|d| d.device_path_median_ms)),
         );
     }
     s.push('}');
@@ -814,9 +834,17 @@ fn run(o: &Options) -> Res<()> {
         };
         let useful = useful_flop(c.keys) / (f64::from(tm.median_ms) * 1e-3) / 1e12;
         let tile = tm.tasks as f64 * TILE_FLOP / (f64::from(tm.median_ms) * 1e-3) / 1e12;
+        let (sched, dev, share) = match &tm.device {
+            Some(d) => (
+                format!("{:.4}", d.sched_median_ms),
+                format!("{:.3}", d.device_path_median_ms),
+                format!("{:.2}%", 100.0 * d.sched_median_ms / tm.median_ms),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
         println!(
-            "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9.3} {:>9.3} {:>8.1} {:>8.1} {:>8} {:>9.4} {:>9.3} \
-             {:>6.2}%",
+            "{:<10} {:>6} {:>4} {:>10} {:>10} {:>9.3} {:>9.3} {:>8.1} {:>8.1} {:>8} {:>9} {:>9} \
+             {:>7}",
             c.name,
             tm.tokens,
             c.docs.len(),
@@ -828,9 +856,9 @@ fn run(o: &Options) -> Res<()> {
             tile,
             o.ceiling
                 .map_or("-".to_string(), |x| format!("{:.3}", useful / x)),
-            tm.sched_median_ms,
-            tm.device_path_median_ms,
-            100.0 * tm.sched_median_ms / tm.median_ms
+            sched,
+            dev,
+            share
         );
         entries.push(json_case(c, Some(&tm), o));
         // after every case, so a run cut short keeps what it finished

@@ -160,4 +160,6 @@ pub use schedule::{
     build_schedule, causal_support, check_capacity, check_shape_capacity, workspace_layout,
     Schedule, SelectionFault, WorkItem, METADATA_COLUMNS,
 };
-pub use schedule_build::{max_workspace_rows, ResidentSchedule, ScheduleBuildSizes};
+pub use schedule_build::{
+    max_workspace_rows, ResidentSchedule, ScheduleBuildSizes, MAX_BUILD_TOKENS,
+};
