@@ -2,8 +2,8 @@
 //! with `syn` before they are written. The runtime `include!`s the result, so a kernel's
 //! parameter list and its host call site cannot drift apart.
 
+use crate::error::CodegenError;
 use crate::ptx::ir::{Kernel, ParamKind};
-use crate::CodegenError;
 use proc_macro2::{Literal, TokenStream};
 use quote::{format_ident, quote};
 
@@ -48,7 +48,7 @@ fn kernel_module(
     let dyn_smem = Literal::u32_unsuffixed(k.dynamic_shared_bytes);
     let ptx_consts = variants.iter().map(|v| {
         let ident = format_ident!("PTX_{}", v.target.name().to_uppercase());
-        let file = crate::ptx_file_name(&v.name, v.target);
+        let file = crate::target::ptx_file_name(&v.name, v.target);
         let doc = format!(" PTX of `{}` for `{}`.", v.name, v.target.name());
         quote! {
             #[doc = #doc]

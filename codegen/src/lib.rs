@@ -6,44 +6,17 @@
 //! `cargo run -p codegen` writes everything under `generated/`.
 
 pub mod bindings;
+pub mod error;
 pub mod kernels;
 pub mod plan;
 pub mod ptx;
 pub mod summary;
 pub mod target;
 
-pub use target::{PtxVersion, Target};
+pub use error::CodegenError;
+pub use target::{ptx_file_name, PtxVersion, Target};
 
 use std::path::Path;
-
-/// Why code generation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CodegenError {
-    /// A kernel description broke a rule the builder checks.
-    #[error("kernel `{kernel}` ({target}): {}", errors.join("; "))]
-    Kernel {
-        /// Kernel name.
-        kernel: String,
-        /// Target being built.
-        target: Target,
-        /// Every violation found.
-        errors: Vec<String>,
-    },
-    /// The module template failed to render.
-    #[error("template: {0}")]
-    Template(String),
-    /// The generated Rust bindings did not parse.
-    #[error("generated bindings do not parse: {0}")]
-    Bindings(String),
-    /// Writing the output failed.
-    #[error("writing {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        source: std::io::Error,
-    },
-}
 
 /// One generated file: its path relative to `generated/` and its contents.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,11 +36,6 @@ pub fn build_all() -> Result<Vec<ptx::Kernel>, CodegenError> {
         }
     }
     Ok(out)
-}
-
-/// File name of a kernel's PTX for a target.
-pub fn ptx_file_name(kernel: &str, target: Target) -> String {
-    format!("{kernel}.{}.ptx", target.name())
 }
 
 /// Everything under `generated/`, in a stable order.

@@ -93,7 +93,7 @@ pub fn manifest(spec: &KernelSpec, variants: &[&Kernel]) -> String {
             s,
             "  {}: file {}, PTX ISA {}, shared {} B static + {} B dynamic",
             k.target.name(),
-            crate::ptx_file_name(&k.name, k.target),
+            crate::target::ptx_file_name(&k.name, k.target),
             k.version(),
             k.static_shared_bytes(),
             k.dynamic_shared_bytes

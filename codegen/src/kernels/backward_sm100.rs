@@ -52,7 +52,7 @@ use crate::plan::tmem::TmemRegion;
 use crate::plan::KernelPlan;
 use crate::ptx::tcgen05::TmemAddr;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 use std::ops::Range;
 
 /// Threads per CTA: 16 warps.

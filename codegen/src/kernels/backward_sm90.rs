@@ -48,7 +48,7 @@ use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
 use crate::plan::roles::Role;
 use crate::plan::smem::Major;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Threads per CTA: one producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;

@@ -22,7 +22,7 @@
 
 use super::KernelSpec;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The compact → aligned pack.
 pub const TO_ALIGNED: KernelSpec = KernelSpec {

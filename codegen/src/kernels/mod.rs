@@ -10,8 +10,9 @@ pub mod preprocess;
 pub mod schedule_build;
 pub mod task_build;
 
+use crate::error::CodegenError;
 use crate::ptx::{Kernel, KernelBuilder};
-use crate::{CodegenError, Target};
+use crate::target::Target;
 
 /// A kernel description.
 pub struct KernelSpec {

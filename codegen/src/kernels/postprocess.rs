@@ -13,7 +13,7 @@
 
 use super::KernelSpec;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The postprocess kernel.
 pub const SPEC: KernelSpec = KernelSpec {

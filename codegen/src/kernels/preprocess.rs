@@ -7,7 +7,7 @@
 
 use super::KernelSpec;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The preprocess kernel.
 pub const SPEC: KernelSpec = KernelSpec {

@@ -28,7 +28,7 @@ use super::common::{
 };
 use super::KernelSpec;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Threads of the per-block kernels: one per query of a 128-query block.
 pub const BLOCK_THREADS: u32 = 128;

@@ -19,7 +19,7 @@
 use super::common::{self, div_ceil, elem, load_if, load_u32, store_u32, tiled_scan};
 use super::KernelSpec;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Host contract mirror: rows at or below this use [`ROWS_PER_CTA_SMALL`].
 pub const ROWS_PER_CTA_SWITCH: u32 = 2400;

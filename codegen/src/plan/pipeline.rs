@@ -677,7 +677,7 @@ mod tests {
     use super::*;
     use crate::plan::smem::SmemPlan;
     use crate::ptx::print;
-    use crate::Target;
+    use crate::target::Target;
 
     fn warps() -> WarpPlan {
         WarpPlan::design().unwrap()

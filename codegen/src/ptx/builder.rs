@@ -5,8 +5,8 @@ use super::ir::{
     AddrBase, HostElem, Inst, Kernel, Label, Operand, Param, ParamKind, SharedDecl, Stmt,
 };
 use super::types::*;
+use crate::error::CodegenError;
 use crate::target::{PtxVersion, Target};
-use crate::CodegenError;
 use std::collections::BTreeMap;
 
 /// Largest shared memory a CTA may use on sm_90/sm_100 (227 KiB), checked at codegen time.

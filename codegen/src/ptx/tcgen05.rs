@@ -246,8 +246,8 @@ impl KernelBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CodegenError;
     use crate::ptx::{print, shared};
-    use crate::CodegenError;
 
     fn errors(b: KernelBuilder) -> Vec<String> {
         match b.finish() {
