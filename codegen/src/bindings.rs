@@ -10,12 +10,12 @@ use quote::{format_ident, quote};
 /// The contents of `generated/bindings.rs`.
 pub fn generate(kernels: &[Kernel]) -> Result<String, CodegenError> {
     let mut modules = Vec::new();
-    for spec in crate::kernels::all() {
-        let variants: Vec<&Kernel> = kernels.iter().filter(|k| k.name == spec.name).collect();
+    for desc in crate::kernels::all() {
+        let variants: Vec<&Kernel> = kernels.iter().filter(|k| k.name == desc.name).collect();
         let Some(first) = variants.first() else {
             continue;
         };
-        modules.push(kernel_module(spec, first, &variants));
+        modules.push(kernel_module(desc, first, &variants));
     }
     let file = quote! {
         #[allow(unused_imports)]
@@ -34,7 +34,7 @@ pub fn generate(kernels: &[Kernel]) -> Result<String, CodegenError> {
 }
 
 fn kernel_module(
-    spec: &crate::kernels::KernelSpec,
+    desc: &crate::kernels::KernelDesc,
     k: &Kernel,
     variants: &[&Kernel],
 ) -> TokenStream {
@@ -89,7 +89,7 @@ fn kernel_module(
     let about = format!(
         " `{}`: {}.",
         k.name,
-        spec.about.replace('[', "\\[").replace(']', "\\]")
+        desc.about.replace('[', "\\[").replace(']', "\\]")
     );
     let grid_doc = format!(" Grid: {}.", k.grid);
     quote! {

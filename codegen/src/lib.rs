@@ -30,9 +30,9 @@ pub struct GeneratedFile {
 /// Builds every kernel for every target it is meant for.
 pub fn build_all() -> Result<Vec<ptx::Kernel>, CodegenError> {
     let mut out = Vec::new();
-    for spec in kernels::all() {
-        for &target in spec.targets {
-            out.push(spec.build(target)?);
+    for desc in kernels::all() {
+        for &target in desc.targets {
+            out.push(desc.build(target)?);
         }
     }
     Ok(out)
@@ -48,11 +48,11 @@ pub fn generate() -> Result<Vec<GeneratedFile>, CodegenError> {
             contents: ptx::print::module(k)?,
         });
     }
-    for spec in kernels::all() {
-        let variants: Vec<&ptx::Kernel> = kernels.iter().filter(|k| k.name == spec.name).collect();
+    for desc in kernels::all() {
+        let variants: Vec<&ptx::Kernel> = kernels.iter().filter(|k| k.name == desc.name).collect();
         files.push(GeneratedFile {
-            path: format!("{}.manifest.txt", spec.name),
-            contents: summary::manifest(spec, &variants),
+            path: format!("{}.manifest.txt", desc.name),
+            contents: summary::manifest(desc, &variants),
         });
     }
     files.push(GeneratedFile {

@@ -43,7 +43,7 @@
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
 use super::common::{self, elem_bytes, MainParams};
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
 use crate::plan::roles::Role;
@@ -70,7 +70,7 @@ const CHUNK_COLS: u32 = 32;
 const HEADS_PER_SLOT: u32 = 16;
 
 /// The Blackwell main kernel.
-pub const SPEC: KernelSpec = KernelSpec {
+pub const DESC: KernelDesc = KernelDesc {
     name: "msa_backward_sm100",
     about: "MSA backward main kernel for Blackwell: warp-specialised tcgen05 GEMMs with TMEM \
             accumulators, TMA + mbarrier pipelines",
