@@ -2,20 +2,20 @@
 //! with `syn` before they are written. The runtime `include!`s the result, so a kernel's
 //! parameter list and its host call site cannot drift apart.
 
+use crate::error::CodegenError;
 use crate::ptx::ir::{Kernel, ParamKind};
-use crate::CodegenError;
 use proc_macro2::{Literal, TokenStream};
 use quote::{format_ident, quote};
 
 /// The contents of `generated/bindings.rs`.
 pub fn generate(kernels: &[Kernel]) -> Result<String, CodegenError> {
     let mut modules = Vec::new();
-    for spec in crate::kernels::all() {
-        let variants: Vec<&Kernel> = kernels.iter().filter(|k| k.name == spec.name).collect();
+    for desc in crate::kernels::all() {
+        let variants: Vec<&Kernel> = kernels.iter().filter(|k| k.name == desc.name).collect();
         let Some(first) = variants.first() else {
             continue;
         };
-        modules.push(kernel_module(spec, first, &variants));
+        modules.push(kernel_module(desc, first, &variants));
     }
     let file = quote! {
         #[allow(unused_imports)]
@@ -34,7 +34,7 @@ pub fn generate(kernels: &[Kernel]) -> Result<String, CodegenError> {
 }
 
 fn kernel_module(
-    spec: &crate::kernels::KernelSpec,
+    desc: &crate::kernels::KernelDesc,
     k: &Kernel,
     variants: &[&Kernel],
 ) -> TokenStream {
@@ -48,7 +48,7 @@ fn kernel_module(
     let dyn_smem = Literal::u32_unsuffixed(k.dynamic_shared_bytes);
     let ptx_consts = variants.iter().map(|v| {
         let ident = format_ident!("PTX_{}", v.target.name().to_uppercase());
-        let file = crate::ptx_file_name(&v.name, v.target);
+        let file = crate::target::ptx_file_name(&v.name, v.target);
         let doc = format!(" PTX of `{}` for `{}`.", v.name, v.target.name());
         quote! {
             #[doc = #doc]
@@ -89,7 +89,7 @@ fn kernel_module(
     let about = format!(
         " `{}`: {}.",
         k.name,
-        spec.about.replace('[', "\\[").replace(']', "\\]")
+        desc.about.replace('[', "\\[").replace(']', "\\]")
     );
     let grid_doc = format!(" Grid: {}.", k.grid);
     quote! {

@@ -6,44 +6,17 @@
 //! `cargo run -p codegen` writes everything under `generated/`.
 
 pub mod bindings;
+pub mod error;
 pub mod kernels;
 pub mod plan;
 pub mod ptx;
 pub mod summary;
 pub mod target;
 
-pub use target::{PtxVersion, Target};
+pub use error::CodegenError;
+pub use target::{ptx_file_name, PtxVersion, Target};
 
 use std::path::Path;
-
-/// Why code generation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum CodegenError {
-    /// A kernel description broke a rule the builder checks.
-    #[error("kernel `{kernel}` ({target}): {}", errors.join("; "))]
-    Kernel {
-        /// Kernel name.
-        kernel: String,
-        /// Target being built.
-        target: Target,
-        /// Every violation found.
-        errors: Vec<String>,
-    },
-    /// The module template failed to render.
-    #[error("template: {0}")]
-    Template(String),
-    /// The generated Rust bindings did not parse.
-    #[error("generated bindings do not parse: {0}")]
-    Bindings(String),
-    /// Writing the output failed.
-    #[error("writing {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        source: std::io::Error,
-    },
-}
 
 /// One generated file: its path relative to `generated/` and its contents.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,17 +30,12 @@ pub struct GeneratedFile {
 /// Builds every kernel for every target it is meant for.
 pub fn build_all() -> Result<Vec<ptx::Kernel>, CodegenError> {
     let mut out = Vec::new();
-    for spec in kernels::all() {
-        for &target in spec.targets {
-            out.push(spec.build(target)?);
+    for desc in kernels::all() {
+        for &target in desc.targets {
+            out.push(desc.build(target)?);
         }
     }
     Ok(out)
-}
-
-/// File name of a kernel's PTX for a target.
-pub fn ptx_file_name(kernel: &str, target: Target) -> String {
-    format!("{kernel}.{}.ptx", target.name())
 }
 
 /// Everything under `generated/`, in a stable order.
@@ -80,11 +48,11 @@ pub fn generate() -> Result<Vec<GeneratedFile>, CodegenError> {
             contents: ptx::print::module(k)?,
         });
     }
-    for spec in kernels::all() {
-        let variants: Vec<&ptx::Kernel> = kernels.iter().filter(|k| k.name == spec.name).collect();
+    for desc in kernels::all() {
+        let variants: Vec<&ptx::Kernel> = kernels.iter().filter(|k| k.name == desc.name).collect();
         files.push(GeneratedFile {
-            path: format!("{}.manifest.txt", spec.name),
-            contents: summary::manifest(spec, &variants),
+            path: format!("{}.manifest.txt", desc.name),
+            contents: summary::manifest(desc, &variants),
         });
     }
     files.push(GeneratedFile {

@@ -65,3 +65,8 @@ impl fmt::Display for Target {
         f.write_str(self.name())
     }
 }
+
+/// File name of a kernel's PTX for a target.
+pub fn ptx_file_name(kernel: &str, target: Target) -> String {
+    format!("{kernel}.{}.ptx", target.name())
+}

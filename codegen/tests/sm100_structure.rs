@@ -25,11 +25,11 @@ use std::collections::{BTreeMap, BTreeSet};
 const KERNEL: &str = "msa_backward_sm100";
 
 fn built() -> String {
-    let spec = codegen::kernels::all()
+    let desc = codegen::kernels::all()
         .iter()
         .find(|s| s.name == KERNEL)
         .expect("the SM100 kernel is registered");
-    let k = spec.build(Target::Sm100a).expect("the SM100 kernel builds");
+    let k = desc.build(Target::Sm100a).expect("the SM100 kernel builds");
     codegen::ptx::print::module(&k).expect("prints")
 }
 

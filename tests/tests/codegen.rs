@@ -92,20 +92,20 @@ fn output_is_deterministic() {
 #[test]
 fn every_kernel_has_both_targets_and_lowest_versions() {
     // Shared kernels ship for both targets; a main kernel ships for the one it was built for.
-    for spec in codegen::kernels::all() {
-        let hopper_only = spec.name.ends_with("_sm90");
-        let blackwell_only = spec.name.ends_with("_sm100");
+    for desc in codegen::kernels::all() {
+        let hopper_only = desc.name.ends_with("_sm90");
+        let blackwell_only = desc.name.ends_with("_sm100");
         assert_eq!(
-            spec.targets.contains(&Target::Sm90a),
+            desc.targets.contains(&Target::Sm90a),
             !blackwell_only,
             "{}",
-            spec.name
+            desc.name
         );
         assert_eq!(
-            spec.targets.contains(&Target::Sm100a),
+            desc.targets.contains(&Target::Sm100a),
             !hopper_only,
             "{}",
-            spec.name
+            desc.name
         );
     }
     for k in codegen::build_all().unwrap() {

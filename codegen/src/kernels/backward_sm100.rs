@@ -43,7 +43,7 @@
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
 use super::common::{self, elem_bytes, MainParams};
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
 use crate::plan::roles::Role;
@@ -52,7 +52,7 @@ use crate::plan::tmem::TmemRegion;
 use crate::plan::KernelPlan;
 use crate::ptx::tcgen05::TmemAddr;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 use std::ops::Range;
 
 /// Threads per CTA: 16 warps.
@@ -70,7 +70,7 @@ const CHUNK_COLS: u32 = 32;
 const HEADS_PER_SLOT: u32 = 16;
 
 /// The Blackwell main kernel.
-pub const SPEC: KernelSpec = KernelSpec {
+pub const DESC: KernelDesc = KernelDesc {
     name: "msa_backward_sm100",
     about: "MSA backward main kernel for Blackwell: warp-specialised tcgen05 GEMMs with TMEM \
             accumulators, TMA + mbarrier pipelines",
@@ -79,8 +79,9 @@ pub const SPEC: KernelSpec = KernelSpec {
     describe,
 };
 
-/// Everything the roles need from the plan, resolved once.
-struct Layout<'a> {
+/// The plan resolved for the roles: every buffer, TMEM column, GEMM, pipeline, named barrier
+/// and warp a role names, looked up and checked once by [`resolve`] instead of in every role.
+struct Resolved<'a> {
     k: Placed,
     v: Placed,
     q: Placed,
@@ -126,7 +127,8 @@ struct Layout<'a> {
     scalar_warp: u32,
 }
 
-fn resolve(plan: &KernelPlan) -> Result<Layout<'_>, String> {
+/// Looks up everything [`Resolved`] holds; the error names what is missing or the rule broken.
+fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
     let smem = plan.smem();
     let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
     let col = |id| {
@@ -184,7 +186,7 @@ fn resolve(plan: &KernelPlan) -> Result<Layout<'_>, String> {
             .check_access(w, 32 * (w % 4)..32 * (w % 4) + 32)
             .map_err(|e| e.to_string())?;
     }
-    Ok(Layout {
+    Ok(Resolved {
         k: buf(Buf::K)?,
         v: buf(Buf::V)?,
         q: buf(Buf::Q)?,
@@ -263,7 +265,7 @@ pub const MMA_ORDER: MmaOrder = MmaOrder::Explicit;
 
 /// What every role reads.
 struct Ctx<'a> {
-    lay: &'a Layout<'a>,
+    resolved: &'a Resolved<'a>,
     p: &'a MainParams,
     base: Reg<U32>,
     bars: Barriers,
@@ -286,8 +288,8 @@ fn describe(b: &mut KernelBuilder) {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM100 plan: {e}")),
     };
-    let lay = match resolve(&plan) {
-        Ok(lay) => lay,
+    let resolved = match resolve(&plan) {
+        Ok(resolved) => resolved,
         Err(e) => return b.error(format!("SM100 plan: {e}")),
     };
     let total = plan.smem().total();
@@ -308,7 +310,7 @@ fn describe(b: &mut KernelBuilder) {
     let tid = b.sreg(SReg::TidX);
     let warp = b.shr(tid, 5u32);
     let bars = Barriers {
-        base: b.add(base, lay.barriers),
+        base: b.add(base, resolved.barriers),
         umma_commit,
     };
 
@@ -320,8 +322,8 @@ fn describe(b: &mut KernelBuilder) {
     b.comment("the CTA walk: this CTA's interval of task rows");
     let desc = b.ld_param_ptr(&p.desc);
     let walk = cta_interval(b, desc);
-    let cx = Ctx {
-        lay: &lay,
+    let ctx = Ctx {
+        resolved: &resolved,
         p: &p,
         base,
         bars,
@@ -336,8 +338,8 @@ fn describe(b: &mut KernelBuilder) {
     let l_reduce = b.label("reduce");
     let l_wg3 = b.label("warpgroup3");
     for (group, label) in [
-        (lay.compute_wg, &l_compute),
-        (lay.reduce_wg, &l_reduce),
+        (resolved.compute_wg, &l_compute),
+        (resolved.reduce_wg, &l_reduce),
         (3, &l_wg3),
     ] {
         let is = b.setp(Cmp::Eq, wg, group);
@@ -349,14 +351,14 @@ fn describe(b: &mut KernelBuilder) {
     b.place(&l_compute);
     role(b, "compute", |b| {
         warps.emit_setmaxnreg(b, Role::Compute);
-        compute(b, &cx);
+        compute(b, &ctx);
     });
     b.ret();
 
     b.place(&l_reduce);
     role(b, "reduce", |b| {
         warps.emit_setmaxnreg(b, Role::Reduce);
-        reduce(b, &cx);
+        reduce(b, &ctx);
     });
     b.ret();
 
@@ -368,22 +370,22 @@ fn describe(b: &mut KernelBuilder) {
     let l_load = b.label("load");
     let l_scalar = b.label("scalar");
     for (w, label) in [
-        (lay.mma_warp, &l_mma),
-        (lay.load_warp, &l_load),
-        (lay.scalar_warp, &l_scalar),
+        (resolved.mma_warp, &l_mma),
+        (resolved.load_warp, &l_load),
+        (resolved.scalar_warp, &l_scalar),
     ] {
         let is = b.setp(Cmp::Eq, warp, w);
         b.bra_if(is, label);
     }
     b.ret();
     b.place(&l_mma);
-    role(b, "mma", |b| mma(b, &cx));
+    role(b, "mma", |b| mma(b, &ctx));
     b.ret();
     b.place(&l_load);
-    role(b, "load", |b| load(b, &cx));
+    role(b, "load", |b| load(b, &ctx));
     b.ret();
     b.place(&l_scalar);
-    role(b, "scalar", |b| scalar(b, &cx));
+    role(b, "scalar", |b| scalar(b, &ctx));
     b.ret();
 }
 
@@ -418,12 +420,12 @@ fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
 }
 
 /// Whether the segment ends at `row`: the interval ends, or the next row is another bucket.
-fn segment_ends(b: &mut KernelBuilder, cx: &Ctx, row: Reg<U32>, cur: Reg<U32>) -> Reg<Pred> {
+fn segment_ends(b: &mut KernelBuilder, ctx: &Ctx, row: Reg<U32>, cur: Reg<U32>) -> Reg<Pred> {
     let next_row = b.add(row, 1u32);
-    let last = b.setp(Cmp::Ge, next_row, cx.walk.hi);
+    let last = b.setp(Cmp::Ge, next_row, ctx.walk.hi);
     let end = b.mov::<U32>(1u32);
     b.unless(last, "next_bucket", |b| {
-        let nm = task_meta(b, cx.p, next_row);
+        let nm = task_meta(b, ctx.p, next_row);
         let next = bucket(b, &nm);
         let cont = b.setp(Cmp::Eq, next, cur);
         let v = b.selp(0u32, 1u32, cont);
@@ -447,10 +449,10 @@ fn round(b: &mut KernelBuilder, pipe: &Pipe, stage: u32, round: Reg<U32>) -> Cur
 }
 
 /// Reads the TMEM base address after the allocation hand-off (named barrier 1).
-fn tmem_base(b: &mut KernelBuilder, cx: &Ctx) -> Reg<U32> {
-    cx.lay.nb_alloc.sync(b);
+fn tmem_base(b: &mut KernelBuilder, ctx: &Ctx) -> Reg<U32> {
+    ctx.resolved.nb_alloc.sync(b);
     b.tcgen05_fence_after_thread_sync();
-    b.ld::<U32, _>(&shared(cx.base, cx.lay.tmem_word as i64))
+    b.ld::<U32, _>(&shared(ctx.base, ctx.resolved.tmem_word as i64))
 }
 
 /// The TMEM address of this warp's lane quadrant: base + (32·(warp % 4)) << 16.
@@ -463,54 +465,54 @@ fn quadrant(b: &mut KernelBuilder, tbase: Reg<U32>, warp: Reg<U32>) -> TmemAddr 
 
 // ---- compute warps ---------------------------------------------------------------------
 
-fn compute(b: &mut KernelBuilder, cx: &Ctx) {
-    let lay = cx.lay;
-    let bars = &cx.bars;
+fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
+    let resolved = ctx.resolved;
+    let bars = &ctx.bars;
     b.comment("warp 4 allocates TMEM and hands the address over named barrier 1");
-    let tmem_word = shared(cx.base, lay.tmem_word as i64);
-    let is_alloc = b.setp(Cmp::Eq, cx.warp, 4 * lay.compute_wg);
+    let tmem_word = shared(ctx.base, resolved.tmem_word as i64);
+    let is_alloc = b.setp(Cmp::Eq, ctx.warp, 4 * resolved.compute_wg);
     b.if_then(is_alloc, "tmem_alloc", |b| {
-        b.tcgen05_alloc(&tmem_word, lay.alloc_cols);
+        b.tcgen05_alloc(&tmem_word, resolved.alloc_cols);
         b.tcgen05_relinquish_alloc_permit();
     });
     b.tcgen05_fence_before_thread_sync();
-    let tbase = tmem_base(b, cx);
-    let tm = quadrant(b, tbase, cx.warp);
-    let key = b.and(cx.tid, 127u32);
+    let tbase = tmem_base(b, ctx);
+    let tm = quadrant(b, tbase, ctx.warp);
+    let key = b.and(ctx.tid, 127u32);
     // sPdS row of this key: [key][64 folded] SW128 panels.
     let key_row = b.shl(key, 7u32);
-    let pds_row = b.add(cx.base, key_row);
-    let pds_row = b.add(pds_row, lay.pds.offset);
+    let pds_row = b.add(ctx.base, key_row);
+    let pds_row = b.add(pds_row, resolved.pds.offset);
     let key7 = b.and(key, 7u32);
     let scale_log2e = (SCALE as f64 * LOG2E) as f32;
     let t = b.mov::<U32>(0u32);
 
-    b.for_range(cx.walk.lo, cx.walk.hi, 1, "compute_task", |b, row| {
-        let m = task_meta(b, cx.p, row);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "compute_task", |b, row| {
+        let m = task_meta(b, ctx.p, row);
         let key_pos = b.shl(m[2], 7u32);
         let key_pos = b.add(key_pos, key);
         let key_pos = b.bitcast::<S32, U32>(key_pos);
-        let rows_st = lay.rows.consumer_wait(b, bars, t);
-        let lse_a = lay.lse.emit_stage_addr(b, cx.base, rows_st.index);
-        let delta_a = lay.delta.emit_stage_addr(b, cx.base, rows_st.index);
-        let qpos_a = lay.qpos.emit_stage_addr(b, cx.base, rows_st.index);
+        let rows_st = resolved.rows.consumer_wait(b, bars, t);
+        let lse_a = resolved.lse.emit_stage_addr(b, ctx.base, rows_st.index);
+        let delta_a = resolved.delta.emit_stage_addr(b, ctx.base, rows_st.index);
+        let qpos_a = resolved.qpos.emit_stage_addr(b, ctx.base, rows_st.index);
         b.comment("own every chunk stage of this tile (the previous tile's MMAs are done)");
-        let chunk_st: Vec<Stage> = (0..lay.chunk.pipeline.stages)
+        let chunk_st: Vec<Stage> = (0..resolved.chunk.pipeline.stages)
             .map(|s| {
-                let at = round(b, &lay.chunk, s, t);
-                lay.chunk.producer_acquire(b, bars, at)
+                let at = round(b, &resolved.chunk, s, t);
+                resolved.chunk.producer_acquire(b, bars, at)
             })
             .collect();
-        let s_st = lay.s.consumer_wait(b, bars, t);
+        let s_st = resolved.s.consumer_wait(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         let mut dp_st = None;
-        for c in 0..lay.groups.chunks {
+        for c in 0..resolved.groups.chunks {
             b.comment(&format!(
                 "chunk {c}: folded columns {}..{}",
                 32 * c,
                 32 * c + 32
             ));
-            let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_s + CHUNK_COLS * c));
+            let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(resolved.col_s + CHUNK_COLS * c));
             b.tcgen05_wait_ld();
             let slot0 = CHUNK_COLS * c / HEADS_PER_SLOT;
             let seen: [Reg<Pred>; 2] = std::array::from_fn(|i| {
@@ -530,10 +532,10 @@ fn compute(b: &mut KernelBuilder, cx: &Ctx) {
             }
             if c == 0 {
                 // Deferred to here so G2 overlaps the first exp2 work.
-                dp_st = Some(lay.dp.consumer_wait(b, bars, t));
+                dp_st = Some(resolved.dp.consumer_wait(b, bars, t));
                 b.tcgen05_fence_after_thread_sync();
             }
-            let dp: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_dp + CHUNK_COLS * c));
+            let dp: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(resolved.col_dp + CHUNK_COLS * c));
             b.tcgen05_wait_ld();
             let mut ds = Vec::with_capacity(32);
             for g in 0..8u32 {
@@ -552,8 +554,8 @@ fn compute(b: &mut KernelBuilder, cx: &Ctx) {
             let ds_pack: [Reg<Bf16x2>; 16] =
                 std::array::from_fn(|j| b.cvt_bf16x2(ds[2 * j + 1], ds[2 * j]));
             b.comment("P^T over S and dS^T over dP (packed bf16: the TS-MMA A operands)");
-            b.tcgen05_st_32x32b(tm.col(lay.col_p + CHUNK_COLS / 2 * c), p_pack);
-            b.tcgen05_st_32x32b(tm.col(lay.col_ds + CHUNK_COLS / 2 * c), ds_pack);
+            b.tcgen05_st_32x32b(tm.col(resolved.col_p + CHUNK_COLS / 2 * c), p_pack);
+            b.tcgen05_st_32x32b(tm.col(resolved.col_ds + CHUNK_COLS / 2 * c), ds_pack);
             b.comment("dS^T to sPdS: SW128 panels [folded/64][key][64 folded]");
             for q in 0..4u32 {
                 let j = 4 * (c % 2) + q;
@@ -563,22 +565,23 @@ fn compute(b: &mut KernelBuilder, cx: &Ctx) {
                 let v = [0, 1, 2, 3].map(|i| ds_pack[(4 * q + i) as usize]);
                 b.st_v(&shared(a, ((c / 2) * PANEL_BYTES) as i64), v);
             }
-            if let Some(stage) = lay.groups.publishes_after(c) {
+            if let Some(stage) = resolved.groups.publishes_after(c) {
                 b.comment(&format!("publish chunk stage {stage}"));
                 b.tcgen05_wait_st();
                 b.fence_proxy_async_shared();
                 b.tcgen05_fence_before_thread_sync();
-                lay.chunk
+                resolved
+                    .chunk
                     .producer_commit(b, bars, &chunk_st[stage as usize]);
             }
         }
         b.comment("S, dP and the row stage are read: release them");
         b.tcgen05_fence_before_thread_sync();
-        lay.s.consumer_release(b, bars, &s_st);
+        resolved.s.consumer_release(b, bars, &s_st);
         if let Some(st) = dp_st {
-            lay.dp.consumer_release(b, bars, &st);
+            resolved.dp.consumer_release(b, bars, &st);
         }
-        lay.rows.consumer_release(b, bars, &rows_st);
+        resolved.rows.consumer_release(b, bars, &rows_st);
         bump(b, t);
     });
 
@@ -586,11 +589,11 @@ fn compute(b: &mut KernelBuilder, cx: &Ctx) {
         "every TMEM access of compute and reduce is done (MMAs: reduce waited their commits)",
     );
     b.tcgen05_fence_before_thread_sync();
-    lay.nb_dealloc.sync(b);
+    resolved.nb_dealloc.sync(b);
     b.if_then(is_alloc, "tmem_dealloc", |b| {
         b.tcgen05_fence_after_thread_sync();
         let t = b.bitcast::<B32, U32>(tbase);
-        b.tcgen05_dealloc(t, lay.alloc_cols);
+        b.tcgen05_dealloc(t, resolved.alloc_cols);
     });
 }
 
@@ -601,7 +604,7 @@ fn compute(b: &mut KernelBuilder, cx: &Ctx) {
 #[allow(clippy::too_many_arguments)]
 fn issue_gemm(
     b: &mut KernelBuilder,
-    cx: &Ctx,
+    ctx: &Ctx,
     tm: TmemAddr,
     elect: Reg<Pred>,
     g: &Gemm,
@@ -610,7 +613,7 @@ fn issue_gemm(
     ks: Range<u32>,
     acc: impl Fn(u32) -> Reg<Pred>,
 ) {
-    let plan = cx.lay.plan;
+    let plan = ctx.resolved.plan;
     let idesc = match g.instr_desc() {
         Ok(d) => d.bits(),
         Err(e) => return b.error(e.to_string()),
@@ -650,10 +653,10 @@ fn issue_gemm(
     }
 }
 
-fn mma(b: &mut KernelBuilder, cx: &Ctx) {
-    let lay = cx.lay;
-    let bars = &cx.bars;
-    let tbase = tmem_base(b, cx);
+fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
+    let resolved = ctx.resolved;
+    let bars = &ctx.bars;
+    let tbase = tmem_base(b, ctx);
     let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
     b.comment("one lane issues every MMA and every commit");
     let elect = b.elect_sync();
@@ -664,78 +667,92 @@ fn mma(b: &mut KernelBuilder, cx: &Ctx) {
     let prev = b.mov::<U32>(u32::MAX);
     let seg = b.mov::<U32>(0u32);
     let t = b.mov::<U32>(0u32);
-    let k_addr = b.add(cx.base, lay.k.offset);
-    let v_addr = b.add(cx.base, lay.v.offset);
-    let pds_addr = b.add(cx.base, lay.pds.offset);
+    let k_addr = b.add(ctx.base, resolved.k.offset);
+    let v_addr = b.add(ctx.base, resolved.v.offset);
+    let pds_addr = b.add(ctx.base, resolved.pds.offset);
 
-    b.for_range(cx.walk.lo, cx.walk.hi, 1, "mma_task", |b, row| {
-        let m = task_meta(b, cx.p, row);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "mma_task", |b, row| {
+        let m = task_meta(b, ctx.p, row);
         let cur = bucket(b, &m);
         // `same` is false at a segment's first task, whose dV/dK MMAs overwrite.
         let same = b.setp(Cmp::Eq, cur, prev);
-        let seg_end = segment_ends(b, cx, row, cur);
+        let seg_end = segment_ends(b, ctx, row, cur);
         b.unless(same, "kv_wait", |b| {
-            lay.kv.consumer_wait(b, bars, seg);
+            resolved.kv.consumer_wait(b, bars, seg);
             b.set(prev, cur);
         });
-        let qd = lay.q_do.consumer_wait(b, bars, t);
-        let q_addr = lay.q.emit_stage_addr(b, cx.base, qd.index);
-        let do_addr = lay.d_o.emit_stage_addr(b, cx.base, qd.index);
-        let s_st = lay.s.producer_acquire(b, bars, t);
+        let qd = resolved.q_do.consumer_wait(b, bars, t);
+        let q_addr = resolved.q.emit_stage_addr(b, ctx.base, qd.index);
+        let do_addr = resolved.d_o.emit_stage_addr(b, ctx.base, qd.index);
+        let s_st = resolved.s.producer_acquire(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         b.comment("G1: S^T = K*Q^T");
         issue_gemm(
             b,
-            cx,
+            ctx,
             tm,
             elect,
-            lay.g_s,
+            resolved.g_s,
             Some(k_addr),
             q_addr,
-            0..lay.g_s.k_steps(),
+            0..resolved.g_s.k_steps(),
             first_k,
         );
-        b.predicated(elect, false, |b| lay.s.producer_commit(b, bars, &s_st));
+        b.predicated(elect, false, |b| resolved.s.producer_commit(b, bars, &s_st));
 
         b.comment("G2 overwrites dQ^T of the previous tile: wait until reduce has read it");
         let first = b.setp(Cmp::Eq, t, 0u32);
         b.unless(first, "t2r_wait", |b| {
-            lay.nb_t2r.sync(b);
+            resolved.nb_t2r.sync(b);
             b.tcgen05_fence_after_thread_sync();
         });
-        let dp_st = lay.dp.locate(b, bars, t.into());
+        let dp_st = resolved.dp.locate(b, bars, t.into());
         b.comment("G2: dP^T = V*dO^T");
         issue_gemm(
             b,
-            cx,
+            ctx,
             tm,
             elect,
-            lay.g_dp,
+            resolved.g_dp,
             Some(v_addr),
             do_addr,
-            0..lay.g_dp.k_steps(),
+            0..resolved.g_dp.k_steps(),
             first_k,
         );
-        b.predicated(elect, false, |b| lay.dp.producer_commit(b, bars, &dp_st));
+        b.predicated(elect, false, |b| {
+            resolved.dp.producer_commit(b, bars, &dp_st)
+        });
 
         b.unless(same, "dkv_acquire", |b| {
-            lay.dkv.producer_acquire(b, bars, seg);
+            resolved.dkv.producer_acquire(b, bars, seg);
             b.tcgen05_fence_after_thread_sync();
         });
         let mut chunk_st = Vec::new();
-        for s in 0..lay.chunk.pipeline.stages {
-            let at = round(b, &lay.chunk, s, t);
-            chunk_st.push(lay.chunk.consumer_wait(b, bars, at));
+        for s in 0..resolved.chunk.pipeline.stages {
+            let at = round(b, &resolved.chunk, s, t);
+            chunk_st.push(resolved.chunk.consumer_wait(b, bars, at));
             b.tcgen05_fence_after_thread_sync();
-            for c in lay.groups.chunks_of(s) {
+            for c in resolved.groups.chunks_of(s) {
                 let ks = 2 * c..2 * c + 2;
                 let acc = |k: u32| if k == 0 { same } else { always };
                 b.comment(&format!("chunk {c}: G3 dV += P^T*dO, G4 dK += dS^T*Q"));
-                issue_gemm(b, cx, tm, elect, lay.g_dv, None, do_addr, ks.clone(), acc);
-                issue_gemm(b, cx, tm, elect, lay.g_dk, None, q_addr, ks, acc);
+                issue_gemm(
+                    b,
+                    ctx,
+                    tm,
+                    elect,
+                    resolved.g_dv,
+                    None,
+                    do_addr,
+                    ks.clone(),
+                    acc,
+                );
+                issue_gemm(b, ctx, tm, elect, resolved.g_dk, None, q_addr, ks, acc);
             }
         }
-        b.predicated(elect, false, |b| lay.q_do.consumer_release(b, bars, &qd));
+        b.predicated(elect, false, |b| {
+            resolved.q_do.consumer_release(b, bars, &qd)
+        });
         if MMA_ORDER == MmaOrder::Explicit {
             // The fence after the waits below also covers this one.
             b.comment("G5 overwrites the dS^T that G4 reads: wait until the release commit lands");
@@ -744,34 +761,34 @@ fn mma(b: &mut KernelBuilder, cx: &Ctx) {
 
         b.comment("G5 overwrites dP^T/dS^T: compute has read dP, reduce has read the last dQ");
         let t1 = b.add(t, 1u32);
-        lay.dp.producer_acquire(b, bars, t1);
-        let dq_st = lay.dq.producer_acquire(b, bars, t);
+        resolved.dp.producer_acquire(b, bars, t1);
+        let dq_st = resolved.dq.producer_acquire(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         b.comment("G5: dQ^T = K^T*dS^T");
         issue_gemm(
             b,
-            cx,
+            ctx,
             tm,
             elect,
-            lay.g_dq,
+            resolved.g_dq,
             Some(k_addr),
             pds_addr,
-            0..lay.g_dq.k_steps(),
+            0..resolved.g_dq.k_steps(),
             first_k,
         );
         b.predicated(elect, false, |b| {
-            lay.dq.producer_commit(b, bars, &dq_st);
+            resolved.dq.producer_commit(b, bars, &dq_st);
             for st in &chunk_st {
-                lay.chunk.consumer_release(b, bars, st);
+                resolved.chunk.consumer_release(b, bars, st);
             }
         });
 
         b.if_then(seg_end, "segment_end", |b| {
-            let kv_st = lay.kv.locate(b, bars, seg.into());
-            let dkv_st = lay.dkv.locate(b, bars, seg.into());
+            let kv_st = resolved.kv.locate(b, bars, seg.into());
+            let dkv_st = resolved.dkv.locate(b, bars, seg.into());
             b.predicated(elect, false, |b| {
-                lay.kv.consumer_release(b, bars, &kv_st);
-                lay.dkv.producer_commit(b, bars, &dkv_st);
+                resolved.kv.consumer_release(b, bars, &kv_st);
+                resolved.dkv.producer_commit(b, bars, &dkv_st);
             });
             bump(b, seg);
         });
@@ -779,16 +796,16 @@ fn mma(b: &mut KernelBuilder, cx: &Ctx) {
     });
     b.comment("the last tile's t2r_dQ_done");
     let any = b.setp(Cmp::Ne, t, 0u32);
-    b.if_then(any, "t2r_last", |b| lay.nb_t2r.sync(b));
+    b.if_then(any, "t2r_last", |b| resolved.nb_t2r.sync(b));
 }
 
 // ---- load warp -------------------------------------------------------------------------
 
-fn load(b: &mut KernelBuilder, cx: &Ctx) {
-    let lay = cx.lay;
-    let bars = &cx.bars;
-    let p = cx.p;
-    let lane = b.and(cx.tid, 31u32);
+fn load(b: &mut KernelBuilder, ctx: &Ctx) {
+    let resolved = ctx.resolved;
+    let bars = &ctx.bars;
+    let p = ctx.p;
+    let lane = b.and(ctx.tid, 31u32);
     let lead = b.setp(Cmp::Eq, lane, 0u32);
     b.if_then(lead, "load_lane", |b| {
         let tq = b.tensor_map_addr(&p.tmap_q);
@@ -798,23 +815,23 @@ fn load(b: &mut KernelBuilder, cx: &Ctx) {
         let prev = b.mov::<U32>(u32::MAX);
         let seg = b.mov::<U32>(0u32);
         let t = b.mov::<U32>(0u32);
-        b.for_range(cx.walk.lo, cx.walk.hi, 1, "load_task", |b, row| {
+        b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "load_task", |b, row| {
             let m = task_meta(b, p, row);
             let cur = bucket(b, &m);
             let same = b.setp(Cmp::Eq, cur, prev);
             b.unless(same, "kv_load", |b| {
-                let st = lay.kv.producer_acquire(b, bars, seg);
+                let st = resolved.kv.producer_acquire(b, bars, seg);
                 let tiles = [
-                    shared(cx.base, lay.k.offset as i64),
-                    shared(cx.base, lay.v.offset as i64),
+                    shared(ctx.base, resolved.k.offset as i64),
+                    shared(ctx.base, resolved.v.offset as i64),
                 ];
                 common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
                 bump(b, seg);
                 b.set(prev, cur);
             });
-            let st = lay.q_do.producer_acquire(b, bars, t);
-            let q_tile = lay.q.emit_stage_addr(b, cx.base, st.index);
-            let do_tile = lay.d_o.emit_stage_addr(b, cx.base, st.index);
+            let st = resolved.q_do.producer_acquire(b, bars, t);
+            let q_tile = resolved.q.emit_stage_addr(b, ctx.base, st.index);
+            let do_tile = resolved.d_o.emit_stage_addr(b, ctx.base, st.index);
             let qrows = b.ld_param_ptr(&p.qrows);
             let tiles = [shared(q_tile, 0), shared(do_tile, 0)];
             common::load_qdo_tiles(b, [tq, tdo], tiles, qrows, row, &m, &st.full);
@@ -825,36 +842,36 @@ fn load(b: &mut KernelBuilder, cx: &Ctx) {
 
 // ---- scalar-gather warp ----------------------------------------------------------------
 
-fn scalar(b: &mut KernelBuilder, cx: &Ctx) {
-    let lay = cx.lay;
-    let bars = &cx.bars;
-    let p = cx.p;
-    let g = common::gather_lane(b, cx.tid);
+fn scalar(b: &mut KernelBuilder, ctx: &Ctx) {
+    let resolved = ctx.resolved;
+    let bars = &ctx.bars;
+    let p = ctx.p;
+    let g = common::gather_lane(b, ctx.tid);
     let t = b.mov::<U32>(0u32);
-    b.for_range(cx.walk.lo, cx.walk.hi, 1, "scalar_task", |b, row| {
-        let st = lay.rows.producer_acquire(b, bars, t);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "scalar_task", |b, row| {
+        let st = resolved.rows.producer_acquire(b, bars, t);
         let m = task_meta(b, p, row);
         let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
-        let lse_a = lay.lse.emit_stage_addr(b, cx.base, st.index);
+        let lse_a = resolved.lse.emit_stage_addr(b, ctx.base, st.index);
         let lse_a = b.add(lse_a, g.lane16);
         b.st_v(&shared(lse_a, 0), l4);
-        let delta_a = lay.delta.emit_stage_addr(b, cx.base, st.index);
+        let delta_a = resolved.delta.emit_stage_addr(b, ctx.base, st.index);
         let delta_a = b.add(delta_a, g.lane16);
         b.st_v(&shared(delta_a, 0), d4);
         b.if_then(g.word_lane, "slot_words", |b| {
             let idx = b.add(row8, g.lane);
             let lane4 = b.shl(g.lane, 2u32);
-            for (table, buf) in [(&p.qrows, lay.qrows), (&p.qpos, lay.qpos)] {
+            for (table, buf) in [(&p.qrows, resolved.qrows), (&p.qpos, resolved.qpos)] {
                 let ptr = b.ld_param_ptr(table);
                 let a = common::elem::<S32>(b, ptr, idx);
                 let v = b.ld::<S32, _>(&a);
-                let s = buf.emit_stage_addr(b, cx.base, st.index);
+                let s = buf.emit_stage_addr(b, ctx.base, st.index);
                 let s = b.add(s, lane4);
                 b.st(&shared(s, 0), v);
             }
         });
-        lay.rows.producer_commit(b, bars, &st);
+        resolved.rows.producer_commit(b, bars, &st);
         bump(b, t);
     });
 }
@@ -882,15 +899,15 @@ fn quad_transpose(b: &mut KernelBuilder, v: &mut [Reg<F32>; 16], bits: [Reg<Pred
     }
 }
 
-fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
-    let lay = cx.lay;
-    let bars = &cx.bars;
-    let p = cx.p;
-    let tbase = tmem_base(b, cx);
-    let tm = quadrant(b, tbase, cx.warp);
+fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
+    let resolved = ctx.resolved;
+    let bars = &ctx.bars;
+    let p = ctx.p;
+    let tbase = tmem_base(b, ctx);
+    let tm = quadrant(b, tbase, ctx.warp);
     // Lane of TMEM: head dim for dQ^T, key row for dK/dV.
-    let lane128 = b.and(cx.tid, 127u32);
-    let lane = b.and(cx.tid, 31u32);
+    let lane128 = b.and(ctx.tid, 127u32);
+    let lane = b.and(ctx.tid, 31u32);
     let quad_bits: [Reg<Pred>; 2] = [1u32, 2u32].map(|m| {
         let x = b.and(lane, m);
         b.setp(Cmp::Ne, x, 0u32)
@@ -900,26 +917,27 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
     let seg = b.mov::<U32>(0u32);
     let t = b.mov::<U32>(0u32);
 
-    b.for_range(cx.walk.lo, cx.walk.hi, 1, "reduce_task", |b, row| {
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "reduce_task", |b, row| {
         let m = task_meta(b, p, row);
         let head = m[1];
         let kb = m[2];
         let cur = bucket(b, &m);
         let same = b.setp(Cmp::Eq, cur, prev);
-        let seg_end = segment_ends(b, cx, row, cur);
+        let seg_end = segment_ends(b, ctx, row, cur);
         b.unless(same, "new_segment", |b| b.set(prev, cur));
-        let st = lay.rows.consumer_wait(b, bars, t);
-        let qr_a = lay.qrows.emit_stage_addr(b, cx.base, st.index);
+        let st = resolved.rows.consumer_wait(b, bars, t);
+        let qr_a = resolved.qrows.emit_stage_addr(b, ctx.base, st.index);
         let lo4: [Reg<S32>; 4] = b.ld_v(&shared(qr_a, 0));
         let hi4: [Reg<S32>; 4] = b.ld_v(&shared(qr_a, 16));
-        lay.rows.consumer_release(b, bars, &st);
+        resolved.rows.consumer_release(b, bars, &st);
 
         b.comment("dQ^T to registers: lane = head dim, column = folded (slot, head)");
-        let dq_st = lay.dq.consumer_wait(b, bars, t);
+        let dq_st = resolved.dq.consumer_wait(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         let mut words = Vec::with_capacity(64);
         for pass in 0..4u32 {
-            let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(lay.col_dq + CHUNK_COLS * pass));
+            let v: [Reg<F32>; 32] =
+                b.tcgen05_ld_32x32b(tm.col(resolved.col_dq + CHUNK_COLS * pass));
             b.tcgen05_wait_ld();
             // Heads 2m (low half) and 2m+1 (high half) of one slot.
             for j in 0..16 {
@@ -927,8 +945,8 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
             }
         }
         b.tcgen05_fence_before_thread_sync();
-        lay.nb_t2r.arrive(b);
-        lay.dq.consumer_release(b, bars, &dq_st);
+        resolved.nb_t2r.arrive(b);
+        resolved.dq.consumer_release(b, bars, &dq_st);
 
         b.comment("dQ: head pairs into the bf16x2 pool [T][32][128][2]");
         let head_d = b.mad_lo(head, 1024u32, lane128);
@@ -947,10 +965,10 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
 
         b.if_then(seg_end, "flush", |b| {
             b.comment("segment end: dV and dK to the fp32 pools [W][4][128]");
-            let st = lay.dkv.consumer_wait(b, bars, seg);
+            let st = resolved.dkv.consumer_wait(b, bars, seg);
             b.tcgen05_fence_after_thread_sync();
             // Key row of quad lane 0: kb·128 + 32·(warp % 4) + 4·(lane / 4).
-            let w3 = b.and(cx.warp, 3u32);
+            let w3 = b.and(ctx.warp, 3u32);
             let quad = b.shr(lane, 2u32);
             let r = b.shl(kb, 7u32);
             let r = b.mad_lo(w3, 32u32, r);
@@ -959,7 +977,7 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
             let col4 = b.shl(col4, 2u32);
             let idx = b.mad_lo(r, 512u32, col4);
             let idx = b.mad_lo(head, 128u32, idx);
-            let regions = [(lay.col_dv, &p.dv), (lay.col_dk, &p.dk)];
+            let regions = [(resolved.col_dv, &p.dv), (resolved.col_dk, &p.dk)];
             for (which, (col, pool_p)) in regions.into_iter().enumerate() {
                 let pool = b.ld_param_ptr(pool_p);
                 let a = common::elem::<F32>(b, pool, idx);
@@ -971,7 +989,7 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
                             "the last TMEM read of dK/dV: release the slot before the atomics",
                         );
                         b.tcgen05_fence_before_thread_sync();
-                        lay.dkv.consumer_release(b, bars, &st);
+                        resolved.dkv.consumer_release(b, bars, &st);
                     }
                     for blk in 0..2usize {
                         let mut x: [Reg<F32>; 16] = std::array::from_fn(|e| v[16 * blk + e]);
@@ -985,12 +1003,12 @@ fn reduce(b: &mut KernelBuilder, cx: &Ctx) {
                     }
                 }
             }
-            lay.nb_reduce.sync(b);
+            resolved.nb_reduce.sync(b);
             bump(b, seg);
         });
         bump(b, t);
     });
 
     b.tcgen05_fence_before_thread_sync();
-    lay.nb_dealloc.sync(b);
+    resolved.nb_dealloc.sync(b);
 }

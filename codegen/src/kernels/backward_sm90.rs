@@ -42,13 +42,13 @@
 //!   after a lane-pair exchange that gives each lane four consecutive head dims.
 
 use super::common::{self, elem_bytes, MainParams};
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
 use crate::plan::roles::Role;
 use crate::plan::smem::Major;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Threads per CTA: one producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;
@@ -132,7 +132,7 @@ const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
 const LOG2E: f64 = std::f64::consts::LOG2_E;
 
 /// The Hopper main kernel.
-pub const SPEC: KernelSpec = KernelSpec {
+pub const DESC: KernelDesc = KernelDesc {
     name: "msa_backward_sm90",
     about:
         "MSA backward main kernel for Hopper: TMA + mbarrier pipelines, wgmma, dK/dV in registers",

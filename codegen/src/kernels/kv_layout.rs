@@ -20,12 +20,12 @@
 //! - `kv_from_aligned` copies the real rows back to compact `[T, 4, 128]` and ignores the
 //!   padding rows.
 
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The compact → aligned pack.
-pub const TO_ALIGNED: KernelSpec = KernelSpec {
+pub const TO_ALIGNED: KernelDesc = KernelDesc {
     name: "kv_to_aligned",
     about: "packs compact K/V rows into the zero-padded aligned workspace layout",
     targets: &[Target::Sm90a, Target::Sm100a],
@@ -34,7 +34,7 @@ pub const TO_ALIGNED: KernelSpec = KernelSpec {
 };
 
 /// The aligned → compact gather.
-pub const FROM_ALIGNED: KernelSpec = KernelSpec {
+pub const FROM_ALIGNED: KernelDesc = KernelDesc {
     name: "kv_from_aligned",
     about: "gathers the real rows of aligned dK/dV back into compact rows",
     targets: &[Target::Sm90a, Target::Sm100a],

@@ -1,4 +1,4 @@
-//! Kernel descriptions. Each is a [`KernelSpec`]: a name, the targets it is emitted for, its
+//! Kernel descriptions. Each is a [`KernelDesc`]: a name, the targets it is emitted for, its
 //! CTA shape, and a function that describes its body against the typed builder.
 
 pub mod backward_sm100;
@@ -10,11 +10,15 @@ pub mod preprocess;
 pub mod schedule_build;
 pub mod task_build;
 
+use crate::error::CodegenError;
 use crate::ptx::{Kernel, KernelBuilder};
-use crate::{CodegenError, Target};
+use crate::target::Target;
 
-/// A kernel description.
-pub struct KernelSpec {
+/// A kernel description: what the generator builds a kernel from.
+///
+/// The runtime's `KernelSpec` is the other end: the generated bindings turn each `KernelDesc`
+/// and its built PTX into one, with the PTX text a backend loads and launches.
+pub struct KernelDesc {
     /// Entry name (also the file stem under `generated/`).
     pub name: &'static str,
     /// What it computes, one sentence (goes into the manifest and the bindings' docs).
@@ -27,7 +31,7 @@ pub struct KernelSpec {
     pub describe: fn(&mut KernelBuilder),
 }
 
-impl KernelSpec {
+impl KernelDesc {
     /// Builds the kernel for `target`.
     pub fn build(&self, target: Target) -> Result<Kernel, CodegenError> {
         let mut b = KernelBuilder::new(self.name, target, self.threads);
@@ -37,10 +41,10 @@ impl KernelSpec {
 }
 
 /// Every kernel, in output order.
-pub fn all() -> &'static [KernelSpec] {
+pub fn all() -> &'static [KernelDesc] {
     &[
-        preprocess::SPEC,
-        postprocess::SPEC,
+        preprocess::DESC,
+        postprocess::DESC,
         kv_layout::TO_ALIGNED,
         kv_layout::FROM_ALIGNED,
         schedule_build::DOCUMENTS,
@@ -52,7 +56,7 @@ pub fn all() -> &'static [KernelSpec] {
         task_build::ASSIGN_SEGMENTS,
         task_build::SCAN_BINS,
         task_build::SCATTER_TABLES,
-        backward_sm90::SPEC,
-        backward_sm100::SPEC,
+        backward_sm90::DESC,
+        backward_sm100::DESC,
     ]
 }

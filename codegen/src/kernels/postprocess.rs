@@ -11,12 +11,12 @@
 //!
 //! Grid `[max(2·T, W/2), 2]`, 256 threads; CTAs past their half's work return at once.
 
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The postprocess kernel.
-pub const SPEC: KernelSpec = KernelSpec {
+pub const DESC: KernelDesc = KernelDesc {
     name: "bwd_postprocess",
     about: "de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16",
     targets: &[Target::Sm90a, Target::Sm100a],

@@ -5,12 +5,12 @@
 //! partial sums meet in a butterfly over lane distances 1, 2, 4, 8. 256 threads cover 16 rows
 //! per pass, so 8 passes cover the CTA's 128 rows; rows past T are skipped.
 
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// The preprocess kernel.
-pub const SPEC: KernelSpec = KernelSpec {
+pub const DESC: KernelDesc = KernelDesc {
     name: "bwd_preprocess",
     about: "delta[t,h] = sum_d O[t,h,d]*dO[t,h,d] in fp32 from bf16 O and dO",
     targets: &[Target::Sm90a, Target::Sm100a],

@@ -26,9 +26,9 @@ use super::common::{
     div_ceil, load_if, load_u32, store_u32, tiled_scan, warp_inclusive_scan, SCAN_PER_THREAD,
     SCAN_THREADS,
 };
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Threads of the per-block kernels: one per query of a 128-query block.
 pub const BLOCK_THREADS: u32 = 128;
@@ -95,7 +95,7 @@ pub const KIND_REPEATED: u32 = 4;
 const TARGETS: &[Target] = &[Target::Sm90a, Target::Sm100a];
 
 /// `schedule_documents`.
-pub const DOCUMENTS: KernelSpec = KernelSpec {
+pub const DOCUMENTS: KernelDesc = KernelDesc {
     name: "schedule_documents",
     about: "validates cu_seqlens, lays out the workspace, numbers the CSR rows and their pairs",
     targets: TARGETS,
@@ -104,7 +104,7 @@ pub const DOCUMENTS: KernelSpec = KernelSpec {
 };
 
 /// `schedule_count`.
-pub const COUNT: KernelSpec = KernelSpec {
+pub const COUNT: KernelDesc = KernelDesc {
     name: "schedule_count",
     about: "validates q2k and counts the queries of each (key block, query block) pair",
     targets: TARGETS,
@@ -113,7 +113,7 @@ pub const COUNT: KernelSpec = KernelSpec {
 };
 
 /// `schedule_offsets`.
-pub const OFFSETS: KernelSpec = KernelSpec {
+pub const OFFSETS: KernelDesc = KernelDesc {
     name: "schedule_offsets",
     about: "pair counts to edge offsets, row_ptr, work items per row; decodes the first fault",
     targets: TARGETS,
@@ -122,7 +122,7 @@ pub const OFFSETS: KernelSpec = KernelSpec {
 };
 
 /// `schedule_fill`.
-pub const FILL: KernelSpec = KernelSpec {
+pub const FILL: KernelDesc = KernelDesc {
     name: "schedule_fill",
     about: "writes every CSR edge at its pair offset plus its rank in the query block",
     targets: TARGETS,
@@ -131,7 +131,7 @@ pub const FILL: KernelSpec = KernelSpec {
 };
 
 /// `schedule_items`.
-pub const ITEMS: KernelSpec = KernelSpec {
+pub const ITEMS: KernelDesc = KernelDesc {
     name: "schedule_items",
     about: "writes scheduler_metadata, work_count and the -1 tail of q_indices",
     targets: TARGETS,

@@ -17,9 +17,9 @@
 //! All index arithmetic is `u32`: the host rejects schedules whose counts do not fit `i32`.
 
 use super::common::{self, div_ceil, elem, load_if, load_u32, store_u32, tiled_scan};
-use super::KernelSpec;
+use super::KernelDesc;
 use crate::ptx::*;
-use crate::Target;
+use crate::target::Target;
 
 /// Host contract mirror: rows at or below this use [`ROWS_PER_CTA_SMALL`].
 pub const ROWS_PER_CTA_SWITCH: u32 = 2400;
@@ -42,7 +42,7 @@ pub const TASK_THREADS: u32 = 256;
 const TARGETS: &[Target] = &[Target::Sm90a, Target::Sm100a];
 
 /// `scan_work`.
-pub const SCAN_WORK: KernelSpec = KernelSpec {
+pub const SCAN_WORK: KernelDesc = KernelDesc {
     name: "task_scan_work",
     about: "prefix of ceil(q_count/8) per work item, clamped work count, bins cleared",
     targets: TARGETS,
@@ -51,7 +51,7 @@ pub const SCAN_WORK: KernelSpec = KernelSpec {
 };
 
 /// `assign_segments`.
-pub const ASSIGN_SEGMENTS: KernelSpec = KernelSpec {
+pub const ASSIGN_SEGMENTS: KernelDesc = KernelDesc {
     name: "task_assign_segments",
     about: "decodes each forward-order task and folds its locality segment into the bins",
     targets: TARGETS,
@@ -60,7 +60,7 @@ pub const ASSIGN_SEGMENTS: KernelSpec = KernelSpec {
 };
 
 /// `scan_bins`.
-pub const SCAN_BINS: KernelSpec = KernelSpec {
+pub const SCAN_BINS: KernelDesc = KernelDesc {
     name: "task_scan_bins",
     about: "exclusive scan of the bin counts and the non-contiguous-segments flag",
     targets: TARGETS,
@@ -69,7 +69,7 @@ pub const SCAN_BINS: KernelSpec = KernelSpec {
 };
 
 /// `scatter_tables`.
-pub const SCATTER_TABLES: KernelSpec = KernelSpec {
+pub const SCATTER_TABLES: KernelDesc = KernelDesc {
     name: "task_scatter_tables",
     about: "writes task_meta/qrows/qpos in locality order and the CTA-walk descriptor",
     targets: TARGETS,

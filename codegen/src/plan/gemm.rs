@@ -9,7 +9,7 @@ use super::smem::{Buf, Major, SmemPlan, View, PANEL_BYTES, TILE_ROWS};
 use super::tmem::{TmemPlan, TmemRegion};
 use super::PlanError;
 use crate::ptx::{KernelBuilder, Reg, B64, U32, U64};
-use crate::Target;
+use crate::target::Target;
 
 /// K of one tcgen05.mma kind::f16.
 pub const MMA_K: u32 = 16;

@@ -11,6 +11,17 @@
 //! `mbarrier.arrive.expect_tx` plus the copies' bytes; the MMA warp signals with
 //! `tcgen05.commit` (one arrival once its MMAs finish); other roles `mbarrier.arrive`, from
 //! every thread or from one elected lane per warp.
+//!
+//! Three types, from description to code:
+//! - [`Pipeline`] is the description of one ring: its name, stages, producer and consumer
+//!   roles, arrival counts and TMA boxes. It is plain data that knows nothing of barrier
+//!   addresses; [`design_pipelines`] lists the kernel's.
+//! - [`PipelinePlan`] is the checked set of a kernel's `Pipeline`s: [`PipelinePlan::new`]
+//!   validates each against the warp plan and gives it its slots in the barrier array.
+//!   It owns the `Pipeline`s and is part of the [`KernelPlan`](super::KernelPlan).
+//! - [`Pipe`] is a borrowed view of one `Pipeline` inside a `PipelinePlan` together with
+//!   its first slot, handed out by [`PipelinePlan::get`]. It is what kernel code holds: it
+//!   emits the `mbarrier` instructions (`producer_acquire` … `consumer_release`).
 
 use super::roles::{Role, WarpPlan};
 use super::smem::{Buf, SmemPlan, BARRIER_BYTES};
@@ -99,7 +110,11 @@ impl ChunkGroups {
     }
 }
 
-/// A producer → consumer ring of `stages` stages.
+/// The description of a producer → consumer ring of `stages` stages: who produces and
+/// consumes, how many arrivals complete a phase, what TMA delivers per stage.
+///
+/// Plain data with no barrier slots; a [`PipelinePlan`] checks it and places its barriers,
+/// and a [`Pipe`] emits the code for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pipeline {
     /// Name (unique in a plan).
@@ -279,7 +294,10 @@ impl Pipeline {
     }
 }
 
-/// The validated pipelines, each with its slots in the barrier array.
+/// A kernel's validated [`Pipeline`]s, each with its slots in the barrier array.
+///
+/// Built once by [`PipelinePlan::new`]; kernel code reaches one pipeline through
+/// [`PipelinePlan::get`], which returns a [`Pipe`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PipelinePlan {
     pipes: Vec<(Pipeline, u32)>,
@@ -422,7 +440,10 @@ impl From<Reg<U32>> for Cursor {
     }
 }
 
-/// A pipeline of a plan, with its barrier slots: emits the phase bookkeeping.
+/// One [`Pipeline`] of a [`PipelinePlan`], with its first barrier slot: the handle kernel
+/// code emits a pipeline's barrier operations and phase bookkeeping through.
+///
+/// It borrows from the plan and is `Copy`, so roles keep their pipes by value.
 #[derive(Debug, Clone, Copy)]
 pub struct Pipe<'a> {
     /// The description.
@@ -677,7 +698,7 @@ mod tests {
     use super::*;
     use crate::plan::smem::SmemPlan;
     use crate::ptx::print;
-    use crate::Target;
+    use crate::target::Target;
 
     fn warps() -> WarpPlan {
         WarpPlan::design().unwrap()

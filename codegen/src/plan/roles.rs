@@ -287,7 +287,7 @@ pub fn design_roles() -> [Role; WARPS as usize] {
 mod tests {
     use super::*;
     use crate::ptx::print;
-    use crate::Target;
+    use crate::target::Target;
 
     #[test]
     fn design_plan_passes() {

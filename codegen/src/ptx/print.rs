@@ -6,7 +6,7 @@
 //! value, so PTX's `{%r1, %r2}` vector operands never meet Tera's `{%` block syntax.
 
 use super::ir::{Kernel, Stmt};
-use crate::CodegenError;
+use crate::error::CodegenError;
 use std::fmt::Write;
 
 const MODULE_TEMPLATE: &str = include_str!("../../../templates/module.ptx.tera");

@@ -8,8 +8,9 @@
 //! typed [`B32`] here and carried as a [`TmemAddr`] (a register plus a column offset, which
 //! ptxas accepts as `[%b+imm]`).
 
-use super::builder::{Address, KernelBuilder, SharedAddr, Src};
+use super::builder::KernelBuilder;
 use super::ir::{AddrBase, Operand};
+use super::operand::{Address, SharedAddr, Src};
 use super::types::*;
 use crate::target::{PtxVersion, Target};
 
@@ -246,15 +247,8 @@ impl KernelBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ptx::testing::errors;
     use crate::ptx::{print, shared};
-    use crate::CodegenError;
-
-    fn errors(b: KernelBuilder) -> Vec<String> {
-        match b.finish() {
-            Err(CodegenError::Kernel { errors, .. }) => errors,
-            other => panic!("expected a codegen error, got {other:?}"),
-        }
-    }
 
     #[test]
     fn prints_every_form_at_ptx_8_6() {

@@ -1,0 +1,189 @@
+//! Memory: loads and stores in the param, global and shared spaces, address conversion,
+//! L2 cache policies, and the TMA bulk-tensor copy (`cp.async.bulk.tensor`).
+
+use crate::ptx::builder::KernelBuilder;
+use crate::ptx::ir::{AddrBase, Operand};
+use crate::ptx::operand::{
+    Address, GlobalAddr, ParamRef, SharedAddr, SharedVar, Src, TensorMapRef,
+};
+use crate::ptx::types::*;
+use crate::target::PtxVersion;
+
+impl KernelBuilder {
+    /// Loads a scalar parameter.
+    pub fn ld_param<T: Ty>(&mut self, p: &ParamRef<T>) -> Reg<T> {
+        let d = self.fresh::<T>();
+        self.inst(
+            format!("ld.param.{}", T::NAME),
+            vec![
+                Operand::Reg(d.name()),
+                Operand::Addr(AddrBase::Symbol(p.name.clone()), 0),
+            ],
+        );
+        d
+    }
+
+    /// Loads a pointer parameter and converts it to a global address.
+    pub fn ld_param_ptr(&mut self, p: &ParamRef<U64>) -> Reg<U64> {
+        let generic = self.ld_param(p);
+        let d = self.fresh::<U64>();
+        self.inst(
+            "cvta.to.global.u64".into(),
+            vec![Operand::Reg(d.name()), Operand::Reg(generic.name())],
+        );
+        d
+    }
+
+    /// The generic address of a tensor-map parameter (the TMA descriptor operand): the
+    /// parameter's address converted from the param window (`cvta.param`, PTX 7.7).
+    pub fn tensor_map_addr(&mut self, p: &TensorMapRef) -> Reg<U64> {
+        let param = self.fresh::<U64>();
+        self.inst(
+            "mov.u64".into(),
+            vec![Operand::Reg(param.name()), Operand::Symbol(p.name.clone())],
+        );
+        let d = self.fresh::<U64>();
+        self.push(
+            "cvta.param.u64".into(),
+            vec![Operand::Reg(d.name()), Operand::Reg(param.name())],
+            PtxVersion(7, 7),
+        );
+        d
+    }
+
+    /// The 32-bit shared-window address of a shared array.
+    pub fn shared_base(&mut self, v: &SharedVar) -> Reg<U32> {
+        let d = self.fresh::<U32>();
+        self.inst(
+            "mov.u32".into(),
+            vec![Operand::Reg(d.name()), Operand::Symbol(v.name.clone())],
+        );
+        d
+    }
+
+    fn check_vector<T: Ty>(&mut self, n: usize) {
+        if !matches!(n, 2 | 4) || T::BYTES as usize * n > 16 {
+            self.error(format!(
+                "vector access of {n} x {} is not a legal PTX vector (2 or 4 lanes, <= 16 bytes)",
+                T::NAME
+            ));
+        }
+    }
+
+    fn mem_name<T: Ty>() -> &'static str {
+        // bf16 values move as untyped bits.
+        if T::NAME.starts_with("bf16") {
+            T::DECL
+        } else {
+            T::NAME
+        }
+    }
+
+    /// Scalar load.
+    pub fn ld<T: Mem, A: Address>(&mut self, addr: &A) -> Reg<T> {
+        let d = self.fresh::<T>();
+        self.inst(
+            format!("ld.{}.{}", A::SPACE, Self::mem_name::<T>()),
+            vec![Operand::Reg(d.name()), addr.operand()],
+        );
+        d
+    }
+
+    /// Vector load of `N` (2 or 4) elements.
+    pub fn ld_v<T: Mem, A: Address, const N: usize>(&mut self, addr: &A) -> [Reg<T>; N] {
+        self.ld_vec::<T, A, N>(addr, "")
+    }
+
+    /// Vector load through the read-only (non-coherent) path, for data the kernel never writes.
+    pub fn ld_global_nc_v<T: Mem, const N: usize>(&mut self, addr: &GlobalAddr) -> [Reg<T>; N] {
+        self.ld_vec::<T, GlobalAddr, N>(addr, ".nc")
+    }
+
+    fn ld_vec<T: Mem, A: Address, const N: usize>(&mut self, addr: &A, cache: &str) -> [Reg<T>; N] {
+        self.check_vector::<T>(N);
+        let regs: [Reg<T>; N] = std::array::from_fn(|_| self.fresh::<T>());
+        self.inst(
+            format!("ld.{}{cache}.v{N}.{}", A::SPACE, Self::mem_name::<T>()),
+            vec![
+                Operand::Vector(regs.iter().map(|r| r.name()).collect()),
+                addr.operand(),
+            ],
+        );
+        regs
+    }
+
+    /// Scalar store.
+    pub fn st<T: Mem, A: Address>(&mut self, addr: &A, v: impl Src<T>) {
+        self.inst(
+            format!("st.{}.{}", A::SPACE, Self::mem_name::<T>()),
+            vec![addr.operand(), v.operand()],
+        );
+    }
+
+    /// Vector store of `N` (2 or 4) elements.
+    pub fn st_v<T: Mem, A: Address, const N: usize>(&mut self, addr: &A, v: [Reg<T>; N]) {
+        self.check_vector::<T>(N);
+        self.inst(
+            format!("st.{}.v{N}.{}", A::SPACE, Self::mem_name::<T>()),
+            vec![
+                addr.operand(),
+                Operand::Vector(v.iter().map(|r| r.name()).collect()),
+            ],
+        );
+    }
+
+    /// A 3-D TMA tile load of the box at `coords` (innermost first) into `dst`, completing
+    /// its bytes on `bar`.
+    pub fn tma_load_3d(
+        &mut self,
+        dst: &SharedAddr,
+        tensor_map: Reg<U64>,
+        coords: [Reg<S32>; 3],
+        bar: &SharedAddr,
+    ) {
+        self.inst(
+            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                .into(),
+            vec![
+                dst.operand(),
+                Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
+                bar.operand(),
+            ],
+        );
+    }
+
+    /// The `.L2::cache_hint` qualifier and its operand, when a policy is given.
+    pub(super) fn policy(policy: Option<Reg<B64>>) -> (&'static str, Vec<Operand>) {
+        match policy {
+            Some(p) => (".L2::cache_hint", vec![p.operand()]),
+            None => ("", vec![]),
+        }
+    }
+
+    /// An L2 policy that keeps the lines it touches (`evict_last`) for `fraction` of them.
+    pub fn policy_evict_last(&mut self, fraction: f32) -> Reg<B64> {
+        let d = self.fresh::<B64>();
+        self.inst(
+            "createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64".into(),
+            vec![Operand::Reg(d.name()), Operand::F32(fraction)],
+        );
+        d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ptx::ir::HostElem;
+    use crate::ptx::testing::{builder, errors};
+    use crate::ptx::{global, Reg, U64};
+
+    #[test]
+    fn rejects_illegal_vector_width() {
+        let mut b = builder();
+        let p = b.param_ptr("p", HostElem::F32, false);
+        let a = b.ld_param_ptr(&p);
+        let _: [Reg<U64>; 4] = b.ld_v(&global(a, 0));
+        let e = errors(b);
+        assert!(e[0].contains("4 x u64 is not a legal PTX vector"), "{e:?}");
+    }
+}
