@@ -249,7 +249,7 @@ impl Layout {
     }
 }
 
-/// A schedule built on, and kept on, the device: the five arrays of seed-design §2.1 plus the
+/// A schedule built on, and kept on, the device: the five arrays of `docs/design.md` §2.1 plus the
 /// build's scratch and status, in one allocation made by [`ResidentSchedule::new`]. Rebuild it
 /// from new inputs of the same shapes with [`ResidentSchedule::build`]; pass it to
 /// [`MsaBackward::run_on`](crate::MsaBackward::run_on) or

@@ -2,7 +2,7 @@
 //!
 //! # Design
 //! The kernel consumes the task tables and descriptor of the device task build and walks
-//! CTAs with the same rule as the SM100 kernel (seed-design §2.4, §3.3). One task row is a
+//! CTAs with the same rule as the SM100 kernel (`docs/design.md` §2.4, §3.3). One task row is a
 //! 128×128 tile: 128 keys of one key block × 128 folded rows (8 query slots × 16 heads of the
 //! bucket's index head, column `n = slot·16 + h`), head dim 128.
 //!

@@ -1,5 +1,5 @@
 //! The device schedule build: from a device block selection `q2k [4, T, 16]` and device
-//! `cu_seqlens`, five launches write the schedule of seed-design §2.1 (`row_ptr`, `q_indices`,
+//! `cu_seqlens`, five launches write the schedule of `docs/design.md` §2.1 (`row_ptr`, `q_indices`,
 //! `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables the host
 //! `build_schedule` gives, and validate the selection on the way, with no host sync.
 //!
