@@ -27,7 +27,7 @@
 //! | 116..121 | elementStrides\[0..5\] (u8) |
 //! | 121..128 | zero |
 
-use crate::exec::Arg;
+use crate::launch::Arg;
 use crate::memory::DevPtr;
 
 /// Bytes of a tensor map.
