@@ -48,6 +48,7 @@ use crate::launch::{param_buffer, Arg, LaunchConfig};
 use crate::memory::{DevPtr, Element, GlobalMemory};
 use crate::module::Kernel;
 use crate::numeric::*;
+use crate::smem_layout::UnfencedStores;
 
 mod mbarrier;
 mod tcgen05;
@@ -648,6 +649,16 @@ impl<'a> Cta<'a> {
             instruction: src.text.clone(),
             cta: self.ctaid,
             thread: [t % bx, (t / bx) % by, t / (bx * by)],
+        })
+    }
+
+    /// The unfenced generic stores an MMA's shared-operand read checks against: `None`
+    /// without `check` (a re-read at completion) or when there are none.
+    fn unfenced_stores(&self, check: bool) -> Option<UnfencedStores<'_>> {
+        (check && self.unfenced_total > 0).then(|| UnfencedStores {
+            thread: &self.unfenced,
+            pc: &self.unfenced_pc,
+            source: &self.k.source,
         })
     }
 

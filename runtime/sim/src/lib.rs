@@ -95,6 +95,7 @@ pub mod memory;
 pub mod module;
 pub mod numeric;
 mod parse;
+mod smem_layout;
 pub mod tensor_core;
 pub mod tensor_map;
 
