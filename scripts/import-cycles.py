@@ -6,8 +6,9 @@ Usage: scripts/import-cycles.py CRATE_SRC_DIR [SUBDIR ...]
 Edges come from `use` statements (braces expanded), inline `crate::`/`super::`/`self::`
 paths, inline paths through a declared child module, and `mod` declarations (parent to
 child). Names re-exported by `lib.rs` are followed to the module that defines them.
-A child's import of its own ancestor is listed but not counted: a submodule that extends
-its parent's `impl` (Rust's usual split of one type over several files) has to see it.
+A child's import of its own ancestor (its parent, or the crate root) is listed but not
+counted: a submodule that extends its parent's `impl` (Rust's usual split of one type over
+several files) has to see it. Such upward imports are printed so they can be judged.
 With SUBDIR, only edges between files under those folders are printed and checked.
 Exits 1 when a circle is found.
 """
@@ -68,6 +69,9 @@ def main() -> int:
     src = Path(sys.argv[1])
     scope = [Path(s) for s in sys.argv[2:]]
     files = sorted(src.rglob("*.rs"))
+    if (src / "lib.rs").exists():
+        # A binary beside the library is another crate with its own root.
+        files = [f for f in files if f != src / "main.rs"]
     mods = {module_of(src, f): f for f in files}
     root = src / "lib.rs"
     reexport = {}
