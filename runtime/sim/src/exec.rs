@@ -1036,17 +1036,17 @@ impl<'a> Cta<'a> {
             | Op::PredNot { .. }
             | Op::Cvt { .. }
             | Op::CvtBf16x2 { .. }
-            | Op::Prmt { .. } => self.step_alu(w, pcu, exec, op)?,
+            | Op::Prmt { .. } => self.step_alu(pcu, w, exec, op)?,
             Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
-                self.step_memory(w, pcu, exec, op)?
+                self.step_memory(pcu, w, exec, op)?
             }
-            Op::Shfl { .. } | Op::Elect { .. } => self.step_warp(w, pcu, group, exec, op)?,
-            Op::Bar { .. } | Op::Fence(_) => self.step_sync(w, pcu, group, exec, op)?,
+            Op::Shfl { .. } | Op::Elect { .. } => self.step_warp(pcu, w, group, exec, op)?,
+            Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
             Op::MbarrierInit { .. }
             | Op::MbarrierArrive { .. }
             | Op::MbarrierExpectTx { .. }
             | Op::MbarrierTryWait { .. }
-            | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(w, pcu, group, exec, op)?,
+            | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
             Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {
                 self.collective(pcu, w, group, exec)?;
                 Flow::Moved
@@ -1055,7 +1055,7 @@ impl<'a> Cta<'a> {
                 self.tcgen05(pcu, w, exec, t)?;
                 Flow::Advance
             }
-            Op::Bra { .. } | Op::Exit | Op::Trap => self.step_control(w, pcu, group, exec, op)?,
+            Op::Bra { .. } | Op::Exit | Op::Trap => self.step_control(pcu, w, group, exec, op)?,
         };
         if let Flow::Advance = flow {
             self.advance(w, group);

@@ -17,8 +17,8 @@ impl Cta<'_> {
     /// conversions: lane-wise register operations.
     pub(super) fn step_alu(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         exec: u32,
         op: &Op,
     ) -> Result<Flow, SimError> {

@@ -9,8 +9,8 @@ impl Cta<'_> {
     /// Executes branches, `exit` and `trap`.
     pub(super) fn step_control(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         group: u32,
         exec: u32,
         op: &Op,

@@ -691,8 +691,8 @@ impl Cta<'_> {
     /// Executes the mbarrier operations and the TMA loads that complete on them.
     pub(super) fn step_mbarrier(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         group: u32,
         exec: u32,
         op: &Op,

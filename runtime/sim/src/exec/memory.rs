@@ -10,8 +10,8 @@ impl Cta<'_> {
     /// Executes `ld`, `st` and `atom` on the global, shared and parameter spaces, and `createpolicy`.
     pub(super) fn step_memory(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         exec: u32,
         op: &Op,
     ) -> Result<Flow, SimError> {

@@ -8,8 +8,8 @@ impl Cta<'_> {
     /// Executes `bar` and `fence`.
     pub(super) fn step_sync(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         group: u32,
         exec: u32,
         op: &Op,

@@ -9,8 +9,8 @@ impl Cta<'_> {
     /// Executes the warp collectives `shfl.sync` and `elect.sync`.
     pub(super) fn step_warp(
         &mut self,
-        w: usize,
         pcu: usize,
+        w: usize,
         group: u32,
         exec: u32,
         op: &Op,
