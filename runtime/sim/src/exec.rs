@@ -44,12 +44,18 @@ use crate::error::{
     FaultKind, Location, MemoryFault, MemoryFaultKind, SimError, Stall, StuckLanes, WarpState,
 };
 use crate::ir::*;
+use crate::launch::{param_buffer, Arg, LaunchConfig};
 use crate::memory::{DevPtr, Element, GlobalMemory};
 use crate::module::Kernel;
-use crate::numeric::*;
+use crate::smem_layout::UnfencedStores;
 
+mod alu;
+mod control;
 mod mbarrier;
+mod memory;
+mod sync;
 mod tcgen05;
+mod warp;
 mod wgmma;
 
 /// Limits of the simulated device.
@@ -129,53 +135,6 @@ impl Default for Limits {
             tcgen05_numerics: Tcgen05Numerics::RoundToNearest,
         }
     }
-}
-
-/// Grid and block shape and dynamic shared memory of a launch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaunchConfig {
-    /// CTAs per dimension.
-    pub grid: [u32; 3],
-    /// Threads per CTA per dimension.
-    pub block: [u32; 3],
-    /// Bytes of dynamic shared memory.
-    pub dynamic_shared_bytes: u32,
-}
-
-impl LaunchConfig {
-    /// A launch of `grid` CTAs of `block` threads without dynamic shared memory.
-    pub fn new(grid: (u32, u32, u32), block: (u32, u32, u32)) -> Self {
-        LaunchConfig {
-            grid: [grid.0, grid.1, grid.2],
-            block: [block.0, block.1, block.2],
-            dynamic_shared_bytes: 0,
-        }
-    }
-
-    /// The same launch with `bytes` of dynamic shared memory.
-    pub fn with_dynamic_shared(mut self, bytes: u32) -> Self {
-        self.dynamic_shared_bytes = bytes;
-        self
-    }
-}
-
-/// A kernel argument.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Arg {
-    /// A device pointer (for `.u64`/`.b64` parameters).
-    Ptr(DevPtr),
-    /// `.u32` / `.b32`
-    U32(u32),
-    /// `.s32`
-    I32(i32),
-    /// `.u64` / `.b64`
-    U64(u64),
-    /// `.s64`
-    I64(i64),
-    /// `.f32`
-    F32(f32),
-    /// An opaque blob for an array parameter (e.g. a 128-byte tensor map).
-    Bytes(Vec<u8>),
 }
 
 /// What a launch executed.
@@ -324,45 +283,6 @@ impl Gpu {
         }
         Ok(stats)
     }
-}
-
-fn param_buffer(kernel: &Kernel, args: &[Arg]) -> Result<Vec<u8>, String> {
-    if args.len() != kernel.params.len() {
-        return Err(format!(
-            "{} arguments given, the kernel declares {} parameters ({})",
-            args.len(),
-            kernel.params.len(),
-            kernel
-                .params
-                .iter()
-                .map(|p| p.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    let mut buf = vec![0u8; kernel.param_bytes as usize];
-    for (i, (p, a)) in kernel.params.iter().zip(args).enumerate() {
-        let bytes: Vec<u8> = match (p.array, p.size, a) {
-            (None, 8, Arg::Ptr(v)) => v.0.to_le_bytes().to_vec(),
-            (None, 8, Arg::U64(v)) => v.to_le_bytes().to_vec(),
-            (None, 8, Arg::I64(v)) => v.to_le_bytes().to_vec(),
-            (None, 4, Arg::U32(v)) => v.to_le_bytes().to_vec(),
-            (None, 4, Arg::I32(v)) => v.to_le_bytes().to_vec(),
-            (None, 4, Arg::F32(v)) => v.to_le_bytes().to_vec(),
-            (Some(_), n, Arg::Bytes(b)) if b.len() == n as usize => b.clone(),
-            _ => {
-                return Err(format!(
-                    "argument {i} for parameter `{}` ({} bytes{}) has the wrong kind: {a:?}",
-                    p.name,
-                    p.size,
-                    if p.ptr { ", pointer" } else { "" }
-                ))
-            }
-        };
-        let at = p.offset as usize;
-        buf[at..at + bytes.len()].copy_from_slice(&bytes);
-    }
-    Ok(buf)
 }
 
 const NOT_BLOCKED: u8 = u8::MAX;
@@ -736,6 +656,16 @@ impl<'a> Cta<'a> {
         })
     }
 
+    /// The unfenced generic stores an MMA's shared-operand read checks against: `None`
+    /// without `check` (a re-read at completion) or when there are none.
+    fn unfenced_stores(&self, check: bool) -> Option<UnfencedStores<'_>> {
+        (check && self.unfenced_total > 0).then(|| UnfencedStores {
+            thread: &self.unfenced,
+            pc: &self.unfenced_pc,
+            source: &self.k.source,
+        })
+    }
+
     fn fault(&self, pc: usize, w: usize, lane: usize, kind: FaultKind) -> SimError {
         SimError::Fault {
             at: self.location(pc, w, lane),
@@ -1085,720 +1015,63 @@ impl<'a> Cta<'a> {
             self.check_st_pending(pcu, w, exec)?;
             self.check_fence_before(pcu, w, exec)?;
         }
-        match &inst.op {
-            Op::Mov { bits, d, a } => {
-                let bits = *bits as u32;
-                self.map1(w, exec, *d, *a, bits, |x| x);
+        // Only routing: each family's arms live in its own file, and the match stays exhaustive
+        // so that a new opcode has to pick a family.
+        let op = &inst.op;
+        let flow = match op {
+            Op::Mov { .. }
+            | Op::Pack { .. }
+            | Op::Unpack { .. }
+            | Op::Cvta { .. }
+            | Op::Int { .. }
+            | Op::IntUn { .. }
+            | Op::MulWide { .. }
+            | Op::Mad { .. }
+            | Op::Float { .. }
+            | Op::Fma { .. }
+            | Op::FloatUn { .. }
+            | Op::Setp { .. }
+            | Op::Selp { .. }
+            | Op::Pred { .. }
+            | Op::PredNot { .. }
+            | Op::Cvt { .. }
+            | Op::CvtBf16x2 { .. }
+            | Op::Prmt { .. } => self.step_alu(pcu, w, exec, op)?,
+            Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
+                self.step_memory(pcu, w, exec, op)?
             }
-            Op::Pack {
-                elem_bits,
-                d,
-                parts,
-            } => {
-                let eb = *elem_bits as u32;
-                let mut out = [0u64; 32];
-                for (i, p) in parts.iter().enumerate() {
-                    let v = self.gather(w, *p);
-                    for l in lanes(exec) {
-                        out[l] |= mask(eb, v[l]) << (i as u32 * eb);
-                    }
-                }
-                self.put(w, *d, exec, &out, eb * parts.len() as u32);
-            }
-            Op::Unpack { elem_bits, dst, a } => {
-                let eb = *elem_bits as u32;
-                let v = self.gather(w, *a);
-                for (i, d) in dst.iter().enumerate() {
-                    if let Dst::Reg(r) = d {
-                        let mut out = [0u64; 32];
-                        for l in lanes(exec) {
-                            out[l] = v[l] >> (i as u32 * eb);
-                        }
-                        self.put(w, *r, exec, &out, eb);
-                    }
-                }
-            }
-            Op::Cvta {
-                to,
-                space,
-                bits,
-                d,
-                a,
-            } => {
-                let (to, space) = (*to, *space);
-                self.map1(w, exec, *d, *a, *bits as u32, |x| match (space, to) {
-                    (Space::Shared, true) => x.wrapping_sub(SHARED_WINDOW),
-                    (Space::Shared, false) => x.wrapping_add(SHARED_WINDOW),
-                    _ => x,
-                });
-            }
-            Op::Int { op, ty, d, a, b } => {
-                let (op, ty) = (*op, *ty);
-                let av = self.gather(w, *a);
-                let bv = self.gather(w, *b);
-                if matches!(op, IntOp::Div | IntOp::Rem) {
-                    for l in lanes(exec) {
-                        if mask(ty.bits as u32, bv[l]) == 0 {
-                            return Err(self.fault(pcu, w, l, FaultKind::DivisionByZero));
-                        }
-                    }
-                }
-                let out = int_lanes(op, ty, &av, &bv);
-                self.put(w, *d, exec, &out, ty.bits as u32);
-            }
-            Op::IntUn { op, ty, d, a } => {
-                let (op, ty) = (*op, *ty);
-                let bits = ty.bits as u32;
-                self.map1(w, exec, *d, *a, bits, |x| match op {
-                    IntUnOp::Not => !x,
-                    IntUnOp::Neg => x.wrapping_neg(),
-                    IntUnOp::Abs => sext(x, bits).wrapping_abs() as u64,
-                });
-            }
-            Op::MulWide { ty, d, a, b } => {
-                let ty = *ty;
-                let bits = ty.bits as u32;
-                self.map2(w, exec, *d, *a, *b, bits * 2, |x, y| {
-                    if ty.signed {
-                        sext(x, bits).wrapping_mul(sext(y, bits)) as u64
-                    } else {
-                        mask(bits, x).wrapping_mul(mask(bits, y))
-                    }
-                });
-            }
-            Op::Mad {
-                mode,
-                ty,
-                d,
-                a,
-                b,
-                c,
-            } => {
-                let (mode, ty) = (*mode, *ty);
-                let bits = ty.bits as u32;
-                let out_bits = if mode == MadMode::Wide {
-                    bits * 2
-                } else {
-                    bits
-                };
-                self.map3(w, exec, *d, *a, *b, *c, out_bits, |x, y, z| {
-                    let prod = match mode {
-                        MadMode::Lo => x.wrapping_mul(y),
-                        MadMode::Hi => int_op(IntOp::MulHi, ty, x, y).unwrap_or(0),
-                        MadMode::Wide => {
-                            if ty.signed {
-                                sext(x, bits).wrapping_mul(sext(y, bits)) as u64
-                            } else {
-                                mask(bits, x).wrapping_mul(mask(bits, y))
-                            }
-                        }
-                    };
-                    prod.wrapping_add(z)
-                });
-            }
-            Op::Float { op, ftz, d, a, b } => {
-                let (op, ftz) = (*op, *ftz);
-                self.map2(w, exec, *d, *a, *b, 32, |x, y| {
-                    let (mut x, mut y) = (f32_of(x), f32_of(y));
-                    if ftz {
-                        x = flush(x);
-                        y = flush(y);
-                    }
-                    let r = match op {
-                        FloatOp::Add => x + y,
-                        FloatOp::Sub => x - y,
-                        FloatOp::Mul => x * y,
-                        FloatOp::Min => fminmax(x, y, false),
-                        FloatOp::Max => fminmax(x, y, true),
-                    };
-                    canon(if ftz { flush(r) } else { r })
-                });
-            }
-            Op::Fma { ftz, d, a, b, c } => {
-                let ftz = *ftz;
-                self.map3(w, exec, *d, *a, *b, *c, 32, |x, y, z| {
-                    let (mut x, mut y, mut z) = (f32_of(x), f32_of(y), f32_of(z));
-                    if ftz {
-                        x = flush(x);
-                        y = flush(y);
-                        z = flush(z);
-                    }
-                    let r = x.mul_add(y, z);
-                    canon(if ftz { flush(r) } else { r })
-                });
-            }
-            Op::FloatUn { op, ftz, d, a } => {
-                let (op, ftz) = (*op, *ftz);
-                self.map1(w, exec, *d, *a, 32, |x| {
-                    let x = if ftz { flush(f32_of(x)) } else { f32_of(x) };
-                    match op {
-                        FloatUnOp::Ex2 => canon(ex2(x, ftz)),
-                        FloatUnOp::Neg => (-x).to_bits() as u64,
-                        FloatUnOp::Abs => x.abs().to_bits() as u64,
-                    }
-                });
-            }
-            Op::Setp { cmp, ty, d, a, b } => {
-                let (cmp, ty) = (*cmp, *ty);
-                self.map2(w, exec, *d, *a, *b, 1, |x, y| compare(cmp, ty, x, y) as u64);
-            }
-            Op::Selp { bits, d, a, b, p } => {
-                let pm = self.pred_mask(w, *p);
-                let av = self.gather(w, *a);
-                let bv = self.gather(w, *b);
-                let mut out = [0u64; 32];
-                for l in 0..32 {
-                    out[l] = if pm >> l & 1 == 1 { av[l] } else { bv[l] };
-                }
-                self.put(w, *d, exec, &out, *bits as u32);
-            }
-            Op::Pred { op, d, a, b } => {
-                let (ma, mb) = (self.pred_mask(w, *a), self.pred_mask(w, *b));
-                let m = match op {
-                    PredOp::And => ma & mb,
-                    PredOp::Or => ma | mb,
-                    PredOp::Xor => ma ^ mb,
-                };
-                self.put_mask(w, *d, exec, m);
-            }
-            Op::PredNot { d, a } => {
-                let m = !self.pred_mask(w, *a);
-                self.put_mask(w, *d, exec, m);
-            }
-            Op::Cvt { conv, d, a } => {
-                let conv = *conv;
-                let bits = match conv {
-                    Conversion::Int { to, .. } | Conversion::F32ToInt { to, .. } => to.bits as u32,
-                    Conversion::F32ToBf16 | Conversion::F32ToF16 => 16,
-                    _ => 32,
-                };
-                self.map1(w, exec, *d, *a, bits, |x| match conv {
-                    Conversion::Int { from, .. } => {
-                        if from.signed {
-                            sext(x, from.bits as u32) as u64
-                        } else {
-                            mask(from.bits as u32, x)
-                        }
-                    }
-                    Conversion::IntToF32 { from } => {
-                        let f = if from.signed {
-                            sext(x, from.bits as u32) as f32
-                        } else {
-                            mask(from.bits as u32, x) as f32
-                        };
-                        f.to_bits() as u64
-                    }
-                    Conversion::F32ToInt { to, round } => f32_to_int(f32_of(x), round, to),
-                    Conversion::F32Round(r) => canon(round_int(f32_of(x), r)),
-                    Conversion::Bf16ToF32 => bf16_to_f32(x as u16).to_bits() as u64,
-                    Conversion::F32ToBf16 => bf16_rne(f32_of(x)) as u64,
-                    Conversion::F16ToF32 => {
-                        half::f16::from_bits(x as u16).to_f32().to_bits() as u64
-                    }
-                    Conversion::F32ToF16 => f16_rne(f32_of(x)) as u64,
-                });
-            }
-            Op::CvtBf16x2 { d, hi, lo } => {
-                self.map2(w, exec, *d, *hi, *lo, 32, |h, l| {
-                    (bf16_rne(f32_of(h)) as u64) << 16 | bf16_rne(f32_of(l)) as u64
-                });
-            }
-            Op::Prmt { d, a, b, c } => {
-                self.map3(w, exec, *d, *a, *b, *c, 32, |x, y, z| {
-                    prmt(x as u32, y as u32, z as u32) as u64
-                });
-            }
-            Op::Shfl {
-                mode,
-                d,
-                p,
-                a,
-                b,
-                c,
-                mask: mk,
-            } => self.shfl(pcu, w, group, exec, *mode, *d, *p, [*a, *b, *c, *mk])?,
-            Op::Bar { kind, id, count } => {
-                self.bar(pcu, w, group, exec, *kind, *id, *count)?;
-                return Ok(());
-            }
-            Op::Ld {
-                space,
-                ty,
-                dst,
-                dst_bits,
-                addr,
-            } => {
-                let esize = ty.bytes() as usize;
-                let n = dst.len();
-                let mut buf = [0u8; 64];
-                for l in lanes(exec) {
-                    let at = self.lane_addr(w, l, addr);
-                    let place = self
-                        .locate(*space, at, esize * n, "load")
-                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
-                    self.read_bytes(place, &mut buf[..esize * n]);
-                    for (i, dd) in dst.iter().enumerate() {
-                        let Dst::Reg(r) = dd else { continue };
-                        let mut raw = [0u8; 8];
-                        raw[..esize].copy_from_slice(&buf[i * esize..(i + 1) * esize]);
-                        let mut v = u64::from_le_bytes(raw);
-                        if ty.is_signed() {
-                            v = mask(*dst_bits as u32, sext(v, ty.bits()) as u64);
-                        }
-                        let ri = self.ri(w, *r);
-                        self.regs[ri + l] = v;
-                    }
-                }
-            }
-            Op::St {
-                space,
-                ty,
-                addr,
-                src,
-            } => {
-                let esize = ty.bytes() as usize;
-                let n = src.len();
-                let vals: Vec<[u64; 32]> = src.iter().map(|s| self.gather(w, *s)).collect();
-                let mut buf = [0u8; 64];
-                for l in lanes(exec) {
-                    let at = self.lane_addr(w, l, addr);
-                    let place = self
-                        .locate(*space, at, esize * n, "store")
-                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
-                    if let Place::Param(_) = place {
-                        return Err(self.fault(
-                            pcu,
-                            w,
-                            l,
-                            FaultKind::Memory(MemoryFault {
-                                kind: MemoryFaultKind::OutOfBounds,
-                                access: "store",
-                                space: Space::Param,
-                                address: at,
-                                size: (esize * n) as u32,
-                                detail: "kernel parameters are read-only".to_string(),
-                            }),
-                        ));
-                    }
-                    for (i, v) in vals.iter().enumerate() {
-                        buf[i * esize..(i + 1) * esize]
-                            .copy_from_slice(&v[l].to_le_bytes()[..esize]);
-                    }
-                    if let Place::Shared(off) = place {
-                        self.generic_shared_store(pcu, w, l, off, esize * n)?;
-                    }
-                    self.write_bytes(place, &buf[..esize * n]);
-                }
-            }
-            Op::Atom {
-                space,
-                op,
-                ty,
-                d,
-                addr,
-                b,
-                c,
-                noftz: _,
-            } => {
-                let esize = ty.bytes() as usize;
-                let n = b.len();
-                let bv: Vec<[u64; 32]> = b.iter().map(|s| self.gather(w, *s)).collect();
-                let cv = c.map(|c| self.gather(w, c));
-                for l in lanes(exec) {
-                    let at = self.lane_addr(w, l, addr);
-                    let place = self
-                        .locate(*space, at, esize * n, "atomic")
-                        .map_err(|f| self.fault(pcu, w, l, FaultKind::Memory(f)))?;
-                    if let Place::Param(_) = place {
-                        return Err(self.fault(
-                            pcu,
-                            w,
-                            l,
-                            FaultKind::Sync("atomic on the parameter buffer".to_string()),
-                        ));
-                    }
-                    let mut buf = [0u8; 32];
-                    self.read_bytes(place, &mut buf[..esize * n]);
-                    for (i, bvals) in bv.iter().enumerate() {
-                        let mut raw = [0u8; 8];
-                        raw[..esize].copy_from_slice(&buf[i * esize..(i + 1) * esize]);
-                        let old = u64::from_le_bytes(raw);
-                        let new = atom_apply(*op, *ty, old, bvals[l], cv.map_or(0, |c| c[l]));
-                        buf[i * esize..(i + 1) * esize]
-                            .copy_from_slice(&new.to_le_bytes()[..esize]);
-                        if let Some(Dst::Reg(r)) = d.as_ref().and_then(|d| d.get(i)) {
-                            let ri = self.ri(w, *r);
-                            self.regs[ri + l] = old;
-                        }
-                    }
-                    if let Place::Shared(off) = place {
-                        self.generic_shared_store(pcu, w, l, off, esize * n)?;
-                    }
-                    self.write_bytes(place, &buf[..esize * n]);
-                }
-            }
-            Op::MbarrierInit { space, addr, count } => {
-                self.mbarrier_init(pcu, w, exec, *space, addr, *count)?;
-            }
-            Op::MbarrierArrive {
-                space,
-                state,
-                addr,
-                count,
-                tx,
-            } => self.mbarrier_arrive(pcu, w, exec, *space, *state, addr, *count, *tx)?,
-            Op::MbarrierExpectTx {
-                space,
-                addr,
-                tx,
-                complete,
-            } => self.mbarrier_tx(pcu, w, exec, *space, addr, *tx, *complete)?,
-            Op::MbarrierTryWait {
-                test,
-                space,
-                p,
-                addr,
-                parity,
-            } => {
-                self.mbarrier_try_wait(pcu, w, group, exec, *test, *space, *p, addr, *parity)?;
-                return Ok(());
-            }
-            Op::CpAsyncBulkTensor(t) => self.tma_issue(pcu, w, exec, t)?,
+            Op::Shfl { .. } | Op::Elect { .. } => self.step_warp(pcu, w, group, exec, op)?,
+            Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
+            Op::MbarrierInit { .. }
+            | Op::MbarrierArrive { .. }
+            | Op::MbarrierExpectTx { .. }
+            | Op::MbarrierTryWait { .. }
+            | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
             Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {
                 self.collective(pcu, w, group, exec)?;
-                return Ok(());
+                Flow::Moved
             }
-            Op::Fence(kind) => {
-                if *kind == FenceKind::ProxyAsync && k.uses_async_proxy {
-                    for l in lanes(exec) {
-                        self.proxy_fence(w * 32 + l);
-                    }
-                }
+            Op::Tcgen05(t) => {
+                self.tcgen05(pcu, w, exec, t)?;
+                Flow::Advance
             }
-            Op::Tcgen05(t) => self.tcgen05(pcu, w, exec, t)?,
-            Op::Elect { d, p, mask } => self.elect(pcu, w, group, exec, *d, *p, *mask)?,
-            Op::Trap => {
-                if exec != 0 {
-                    let l = exec.trailing_zeros() as usize;
-                    return Err(self.fault(pcu, w, l, FaultKind::Trap));
-                }
-            }
-            Op::CreatePolicy { d } => {
-                self.put(w, *d, exec, &[0x1000_0000_0000_0000; 32], 64);
-            }
-            Op::Bra { target } => {
-                let t = *target;
-                if self.uniform[w] && (exec == group || exec == 0) {
-                    self.wpc[w] = if exec == group { t } else { pc + 1 };
-                    return Ok(());
-                }
-                self.materialize(w);
-                for l in lanes(group) {
-                    self.pc[base + l] = if exec >> l & 1 == 1 { t } else { pc + 1 };
-                }
-                return Ok(());
-            }
-            Op::Exit => {
-                self.materialize(w);
-                self.advance(w, group & !exec);
-                self.exited[w] |= exec;
-                self.ready[w] &= !exec;
-                for id in 0..self.bars.len() {
-                    if self.bars[id].active {
-                        self.try_complete(id);
-                    }
-                }
-                return Ok(());
-            }
-        }
-        self.advance(w, group);
-        Ok(())
-    }
-
-    /// The `.sync` contract of a warp instruction with a membermask: the same mask in every
-    /// executing lane, every executing lane in it, every lane of it executing.
-    fn check_membermask(
-        &self,
-        pc: usize,
-        w: usize,
-        group: u32,
-        exec: u32,
-        mk: &[u64; 32],
-        what: &str,
-    ) -> Result<u32, SimError> {
-        let first = exec.trailing_zeros() as usize;
-        let member = mk[first] as u32;
-        for l in lanes(exec) {
-            if mk[l] as u32 != member {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Sync(format!(
-                        "{what} membermask {:#010x} differs from lane {first}'s {member:#010x}",
-                        mk[l] as u32
-                    )),
-                ));
-            }
-            if member >> l & 1 == 0 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Sync(format!(
-                        "{what} executed by lane {l}, which is not in membermask {member:#010x}"
-                    )),
-                ));
-            }
-        }
-        let missing = member & !exec;
-        if missing != 0 {
-            let l = missing.trailing_zeros() as usize;
-            let why = self.absence(w, l, group);
-            return Err(self.fault(
-                pc,
-                w,
-                first,
-                FaultKind::Sync(format!(
-                    "{what} with membermask {member:#010x}: lane {l} {why}"
-                )),
-            ));
-        }
-        Ok(member)
-    }
-
-    /// `elect.sync d|p, membermask`: the lowest lane of the membermask is the leader.
-    #[allow(clippy::too_many_arguments)]
-    fn elect(
-        &mut self,
-        pc: usize,
-        w: usize,
-        group: u32,
-        exec: u32,
-        d: Dst,
-        p: Option<Reg>,
-        mask: Src,
-    ) -> Result<(), SimError> {
-        if exec == 0 {
-            return Ok(());
-        }
-        let mk = self.gather(w, mask);
-        let member = self.check_membermask(pc, w, group, exec, &mk, "elect.sync")?;
-        let leader = member.trailing_zeros();
-        if let Dst::Reg(r) = d {
-            self.put(w, r, exec, &[leader as u64; 32], 32);
-        }
-        if let Some(r) = p {
-            self.put_mask(w, r, exec, 1 << leader);
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn shfl(
-        &mut self,
-        pc: usize,
-        w: usize,
-        group: u32,
-        exec: u32,
-        mode: ShflMode,
-        d: Dst,
-        p: Option<Reg>,
-        srcs: [Src; 4],
-    ) -> Result<(), SimError> {
-        if exec == 0 {
-            return Ok(());
-        }
-        let [a, b, c, mk] = srcs.map(|s| self.gather(w, s));
-        self.check_membermask(pc, w, group, exec, &mk, "shfl.sync")?;
-        let mut val = [0u64; 32];
-        let mut pv = [0u64; 32];
-        for l in lanes(exec) {
-            let (j, ok) = shfl_source(mode, l as u32, b[l] as u32, c[l] as u32);
-            if exec >> j & 1 == 0 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Sync(format!(
-                        "shfl.sync reads lane {j}, which does not take part"
-                    )),
-                ));
-            }
-            val[l] = a[j as usize];
-            pv[l] = ok as u64;
-        }
-        if let Dst::Reg(r) = d {
-            self.put(w, r, exec, &val, 32);
-        }
-        if let Some(r) = p {
-            self.put(w, r, exec, &pv, 1);
-        }
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn bar(
-        &mut self,
-        pc: usize,
-        w: usize,
-        group: u32,
-        exec: u32,
-        kind: BarKind,
-        id: Src,
-        count: Option<Src>,
-    ) -> Result<(), SimError> {
-        self.materialize(w);
-        self.advance(w, group);
-        if exec == 0 {
-            return Ok(());
-        }
-        let ids = self.gather(w, id);
-        let counts = count.map(|c| self.gather(w, c));
-        let first = exec.trailing_zeros() as usize;
-        let bid = ids[first] as u32;
-        let cnt = counts.map(|c| c[first] as u32);
-        let sync = |msg: String| FaultKind::Sync(msg);
-        for l in lanes(exec) {
-            if ids[l] as u32 != bid || counts.map(|c| c[l] as u32) != cnt {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    sync("bar: barrier id or thread count differs across the warp".to_string()),
-                ));
-            }
-        }
-        if bid >= 16 {
-            return Err(self.fault(
-                pc,
-                w,
-                first,
-                sync(format!("barrier id {bid} is not in 0..16")),
-            ));
-        }
-        if let Some(n) = cnt {
-            if n == 0 || n % 32 != 0 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    first,
-                    sync(format!(
-                        "barrier thread count {n} is not a positive multiple of 32"
-                    )),
-                ));
-            }
-        }
-        let id = bid as usize;
-        let b = &mut self.bars[id];
-        if b.active {
-            if b.count != cnt {
-                let msg = format!(
-                    "barrier {id}: thread count {cnt:?} differs from {:?} of the threads already waiting",
-                    b.count
-                );
-                return Err(self.fault(pc, w, first, sync(msg)));
-            }
-            if b.arrived[w] != 0 && b.pc[w] != pc as u32 {
-                let msg = format!(
-                    "barrier {id}: warp {w} arrives from pc {pc} and from pc {} (bar.sync is .aligned)",
-                    b.pc[w]
-                );
-                return Err(self.fault(pc, w, first, sync(msg)));
-            }
-        } else {
-            b.active = true;
-            b.count = cnt;
-        }
-        b.arrived[w] |= exec;
-        b.pc[w] = pc as u32;
-        if kind == BarKind::Sync {
-            self.ready[w] &= !exec;
-            for l in lanes(exec) {
-                self.blocked_on[w * 32 + l] = id as u8;
-            }
-        }
-        self.try_complete(id);
-        Ok(())
-    }
-
-    fn try_complete(&mut self, id: usize) {
-        let b = &self.bars[id];
-        let full =
-            |w: usize| b.arrived[w] != 0 && (b.arrived[w] | self.exited[w]) == self.present[w];
-        let done = match b.count {
-            None => (0..self.nwarps).all(|w| self.exited[w] == self.present[w] || full(w)),
-            Some(n) => {
-                (0..self.nwarps)
-                    .filter(|&w| full(w))
-                    .map(|w| self.present[w].count_ones())
-                    .sum::<u32>()
-                    >= n
-            }
+            Op::Bra { .. } | Op::Exit | Op::Trap => self.step_control(pcu, w, group, exec, op)?,
         };
-        if !done {
-            return;
+        if let Flow::Advance = flow {
+            self.advance(w, group);
         }
-        let release: Vec<usize> = (0..self.nwarps).filter(|&w| full(w)).collect();
-        for w in release {
-            self.materialize(w);
-            let arrived = self.bars[id].arrived[w];
-            let mut released = 0u32;
-            for l in lanes(arrived) {
-                if self.blocked_on[w * 32 + l] == id as u8 {
-                    self.blocked_on[w * 32 + l] = NOT_BLOCKED;
-                    self.ready[w] |= 1 << l;
-                    released |= 1 << l;
-                }
-            }
-            let at = self.bars[id].pc[w] as usize;
-            self.note_synced(at, w, released);
-            self.bars[id].arrived[w] = 0;
-        }
-        let b = &mut self.bars[id];
-        if b.arrived.iter().all(|&m| m == 0) {
-            b.active = false;
-            b.count = None;
-        }
+        Ok(())
     }
 }
 
-/// A binary integer operation on all 32 lanes, with the common operations as tight loops.
-#[inline(always)]
-fn int_lanes(op: IntOp, ty: IntTy, a: &[u64; 32], b: &[u64; 32]) -> [u64; 32] {
-    let mut o = [0u64; 32];
-    macro_rules! lanewise {
-        (|$x:ident, $y:ident| $e:expr) => {
-            for l in 0..32 {
-                let ($x, $y) = (a[l], b[l]);
-                o[l] = $e;
-            }
-        };
-    }
-    let bits = ty.bits as u32;
-    match op {
-        IntOp::Add => lanewise!(|x, y| x.wrapping_add(y)),
-        IntOp::Sub => lanewise!(|x, y| x.wrapping_sub(y)),
-        IntOp::MulLo => lanewise!(|x, y| x.wrapping_mul(y)),
-        IntOp::And => lanewise!(|x, y| x & y),
-        IntOp::Or => lanewise!(|x, y| x | y),
-        IntOp::Xor => lanewise!(|x, y| x ^ y),
-        IntOp::Shl => lanewise!(|x, y| if (y as u32) < bits {
-            x << (y as u32)
-        } else {
-            0
-        }),
-        IntOp::Shr if !ty.signed => lanewise!(|x, y| if (y as u32) < bits {
-            mask(bits, x) >> (y as u32)
-        } else {
-            0
-        }),
-        IntOp::Min if !ty.signed => lanewise!(|x, y| mask(bits, x).min(mask(bits, y))),
-        IntOp::Max if !ty.signed => lanewise!(|x, y| mask(bits, x).max(mask(bits, y))),
-        // Division by zero was checked on the active lanes; inactive lanes give 0.
-        _ => lanewise!(|x, y| int_op(op, ty, x, y).unwrap_or(0)),
-    }
-    o
+/// What `step` does with the issuing lanes after an instruction family ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    /// They move on to the next instruction.
+    Advance,
+    /// The family set their PCs or blocked them itself (branches, exits, barriers and
+    /// collectives).
+    Moved,
 }
 
 #[derive(Debug, Clone, Copy)]

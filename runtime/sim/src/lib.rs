@@ -90,17 +90,18 @@ pub mod device;
 pub mod error;
 pub mod exec;
 pub mod ir;
+pub mod launch;
 pub mod memory;
 pub mod module;
 pub mod numeric;
 mod parse;
+mod smem_layout;
 pub mod tensor_core;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};
-pub use exec::{
-    Arg, Gpu, LaunchConfig, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder,
-};
+pub use exec::{Gpu, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder};
+pub use launch::{Arg, LaunchConfig};
 pub use memory::{DevPtr, Element};
 pub use module::{Kernel, Module, Param};
 pub use tensor_map::SimTensorMap;

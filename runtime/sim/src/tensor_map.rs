@@ -27,72 +27,15 @@
 //! | 116..121 | elementStrides\[0..5\] (u8) |
 //! | 121..128 | zero |
 
-use crate::exec::Arg;
+use crate::launch::Arg;
 use crate::memory::DevPtr;
+pub use crate::smem_layout::Swizzle;
 
 /// Bytes of a tensor map.
 pub const TENSOR_MAP_BYTES: usize = 128;
 
 const MAGIC: &[u8; 8] = b"MSASIMTM";
 const VERSION: u8 = 1;
-
-/// Shared-memory swizzle of a TMA box (`CUtensorMapSwizzle`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Swizzle {
-    /// `CU_TENSOR_MAP_SWIZZLE_NONE`
-    None,
-    /// `CU_TENSOR_MAP_SWIZZLE_32B`
-    B32,
-    /// `CU_TENSOR_MAP_SWIZZLE_64B`
-    B64,
-    /// `CU_TENSOR_MAP_SWIZZLE_128B`
-    B128,
-}
-
-impl Swizzle {
-    /// The swizzle span in bytes (0 for none).
-    pub fn span(self) -> usize {
-        match self {
-            Swizzle::None => 0,
-            Swizzle::B32 => 32,
-            Swizzle::B64 => 64,
-            Swizzle::B128 => 128,
-        }
-    }
-
-    /// The swizzled shared-memory address of byte address `addr`: the 16-byte chunk index
-    /// (address bits 4..) is XORed with the 128-byte row index (bits 7..), over 1, 2 or 3
-    /// bits for 32B, 64B and 128B (CUTLASS `Swizzle<B,4,3>` on byte addresses). It is a
-    /// function of the absolute shared address, not of the offset inside the box.
-    pub fn apply(self, addr: u32) -> u32 {
-        let bits = match self {
-            Swizzle::None => return addr,
-            Swizzle::B32 => 1,
-            Swizzle::B64 => 2,
-            Swizzle::B128 => 3,
-        };
-        addr ^ (((addr >> 7) & ((1 << bits) - 1)) << 4)
-    }
-
-    fn code(self) -> u8 {
-        match self {
-            Swizzle::None => 0,
-            Swizzle::B32 => 1,
-            Swizzle::B64 => 2,
-            Swizzle::B128 => 3,
-        }
-    }
-
-    fn from_code(c: u8) -> Option<Swizzle> {
-        Some(match c {
-            0 => Swizzle::None,
-            1 => Swizzle::B32,
-            2 => Swizzle::B64,
-            3 => Swizzle::B128,
-            _ => return None,
-        })
-    }
-}
 
 /// What out-of-bounds box elements read as (`CUtensorMapFloatOOBfill`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

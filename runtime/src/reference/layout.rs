@@ -2,6 +2,7 @@
 
 use half::bf16;
 
+use super::rows::{dot, row};
 use super::{check_len, num_tokens, ReferenceError, KV_ROW, Q_ROW};
 use crate::contract::{HEAD_DIM, NUM_Q_HEADS};
 
@@ -74,10 +75,7 @@ pub fn preprocess_delta(
     Ok((0..rows)
         .map(|r| {
             let at = r * HEAD_DIM;
-            super::attention::dot(
-                super::attention::row(out, at),
-                super::attention::row(dout, at),
-            )
+            dot(row(out, at), row(dout, at))
         })
         .collect())
 }

@@ -21,6 +21,7 @@
 mod attention;
 mod check;
 mod layout;
+mod rows;
 pub mod sampled;
 pub mod tasks;
 

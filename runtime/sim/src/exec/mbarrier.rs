@@ -21,9 +21,9 @@
 //! raises an illegal instruction (in range or not); the simulator refuses it. The NaN fill of
 //! a bf16 map writes `0x7ff7`.
 
-use super::{lanes, Cta, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
+use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
-use crate::ir::{Addr, Dst, Reg, Space, Src, TmaLoad, SHARED_WINDOW};
+use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TmaLoad, SHARED_WINDOW};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
 /// Largest arrival count and transaction count of one operation (2^20 − 1).
@@ -686,5 +686,47 @@ impl Cta<'_> {
         }
         self.check_wgmma_exit()?;
         self.check_tcgen05_exit()
+    }
+
+    /// Executes the mbarrier operations and the TMA loads that complete on them.
+    pub(super) fn step_mbarrier(
+        &mut self,
+        pcu: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        op: &Op,
+    ) -> Result<Flow, SimError> {
+        match op {
+            Op::MbarrierInit { space, addr, count } => {
+                self.mbarrier_init(pcu, w, exec, *space, addr, *count)?;
+            }
+            Op::MbarrierArrive {
+                space,
+                state,
+                addr,
+                count,
+                tx,
+            } => self.mbarrier_arrive(pcu, w, exec, *space, *state, addr, *count, *tx)?,
+            Op::MbarrierExpectTx {
+                space,
+                addr,
+                tx,
+                complete,
+            } => self.mbarrier_tx(pcu, w, exec, *space, addr, *tx, *complete)?,
+            Op::MbarrierTryWait {
+                test,
+                space,
+                p,
+                addr,
+                parity,
+            } => {
+                self.mbarrier_try_wait(pcu, w, group, exec, *test, *space, *p, addr, *parity)?;
+                return Ok(Flow::Moved);
+            }
+            Op::CpAsyncBulkTensor(t) => self.tma_issue(pcu, w, exec, t)?,
+            _ => unreachable!("step dispatches only mbarrier instructions here"),
+        }
+        Ok(Flow::Advance)
     }
 }

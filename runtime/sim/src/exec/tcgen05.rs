@@ -61,11 +61,11 @@
 //! instead. The B200's internal order and precision have not been measured, so the kernels
 //! are tested under both.
 
-use super::wgmma::MatrixDesc;
 use super::{lanes, Cta, Tcgen05Numerics, UmmaOrder};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Addr, Dst, Op, PredSrc, Space, Src, Tc05A, Tcgen05};
 use crate::numeric::canon;
+use crate::smem_layout::{read_operand, MatrixDesc};
 use crate::tensor_core::{
     all_finite, sm90_block, sm90_block_prepared, MmaInput, Operand, Prepared,
 };
@@ -754,14 +754,11 @@ impl Cta<'_> {
                 err(format!("tcgen05.mma {which} descriptor {raw:#018x}: {m}")),
             ));
         }
-        Ok(MatrixDesc {
-            start: ((raw & 0x3fff) << 4) as u32,
-            lbo: (((raw >> 16) & 0x3fff) << 4) as u32,
-            sbo: (((raw >> 32) & 0x3fff) << 4) as u32,
-        })
+        Ok(MatrixDesc::from_raw(raw))
     }
 
-    /// Reads a `rows × 16` shared operand; `Err` when out of bounds or unfenced.
+    /// Reads a `rows × 16` shared operand; `Err` when out of bounds or (with `check_proxy`)
+    /// unfenced.
     fn umma_operand(
         &self,
         d: &MatrixDesc,
@@ -770,30 +767,17 @@ impl Cta<'_> {
         which: &str,
         check_proxy: bool,
     ) -> Result<Vec<u16>, FaultKind> {
-        let mut out = Vec::with_capacity(rows as usize * 16);
-        let len = self.shared.len();
-        let proxy = check_proxy && self.unfenced_total > 0;
-        for mn in 0..rows {
-            for k in 0..16 {
-                let at = d.addr(mn, k, mn_major) as usize;
-                if at + 2 > len {
-                    return Err(err(format!(
-                        "{which} element ({mn}, k {k}) at shared {at:#x} is outside the CTA's {len} \
-                         bytes of shared memory"
-                    )));
-                }
-                if proxy && self.unfenced[at / 4] != 0 {
-                    let t = self.unfenced[at / 4] as usize - 1;
-                    let line = self.k.source[self.unfenced_pc[at / 4] as usize].line;
-                    return Err(FaultKind::Proxy(format!(
-                        "the tcgen05.mma reads {which} at shared {at:#x}, stored by thread {t} at \
-                         line {line} with no fence.proxy.async by that thread since"
-                    )));
-                }
-                out.push(u16::from_le_bytes([self.shared[at], self.shared[at + 1]]));
-            }
-        }
-        Ok(out)
+        let unfenced = self.unfenced_stores(check_proxy);
+        read_operand(
+            &self.shared,
+            d,
+            rows,
+            mn_major,
+            which,
+            "tcgen05.mma",
+            unfenced,
+        )
+        .map_err(|e| e.kind(err))
     }
 
     #[allow(clippy::too_many_arguments)]

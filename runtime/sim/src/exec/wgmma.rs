@@ -48,10 +48,10 @@ use super::{Cta, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Op, PredSrc, Reg, Src, Wgmma, WgmmaA, WgmmaInput, WgmmaSync};
 use crate::module::Kernel;
+use crate::smem_layout::{read_operand, MatrixDesc};
 use crate::tensor_core::{
     all_finite, sm90_block, sm90_block_prepared, MmaInput, Operand, Prepared,
 };
-use crate::tensor_map::Swizzle;
 
 /// The state of one warpgroup.
 #[derive(Debug, Clone, Default)]
@@ -73,26 +73,6 @@ impl Warpgroup {
             regs,
             ..Warpgroup::default()
         }
-    }
-}
-
-/// A decoded shared-memory matrix descriptor.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct MatrixDesc {
-    pub(super) start: u32,
-    pub(super) lbo: u32,
-    pub(super) sbo: u32,
-}
-
-impl MatrixDesc {
-    /// The shared address of 16-bit element `(mn, k)`.
-    pub(super) fn addr(&self, mn: u32, k: u32, mn_major: bool) -> u32 {
-        let off = if mn_major {
-            2 * (mn % 64) + (mn / 64) * self.lbo + (k % 8) * 128 + (k / 8) * self.sbo
-        } else {
-            (mn % 8) * 128 + (mn / 8) * self.sbo + 2 * k
-        };
-        Swizzle::B128.apply(self.start.wrapping_add(off))
     }
 }
 
@@ -390,14 +370,11 @@ impl Cta<'_> {
         if let Some(m) = msg {
             return Err(self.fault(pc, 4 * g, 0, FaultKind::Wgmma(m)));
         }
-        Ok(MatrixDesc {
-            start: ((raw & 0x3fff) << 4) as u32,
-            lbo: (((raw >> 16) & 0x3fff) << 4) as u32,
-            sbo: (((raw >> 32) & 0x3fff) << 4) as u32,
-        })
+        Ok(MatrixDesc::from_raw(raw))
     }
 
-    /// Reads a `rows × 16` operand (`[row·16 + k]`) through its descriptor.
+    /// Reads a `rows × 16` operand (`[row·16 + k]`) through its descriptor; with
+    /// `check_proxy`, unfenced generic stores under it are faults.
     #[allow(clippy::too_many_arguments)]
     fn read_operand(
         &self,
@@ -409,32 +386,17 @@ impl Cta<'_> {
         which: &str,
         check_proxy: bool,
     ) -> Result<Vec<u16>, SimError> {
-        let mut out = Vec::with_capacity(rows as usize * 16);
-        let len = self.shared.len();
-        let proxy = check_proxy && self.unfenced_total > 0;
-        for mn in 0..rows {
-            for k in 0..16 {
-                let at = d.addr(mn, k, mn_major) as usize;
-                if at + 2 > len {
-                    let msg = format!(
-                        "{which} element ({mn}, k {k}) at shared {at:#x} is outside the CTA's \
-                         {len} bytes of shared memory"
-                    );
-                    return Err(self.fault(pc, 4 * g, 0, FaultKind::Wgmma(msg)));
-                }
-                if proxy && self.unfenced[at / 4] != 0 {
-                    let t = self.unfenced[at / 4] as usize - 1;
-                    let line = self.k.source[self.unfenced_pc[at / 4] as usize].line;
-                    let msg = format!(
-                        "the wgmma.mma_async reads {which} at shared {at:#x}, stored by thread {t} \
-                         at line {line} with no fence.proxy.async by that thread since"
-                    );
-                    return Err(self.fault(pc, 4 * g, 0, FaultKind::Proxy(msg)));
-                }
-                out.push(u16::from_le_bytes([self.shared[at], self.shared[at + 1]]));
-            }
-        }
-        Ok(out)
+        let unfenced = self.unfenced_stores(check_proxy);
+        read_operand(
+            &self.shared,
+            d,
+            rows,
+            mn_major,
+            which,
+            "wgmma.mma_async",
+            unfenced,
+        )
+        .map_err(|e| self.fault(pc, 4 * g, 0, e.kind(FaultKind::Wgmma)))
     }
 
     fn issue_mma(&mut self, pc: usize, g: usize, op: &Wgmma) -> Result<(), SimError> {

@@ -1,0 +1,155 @@
+//! The warp collectives `shfl.sync` and `elect.sync`, and their membermask contract.
+
+use super::{lanes, Cta, Flow};
+use crate::error::{FaultKind, SimError};
+use crate::ir::{Dst, Op, Reg, ShflMode, Src};
+use crate::numeric::shfl_source;
+
+impl Cta<'_> {
+    /// Executes the warp collectives `shfl.sync` and `elect.sync`.
+    pub(super) fn step_warp(
+        &mut self,
+        pcu: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        op: &Op,
+    ) -> Result<Flow, SimError> {
+        match op {
+            Op::Shfl {
+                mode,
+                d,
+                p,
+                a,
+                b,
+                c,
+                mask: mk,
+            } => self.shfl(pcu, w, group, exec, *mode, *d, *p, [*a, *b, *c, *mk])?,
+            Op::Elect { d, p, mask } => self.elect(pcu, w, group, exec, *d, *p, *mask)?,
+            _ => unreachable!("step dispatches only warp instructions here"),
+        }
+        Ok(Flow::Advance)
+    }
+
+    /// The `.sync` contract of a warp instruction with a membermask: the same mask in every
+    /// executing lane, every executing lane in it, every lane of it executing.
+    fn check_membermask(
+        &self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        mk: &[u64; 32],
+        what: &str,
+    ) -> Result<u32, SimError> {
+        let first = exec.trailing_zeros() as usize;
+        let member = mk[first] as u32;
+        for l in lanes(exec) {
+            if mk[l] as u32 != member {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "{what} membermask {:#010x} differs from lane {first}'s {member:#010x}",
+                        mk[l] as u32
+                    )),
+                ));
+            }
+            if member >> l & 1 == 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "{what} executed by lane {l}, which is not in membermask {member:#010x}"
+                    )),
+                ));
+            }
+        }
+        let missing = member & !exec;
+        if missing != 0 {
+            let l = missing.trailing_zeros() as usize;
+            let why = self.absence(w, l, group);
+            return Err(self.fault(
+                pc,
+                w,
+                first,
+                FaultKind::Sync(format!(
+                    "{what} with membermask {member:#010x}: lane {l} {why}"
+                )),
+            ));
+        }
+        Ok(member)
+    }
+
+    /// `elect.sync d|p, membermask`: the lowest lane of the membermask is the leader.
+    #[allow(clippy::too_many_arguments)]
+    fn elect(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        d: Dst,
+        p: Option<Reg>,
+        mask: Src,
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        let mk = self.gather(w, mask);
+        let member = self.check_membermask(pc, w, group, exec, &mk, "elect.sync")?;
+        let leader = member.trailing_zeros();
+        if let Dst::Reg(r) = d {
+            self.put(w, r, exec, &[leader as u64; 32], 32);
+        }
+        if let Some(r) = p {
+            self.put_mask(w, r, exec, 1 << leader);
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn shfl(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        mode: ShflMode,
+        d: Dst,
+        p: Option<Reg>,
+        srcs: [Src; 4],
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        let [a, b, c, mk] = srcs.map(|s| self.gather(w, s));
+        self.check_membermask(pc, w, group, exec, &mk, "shfl.sync")?;
+        let mut val = [0u64; 32];
+        let mut pv = [0u64; 32];
+        for l in lanes(exec) {
+            let (j, ok) = shfl_source(mode, l as u32, b[l] as u32, c[l] as u32);
+            if exec >> j & 1 == 0 {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Sync(format!(
+                        "shfl.sync reads lane {j}, which does not take part"
+                    )),
+                ));
+            }
+            val[l] = a[j as usize];
+            pv[l] = ok as u64;
+        }
+        if let Dst::Reg(r) = d {
+            self.put(w, r, exec, &val, 32);
+        }
+        if let Some(r) = p {
+            self.put(w, r, exec, &pv, 1);
+        }
+        Ok(())
+    }
+}
