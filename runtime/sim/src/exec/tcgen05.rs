@@ -928,6 +928,12 @@ impl Cta<'_> {
     fn umma_complete_upto(&mut self, upto: u64, at: (usize, usize, usize)) -> Result<(), SimError> {
         let n = self.tmem.mmas.iter().take_while(|m| m.seq <= upto).count();
         let mut done: Vec<PendingUmma> = self.tmem.mmas.drain(..n).collect();
+        if self.umma_order == UmmaOrder::Issue {
+            for m in done {
+                self.umma_compute(&m, at)?;
+            }
+            return Ok(());
+        }
         while !done.is_empty() {
             // The MMAs that may complete next: none of an earlier MMA on their accumulator is
             // still pending.
@@ -1004,36 +1010,8 @@ impl Cta<'_> {
             }
         }
         let (rows, n) = (m.m as usize, m.n as usize);
-        let conv = |x: u16| {
-            if m.bf16 {
-                f32::from_bits((x as u32) << 16)
-            } else {
-                half::f16::from_bits(x).to_f32()
-            }
-        };
-        let sa = if m.negate_a { -1.0f32 } else { 1.0 };
-        let sb = if m.negate_b { -1.0f32 } else { 1.0 };
-        let cells = &mut self.tmem.cells;
-        let af: Vec<f32> = match m.a_tmem {
-            None => m.a.iter().map(|&x| conv(x) * sa).collect(),
-            Some(col) => {
-                let mut v = vec![0f32; rows * 16];
-                for (r, row) in v.chunks_exact_mut(16).enumerate() {
-                    for (k, x) in row.iter_mut().enumerate() {
-                        let cell = cells[r * TMEM_COLS + col as usize + k / 2];
-                        *x = conv((cell >> (16 * (k % 2))) as u16) * sa;
-                    }
-                }
-                v
-            }
-        };
-        let mut bt = vec![0f32; 16 * n];
-        for j in 0..n {
-            for kk in 0..16 {
-                bt[kk * n + j] = conv(m.b[j * 16 + kk]) * sb;
-            }
-        }
         if self.tcgen05_numerics == Tcgen05Numerics::Truncating {
+            let cells = &mut self.tmem.cells;
             let input = if m.bf16 {
                 MmaInput::Bf16
             } else {
@@ -1068,6 +1046,35 @@ impl Cta<'_> {
                 self.tmem.written[at..at + n].fill(true);
             }
             return Ok(());
+        }
+        let conv = |x: u16| {
+            if m.bf16 {
+                f32::from_bits((x as u32) << 16)
+            } else {
+                half::f16::from_bits(x).to_f32()
+            }
+        };
+        let sa = if m.negate_a { -1.0f32 } else { 1.0 };
+        let sb = if m.negate_b { -1.0f32 } else { 1.0 };
+        let cells = &mut self.tmem.cells;
+        let af: Vec<f32> = match m.a_tmem {
+            None => m.a.iter().map(|&x| conv(x) * sa).collect(),
+            Some(col) => {
+                let mut v = vec![0f32; rows * 16];
+                for (r, row) in v.chunks_exact_mut(16).enumerate() {
+                    for (k, x) in row.iter_mut().enumerate() {
+                        let cell = cells[r * TMEM_COLS + col as usize + k / 2];
+                        *x = conv((cell >> (16 * (k % 2))) as u16) * sa;
+                    }
+                }
+                v
+            }
+        };
+        let mut bt = vec![0f32; 16 * n];
+        for j in 0..n {
+            for kk in 0..16 {
+                bt[kk * n + j] = conv(m.b[j * 16 + kk]) * sb;
+            }
         }
         let mut out = vec![0f32; n];
         for r in 0..rows {
