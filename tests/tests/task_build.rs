@@ -78,9 +78,10 @@ fn sizes_follow_the_design_formulas() {
     let (t, w) = (s.num_tokens(), s.workspace_rows());
     assert_eq!((t, w), (395, 1024));
     assert_eq!(z.capacity, 4 * s.edge_capacity() / 8 + s.work_capacity());
-    // One head's bins: ceil(T/8) + ceil(T/128) + docs = 50 + 4 + 7.
+    // One head's bins: ceil(T/32) + ceil(T/128) + docs = 13 + 4 + 7 (the default rule's
+    // 2^blocks_log2 = 32 queries per key block).
     assert_eq!(z.num_docs, 7);
-    assert_eq!(z.bins_per_head, 50 + 4 + 7);
+    assert_eq!(z.bins_per_head, 13 + 4 + 7);
     assert_eq!(z.bins, 4 * z.bins_per_head);
     assert!(
         z.bins_per_head
