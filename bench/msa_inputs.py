@@ -210,6 +210,25 @@ def workspace_layout(cu):
 
 def describe(name, docs, seed, topk=TOPK):
     q2k, cu = make_q2k(docs, seed, topk)
+    return describe_q2k(name, docs, seed, topk, q2k, cu)
+
+
+def read_inputs(directory, name, docs):
+    """(q2k [4, T, 16] int32, cu_seqlens) from the raw files of ``write_inputs`` (or of the Rust
+    bench's ``--write-inputs``); checks cu_seqlens against ``docs`` and the q2k size."""
+    np = _np()
+    base = os.path.join(directory, name)
+    cu = np.fromfile(base + ".cu_seqlens.i32", dtype="<i4").tolist()
+    if cu != cu_seqlens(docs):
+        raise ValueError(f"{base}.cu_seqlens.i32 does not hold the documents of case {name}")
+    q2k = np.fromfile(base + ".q2k.i32", dtype="<i4")
+    if q2k.size != NUM_INDEX_HEADS * cu[-1] * TOPK:
+        raise ValueError(f"{base}.q2k.i32 has {q2k.size} entries, expected 4 * T * 16")
+    return q2k.reshape(NUM_INDEX_HEADS, cu[-1], TOPK).astype(np.int32), cu
+
+
+def describe_q2k(name, docs, seed, topk, q2k, cu):
+    """The case summary of ``describe`` for a given selection."""
     keys = keys_attended(q2k, cu)
     return {
         "name": name,

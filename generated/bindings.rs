@@ -48,7 +48,7 @@ pub mod bwd_preprocess {
         ]
     }
 }
-/// `bwd_postprocess`: de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16.
+/// `bwd_postprocess`: de-interleaves the bf16 dQ pool into dq (in place when they are one buffer) and casts the fp32 dK/dV pools to bf16.
 pub mod bwd_postprocess {
     use super::*;
     /// Entry name in the PTX module.

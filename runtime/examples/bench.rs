@@ -26,8 +26,15 @@
 //! - `--inputs-only`  print each case's size, keys attended, task count and q2k checksum, and
 //!   stop (no GPU needed)
 //! - `--locality MIN,BLOCKS` the task order's locality rule (`msa_runtime::contract::Locality`:
-//!   windows of at least `2^MIN` queries and `2^BLOCKS` queries per key block; default 13,3;
-//!   `9,0` is the seed's 512-query window on one document of up to 64K tokens)
+//!   windows of at least `2^MIN` queries and `2^BLOCKS` queries per key block; default
+//!   `Locality::default()`; `9,0` is the seed's 512-query window on one document of up to 64K
+//!   tokens). Repeatable: the first rule is the case's main timing (checked, device schedule
+//!   columns); each further one is timed on the same inputs right after it, `locality_sweep`
+//!   in the JSON
+//! - `--host-schedule-only` skip the device schedule build's timings (the `sched_ms` columns)
+//! - `--write-inputs DIR` write each case's `q2k` and `cu_seqlens` as `DIR/<case>.q2k.i32` /
+//!   `DIR/<case>.cu_seqlens.i32` (the raw files `--inputs` reads), for `bench/baselines.py
+//!   --q2k-from DIR` at lengths where its numpy recipe is too slow
 //! - `--check N`      after timing, one more call whose gradients are checked against exact
 //!   sampled references (`msa_runtime::reference::sampled`): N random dq rows and N/100 random
 //!   key blocks of dk/dv, at the seed tolerances
@@ -210,12 +217,15 @@ struct Options {
     ceiling: Option<f64>,
     flush: bool,
     inputs_only: bool,
-    locality: Locality,
+    localities: Vec<Locality>,
     check: usize,
+    device_schedule: bool,
+    write_inputs: Option<String>,
 }
 
 const USAGE: &str = "usage: bench [--cases a,b] [--seed N] [--reps R] [--warmup W] [--inputs DIR] \
-[--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only] [--locality MIN,BLOCKS] [--check N]";
+[--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only] [--locality MIN,BLOCKS]... [--check N] \
+[--host-schedule-only] [--write-inputs DIR]";
 
 fn parse_args() -> Result<Options, String> {
     let mut o = Options {
@@ -228,8 +238,10 @@ fn parse_args() -> Result<Options, String> {
         ceiling: None,
         flush: true,
         inputs_only: false,
-        locality: Locality::default(),
+        localities: Vec::new(),
         check: 0,
+        device_schedule: true,
+        write_inputs: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -272,17 +284,23 @@ fn parse_args() -> Result<Options, String> {
                         "--locality needs MIN_WINDOW_LOG2,BLOCKS_LOG2, got `{v}`"
                     ));
                 };
-                o.locality = Locality {
+                let l = Locality {
                     min_window_log2: number("--locality", a.to_string())? as u32,
                     blocks_log2: number("--locality", b.to_string())? as u32,
                 };
-                o.locality.validate()?;
+                l.validate()?;
+                o.localities.push(l);
             }
+            "--host-schedule-only" => o.device_schedule = false,
+            "--write-inputs" => o.write_inputs = Some(value("--write-inputs")?),
             "--check" => o.check = number("--check", value("--check")?)? as usize,
             "--inputs-only" => o.inputs_only = true,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument `{other}`\n{USAGE}")),
         }
+    }
+    if o.localities.is_empty() {
+        o.localities.push(Locality::default());
     }
     let known: Vec<&str> = case_table().iter().map(|c| c.0).collect();
     for c in &o.cases {
@@ -433,6 +451,20 @@ struct Timing {
     min_ms: f32,
     /// The device schedule path, when `T` is within the device build's limit.
     device: Option<DeviceTiming>,
+    /// Device bytes of the call's inputs and outputs.
+    io_bytes: usize,
+    /// `MsaBackward::workspace_bytes` after the timed calls.
+    workspace_bytes: usize,
+    /// The further locality rules (`--locality` after the first), timed on the same inputs.
+    sweep: Vec<SweepTiming>,
+}
+
+/// One further locality rule's timing.
+struct SweepTiming {
+    locality: Locality,
+    median_ms: f32,
+    min_ms: f32,
+    samples: Vec<f32>,
 }
 
 /// The device schedule build's timings.
@@ -482,10 +514,46 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         None
     };
 
-    let mut backward = MsaBackward::new();
-    backward.set_locality(o.locality);
-    let mut call = || {
-        backward.run(
+    // `warmup` untimed then `reps` timed calls with the locality rule `l`; returns the samples
+    // and the backward (its workspace still allocated).
+    let mut time_rule = |l: Locality| -> Res<(Vec<f32>, MsaBackward)> {
+        let mut backward = MsaBackward::new();
+        backward.set_locality(l);
+        let mut call = || {
+            backward.run(
+                stream,
+                &d_q.as_view(),
+                &d_k.as_view(),
+                &d_v.as_view(),
+                &d_dout.as_view(),
+                &d_lse.as_view(),
+                &d_out.as_view(),
+                &schedule,
+            )
+        };
+        for _ in 0..o.warmup {
+            drop(call()?);
+        }
+        stream.synchronize()?;
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut samples = Vec::with_capacity(o.reps);
+        for _ in 0..o.reps {
+            if let Some(buf) = flush.as_mut() {
+                stream.memset_zeros(buf)?;
+            }
+            let start = stream.record_event(timing)?;
+            let grads = call()?;
+            let end = stream.record_event(timing)?;
+            samples.push(start.elapsed_ms(&end)?);
+            drop(grads);
+        }
+        stream.synchronize()?;
+        Ok((samples, backward))
+    };
+    let (samples, mut backward) = time_rule(o.localities[0])?;
+    let workspace_bytes = backward.workspace_bytes();
+    if let Some((q, k, v, out, dout, lse)) = host {
+        let grads = backward.run(
             stream,
             &d_q.as_view(),
             &d_k.as_view(),
@@ -494,27 +562,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             &d_lse.as_view(),
             &d_out.as_view(),
             &schedule,
-        )
-    };
-    for _ in 0..o.warmup {
-        drop(call()?);
-    }
-    stream.synchronize()?;
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut samples = Vec::with_capacity(o.reps);
-    for _ in 0..o.reps {
-        if let Some(buf) = flush.as_mut() {
-            stream.memset_zeros(buf)?;
-        }
-        let start = stream.record_event(timing)?;
-        let grads = call()?;
-        let end = stream.record_event(timing)?;
-        samples.push(start.elapsed_ms(&end)?);
-        drop(grads);
-    }
-    stream.synchronize()?;
-    if let Some((q, k, v, out, dout, lse)) = host {
-        let grads = call()?;
+        )?;
         let x = sampled::Inputs {
             q: &q,
             k_aligned: &k,
@@ -528,11 +576,24 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         };
         check_sampled(stream, &x, &grads, o.check, seed)?;
     }
+    drop(backward);
+    let mut sweep = Vec::new();
+    for &l in &o.localities[1..] {
+        let (s, b) = time_rule(l)?;
+        drop(b);
+        sweep.push(SweepTiming {
+            locality: l,
+            median_ms: median(s.clone()),
+            min_ms: s.iter().copied().fold(f32::INFINITY, f32::min),
+            samples: s,
+        });
+    }
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
 
     // The device schedule build, sized from T, the document count and W alone; it covers
     // T <= MAX_BUILD_TOKENS (longer inputs take the host schedule only).
-    let device = if t <= MAX_BUILD_TOKENS {
+    let device = if o.device_schedule && t <= MAX_BUILD_TOKENS {
         let mut backend = CudaBackend::new(stream)?;
         let sizes = ScheduleBuildSizes::new(t, case.cu.len() - 1, w, 64)?;
         let mut resident = ResidentSchedule::new(&mut backend, sizes)?;
@@ -602,6 +663,9 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         min_ms,
         samples,
         device,
+        io_bytes: 2 * (4 * q_len + 4 * w * NUM_KV_HEADS * HEAD_DIM) + 4 * t * NUM_Q_HEADS,
+        workspace_bytes,
+        sweep,
     })
 }
 
@@ -725,6 +789,34 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             opt(tm.device.as_ref().map(|d| d.sched_min_ms)),
             opt(tm.device.as_ref().map(|d| d.device_path_median_ms)),
         );
+        let l = o.localities[0];
+        let sweep: Vec<String> = tm
+            .sweep
+            .iter()
+            .map(|st| {
+                let samples: Vec<String> = st.samples.iter().map(|x| format!("{x:.4}")).collect();
+                format!(
+                    "{{\"min_window_log2\": {}, \"blocks_log2\": {}, \"ms_median\": {:.4}, \
+                     \"ms_min\": {:.4}, \"useful_tflops\": {:.2}, \"samples_ms\": [{}]}}",
+                    st.locality.min_window_log2,
+                    st.locality.blocks_log2,
+                    st.median_ms,
+                    st.min_ms,
+                    flop / (f64::from(st.median_ms) * 1e-3) / 1e12,
+                    samples.join(", ")
+                )
+            })
+            .collect();
+        let _ = write!(
+            s,
+            ", \"locality\": {{\"min_window_log2\": {}, \"blocks_log2\": {}}}, \
+             \"io_bytes\": {}, \"workspace_bytes\": {}, \"locality_sweep\": [{}]",
+            l.min_window_log2,
+            l.blocks_log2,
+            tm.io_bytes,
+            tm.workspace_bytes,
+            sweep.join(", ")
+        );
     }
     s.push('}');
     s
@@ -755,6 +847,20 @@ fn run(o: &Options) -> Res<()> {
             compare_inputs(dir, c)?;
         }
         println!("inputs: q2k and cu_seqlens identical to the files in {dir}");
+    }
+    if let Some(dir) = &o.write_inputs {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{dir}: {e}"))?;
+        for c in &cases {
+            for (ext, v) in [("q2k", &c.q2k), ("cu_seqlens", &c.cu)] {
+                let path = format!("{dir}/{}.{ext}.i32", c.name);
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                std::fs::write(&path, bytes).map_err(|e| format!("{path}: {e}"))?;
+            }
+        }
+        println!(
+            "inputs: wrote q2k and cu_seqlens of {} case(s) to {dir}",
+            cases.len()
+        );
     }
     if o.inputs_only {
         for c in &cases {
@@ -860,6 +966,25 @@ fn run(o: &Options) -> Res<()> {
             dev,
             share
         );
+        let gib = |b: usize| b as f64 / f64::from(1u32 << 30);
+        println!(
+            "  locality {},{}; inputs + outputs {:.2} GiB, workspace {:.2} GiB ({:.1} %)",
+            o.localities[0].min_window_log2,
+            o.localities[0].blocks_log2,
+            gib(tm.io_bytes),
+            gib(tm.workspace_bytes),
+            100.0 * tm.workspace_bytes as f64 / tm.io_bytes as f64
+        );
+        for st in &tm.sweep {
+            println!(
+                "  locality {},{}: ms_med {:.3} ms_min {:.3} useful {:.1}",
+                st.locality.min_window_log2,
+                st.locality.blocks_log2,
+                st.median_ms,
+                st.min_ms,
+                useful_flop(c.keys) / (f64::from(st.median_ms) * 1e-3) / 1e12
+            );
+        }
         entries.push(json_case(c, Some(&tm), o));
         // after every case, so a run cut short keeps what it finished
         write_json(o, &device_desc, &entries)?;

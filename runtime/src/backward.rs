@@ -234,32 +234,43 @@ impl TileMapSpec {
 // The gradient workspace
 
 /// Byte offsets of the regions of the gradient workspace (`docs/design.md` §3.1), each rounded up to
-/// 256 bytes: the bf16 dQ pool `[T, 32, 128, 2]`, the fp32 dK then dV pools `[W, 4, 128]` and
-/// delta fp32 `[T, 64]`.
+/// 256 bytes: the fp32 dK then dV pools `[W, 4, 128]`, delta fp32 `[T, 64]` and, only when
+/// asked for, the bf16 dQ pool `[T, 32, 128, 2]`.
+///
+/// The main kernels normally reduce dQ straight into the caller's `dq` buffer, in the pool's
+/// head-pair-interleaved layout, and `bwd_postprocess` de-interleaves it in place
+/// (`docs/design.md` §3.6), so the workspace holds no dQ pool. A separate pool is needed only
+/// when `dq` lies on an input the main kernel still reads (in-place use on `q` or `grad_out`,
+/// [`MsaBackward::allow_in_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolLayout {
     /// Tokens `T` the regions are sized for.
     pub num_tokens: usize,
     /// Workspace rows `W` the regions are sized for.
     pub workspace_rows: usize,
-    /// Offset of the dQ pool.
-    pub dq_pool: usize,
     /// Offset of the dK pool.
     pub dk_pool: usize,
     /// Offset of the dV pool.
     pub dv_pool: usize,
     /// Offset of delta.
     pub delta: usize,
+    /// Offset of the separate dQ pool, when the layout has one.
+    pub dq_pool: Option<usize>,
     /// Total bytes (a multiple of 256).
     pub bytes: usize,
 }
 
 impl PoolLayout {
-    /// Lays out the regions for `num_tokens` tokens and `workspace_rows` rows.
+    /// Lays out the regions for `num_tokens` tokens and `workspace_rows` rows, with a separate
+    /// dQ pool when `with_dq_pool`.
     ///
     /// # Errors
     /// [`RuntimeError::Input`] if the byte count overflows `usize`.
-    pub fn new(num_tokens: usize, workspace_rows: usize) -> Result<Self, RuntimeError> {
+    pub fn new(
+        num_tokens: usize,
+        workspace_rows: usize,
+        with_dq_pool: bool,
+    ) -> Result<Self, RuntimeError> {
         let overflow = || {
             RuntimeError::input(
                 "schedule",
@@ -285,17 +296,21 @@ impl PoolLayout {
                 .ok_or_else(overflow)?;
             Ok(start)
         };
-        let dq_pool = take(dq_bytes)?;
         let dk_pool = take(kv_bytes)?;
         let dv_pool = take(kv_bytes)?;
         let delta = take(delta_bytes)?;
+        let dq_pool = if with_dq_pool {
+            Some(take(dq_bytes)?)
+        } else {
+            None
+        };
         Ok(PoolLayout {
             num_tokens,
             workspace_rows,
-            dq_pool,
             dk_pool,
             dv_pool,
             delta,
+            dq_pool,
             bytes: at,
         })
     }
@@ -322,8 +337,10 @@ impl<B: Backend> GradientPools<B> {
         })
     }
 
-    fn fits(&self, num_tokens: usize, workspace_rows: usize) -> bool {
-        num_tokens <= self.layout.num_tokens && workspace_rows <= self.layout.workspace_rows
+    fn fits(&self, num_tokens: usize, workspace_rows: usize, dq_pool: bool) -> bool {
+        num_tokens <= self.layout.num_tokens
+            && workspace_rows <= self.layout.workspace_rows
+            && (!dq_pool || self.layout.dq_pool.is_some())
     }
 
     fn span<T>(&self, offset: usize, len: usize) -> Span<T> {
@@ -389,8 +406,8 @@ pub struct Gradients {
 /// The MSA backward of one device with its cached workspace, on any [`Backend`] (the CUDA
 /// driver by default, or the `msa-sim` simulator).
 ///
-/// Holds the gradient workspace (one allocation: dQ pool, dK/dV pools, delta) and the
-/// task-build workspace. The gradient workspace grows to the largest `(T, W)` seen and never
+/// Holds the gradient workspace (one allocation: dK/dV pools, delta, and a dQ pool only for
+/// in-place use of `dq` on `q` or `grad_out`; see [`PoolLayout`]) and the task-build workspace. The gradient workspace grows to the largest `(T, W)` seen and never
 /// shrinks; the task workspace is reused while its sizes fit. A call on another memory space
 /// (another CUDA context or simulated device) drops the cache and starts over there.
 pub struct MsaBackward<B: Backend = CudaBackend> {
@@ -511,8 +528,10 @@ pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec
 
 /// The host checks on the addresses of `io` (its lengths are already checked); see
 /// [`check_regions`]. With `in_place`, an output may lie exactly on an input of the same
-/// size: every input is last read by the main kernel, and the outputs are written only by
-/// `bwd_postprocess`, which runs after it and reads nothing but the runtime's own pools.
+/// size: `dk_aligned`/`dv_aligned` are written only by `bwd_postprocess`, after the main
+/// kernel's last read of every input; `dq` is zeroed after the preprocess (the only reader
+/// of `out`) and accumulates during the main kernel, so on `q`, `grad_out` or any other input
+/// the main kernel reads it gets a separate pool instead ([`dq_needs_pool`]).
 fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeError> {
     check_regions(
         &[
@@ -531,6 +550,27 @@ fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeErro
     )
 }
 
+/// Whether `dq` lies on an input the main kernel reads (possible only in place), so that the
+/// main kernel must reduce into a separate workspace pool rather than into `dq` itself.
+/// `out` is not among them: only the preprocess reads it, before `dq` is zeroed.
+fn dq_needs_pool(io: &BackwardBuffers) -> bool {
+    fn bytes<T>(s: Span<T>) -> (u64, u64) {
+        let start = s.addr;
+        (start, start + (s.len * size_of::<T>()) as u64)
+    }
+    let dq = bytes(io.dq);
+    let meets = |(start, end): (u64, u64)| start < dq.1 && dq.0 < end;
+    [
+        bytes(io.q),
+        bytes(io.grad_out),
+        bytes(io.k_aligned),
+        bytes(io.v_aligned),
+        bytes(io.lse),
+    ]
+    .into_iter()
+    .any(meets)
+}
+
 impl<B: Backend> MsaBackward<B> {
     /// An empty cache; nothing is allocated until the first call.
     pub fn new() -> Self {
@@ -541,10 +581,13 @@ impl<B: Backend> MsaBackward<B> {
     /// or `out`; `dk_aligned`/`dv_aligned` on `k_aligned` or `v_aligned`); off by default, so
     /// that any overlap is a [`RuntimeError::Overlap`].
     ///
-    /// In-place use is safe for the gradients because every input is last read by the main
-    /// kernel and the outputs are written only afterwards, by `bwd_postprocess`; the input's
-    /// contents are of course gone after the call. Outputs overlapping each other, and partial
-    /// overlaps, are rejected either way.
+    /// In-place use is safe for the gradients: `dk_aligned`/`dv_aligned` are written only by
+    /// `bwd_postprocess`, after the main kernel's last read of every input, and `dq`, which
+    /// the main kernel normally accumulates into directly, then gets a separate workspace pool
+    /// (`T · 16 KiB`) when it lies on `q` or `grad_out` (on `out` it needs none: only the
+    /// preprocess reads `out`, before `dq` is zeroed). The input's contents are of course gone
+    /// after the call. Outputs overlapping each other, and partial overlaps, are rejected
+    /// either way.
     pub fn allow_in_place(&mut self, allow: bool) -> &mut Self {
         self.in_place = allow;
         self
@@ -574,6 +617,20 @@ impl<B: Backend> MsaBackward<B> {
         self.tasks.as_ref()
     }
 
+    /// Device bytes the cache holds now: the gradient workspace (its [`PoolLayout`]), the
+    /// task-build workspace and the last call's schedule upload (none for a resident
+    /// schedule, which its owner holds). The caller's inputs and outputs are not included.
+    pub fn workspace_bytes(&self) -> usize {
+        self.pools.as_ref().map_or(0, |p| p.layout.bytes)
+            + self.tasks.as_ref().map_or(0, |t| t.storage().1)
+            + self.schedule.as_ref().map_or(0, DeviceSchedule::bytes)
+    }
+
+    /// The gradient workspace's layout, if allocated.
+    pub fn pool_layout(&self) -> Option<PoolLayout> {
+        self.pools.as_ref().map(|p| p.layout)
+    }
+
     /// `(T, W)` the gradient workspace is sized for, if allocated.
     pub fn capacity(&self) -> Option<(usize, usize)> {
         self.pools
@@ -584,6 +641,8 @@ impl<B: Backend> MsaBackward<B> {
     /// Allocates the workspaces and loads every kernel a backward on `schedule` needs, so that
     /// a following [`MsaBackward::run_on`] of that shape (the schedule's build included)
     /// allocates nothing and loads nothing: the step before capturing them in a CUDA graph.
+    /// With [`MsaBackward::allow_in_place`] on, that includes the separate dQ pool an in-place
+    /// `dq` on `q` or `grad_out` needs.
     ///
     /// # Errors
     /// Those of [`MsaBackward::run_on`]'s preparation (architecture, sizes, allocation, JIT).
@@ -605,7 +664,15 @@ impl<B: Backend> MsaBackward<B> {
         let (shape, w) = BackwardSchedule::Device(schedule).shape();
         let (t, work) = (shape.num_tokens, shape.work_capacity);
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
-        ensure_pools(&mut self.pools, &mut self.allocations, backend, t, w)?;
+        let dq_pool = self.in_place;
+        ensure_pools(
+            &mut self.pools,
+            &mut self.allocations,
+            backend,
+            t,
+            w,
+            dq_pool,
+        )?;
         ensure_tasks(&mut self.tasks, &mut self.allocations, backend, sizes, work)?;
         Ok(())
     }
@@ -639,7 +706,8 @@ impl<B: Backend> MsaBackward<B> {
     /// allocated either (the call can be captured in a CUDA graph). A flagged resident
     /// schedule has no work items: the call writes zero gradients.
     ///
-    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of the pools,
+    /// Issues, in order (`docs/design.md` §3.1): `bwd_preprocess`, the zeroing of `dq` (the
+    /// main kernels' dQ pool) and the dK/dV pools,
     /// the schedule copy (host schedules only), the four task-build kernels, the main kernel
     /// for the capability
     /// (`msa_backward_sm90` on 9.0, `msa_backward_sm100` on 10.0) on
@@ -751,9 +819,22 @@ impl<B: Backend> MsaBackward<B> {
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
 
         // 4. Workspaces and the schedule's device buffer (allocations only).
-        let pools = ensure_pools(&mut self.pools, &mut self.allocations, backend, t, w)?;
-        let (dq_pool, dk_pool, dv_pool, delta) = (
-            pools.span::<bf16>(pools.layout.dq_pool, q_len),
+        let separate_dq = dq_needs_pool(io);
+        let pools = ensure_pools(
+            &mut self.pools,
+            &mut self.allocations,
+            backend,
+            t,
+            w,
+            separate_dq,
+        )?;
+        // The main kernel reduces dQ into `io.dq` itself (interleaved; the postprocess
+        // de-interleaves it in place) unless `dq` lies on one of its inputs.
+        let dq_pool = match pools.layout.dq_pool {
+            Some(at) if separate_dq => pools.span::<bf16>(at, q_len),
+            _ => io.dq,
+        };
+        let (dk_pool, dv_pool, delta) = (
             pools.span::<f32>(pools.layout.dk_pool, kv_len),
             pools.span::<f32>(pools.layout.dv_pool, kv_len),
             pools.span::<f32>(pools.layout.delta, t * NUM_Q_HEADS),
@@ -773,6 +854,7 @@ impl<B: Backend> MsaBackward<B> {
         // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
         preprocess(backend, io.out, io.grad_out, delta, t)?;
+        // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
         backend.zero("dk pool", dk_pool.addr, 4 * kv_len)?;
         backend.zero("dv pool", dv_pool.addr, 4 * kv_len)?;
@@ -932,21 +1014,27 @@ pub(crate) fn check_context<T>(
     ))
 }
 
-/// The gradient pools, grown (never shrunk) to hold `(t, w)`.
+/// The gradient pools, grown (never shrunk) to hold `(t, w)`, and a dQ pool when `dq_pool`
+/// (kept once it exists).
 fn ensure_pools<'a, B: Backend>(
     slot: &'a mut Option<GradientPools<B>>,
     allocations: &mut usize,
     backend: &mut B,
     t: usize,
     w: usize,
+    dq_pool: bool,
 ) -> Result<&'a mut GradientPools<B>, RuntimeError> {
     let pools = match slot.take() {
-        Some(p) if p.fits(t, w) => p,
+        Some(p) if p.fits(t, w, dq_pool) => p,
         old => {
-            let (ct, cw) = old
-                .as_ref()
-                .map_or((0, 0), |p| (p.layout.num_tokens, p.layout.workspace_rows));
-            let layout = PoolLayout::new(t.max(ct), w.max(cw))?;
+            let (ct, cw, cq) = old.as_ref().map_or((0, 0, false), |p| {
+                (
+                    p.layout.num_tokens,
+                    p.layout.workspace_rows,
+                    p.layout.dq_pool.is_some(),
+                )
+            });
+            let layout = PoolLayout::new(t.max(ct), w.max(cw), dq_pool || cq)?;
             // Free the smaller one first (stream-ordered) to keep the peak down.
             drop(old);
             let p = GradientPools::new(backend, layout)?;

@@ -63,9 +63,10 @@ pub const MAX_TOKENS: usize = 1 << 20;
 /// A document of `B` key blocks gets windows of `2^s` queries,
 /// `s = max(min_window_log2, ceil(log2 B) + blocks_log2)`. Within one window a key block's
 /// tasks are consecutive (one segment, one K/V load and one dK/dV flush), and a window of
-/// `2^s >= 8·B` queries gives each block about `2^s·16/B/8 >= 16` tasks, so the segments stay
-/// long however long the document is; the seed's fixed 512-query window left one task per
-/// segment past about 100K tokens (figures in `bench/README.md`). The bins number
+/// `2^s >= 2^blocks_log2·B` queries gives each block about `2^s·16/B/8 >= 2^(blocks_log2+1)`
+/// tasks (64 with the default), so the segments stay long however long the document is; the
+/// seed's fixed 512-query window left one task per segment past about 100K tokens (figures in
+/// `bench/README.md`). `blocks_log2 = 7` makes each document one window (`2^s >= 128·B`). The bins number
 /// `Σ_docs windows·B <= T/2^blocks_log2 + T/128 + docs` per head: linear in `T`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Locality {
@@ -76,12 +77,14 @@ pub struct Locality {
 }
 
 impl Default for Locality {
-    /// Windows of at least 8192 queries and at least 8 queries per key block: measured best
-    /// of the rules tried on the H200 (`bench/README.md`, "Long documents").
+    /// Windows of at least 8192 queries and at least 32 queries per key block: measured on
+    /// the H200 against `blocks_log2` 3, 4, 6 and 7 at every bench length (`bench/README.md`,
+    /// "Long documents"). Documents of at most 256 blocks (32K tokens) get the same 8192-query
+    /// windows as with 3; longer ones get windows 4× larger.
     fn default() -> Self {
         Locality {
             min_window_log2: 13,
-            blocks_log2: 3,
+            blocks_log2: 5,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! cudarc-view wrappers for a CUDA stream.
 
 use crate::backend::{Backend, Span};
+use crate::buffers::{check_regions, Region};
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::cuda::{read_span, CudaBackend};
 use crate::error::RuntimeError;
@@ -88,6 +89,13 @@ pub fn run_preprocess(
 /// Finishes the gradients on any [`Backend`]: de-interleaves the bf16 dQ pool
 /// `[T, 32, 128, 2]` into `dq [T, 64, 128]` and casts the fp32 pools `dk_pool`, `dv_pool`
 /// `[W, 4, 128]` to bf16 `dk`, `dv` with round-to-nearest-even. `W` must be a multiple of 128.
+///
+/// `dq_pool` may be `dq` itself (same base): the de-interleave then runs in place, which is
+/// how the backward uses it. Otherwise no output may overlap another buffer.
+///
+/// # Errors
+/// [`RuntimeError::Input`] for a wrong length or `W`, [`RuntimeError::NullBuffer`] and
+/// [`RuntimeError::Overlap`] from the buffer checks, and the backend's launch errors.
 #[allow(clippy::too_many_arguments)]
 pub fn postprocess<B: Backend>(
     backend: &mut B,
@@ -115,6 +123,26 @@ pub fn postprocess<B: Backend>(
     check_len("dv_pool", dv_pool.len, kv_len, "[W, 4, 128]")?;
     check_len("dk", dk.len, kv_len, "[W, 4, 128]")?;
     check_len("dv", dv.len, kv_len, "[W, 4, 128]")?;
+    // Empty buffers (T = 0 or W = 0) may be null and hold nothing to overlap. In place,
+    // `dq` covers exactly the pool's bytes, so checking `dq` checks both.
+    let mut regions = Vec::with_capacity(6);
+    if kv_len > 0 {
+        regions.push(Region::input("dk_pool", dk_pool)?);
+        regions.push(Region::input("dv_pool", dv_pool)?);
+        regions.push(Region::output("dk", dk)?);
+        regions.push(Region::output("dv", dv)?);
+    }
+    if dq_len > 0 {
+        regions.push(Region::output("dq", dq)?);
+        if dq_pool.addr != dq.addr {
+            regions.push(Region::input("dq_pool", dq_pool)?);
+        }
+    }
+    check_regions(
+        &regions,
+        false,
+        "dq_pool == dq (the in-place de-interleave)",
+    )?;
     let tokens = u32::try_from(num_tokens)
         .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
     let ws = u32::try_from(workspace_rows)

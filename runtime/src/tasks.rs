@@ -251,6 +251,7 @@ pub struct DeviceSchedule<B: Backend> {
     edge_capacity: usize,
     work_capacity: usize,
     num_docs: usize,
+    bytes: usize,
 }
 
 impl<B: Backend> DeviceSchedule<B> {
@@ -293,7 +294,13 @@ impl<B: Backend> DeviceSchedule<B> {
             edge_capacity: s.edge_capacity(),
             work_capacity: s.work_capacity(),
             num_docs: s.num_documents(),
+            bytes,
         })
+    }
+
+    /// Bytes of the one allocation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Copies `s` (the schedule it was allocated for) to the device, stream-ordered.

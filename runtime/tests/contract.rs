@@ -27,16 +27,9 @@ fn topology_constants() {
 #[test]
 fn locality_windows_and_the_bin_bound() {
     let l = Locality::default();
-    assert_eq!((l.min_window_log2, l.blocks_log2), (13, 3));
-    // max(8192, 8·blocks), rounded up to a power of two.
-    for (blocks, log2) in [
-        (0, 13),
-        (1, 13),
-        (64, 13),
-        (1024, 13),
-        (1025, 14),
-        (8192, 16),
-    ] {
+    assert_eq!((l.min_window_log2, l.blocks_log2), (13, 5));
+    // max(8192, 32·blocks), rounded up to a power of two.
+    for (blocks, log2) in [(0, 13), (1, 13), (64, 13), (256, 13), (257, 14), (8192, 18)] {
         assert_eq!(l.window_log2(blocks), log2, "{blocks} blocks");
     }
     assert_eq!(l.document_bins(0), 0);

@@ -293,7 +293,7 @@ fn coverage_mismatch(
 
 /// Locality key of a row, written out here from the rule's description: per index head,
 /// documents in order; in a document of `B` key blocks, windows of `2^s` document-local
-/// queries with `2^s` the smallest power of two of at least `max(8192, 8·B)`; then the key
+/// queries with `2^s` the smallest power of two of at least `max(8192, 32·B)`; then the key
 /// block; then the first query.
 fn locality_key(s: &Schedule, row: &Row) -> Key {
     let (head, kblock, qmin) = (row.0[1] as u64, row.0[2] as u64, row.1[0] as i64);
@@ -305,7 +305,7 @@ fn locality_key(s: &Schedule, row: &Row) -> Key {
     let len = (cu[doc + 1] - cu[doc]) as u64;
     let blocks = len.div_ceil(BLOCK as u64);
     let mut window = 1u64;
-    while window < WINDOW_MIN || window < 8 * blocks {
+    while window < WINDOW_MIN || window < 32 * blocks {
         window *= 2;
     }
     let local_q = (qmin - i64::from(cu[doc])) as u64;
@@ -776,4 +776,32 @@ fn reversed_order_inside_a_contiguous_segment_still_sorts_by_key() {
     let got = build_task_tables(&reversed, 8);
     assert_eq!(got.desc[7], 0);
     assert!(got == build_task_tables(base, 8), "tables changed");
+}
+
+#[test]
+fn long_documents_get_windows_that_grow_with_their_blocks() {
+    // 33,000 tokens = 258 blocks: the default rule's windows are 2^14 queries (32·258 > 8192),
+    // so the corpus's short documents never reach this branch of the key.
+    let lengths = [33_000usize];
+    let cu = cu_from_lengths(&lengths);
+    let s = build_schedule(&random_selection(&lengths, 0x10_7a1), &cu, 64).unwrap();
+    let rows = table_rows(&build_task_tables(&s, SMS[1]));
+    assert_eq!(rows.len(), total_tasks(&s));
+    for (i, p) in rows.windows(2).enumerate() {
+        assert!(
+            locality_key(&s, &p[0]) < locality_key(&s, &p[1]),
+            "rows {i}, {} out of key order: {:?} then {:?}",
+            i + 1,
+            p[0],
+            p[1]
+        );
+    }
+    // Windows of 16384 queries: inside the first one each key block's rows run from query 0
+    // past 8192, then the next block starts below 8192 again. With 8192-query windows the
+    // first query would fall back below 8192 only where the head changes (3 times).
+    let returns = rows
+        .windows(2)
+        .filter(|p| p[0].1[0] >= 8192 && p[1].1[0] < 8192)
+        .count();
+    assert!(returns > 3 * 64, "{returns} returns below query 8192");
 }

@@ -313,20 +313,29 @@ fn tensor_map_specs_reject_bad_parameters() {
 #[test]
 fn pool_layout_is_aligned_and_disjoint() {
     for (t, w) in [(1usize, 128usize), (300, 640), (2177, 2304), (8192, 8704)] {
-        let l = PoolLayout::new(t, w).unwrap();
-        let regions = [
-            (l.dq_pool, t * Q_ROW * 2),
-            (l.dk_pool, w * KV_ROW * 4),
-            (l.dv_pool, w * KV_ROW * 4),
-            (l.delta, t * NUM_Q_HEADS * 4),
-        ];
-        assert_eq!(l.dq_pool, 0);
-        for (i, &(start, len)) in regions.iter().enumerate() {
-            assert_eq!(start % 256, 0, "region {i} of {l:?}");
-            let end = regions.get(i + 1).map_or(l.bytes, |r| r.0);
-            assert!(start + len <= end, "region {i} overlaps the next in {l:?}");
+        for with_dq in [false, true] {
+            let l = PoolLayout::new(t, w, with_dq).unwrap();
+            let mut regions = vec![
+                (l.dk_pool, w * KV_ROW * 4),
+                (l.dv_pool, w * KV_ROW * 4),
+                (l.delta, t * NUM_Q_HEADS * 4),
+            ];
+            assert_eq!(l.dk_pool, 0);
+            assert_eq!(l.dq_pool.is_some(), with_dq, "{l:?}");
+            regions.extend(l.dq_pool.map(|at| (at, t * Q_ROW * 2)));
+            for (i, &(start, len)) in regions.iter().enumerate() {
+                assert_eq!(start % 256, 0, "region {i} of {l:?}");
+                let end = regions.get(i + 1).map_or(l.bytes, |r| r.0);
+                assert!(start + len <= end, "region {i} overlaps the next in {l:?}");
+            }
+            assert_eq!(l.bytes % 256, 0);
         }
-        assert_eq!(l.bytes % 256, 0);
+        // Without the dQ pool the workspace is the dK/dV pools and delta alone.
+        let plain = PoolLayout::new(t, w, false).unwrap();
+        assert_eq!(
+            plain.bytes,
+            (2 * w * KV_ROW * 4 + t * NUM_Q_HEADS * 4).next_multiple_of(256)
+        );
     }
-    assert!(PoolLayout::new(usize::MAX / 2, 128).is_err());
+    assert!(PoolLayout::new(usize::MAX / 2, 128, true).is_err());
 }

@@ -78,9 +78,10 @@ fn sizes_follow_the_design_formulas() {
     let (t, w) = (s.num_tokens(), s.workspace_rows());
     assert_eq!((t, w), (395, 1024));
     assert_eq!(z.capacity, 4 * s.edge_capacity() / 8 + s.work_capacity());
-    // One head's bins: ceil(T/8) + ceil(T/128) + docs = 50 + 4 + 7.
+    // One head's bins: ceil(T/32) + ceil(T/128) + docs = 13 + 4 + 7 (the default rule's
+    // 2^blocks_log2 = 32 queries per key block).
     assert_eq!(z.num_docs, 7);
-    assert_eq!(z.bins_per_head, 50 + 4 + 7);
+    assert_eq!(z.bins_per_head, 13 + 4 + 7);
     assert_eq!(z.bins, 4 * z.bins_per_head);
     assert!(
         z.bins_per_head
@@ -109,7 +110,7 @@ fn sizes_follow_the_design_formulas() {
 #[test]
 fn locality_bins_grow_linearly_up_to_a_million_tokens() {
     // One document of 2^20 tokens and no edges: the seed's bins were 4·2048·8192 = 2^26 (past
-    // its 2^22 limit); ours are 4·(2^17 + 2^13 + 1).
+    // its 2^22 limit); ours are 4·(2^20/32 + 2^13 + 1).
     let t = 1 << 20;
     let rows = (t as usize).div_ceil(128);
     let s = Schedule::new(
@@ -122,9 +123,9 @@ fn locality_bins_grow_linearly_up_to_a_million_tokens() {
     )
     .unwrap();
     let z = TaskBuildSizes::new(&s, 132).unwrap();
-    assert_eq!(z.bins, 4 * ((1 << 17) + (1 << 13) + 1));
-    // The document's exact bins: windows of 2^16 queries (8·8192 blocks), 16 of them.
-    assert_eq!(z.locality.document_bins(t as usize), 16 * 8192);
+    assert_eq!(z.bins, 4 * ((1 << 15) + (1 << 13) + 1));
+    // The document's exact bins: windows of 2^18 queries (32·8192 blocks), 4 of them.
+    assert_eq!(z.locality.document_bins(t as usize), 4 * 8192);
     let bad = contract::Locality {
         min_window_log2: 13,
         blocks_log2: 8,

@@ -203,7 +203,8 @@ pub struct MainParams {
     pub qpos: ParamRef<U64>,
     /// The CTA-walk descriptor `int32[8]`.
     pub desc: ParamRef<U64>,
-    /// The bf16 dQ pool `[T, 32, 128, 2]`.
+    /// The bf16 dQ pool `[T, 32, 128, 2]` (the backward passes its `dq` output, which
+    /// `bwd_postprocess` then de-interleaves in place).
     pub dq: ParamRef<U64>,
     /// The fp32 dK pool `[W, 4, 128]`.
     pub dk: ParamRef<U64>,

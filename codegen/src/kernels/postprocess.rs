@@ -5,6 +5,12 @@
 //!   256 elements; 16 lanes take 16 elements each, so a CTA covers 16 pool rows. Each lane
 //!   splits its 8 (d, e) pairs into two runs of 8 consecutive d with a byte permute and writes
 //!   them with two 16-byte stores, one per head.
+//!
+//!   Pool row `(t, hp)` and its two output rows `dq[t, 2hp..2hp+2]` are the same 512 bytes at
+//!   the same offset, so `dq_pool` may be `dq` itself (the backward passes one buffer for both,
+//!   `docs/design.md` §3.6): the CTA loads all its rows with coherent loads, meets at a
+//!   barrier, and only then stores. Every CTA touches only its own rows. Either the two
+//!   buffers are the same or they are disjoint.
 //! - `blockIdx.y == 1` casts the fp32 dK then dV pools `[W, 4, 128]` to bf16 with
 //!   round-to-nearest-even, 2048 elements per CTA (8 per thread). `W·512` is a multiple of
 //!   2048 because W is a multiple of 128.
@@ -18,7 +24,7 @@ use crate::target::Target;
 /// The postprocess kernel.
 pub const DESC: KernelDesc = KernelDesc {
     name: "bwd_postprocess",
-    about: "de-interleaves the bf16 dQ pool into dq and casts the fp32 dK/dV pools to bf16",
+    about: "de-interleaves the bf16 dQ pool into dq (in place when they are one buffer) and casts the fp32 dK/dV pools to bf16",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe,
@@ -68,8 +74,9 @@ fn describe(b: &mut KernelBuilder) {
             let lane_bytes = b.mul_wide(lane, 32u32);
             let src = b.add(row_bytes, lane_bytes);
             let src = b.add(pool, src);
-            let w0: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(src, 0));
-            let w1: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(src, 16));
+            // Coherent loads: with dq_pool == dq this CTA's stores overwrite these bytes.
+            let w0: [Reg<Bf16x2>; 4] = b.ld_v(&global(src, 0));
+            let w1: [Reg<Bf16x2>; 4] = b.ld_v(&global(src, 16));
             let w = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
             let even: [Reg<Bf16x2>; 4] =
                 std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], PRMT_LOW_HALVES));
@@ -80,6 +87,9 @@ fn describe(b: &mut KernelBuilder) {
             let lane_out = b.mul_wide(lane, 16u32);
             let dst = b.add(head_bytes, lane_out);
             let dst = b.add(dq, dst);
+            // Every lane of the CTA has read its row before any lane overwrites it (in place).
+            // `live` is uniform over the CTA: 32·T rows is a multiple of the 16 per CTA.
+            b.bar_sync(0, None);
             b.st_v(&global(dst, 0), even);
             b.st_v(&global(dst, 256), odd);
         });

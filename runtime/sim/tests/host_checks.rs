@@ -137,25 +137,55 @@ fn inputs_may_share_memory() {
 #[test]
 fn in_place_outputs_give_the_reference_gradients() {
     let c = tiny();
+    let (t, w) = (c.schedule.num_tokens(), c.schedule.workspace_rows());
     for arch in [Arch::Sm90, Arch::Sm100] {
-        let mut dev = SimDevice::new(arch, 4);
-        let mut io = upload(&mut dev, &c);
-        // Every output on top of an input of the same shape.
-        io.dq = Span::new(io.q.addr, io.q.len);
-        io.dk_aligned = Span::new(io.k_aligned.addr, io.k_aligned.len);
-        io.dv_aligned = Span::new(io.v_aligned.addr, io.v_aligned.len);
-        MsaBackward::<SimDevice>::new()
-            .allow_in_place(true)
-            .run_on(&mut dev, &io, &c.schedule)
-            .unwrap_or_else(|e| panic!("{arch:?}: {e}"));
-        let read = |s: Span<bf16>| to_f32(&dev.read::<bf16>(s.addr, s.len).unwrap());
-        let e = &c.expected;
-        DQ_TOLERANCE.check("dq", &read(io.dq), &e.dq).unwrap();
-        DK_TOLERANCE
-            .check("dk", &read(io.dk_aligned), &e.dk_aligned)
-            .unwrap();
-        DV_TOLERANCE
-            .check("dv", &read(io.dv_aligned), &e.dv_aligned)
-            .unwrap();
+        // dq on each input of its size: on q and grad_out (which the main kernel reads) it
+        // needs a separate dQ pool; on out (read only by the preprocess, before dq is zeroed)
+        // the main kernel reduces into dq itself, as without in-place use.
+        for dq_on in ["q", "grad_out", "out"] {
+            let mut dev = SimDevice::new(arch, 4);
+            let mut io = upload(&mut dev, &c);
+            // Every output on top of an input of the same shape.
+            let base = match dq_on {
+                "q" => io.q,
+                "grad_out" => io.grad_out,
+                _ => io.out,
+            };
+            io.dq = Span::new(base.addr, base.len);
+            io.dk_aligned = Span::new(io.k_aligned.addr, io.k_aligned.len);
+            io.dv_aligned = Span::new(io.v_aligned.addr, io.v_aligned.len);
+            let mut backward = MsaBackward::<SimDevice>::new();
+            backward
+                .allow_in_place(true)
+                .run_on(&mut dev, &io, &c.schedule)
+                .unwrap_or_else(|e| panic!("{arch:?}, dq on {dq_on}: {e}"));
+            let layout = backward.pool_layout().expect("allocated");
+            assert_eq!(
+                layout.dq_pool.is_some(),
+                dq_on != "out",
+                "{arch:?}, dq on {dq_on}: {layout:?}"
+            );
+            let read = |s: Span<bf16>| to_f32(&dev.read::<bf16>(s.addr, s.len).unwrap());
+            let e = &c.expected;
+            DQ_TOLERANCE.check("dq", &read(io.dq), &e.dq).unwrap();
+            DK_TOLERANCE
+                .check("dk", &read(io.dk_aligned), &e.dk_aligned)
+                .unwrap();
+            DV_TOLERANCE
+                .check("dv", &read(io.dv_aligned), &e.dv_aligned)
+                .unwrap();
+            println!("{arch:?}: dq on {dq_on}: reference gradients, {layout:?}");
+        }
     }
+    // Without in-place use the workspace holds no dQ pool: dK/dV pools and delta only.
+    let mut dev = SimDevice::new(Arch::Sm90, 4);
+    let io = upload(&mut dev, &c);
+    let mut backward = MsaBackward::<SimDevice>::new();
+    backward
+        .run_on(&mut dev, &io, &c.schedule)
+        .expect("backward");
+    assert_eq!(
+        backward.pool_layout(),
+        Some(msa_runtime::backward::PoolLayout::new(t, w, false).unwrap())
+    );
 }

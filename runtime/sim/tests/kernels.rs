@@ -165,37 +165,47 @@ fn postprocess_is_bit_exact() {
                 .map(|i| tricky_f32(&mut rng, i + 3))
                 .collect();
 
-            // The runtime's `postprocess` (grid, arguments) on a simulated device.
-            let mut dev = SimDevice::new(arch, 1);
-            let a = (
-                span(&mut dev, "dq_pool", &dq_pool),
-                span(&mut dev, "dk_pool", &dk_pool),
-                span(&mut dev, "dv_pool", &dv_pool),
-            );
-            let poison = |n| vec![bf16::from_bits(0x7fc1); n];
-            let o = [
-                span(&mut dev, "dq", &poison(tokens * ROW)),
-                span(&mut dev, "dk", &poison(ws_rows * KV_ROW)),
-                span(&mut dev, "dv", &poison(ws_rows * KV_ROW)),
-            ];
-            let t0 = Instant::now();
-            run_postprocess(&mut dev, a.0, a.1, a.2, o[0], o[1], o[2], tokens, ws_rows)
-                .unwrap_or_else(|e| panic!("{e}"));
-            println!(
-                "{arch:?} bwd_postprocess T={tokens} W={ws_rows}: {:?} in {:?}",
-                dev.launches(),
-                t0.elapsed()
-            );
+            // The runtime's `postprocess` (grid, arguments) on a simulated device, from a
+            // separate pool and in place (`dq` is the pool, as in the backward).
+            for in_place in [false, true] {
+                let mut dev = SimDevice::new(arch, 1);
+                let a = (
+                    span(&mut dev, "dq_pool", &dq_pool),
+                    span(&mut dev, "dk_pool", &dk_pool),
+                    span(&mut dev, "dv_pool", &dv_pool),
+                );
+                let poison = |n| vec![bf16::from_bits(0x7fc1); n];
+                let o = [
+                    if in_place {
+                        a.0
+                    } else {
+                        span(&mut dev, "dq", &poison(tokens * ROW))
+                    },
+                    span(&mut dev, "dk", &poison(ws_rows * KV_ROW)),
+                    span(&mut dev, "dv", &poison(ws_rows * KV_ROW)),
+                ];
+                let t0 = Instant::now();
+                run_postprocess(&mut dev, a.0, a.1, a.2, o[0], o[1], o[2], tokens, ws_rows)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                println!(
+                    "{arch:?} bwd_postprocess T={tokens} W={ws_rows} in place {in_place}: {:?} in {:?}",
+                    dev.launches(),
+                    t0.elapsed()
+                );
 
-            let (dq, dk, dv) = postprocess(&dq_pool, &dk_pool, &dv_pool).expect("reference");
-            for (name, out, want) in [("dq", o[0], dq), ("dk", o[1], dk), ("dv", o[2], dv)] {
-                let got: Vec<bf16> = dev.read(out.addr, want.len()).expect("read");
-                if let Some(i) = (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
-                    panic!(
-                        "{arch:?} T={tokens} W={ws_rows} {name}[{i}]: {:#06x} vs reference {:#06x}",
-                        got[i].to_bits(),
-                        want[i].to_bits()
-                    );
+                let (dq, dk, dv) = postprocess(&dq_pool, &dk_pool, &dv_pool).expect("reference");
+                for (name, out, want) in [("dq", o[0], dq), ("dk", o[1], dk), ("dv", o[2], dv)] {
+                    let got: Vec<bf16> = dev.read(out.addr, want.len()).expect("read");
+                    if let Some(i) =
+                        (0..want.len()).find(|&i| got[i].to_bits() != want[i].to_bits())
+                    {
+                        panic!(
+                            "{arch:?} T={tokens} W={ws_rows} in place {in_place} {name}[{i}]: \
+                             {:#06x} vs reference {:#06x}",
+                            got[i].to_bits(),
+                            want[i].to_bits()
+                        );
+                    }
                 }
             }
         }
