@@ -379,7 +379,7 @@ fn malformed_cu_seqlens_and_a_small_workspace_are_flagged() {
 fn shapes_are_checked_on_the_host_before_any_launch() {
     for (t, d, w, qpw, field) in [
         (0, 1, 128, 8, "q2k"),
-        (1 << 19, 1, 1 << 19, 8, "q2k"),
+        ((1 << 20) + 128, 1, (1 << 20) + 128, 8, "q2k"),
         (10, 0, 128, 8, "cu_seqlens"),
         (10, 1, 100, 8, "workspace_rows"),
         (10, 1, 128, 12, "queries_per_work"),
@@ -427,7 +427,7 @@ fn shapes_are_checked_on_the_host_before_any_launch() {
 
 #[test]
 fn the_capacity_bounds_hold_for_random_lengths() {
-    // The pair and row bounds of ScheduleBuildSizes against the exact counts.
+    // The row bound of ScheduleBuildSizes against the exact counts.
     let mut rng = Rng(99);
     for _ in 0..2000 {
         let docs = 1 + rng.below(40);
@@ -447,14 +447,8 @@ fn the_capacity_bounds_hold_for_random_lengths() {
             .map(|&l| (l as usize).div_ceil(128))
             .collect();
         let rows: usize = nb.iter().sum();
-        let pairs: usize = nb.iter().map(|n| n * (n + 1) / 2).sum();
         let z = ScheduleBuildSizes::new(t, docs, 128 * rows, 8).unwrap();
         assert!(rows <= z.rows_capacity, "{lengths:?}: rows");
-        assert!(
-            pairs <= z.pair_capacity,
-            "{lengths:?}: {pairs} > {}",
-            z.pair_capacity
-        );
         assert!(
             128 * rows <= max_workspace_rows(t, docs),
             "{lengths:?}: W bound"
