@@ -185,66 +185,6 @@ pub mod kv_from_aligned {
         ]
     }
 }
-/// `schedule_documents`: validates cu_seqlens, lays out the workspace, numbers the CSR rows.
-pub mod schedule_documents {
-    use super::*;
-    /// Entry name in the PTX module.
-    pub const NAME: &str = "schedule_documents";
-    /// Threads per CTA.
-    pub const THREADS: (u32, u32, u32) = (1024, 1, 1);
-    /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    /// PTX of `schedule_documents` for `sm_90a`.
-    pub const PTX_SM_90A: &str = include_str!("schedule_documents.sm_90a.ptx");
-    /// PTX of `schedule_documents` for `sm_100a`.
-    pub const PTX_SM_100A: &str = include_str!("schedule_documents.sm_100a.ptx");
-    /// PTX per compute capability.
-    pub const VARIANTS: &[((i32, i32), &str)] = &[
-        ((9, 0), PTX_SM_90A),
-        ((10, 0), PTX_SM_100A),
-    ];
-    /// The kernel for [`crate::backend::Backend::launch`].
-    pub const KERNEL: KernelSpec = KernelSpec {
-        name: NAME,
-        threads: THREADS,
-        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
-        variants: VARIANTS,
-    };
-    /// The launch arguments in declaration order, typed so that a call site cannot
-    /// swap or mistype them; every buffer must hold the elements the kernel addresses
-    /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [1, 1, 1].
-    #[allow(clippy::too_many_arguments)]
-    pub fn args(
-        cu_seqlens: Ptr<i32>,
-        cu_copy: PtrMut<i32>,
-        document_workspace_starts: PtrMut<i32>,
-        status: PtrMut<i32>,
-        doc_blocks: PtrMut<i32>,
-        doc_rank0: PtrMut<i32>,
-        doc_long_index: PtrMut<i32>,
-        long_blocks: PtrMut<i32>,
-        block_record: PtrMut<i32>,
-        row_of_block: PtrMut<i32>,
-        block_of_row: PtrMut<i32>,
-        row_counters: PtrMut<i32>,
-        num_docs: u32,
-        num_tokens: u32,
-        workspace_blocks: u32,
-        row_counter_count: u32,
-    ) -> Vec<KernelArg> {
-        vec![
-            KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
-            KernelArg::from(document_workspace_starts), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
-            KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
-            KernelArg::from(block_record), KernelArg::from(row_of_block),
-            KernelArg::from(block_of_row), KernelArg::from(row_counters),
-            KernelArg::from(num_docs), KernelArg::from(num_tokens),
-            KernelArg::from(workspace_blocks), KernelArg::from(row_counter_count)
-        ]
-    }
-}
 /// `schedule_count`: validates q2k, lists each query block's entries and counts them per row; the last CTA scans the rows.
 pub mod schedule_count {
     use super::*;
@@ -276,13 +216,23 @@ pub mod schedule_count {
     /// Grid: [rows capacity, 4, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        q2k: Ptr<i32>,
-        cu_copy: Ptr<i32>,
+        cu_seqlens: Ptr<i32>,
+        cu_copy: PtrMut<i32>,
+        document_workspace_starts: PtrMut<i32>,
         status: PtrMut<i32>,
-        doc_blocks: Ptr<i32>,
-        block_record: Ptr<i32>,
-        row_of_block: Ptr<i32>,
+        doc_blocks: PtrMut<i32>,
+        doc_rank0: PtrMut<i32>,
+        doc_long_index: PtrMut<i32>,
+        long_blocks: PtrMut<i32>,
+        block_record: PtrMut<i32>,
+        row_of_block: PtrMut<i32>,
+        block_of_row: PtrMut<i32>,
         row_counters: PtrMut<i32>,
+        num_docs: u32,
+        num_tokens: u32,
+        workspace_blocks: u32,
+        row_counter_count: u32,
+        q2k: Ptr<i32>,
         entries: PtrMut<i32>,
         block_entries: PtrMut<i32>,
         edge_places: PtrMut<i32>,
@@ -290,21 +240,23 @@ pub mod schedule_count {
         bucket_starts: PtrMut<i32>,
         item_offsets: PtrMut<i32>,
         work_count: PtrMut<i32>,
-        num_docs: u32,
-        num_tokens: u32,
         rows_capacity: u32,
         queries_per_work: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q2k), KernelArg::from(cu_copy), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(block_record),
-            KernelArg::from(row_of_block), KernelArg::from(row_counters),
-            KernelArg::from(entries), KernelArg::from(block_entries),
-            KernelArg::from(edge_places), KernelArg::from(row_ptr),
-            KernelArg::from(bucket_starts), KernelArg::from(item_offsets),
-            KernelArg::from(work_count), KernelArg::from(num_docs),
-            KernelArg::from(num_tokens), KernelArg::from(rows_capacity),
-            KernelArg::from(queries_per_work)
+            KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
+            KernelArg::from(document_workspace_starts), KernelArg::from(status),
+            KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
+            KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
+            KernelArg::from(block_record), KernelArg::from(row_of_block),
+            KernelArg::from(block_of_row), KernelArg::from(row_counters),
+            KernelArg::from(num_docs), KernelArg::from(num_tokens),
+            KernelArg::from(workspace_blocks), KernelArg::from(row_counter_count),
+            KernelArg::from(q2k), KernelArg::from(entries),
+            KernelArg::from(block_entries), KernelArg::from(edge_places),
+            KernelArg::from(row_ptr), KernelArg::from(bucket_starts),
+            KernelArg::from(item_offsets), KernelArg::from(work_count),
+            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work)
         ]
     }
 }

@@ -43,9 +43,7 @@ use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
 use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
-use crate::kernels::{
-    schedule_count, schedule_documents, schedule_fill, schedule_order, schedule_scatter,
-};
+use crate::kernels::{schedule_count, schedule_fill, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
 use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
@@ -326,6 +324,13 @@ impl<B: Backend> ResidentSchedule<B> {
         let layout = Layout::new(&sizes);
         let storage = backend.alloc("device schedule", 4 * layout.words)?;
         let base = backend.address(&storage);
+        // The build's grid-wide handoff word (ST_READY) must start at 0; every build leaves
+        // it at 0 again.
+        backend.zero(
+            "device schedule status",
+            base + 4 * layout.status as u64,
+            4 * STATUS_WORDS,
+        )?;
         Ok(ResidentSchedule {
             sizes,
             layout,
@@ -381,9 +386,8 @@ impl<B: Backend> ResidentSchedule<B> {
     }
 
     /// The kernels of the build, for loading ahead of a capture.
-    pub fn kernels() -> [&'static crate::KernelSpec; 5] {
+    pub fn kernels() -> [&'static crate::KernelSpec; 4] {
         [
-            &schedule_documents::KERNEL,
             &schedule_count::KERNEL,
             &schedule_scatter::KERNEL,
             &schedule_order::KERNEL,
@@ -391,7 +395,7 @@ impl<B: Backend> ResidentSchedule<B> {
         ]
     }
 
-    /// Issues the five build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// Issues the four build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
     /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
     /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
     ///
@@ -454,9 +458,9 @@ impl<B: Backend> ResidentSchedule<B> {
         let tokens = u(z.num_tokens);
         let launches = [
             (
-                &schedule_documents::KERNEL,
-                (1, 1, 1),
-                schedule_documents::args(
+                &schedule_count::KERNEL,
+                block_grid,
+                schedule_count::args(
                     cu_seqlens.ptr(),
                     self.w(l.cu),
                     self.w(l.ws),
@@ -473,19 +477,7 @@ impl<B: Backend> ResidentSchedule<B> {
                     tokens,
                     u(z.workspace_rows / BLOCK_SIZE),
                     u(NUM_INDEX_HEADS * z.rows_capacity),
-                ),
-            ),
-            (
-                &schedule_count::KERNEL,
-                block_grid,
-                schedule_count::args(
                     q2k.ptr(),
-                    self.r(l.cu),
-                    self.w(l.status),
-                    self.r(l.doc_blocks),
-                    self.r(l.block_doc),
-                    self.r(l.row_of_block),
-                    self.w(l.counters),
                     self.w(l.entries),
                     self.w(l.block_entries),
                     self.w(l.edge_places),
@@ -493,8 +485,6 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.w(l.bucket_starts),
                     self.w(l.item_offsets),
                     self.w(l.work_count),
-                    u(z.num_documents),
-                    tokens,
                     rows_cap,
                     u(z.queries_per_work),
                 ),

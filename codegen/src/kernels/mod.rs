@@ -47,7 +47,6 @@ pub fn all() -> &'static [KernelDesc] {
         postprocess::DESC,
         kv_layout::TO_ALIGNED,
         kv_layout::FROM_ALIGNED,
-        schedule_build::DOCUMENTS,
         schedule_build::COUNT,
         schedule_build::SCATTER,
         schedule_build::ORDER,

@@ -37,10 +37,9 @@
 //! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
 //! `W` alone and rejects shapes whose indices would not fit.
 
-use super::common::{
-    div_ceil, load_if, load_u32, store_u32, warp_inclusive_scan, SCAN_PER_THREAD, SCAN_THREADS,
-};
+use super::common::{div_ceil, load_if, load_u32, store_u32, warp_inclusive_scan, SCAN_PER_THREAD};
 use super::KernelDesc;
+use crate::ptx::ir::Label;
 use crate::ptx::*;
 use crate::target::Target;
 
@@ -93,6 +92,9 @@ pub const ST_ITEMS: u32 = 20;
 pub const ST_ENTRIES: u32 = 24;
 /// Status word: [`COUNT`] CTAs finished (the last one scans the rows).
 pub const ST_DONE: u32 = 28;
+/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs wait
+/// for it); its last CTA sets it back to 0, so it is 0 between builds.
+pub const ST_READY: u32 = 29;
 
 /// Flag: `cu_seqlens` does not start at 0, decreases, or does not end at `T`.
 pub const FLAG_CU_SEQLENS: u32 = 1;
@@ -111,15 +113,6 @@ pub const KIND_AFTER_OWN: u32 = 3;
 pub const KIND_REPEATED: u32 = 4;
 
 const TARGETS: &[Target] = &[Target::Sm90a, Target::Sm100a];
-
-/// `schedule_documents`.
-pub const DOCUMENTS: KernelDesc = KernelDesc {
-    name: "schedule_documents",
-    about: "validates cu_seqlens, lays out the workspace, numbers the CSR rows",
-    targets: TARGETS,
-    threads: (SCAN_THREADS, 1, 1),
-    describe: documents,
-};
 
 /// `schedule_count`.
 pub const COUNT: KernelDesc = KernelDesc {
@@ -325,55 +318,87 @@ fn strided(
     b.place(&done);
 }
 
-fn documents(b: &mut KernelBuilder) {
-    b.grid("[1, 1, 1]");
-    let cu_in_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
-    let cu_p = b.param_ptr("cu_copy", HostElem::I32, true);
-    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, true);
-    let status_p = b.param_ptr("status", HostElem::I32, true);
-    let nb_p = b.param_ptr("doc_blocks", HostElem::I32, true);
-    let rank0_p = b.param_ptr("doc_rank0", HostElem::I32, true);
-    let long_idx_p = b.param_ptr("doc_long_index", HostElem::I32, true);
-    let long_nb_p = b.param_ptr("long_blocks", HostElem::I32, true);
-    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, true);
-    let row_of_p = b.param_ptr("row_of_block", HostElem::I32, true);
-    let block_of_p = b.param_ptr("block_of_row", HostElem::I32, true);
-    let ctr_p = b.param_ptr("row_counters", HostElem::I32, true);
-    let docs_p = b.param_u32("num_docs");
-    let tokens_p = b.param_u32("num_tokens");
-    let kblocks_p = b.param_u32("workspace_blocks");
-    let counters_p = b.param_u32("row_counter_count");
+/// The parameters of the documents step (the first ones of [`COUNT`]).
+struct DocParams {
+    cu_in: ParamRef<U64>,
+    cu: ParamRef<U64>,
+    ws: ParamRef<U64>,
+    status: ParamRef<U64>,
+    nb: ParamRef<U64>,
+    rank0: ParamRef<U64>,
+    long_idx: ParamRef<U64>,
+    long_nb: ParamRef<U64>,
+    blk_doc: ParamRef<U64>,
+    row_of: ParamRef<U64>,
+    block_of: ParamRef<U64>,
+    ctr: ParamRef<U64>,
+    docs: ParamRef<U32>,
+    tokens: ParamRef<U32>,
+    kblocks: ParamRef<U32>,
+    counters: ParamRef<U32>,
+}
+
+fn doc_params(b: &mut KernelBuilder) -> DocParams {
+    DocParams {
+        cu_in: b.param_ptr("cu_seqlens", HostElem::I32, false),
+        cu: b.param_ptr("cu_copy", HostElem::I32, true),
+        ws: b.param_ptr("document_workspace_starts", HostElem::I32, true),
+        status: b.param_ptr("status", HostElem::I32, true),
+        nb: b.param_ptr("doc_blocks", HostElem::I32, true),
+        rank0: b.param_ptr("doc_rank0", HostElem::I32, true),
+        long_idx: b.param_ptr("doc_long_index", HostElem::I32, true),
+        long_nb: b.param_ptr("long_blocks", HostElem::I32, true),
+        blk_doc: b.param_ptr("block_record", HostElem::I32, true),
+        row_of: b.param_ptr("row_of_block", HostElem::I32, true),
+        block_of: b.param_ptr("block_of_row", HostElem::I32, true),
+        ctr: b.param_ptr("row_counters", HostElem::I32, true),
+        docs: b.param_u32("num_docs"),
+        tokens: b.param_u32("num_tokens"),
+        kblocks: b.param_u32("workspace_blocks"),
+        counters: b.param_u32("row_counter_count"),
+    }
+}
+
+/// The documents step, run by CTA (0, 0) of [`COUNT`] (`threads` threads) before it publishes
+/// `ST_READY`: validates `cu_seqlens`, resets the status block (all but `ST_READY`), clears
+/// the row counters, lays out the workspace and numbers the rows. A malformed `cu_seqlens` or
+/// a workspace too small branches to `exit` once the flags are stored.
+fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Label) {
+    let (cu_in_p, cu_p, ws_p, status_p, nb_p) = (&p.cu_in, &p.cu, &p.ws, &p.status, &p.nb);
+    let (rank0_p, long_idx_p, long_nb_p) = (&p.rank0, &p.long_idx, &p.long_nb);
+    let (blk_doc_p, row_of_p, block_of_p, ctr_p) = (&p.blk_doc, &p.row_of, &p.block_of, &p.ctr);
+    let (docs_p, tokens_p, kblocks_p, counters_p) = (&p.docs, &p.tokens, &p.kblocks, &p.counters);
     let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
-    // [first cu_seqlens fault, flags]: the kernel is one CTA, so its own fault bookkeeping
+    // [first cu_seqlens fault, flags]: the step is one CTA, so its own fault bookkeeping
     // stays in shared memory and only the verdict goes to the status block.
     let verdict_var = b.shared_array("verdict", 16, 16);
 
-    let cu_in = b.ld_param_ptr(&cu_in_p);
-    let cu = b.ld_param_ptr(&cu_p);
-    let ws = b.ld_param_ptr(&ws_p);
-    let status = b.ld_param_ptr(&status_p);
-    let nb_a = b.ld_param_ptr(&nb_p);
-    let rank0_a = b.ld_param_ptr(&rank0_p);
-    let long_idx_a = b.ld_param_ptr(&long_idx_p);
-    let long_nb_a = b.ld_param_ptr(&long_nb_p);
-    let docs = b.ld_param(&docs_p);
-    let tokens = b.ld_param(&tokens_p);
-    let kblocks = b.ld_param(&kblocks_p);
+    let cu_in = b.ld_param_ptr(cu_in_p);
+    let cu = b.ld_param_ptr(cu_p);
+    let ws = b.ld_param_ptr(ws_p);
+    let status = b.ld_param_ptr(status_p);
+    let nb_a = b.ld_param_ptr(nb_p);
+    let rank0_a = b.ld_param_ptr(rank0_p);
+    let long_idx_a = b.ld_param_ptr(long_idx_p);
+    let long_nb_a = b.ld_param_ptr(long_nb_p);
+    let docs = b.ld_param(docs_p);
+    let tokens = b.ld_param(tokens_p);
+    let kblocks = b.ld_param(kblocks_p);
     let tid = b.sreg(SReg::TidX);
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     let verdict = b.shared_base(&verdict_var);
 
     b.comment("clear the (entries, edges) counters of every (head, row) the build may use");
-    let ctr = b.ld_param_ptr(&ctr_p);
-    let counters = b.ld_param(&counters_p);
-    b.for_range(tid, counters, SCAN_THREADS, "clear_counters", |b, i| {
+    let ctr = b.ld_param_ptr(ctr_p);
+    let counters = b.ld_param(counters_p);
+    b.for_range(tid, counters, threads, "clear_counters", |b, i| {
         let a = super::common::elem_bytes(b, ctr, i, 8);
         b.st::<U64, _>(&a, 0u64);
     });
 
     b.comment("reset the status block; a bad cu_seqlens[0] is fault index 0");
     b.if_then(leader, "reset", |b| {
-        for w in 0..STATUS_WORDS {
+        for w in (0..STATUS_WORDS).filter(|&w| w != ST_READY) {
             let v = if w == ST_CU_FAULT {
                 i32::MAX as u32
             } else if w == ST_SEL_FAULT {
@@ -399,7 +424,7 @@ fn documents(b: &mut KernelBuilder) {
     b.comment("the level-0 row of each document and the compacted list of long documents");
     let [rows, nonempty, long] = tiled_scan_n(
         b,
-        SCAN_THREADS,
+        threads,
         docs,
         tid,
         &doc_totals,
@@ -470,14 +495,14 @@ fn documents(b: &mut KernelBuilder) {
     // A malformed cu_seqlens or a workspace too small: the row tables would not fit.
     let flags = b.ld::<U32, _>(&shared(verdict, 4));
     let bad = b.setp(Cmp::Ne, flags, 0u32);
-    b.if_then(bad, "flagged", |b| b.ret());
+    b.bra_if(bad, exit);
 
     b.comment("rows: document d's block k is row rank0(d) at level 0, else");
     b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
-    let blk_doc = b.ld_param_ptr(&blk_doc_p);
-    let row_of = b.ld_param_ptr(&row_of_p);
-    let block_of = b.ld_param_ptr(&block_of_p);
-    b.for_range(tid, rows, SCAN_THREADS, "rows", |b, f| {
+    let blk_doc = b.ld_param_ptr(blk_doc_p);
+    let row_of = b.ld_param_ptr(row_of_p);
+    let block_of = b.ld_param_ptr(block_of_p);
+    b.for_range(tid, rows, threads, "rows", |b, f| {
         let start = b.shl(f, 7u32);
         let d = last_le(b, ws, docs, start);
         let ws_d = load_u32(b, ws, d);
@@ -513,7 +538,6 @@ fn documents(b: &mut KernelBuilder) {
         store_u32(b, row_of, f, row);
         store_u32(b, block_of, row, f);
     });
-    b.ret();
 }
 
 /// The block a per-block CTA `(f, head)` works on, from its record.
@@ -677,13 +701,11 @@ fn halves(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<U32>, Reg<U32>) {
 
 fn count(b: &mut KernelBuilder) {
     b.grid("[rows capacity, 4, 1]");
+    let dp = doc_params(b);
+    let (cu_p, status_p, nb_p) = (&dp.cu, &dp.status, &dp.nb);
+    let (blk_doc_p, row_of_p, ctr_p) = (&dp.blk_doc, &dp.row_of, &dp.ctr);
+    let (docs_p, tokens_p) = (&dp.docs, &dp.tokens);
     let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
-    let cu_p = b.param_ptr("cu_copy", HostElem::I32, false);
-    let status_p = b.param_ptr("status", HostElem::I32, true);
-    let nb_p = b.param_ptr("doc_blocks", HostElem::I32, false);
-    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
-    let row_of_p = b.param_ptr("row_of_block", HostElem::I32, false);
-    let ctr_p = b.param_ptr("row_counters", HostElem::I32, true);
     let entries_p = b.param_ptr("entries", HostElem::I32, true);
     let info_p = b.param_ptr("block_entries", HostElem::I32, true);
     let aux_p = b.param_ptr("edge_places", HostElem::I32, true);
@@ -691,8 +713,6 @@ fn count(b: &mut KernelBuilder) {
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, true);
     let item_off_p = b.param_ptr("item_offsets", HostElem::I32, true);
     let work_count_p = b.param_ptr("work_count", HostElem::I32, true);
-    let docs_p = b.param_u32("num_docs");
-    let tokens_p = b.param_u32("num_tokens");
     let rows_cap_p = b.param_u32("rows_capacity");
     let qpw_p = b.param_u32("queries_per_work");
     let mask_var = b.shared_array("mask", WINDOW * 16, 16);
@@ -700,11 +720,11 @@ fn count(b: &mut KernelBuilder) {
     let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
     // [entries of the block, their list base, last CTA]
     let misc_var = b.shared_array("misc", 16, 16);
-    let warp_totals = b.shared_array("warp_totals", 3 * 128, 16);
+    let warp_totals = b.shared_array("warp_totals", 12 * 128, 16);
 
-    let status = b.ld_param_ptr(&status_p);
-    let blk_doc = b.ld_param_ptr(&blk_doc_p);
-    let tokens = b.ld_param(&tokens_p);
+    let status = b.ld_param_ptr(status_p);
+    let blk_doc = b.ld_param_ptr(blk_doc_p);
+    let tokens = b.ld_param(tokens_p);
     let rows_cap = b.ld_param(&rows_cap_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
     let f = b.sreg(SReg::CtaidX);
@@ -714,7 +734,35 @@ fn count(b: &mut KernelBuilder) {
     // Everything the handoff after `finish` reads is defined before the skip.
     let t0 = b.setp(Cmp::Eq, tid, 0u32);
     let q2k = b.ld_param_ptr(&q2k_p);
-    let ctr = b.ld_param_ptr(&ctr_p);
+    let ctr = b.ld_param_ptr(ctr_p);
+
+    b.comment("grid-wide handoff: CTA (0, 0) does the documents step and publishes ST_READY,");
+    b.comment("the others wait for it (CTA 0 is dispatched first, so it always runs)");
+    let fh = b.or(f, head);
+    let later = b.setp(Cmp::Ne, fh, 0u32);
+    let wait = b.label("wait_documents");
+    let ready = b.label("documents_ready");
+    b.bra_if(later, &wait);
+    let published = b.label("documents_published");
+    documents_step(b, &dp, BLOCK_THREADS, &published);
+    b.place(&published);
+    b.bar_sync(0, None);
+    b.if_then(t0, "publish", |b| {
+        b.fence_acq_rel_gpu();
+        b.atom::<U32, _>(AtomOp::Exch, &status_addr(status, ST_READY), 1u32);
+    });
+    b.bra(&ready);
+    b.place(&wait);
+    b.if_then(t0, "spin", |b| {
+        let top = b.label("spin");
+        b.place(&top);
+        let v = b.atom::<U32, _>(AtomOp::Or, &status_addr(status, ST_READY), 0u32);
+        let not_yet = b.setp(Cmp::Eq, v, 0u32);
+        b.bra_if(not_yet, &top);
+    });
+    b.place(&ready);
+    b.bar_sync(0, None);
+    b.fence_acq_rel_gpu();
     // Flags (word 0) and rows (word 3) in one load; the skip is uniform per CTA. A selection
     // fault of another CTA does not stop this one: its entries are still counted, and the
     // flag zeroes work_count at the end.
@@ -899,7 +947,7 @@ fn count(b: &mut KernelBuilder) {
     });
     b.bar_sync(0, None);
     let eb = b.ld::<U32, _>(&shared(misc, 4));
-    let row_of = b.ld_param_ptr(&row_of_p);
+    let row_of = b.ld_param_ptr(row_of_p);
     let entries = b.ld_param_ptr(&entries_p);
     let head_entries = b.mul_lo(head, edge_cap);
     let list_base = b.add(head_entries, eb);
@@ -960,10 +1008,14 @@ fn count(b: &mut KernelBuilder) {
     let not_last = b.setp(Cmp::Eq, last, 0u32);
     b.if_then(not_last, "not_last", |b| b.ret());
     b.fence_acq_rel_gpu();
+    // Every CTA has passed its wait: the next build starts from ST_READY = 0.
+    b.if_then(t0, "unpublish", |b| {
+        b.st::<U32, _>(&status_addr(status, ST_READY), 0u32);
+    });
 
-    let cu = b.ld_param_ptr(&cu_p);
-    let nb_a = b.ld_param_ptr(&nb_p);
-    let docs = b.ld_param(&docs_p);
+    let cu = b.ld_param_ptr(cu_p);
+    let nb_a = b.ld_param_ptr(nb_p);
+    let docs = b.ld_param(docs_p);
     b.if_then(t0, "decode", |b| {
         decode_fault(b, status, q2k, cu, nb_a, docs, tokens);
     });
@@ -976,47 +1028,55 @@ fn count(b: &mut KernelBuilder) {
     let bad = b.setp(Cmp::Ne, hit, 0u32);
     b.if_then(bad, "bad_documents", |b| b.ret());
 
-    b.comment("per head: row_ptr, bucket starts and item offsets, one scan of the counters");
+    b.comment("row_ptr, bucket starts and item offsets of all four heads: one scan of the");
+    b.comment("counters (12 values per row), so the serial tail has one set of barriers");
     let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
     let qpw = b.ld_param(&qpw_p);
     let row_ptr = b.ld_param_ptr(&row_ptr_p);
     let bstart = b.ld_param_ptr(&bstart_p);
     let item_off = b.ld_param_ptr(&item_off_p);
     let stride = b.add(rows_cap, 1u32);
-    let all_items = b.mov::<U32>(0u32);
-    for h in 0..4u32 {
-        let rc_head = b.mul_lo(rows_cap, h);
-        let rp_head = b.mul_lo(stride, h);
-        let [edges, _, items] = tiled_scan_n::<3>(
-            b,
-            BLOCK_THREADS,
-            rows,
-            tid,
-            &warp_totals,
-            |b, r, live| {
-                let out: [Reg<U32>; 3] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-                b.if_then(live, "counter", |b| {
-                    let i = b.add(rc_head, r);
+    let totals = tiled_scan_n::<12>(
+        b,
+        BLOCK_THREADS,
+        rows,
+        tid,
+        &warp_totals,
+        |b, r, live| {
+            let out: [Reg<U32>; 12] = std::array::from_fn(|_| b.mov::<U32>(0u32));
+            b.if_then(live, "counter", |b| {
+                for h in 0..4u32 {
+                    let i = b.mad_lo(rows_cap, h, r);
                     let a = super::common::elem_bytes(b, ctr, i, 8);
                     let v = b.ld::<U64, _>(&a);
                     let (e, n) = halves(b, v);
-                    b.set(out[0], e);
-                    b.set(out[1], n);
                     let w = div_ceil(b, e, qpw);
-                    b.set(out[2], w);
-                });
-                out
-            },
-            |b, r, live, before, _| {
-                b.if_then(live, "row_store", |b| {
-                    let i = b.add(rp_head, r);
-                    store_u32(b, row_ptr, i, before[0]);
-                    let i = b.add(rc_head, r);
-                    store_u32(b, bstart, i, before[1]);
-                    store_u32(b, item_off, i, before[2]);
-                });
-            },
-        );
+                    let h = h as usize;
+                    b.set(out[3 * h], e);
+                    b.set(out[3 * h + 1], n);
+                    b.set(out[3 * h + 2], w);
+                }
+            });
+            out
+        },
+        |b, r, live, before, _| {
+            b.if_then(live, "row_store", |b| {
+                for h in 0..4u32 {
+                    let i = b.mad_lo(stride, h, r);
+                    let k = 3 * h as usize;
+                    store_u32(b, row_ptr, i, before[k]);
+                    let i = b.mad_lo(rows_cap, h, r);
+                    store_u32(b, bstart, i, before[k + 1]);
+                    store_u32(b, item_off, i, before[k + 2]);
+                }
+            });
+        },
+    );
+    let all_items = b.mov::<U32>(0u32);
+    for h in 0..4u32 {
+        let edges = totals[3 * h as usize];
+        let items = totals[3 * h as usize + 2];
+        let rp_head = b.mul_lo(stride, h);
         let pad_from = b.add(rows, tid);
         b.for_range(pad_from, stride, BLOCK_THREADS, "row_ptr_pad", |b, r| {
             let i = b.add(rp_head, r);
