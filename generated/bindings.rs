@@ -242,6 +242,7 @@ pub mod schedule_count {
         work_count: PtrMut<i32>,
         rows_capacity: u32,
         queries_per_work: u32,
+        window_bits: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
@@ -256,7 +257,8 @@ pub mod schedule_count {
             KernelArg::from(block_entries), KernelArg::from(edge_places),
             KernelArg::from(row_ptr), KernelArg::from(bucket_starts),
             KernelArg::from(item_offsets), KernelArg::from(work_count),
-            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work)
+            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work),
+            KernelArg::from(window_bits)
         ]
     }
 }

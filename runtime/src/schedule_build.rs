@@ -52,6 +52,10 @@ use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 /// [`crate::MAX_TOKENS`], one document or packed.
 pub const MAX_BUILD_TOKENS: usize = MAX_TOKENS;
 
+/// Key blocks per window of `schedule_count`'s selection mask (its shared array's size):
+/// a query block of the `k`-th window sees `k + 1` passes, at most 8 for `T <= MAX_TOKENS`.
+pub const COUNT_WINDOW: usize = 1024;
+
 /// Words of the status block the kernels write (mirrors `codegen::kernels::schedule_build`).
 pub const STATUS_WORDS: usize = 32;
 /// Status flag: `cu_seqlens` is malformed.
@@ -108,6 +112,10 @@ pub struct ScheduleBuildSizes {
     pub edge_capacity: usize,
     /// Rows of `scheduler_metadata`.
     pub work_capacity: usize,
+    /// Key blocks per window of `schedule_count`'s shared selection mask, a power of two up to
+    /// [`COUNT_WINDOW`] (the default). Smaller windows give the same tables with more passes:
+    /// tests lower it to run several windows on small inputs.
+    pub count_window: usize,
 }
 
 impl ScheduleBuildSizes {
@@ -181,6 +189,7 @@ impl ScheduleBuildSizes {
             rows_capacity: rows,
             edge_capacity,
             work_capacity,
+            count_window: COUNT_WINDOW,
         })
     }
 }
@@ -447,6 +456,13 @@ impl<B: Backend> ResidentSchedule<B> {
                 "a 4-byte aligned device address",
             ));
         }
+        if !z.count_window.is_power_of_two() || z.count_window > COUNT_WINDOW {
+            return Err(RuntimeError::input(
+                "count_window",
+                z.count_window,
+                format!("a power of two <= {COUNT_WINDOW} (the selection mask's blocks)"),
+            ));
+        }
         for k in Self::kernels() {
             backend.load(k)?;
         }
@@ -487,6 +503,7 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.w(l.work_count),
                     rows_cap,
                     u(z.queries_per_work),
+                    z.count_window.trailing_zeros(),
                 ),
             ),
             (
