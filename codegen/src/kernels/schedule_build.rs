@@ -254,11 +254,11 @@ fn cta_exclusive_scan_n<const N: usize>(
 }
 
 /// [`common::tiled_scan`] of `N` values per entry (one scan's barriers for all of them) for a
-/// CTA of `threads` threads: `value` gives the entry's `N` values (zeros when not live),
-/// `store` gets the sums before it.
+/// CTA of `threads` threads owning `per_thread` entries each per tile: `value` gives the
+/// entry's `N` values (zeros when not live), `store` gets the sums before it.
 fn tiled_scan_n<const N: usize>(
     b: &mut KernelBuilder,
-    threads: u32,
+    (threads, per_thread): (u32, u32),
     n: Reg<U32>,
     tid: Reg<U32>,
     warp_totals: &SharedVar,
@@ -266,12 +266,12 @@ fn tiled_scan_n<const N: usize>(
     store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
 ) -> [Reg<U32>; N] {
     let carry: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-    let tile = threads * SCAN_PER_THREAD;
+    let tile = threads * per_thread;
     b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
-        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
+        let first = b.mad_lo(tid, per_thread, tile_base);
         let mut entries = Vec::new();
         let mut sum: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-        for k in 0..SCAN_PER_THREAD {
+        for k in 0..per_thread {
             let i = b.add(first, k);
             let l = b.setp(Cmp::Lt, i, n);
             let v = value(b, i, l);
@@ -426,7 +426,7 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     b.comment("the level-0 row of each document and the compacted list of long documents");
     let [rows, nonempty, long] = tiled_scan_n(
         b,
-        threads,
+        (threads, SCAN_PER_THREAD),
         docs,
         tid,
         &doc_totals,
@@ -762,6 +762,7 @@ fn count(b: &mut KernelBuilder) {
         let v = b.atom::<U32, _>(AtomOp::Or, &status_addr(status, ST_READY), 0u32);
         let not_yet = b.setp(Cmp::Eq, v, 0u32);
         b.bra_if(not_yet, &top);
+        b.fence_acq_rel_gpu();
     });
     b.place(&ready);
     b.bar_sync(0, None);
@@ -1042,9 +1043,10 @@ fn count(b: &mut KernelBuilder) {
     let bstart = b.ld_param_ptr(&bstart_p);
     let item_off = b.ld_param_ptr(&item_off_p);
     let stride = b.add(rows_cap, 1u32);
+    // Two rows per thread and tile: the 12 values per row stay in registers.
     let totals = tiled_scan_n::<12>(
         b,
-        BLOCK_THREADS,
+        (BLOCK_THREADS, 2),
         rows,
         tid,
         &warp_totals,
@@ -1339,7 +1341,7 @@ fn order(b: &mut KernelBuilder) {
     };
     tiled_scan_n::<1>(
         b,
-        ORDER_THREADS,
+        (ORDER_THREADS, SCAN_PER_THREAD),
         n,
         tid,
         &warp_totals,
