@@ -56,6 +56,8 @@ pub const WINDOW: u32 = 1024;
 /// Largest bucket [`ORDER`] sorts: a row's entries come from distinct query blocks of one
 /// document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
 pub const MAX_BUCKET: u32 = 8192;
+/// Entries a [`COUNT`] thread handles per pass of its entry loop.
+const ENTRY_BATCH: u32 = 4;
 /// Bits of a bucket sort key holding the slot (the rest holds `qb`).
 const SLOT_BITS: u32 = 13;
 
@@ -155,22 +157,6 @@ pub const FILL: KernelDesc = KernelDesc {
 /// `status[word]`.
 fn status_addr(status: Reg<U64>, word: u32) -> GlobalAddr {
     global(status, 4 * i64::from(word))
-}
-
-/// Population count of a 32-bit word (SWAR: no `popc` needed in the simulator).
-fn popc(b: &mut KernelBuilder, x: Reg<U32>) -> Reg<U32> {
-    let h = b.shr(x, 1u32);
-    let h = b.and(h, 0x5555_5555u32);
-    let x = b.sub(x, h);
-    let lo = b.and(x, 0x3333_3333u32);
-    let hi = b.shr(x, 2u32);
-    let hi = b.and(hi, 0x3333_3333u32);
-    let x = b.add(lo, hi);
-    let s = b.shr(x, 4u32);
-    let x = b.add(x, s);
-    let x = b.and(x, 0x0f0f_0f0fu32);
-    let x = b.mul_lo(x, 0x0101_0101u32);
-    b.shr(x, 24u32)
 }
 
 /// The last index `i < n` with `a[i] <= key` for a non-decreasing `a` with `a[0] <= key`.
@@ -895,10 +881,10 @@ fn count(b: &mut KernelBuilder) {
                     let part = b.and(x, below_bit);
                     let whole = b.selp(x, 0u32, before);
                     let sel = b.selp(part, whole, mine);
-                    let c = popc(b, sel);
+                    let c = b.popc(sel);
                     let r = b.add(rank, c);
                     b.set(rank, r);
-                    let c = popc(b, x);
+                    let c = b.popc(x);
                     let n = b.add(total, c);
                     b.set(total, n);
                 }
@@ -958,25 +944,48 @@ fn count(b: &mut KernelBuilder) {
     let entries = b.ld_param_ptr(&entries_p);
     let head_entries = b.mul_lo(head, edge_cap);
     let list_base = b.add(head_entries, eb);
-    b.for_range(tid, n, BLOCK_THREADS, "entries", |b, j| {
-        let j4 = b.shl(j, 2u32);
-        let at = b.add(elist, j4);
-        let e = b.ld::<U32, _>(&shared(at, 0));
-        let id = b.and(e, 0xffffu32);
-        let c = b.shr(e, 16u32);
-        let fk = b.add(blk.first_block, id);
-        let row = load_u32(b, row_of, fk);
-        let bi = b.mad_lo(head, rows_cap, row);
-        let c64 = b.cvt::<U64, U32>(c);
-        let inc = b.add(c64, 1u64 << 32);
-        let ca = super::common::elem_bytes(b, ctr, bi, 8);
-        let old = b.atom::<U64, _>(AtomOp::Add, &ca, inc);
-        let (_, slot) = halves(b, old);
-        let c13 = b.shl(c, SLOT_BITS);
-        let sc = b.or(slot, c13);
-        let gi = b.add(list_base, j);
-        let ea = super::common::elem_bytes(b, entries, gi, 8);
-        b.st_v(&ea, [row, sc]);
+    // ENTRY_BATCH entries per thread and pass, each step for all of them before the next
+    // (row lookups, then the atomics), so their round trips overlap.
+    let n1 = b.max(n, 1u32);
+    let last_entry = b.sub(n1, 1u32);
+    b.for_range(tid, n, BLOCK_THREADS * ENTRY_BATCH, "entries", |b, j0| {
+        let mut batch = Vec::new();
+        for k in 0..ENTRY_BATCH {
+            let j = b.add(j0, BLOCK_THREADS * k);
+            let live = b.setp(Cmp::Lt, j, n);
+            let jc = b.min(j, last_entry);
+            let j4 = b.shl(jc, 2u32);
+            let at = b.add(elist, j4);
+            let e = b.ld::<U32, _>(&shared(at, 0));
+            let id = b.and(e, 0xffffu32);
+            let c = b.shr(e, 16u32);
+            let fk = b.add(blk.first_block, id);
+            let row = load_u32(b, row_of, fk);
+            batch.push((j, live, c, row));
+        }
+        let mut slots = Vec::new();
+        for &(_, live, c, row) in &batch {
+            let bi = b.mad_lo(head, rows_cap, row);
+            let c64 = b.cvt::<U64, U32>(c);
+            let inc = b.add(c64, 1u64 << 32);
+            let ca = super::common::elem_bytes(b, ctr, bi, 8);
+            let old = b.mov::<U64>(0u64);
+            b.predicated(live, false, |b| {
+                let o = b.atom::<U64, _>(AtomOp::Add, &ca, inc);
+                b.set(old, o);
+            });
+            slots.push(old);
+        }
+        for (&(j, live, c, row), &old) in batch.iter().zip(&slots) {
+            let (_, slot) = halves(b, old);
+            let c13 = b.shl(c, SLOT_BITS);
+            let sc = b.or(slot, c13);
+            let gi = b.add(list_base, j);
+            b.predicated(live, false, |b| {
+                let ea = super::common::elem_bytes(b, entries, gi, 8);
+                b.st_v(&ea, [row, sc]);
+            });
+        }
     });
     b.comment("edge_places[head, t, slot] = (list index << 7) | rank, or -1 for no edge");
     let eb7 = b.shl(eb, 7u32);
@@ -1043,6 +1052,8 @@ fn count(b: &mut KernelBuilder) {
     let bstart = b.ld_param_ptr(&bstart_p);
     let item_off = b.ld_param_ptr(&item_off_p);
     let stride = b.add(rows_cap, 1u32);
+    let rows1 = b.max(rows, 1u32);
+    let last_row = b.sub(rows1, 1u32);
     // Two rows per thread and tile: the 12 values per row stay in registers.
     let totals = tiled_scan_n::<12>(
         b,
@@ -1050,22 +1061,21 @@ fn count(b: &mut KernelBuilder) {
         rows,
         tid,
         &warp_totals,
+        // Unpredicated loads at a clamped row (rows >= 1 here), zero when not live.
         |b, r, live| {
-            let out: [Reg<U32>; 12] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-            b.if_then(live, "counter", |b| {
-                for h in 0..4u32 {
-                    let i = b.mad_lo(rows_cap, h, r);
-                    let a = super::common::elem_bytes(b, ctr, i, 8);
-                    let v = b.ld::<U64, _>(&a);
-                    let (e, n) = halves(b, v);
-                    let w = div_ceil(b, e, qpw);
-                    let h = h as usize;
-                    b.set(out[3 * h], e);
-                    b.set(out[3 * h + 1], n);
-                    b.set(out[3 * h + 2], w);
+            let rc = b.min(r, last_row);
+            let mut out = Vec::new();
+            for h in 0..4u32 {
+                let i = b.mad_lo(rows_cap, h, rc);
+                let a = super::common::elem_bytes(b, ctr, i, 8);
+                let v = b.ld::<U64, _>(&a);
+                let (e, n) = halves(b, v);
+                let w = div_ceil(b, e, qpw);
+                for x in [e, n, w] {
+                    out.push(b.selp(x, 0u32, live));
                 }
-            });
-            out
+            }
+            std::array::from_fn(|k| out[k])
         },
         |b, r, live, before, _| {
             b.if_then(live, "row_store", |b| {
@@ -1330,6 +1340,9 @@ fn order(b: &mut KernelBuilder) {
     bitonic_sort(b, keys, m, tid, ORDER_THREADS);
 
     b.comment("entry start = row_ptr + edges of the row's earlier query blocks");
+    // n >= 1: the row has a CTA only if rows > row, and an empty row scans nothing.
+    let n1 = b.max(n, 1u32);
+    let last = b.sub(n1, 1u32);
     let entries = b.ld_param_ptr(&entries_p);
     let record = |b: &mut KernelBuilder, i: Reg<U32>| {
         let i4 = b.shl(i, 2u32);
@@ -1345,18 +1358,20 @@ fn order(b: &mut KernelBuilder) {
         n,
         tid,
         &warp_totals,
+        // Unpredicated loads at a clamped index (so a thread's loads overlap); dead entries
+        // count 0 and store nothing.
         |b, i, live| {
-            let c = load_if(b, live, |b| {
-                let da = record(b, i);
-                let w = b.ld::<U32, _>(&da);
-                b.shr(w, 16u32)
-            });
-            [c]
+            let ic = b.min(i, last);
+            let da = record(b, ic);
+            let w = b.ld::<U32, _>(&da);
+            let c = b.shr(w, 16u32);
+            [b.selp(c, 0u32, live)]
         },
         |b, i, live, before, _| {
+            let ic = b.min(i, last);
+            let da = record(b, ic);
+            let li = b.ld::<U32, _>(&da.offset(4));
             b.if_then(live, "entry_start", |b| {
-                let da = record(b, i);
-                let li = b.ld::<U32, _>(&da.offset(4));
                 let gi = b.add(head_base, li);
                 let ea = super::common::elem_bytes(b, entries, gi, 8);
                 let s = b.add(row_start, before[0]);
@@ -1401,21 +1416,29 @@ fn fill(b: &mut KernelBuilder) {
     let entries = b.ld_param_ptr(&entries_p);
     let q_indices = b.ld_param_ptr(&q_indices_p);
     b.comment("q_indices[head, start of the entry + rank] = q");
+    // All 16 loads first, unpredicated (a slot with no edge reads the head's entry 0, which
+    // is in bounds), so they overlap; only the stores are predicated.
+    let mut places = Vec::new();
     for c in 0..4 {
         let v: [Reg<U32>; 4] = b.ld_v(&global(base, 16 * c as i64));
-        for &a in &v {
-            let edge = b.setp(Cmp::Ne, a, u32::MAX);
-            b.if_then(edge, "edge", |b| {
-                let li = b.shr(a, 7u32);
-                let r = b.and(a, 127u32);
-                let gi = b.add(head_base, li);
-                let ea = super::common::elem_bytes(b, entries, gi, 8);
-                let s = b.ld::<U32, _>(&ea);
-                let e = b.add(s, r);
-                let e = b.add(head_base, e);
-                store_u32(b, q_indices, e, q);
-            });
-        }
+        places.extend(v);
+    }
+    let mut starts = Vec::new();
+    for &a in &places {
+        let edge = b.setp(Cmp::Ne, a, u32::MAX);
+        let li = b.shr(a, 7u32);
+        let li = b.selp(li, 0u32, edge);
+        let gi = b.add(head_base, li);
+        let ea = super::common::elem_bytes(b, entries, gi, 8);
+        starts.push((edge, b.ld::<U32, _>(&ea)));
+    }
+    for (&a, &(edge, start)) in places.iter().zip(&starts) {
+        b.if_then(edge, "edge", |b| {
+            let r = b.and(a, 127u32);
+            let e = b.add(start, r);
+            let e = b.add(head_base, e);
+            store_u32(b, q_indices, e, q);
+        });
     }
     b.ret();
 }
