@@ -1,8 +1,8 @@
 //! The device schedule build: from a device block selection `q2k [4, T, 16]` and device
-//! `cu_seqlens`, five launches write the schedule of `docs/design.md` §2.1 (`row_ptr`, `q_indices`,
-//! `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables the host
-//! `build_schedule` gives, and validate the selection on the way, with no host sync. Work and
-//! memory are linear in `T` for every `T <= MAX_TOKENS = 2^20`, one document or packed.
+//! `cu_seqlens`, four launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
+//! `q_indices`, `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables
+//! the host `build_schedule` gives, and validate the selection on the way, with no host sync.
+//! Work and memory are linear in `T` for every `T <= MAX_TOKENS = 2^20`, one document or packed.
 //!
 //! An *entry* is one `(head, key block k, query block qb)` with at least one edge: the `c >= 1`
 //! queries of block `qb` that selected `k`. A query block names at most 2048 entries, so a head
@@ -10,30 +10,37 @@
 //! by ascending `qb`, each entry's queries ascending. The build is a counting sort of the
 //! entries by row that restores the `qb` order inside each row:
 //!
-//! 1. [`DOCUMENTS`] (1 CTA): validates `cu_seqlens`, lays out the aligned workspace, numbers the
-//!    CSR rows (level-major, round-robin across documents), clears the row counters.
-//! 2. [`COUNT`] (one CTA per (document block, head)): validates every id of the block's 128
-//!    queries and finds its entries with a shared selection mask over windows of
-//!    [`WINDOW`] key blocks (at most 8 windows at `T = 2^20`), giving each edge its rank
-//!    among the block's queries that selected the same block. The entries go to a per-head
-//!    list (a bump allocation); one 64-bit atomic per entry adds `(1 entry, c edges)` to its
-//!    row's counter and returns the entry's slot in the row. The CTA that finishes last (a
-//!    grid-wide handoff through an atomic counter, no spinning) scans the counters into
-//!    `row_ptr`, the row starts of the entry buckets and the work items per row, and decodes
-//!    the first fault.
-//! 3. [`SCATTER`]: puts every entry into its row's bucket at its slot (any order), and writes
-//!    the work items, `-1` tail of `q_indices` and zero tail of `scheduler_metadata`.
-//! 4. [`ORDER`] (one CTA per (row, head)): sorts the row's bucket by `qb` (a bitonic sort in
-//!    shared memory; a bucket holds at most one entry per query block, so at most 8192) and
-//!    scans the edge counts: entry `(k, qb)` starts at `row_ptr + Σ_{qb' < qb} c(k, qb')`.
-//! 5. [`FILL`] (as 2): writes every edge at its entry's start plus its rank.
+//! 1. [`COUNT`] (one CTA per (document block, head)). CTA (0, 0) first does the documents step
+//!    (validates `cu_seqlens`, resets the status block, clears the row counters, lays out the
+//!    aligned workspace, numbers the CSR rows level-major and round-robin across documents) and
+//!    publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched first, so the wait
+//!    always ends; the simulator runs CTAs in order). Then every CTA validates the 16 ids of
+//!    its 128 queries and finds the block's entries with a shared selection mask over windows
+//!    of [`WINDOW`] key blocks (at most 8 passes at `T = 2^20`), which also gives each edge its
+//!    rank among the block's queries that selected the same block. The entries go to a
+//!    per-head list (a bump allocation); one 64-bit atomic per entry adds `(1 entry, c edges)`
+//!    to its row's counter and returns the entry's slot in the row. The CTA that finishes last
+//!    (an atomic counter of finished CTAs, no waiting) scans the counters of all four heads
+//!    into `row_ptr`, the row starts of the entry buckets and the work items per row, decodes
+//!    the first fault and writes `work_count` (0 when anything was flagged).
+//! 2. [`SCATTER`]: puts every entry into its row's bucket at its slot (any order), and writes
+//!    the work items (head-major, then row, then `q_begin`), the `-1` tail of `q_indices` and
+//!    the zero tail of `scheduler_metadata`.
+//! 3. [`ORDER`] (one CTA per (row, head)): sorts the row's bucket by `qb` (a bitonic sort in
+//!    shared memory; a bucket holds at most one entry per query block of one document, so at
+//!    most [`MAX_BUCKET`]) and scans the edge counts: entry `(k, qb)` starts at
+//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`.
+//! 4. [`FILL`] (as 1): writes every edge at its entry's start plus its rank.
 //!
-//! The slots an atomic hands out and the places of the entry lists vary from run to run; the
+//! The slots the atomics hand out and the places of the entry lists vary from run to run; the
 //! tables do not: every position in them comes from a count or a sort by a unique key.
 //!
 //! Rows are numbered without a level loop: document `d`'s block `k` is row `rank0(d)` at
 //! level 0, and `N0 + Σ_long (min(nb_j, k) − 1) + #{long j before d : nb_j > k}` at level
 //! `k >= 1`, where `N0` counts the non-empty documents and "long" ones have two or more blocks.
+//! (That sum is over the long documents for each row: linear in `T` for a bounded number of
+//! long documents, as in every benchmark case; `T/129` long documents of two blocks would make
+//! it quadratic in the worst case.)
 //! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
 //! `W` alone and rejects shapes whose indices would not fit.
 
