@@ -185,67 +185,7 @@ pub mod kv_from_aligned {
         ]
     }
 }
-/// `schedule_documents`: validates cu_seqlens, lays out the workspace, numbers the CSR rows and their pairs.
-pub mod schedule_documents {
-    use super::*;
-    /// Entry name in the PTX module.
-    pub const NAME: &str = "schedule_documents";
-    /// Threads per CTA.
-    pub const THREADS: (u32, u32, u32) = (1024, 1, 1);
-    /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    /// PTX of `schedule_documents` for `sm_90a`.
-    pub const PTX_SM_90A: &str = include_str!("schedule_documents.sm_90a.ptx");
-    /// PTX of `schedule_documents` for `sm_100a`.
-    pub const PTX_SM_100A: &str = include_str!("schedule_documents.sm_100a.ptx");
-    /// PTX per compute capability.
-    pub const VARIANTS: &[((i32, i32), &str)] = &[
-        ((9, 0), PTX_SM_90A),
-        ((10, 0), PTX_SM_100A),
-    ];
-    /// The kernel for [`crate::backend::Backend::launch`].
-    pub const KERNEL: KernelSpec = KernelSpec {
-        name: NAME,
-        threads: THREADS,
-        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
-        variants: VARIANTS,
-    };
-    /// The launch arguments in declaration order, typed so that a call site cannot
-    /// swap or mistype them; every buffer must hold the elements the kernel addresses
-    /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [1, 1, 1].
-    #[allow(clippy::too_many_arguments)]
-    pub fn args(
-        cu_seqlens: Ptr<i32>,
-        cu_copy: PtrMut<i32>,
-        document_workspace_starts: PtrMut<i32>,
-        status: PtrMut<i32>,
-        doc_blocks: PtrMut<i32>,
-        doc_rank0: PtrMut<i32>,
-        doc_long_index: PtrMut<i32>,
-        long_blocks: PtrMut<i32>,
-        block_record: PtrMut<i32>,
-        row_of_block: PtrMut<i32>,
-        block_of_row: PtrMut<i32>,
-        row_pair_offset: PtrMut<i32>,
-        num_docs: u32,
-        num_tokens: u32,
-        workspace_blocks: u32,
-        pair_capacity: u32,
-    ) -> Vec<KernelArg> {
-        vec![
-            KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
-            KernelArg::from(document_workspace_starts), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
-            KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
-            KernelArg::from(block_record), KernelArg::from(row_of_block),
-            KernelArg::from(block_of_row), KernelArg::from(row_pair_offset),
-            KernelArg::from(num_docs), KernelArg::from(num_tokens),
-            KernelArg::from(workspace_blocks), KernelArg::from(pair_capacity)
-        ]
-    }
-}
-/// `schedule_count`: validates q2k and counts the queries of each (key block, query block) pair.
+/// `schedule_count`: validates q2k, lists each query block's entries and counts them per row; the last CTA scans the rows.
 pub mod schedule_count {
     use super::*;
     /// Entry name in the PTX module.
@@ -276,36 +216,65 @@ pub mod schedule_count {
     /// Grid: [rows capacity, 4, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        q2k: Ptr<i32>,
+        cu_seqlens: Ptr<i32>,
+        cu_copy: PtrMut<i32>,
+        document_workspace_starts: PtrMut<i32>,
         status: PtrMut<i32>,
-        block_record: Ptr<i32>,
-        row_of_block: Ptr<i32>,
-        row_pair_offset: Ptr<i32>,
-        pair_counts: PtrMut<i32>,
+        doc_blocks: PtrMut<i32>,
+        doc_rank0: PtrMut<i32>,
+        doc_long_index: PtrMut<i32>,
+        long_blocks: PtrMut<i32>,
+        block_record: PtrMut<i32>,
+        row_of_block: PtrMut<i32>,
+        block_of_row: PtrMut<i32>,
+        row_counters: PtrMut<i32>,
+        num_docs: u32,
         num_tokens: u32,
-        pair_capacity: u32,
+        workspace_blocks: u32,
+        row_counter_count: u32,
+        q2k: Ptr<i32>,
+        entries: PtrMut<i32>,
+        block_entries: PtrMut<i32>,
+        edge_places: PtrMut<i32>,
+        row_ptr: PtrMut<i32>,
+        bucket_starts: PtrMut<i32>,
+        item_offsets: PtrMut<i32>,
+        work_count: PtrMut<i32>,
+        rows_capacity: u32,
+        queries_per_work: u32,
+        window_bits: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q2k), KernelArg::from(status), KernelArg::from(block_record),
-            KernelArg::from(row_of_block), KernelArg::from(row_pair_offset),
-            KernelArg::from(pair_counts), KernelArg::from(num_tokens),
-            KernelArg::from(pair_capacity)
+            KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
+            KernelArg::from(document_workspace_starts), KernelArg::from(status),
+            KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
+            KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
+            KernelArg::from(block_record), KernelArg::from(row_of_block),
+            KernelArg::from(block_of_row), KernelArg::from(row_counters),
+            KernelArg::from(num_docs), KernelArg::from(num_tokens),
+            KernelArg::from(workspace_blocks), KernelArg::from(row_counter_count),
+            KernelArg::from(q2k), KernelArg::from(entries),
+            KernelArg::from(block_entries), KernelArg::from(edge_places),
+            KernelArg::from(row_ptr), KernelArg::from(bucket_starts),
+            KernelArg::from(item_offsets), KernelArg::from(work_count),
+            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work),
+            KernelArg::from(window_bits)
         ]
     }
 }
-/// `schedule_offsets`: pair counts to edge offsets, row_ptr, work items per row; decodes the first fault.
-pub mod schedule_offsets {
+/// `schedule_scatter`: puts every entry into its row's bucket; writes scheduler_metadata and the table tails.
+pub mod schedule_scatter {
     use super::*;
     /// Entry name in the PTX module.
-    pub const NAME: &str = "schedule_offsets";
+    pub const NAME: &str = "schedule_scatter";
     /// Threads per CTA.
-    pub const THREADS: (u32, u32, u32) = (1024, 1, 1);
+    pub const THREADS: (u32, u32, u32) = (128, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
     pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    /// PTX of `schedule_offsets` for `sm_90a`.
-    pub const PTX_SM_90A: &str = include_str!("schedule_offsets.sm_90a.ptx");
-    /// PTX of `schedule_offsets` for `sm_100a`.
-    pub const PTX_SM_100A: &str = include_str!("schedule_offsets.sm_100a.ptx");
+    /// PTX of `schedule_scatter` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("schedule_scatter.sm_90a.ptx");
+    /// PTX of `schedule_scatter` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("schedule_scatter.sm_100a.ptx");
     /// PTX per compute capability.
     pub const VARIANTS: &[((i32, i32), &str)] = &[
         ((9, 0), PTX_SM_90A),
@@ -321,34 +290,86 @@ pub mod schedule_offsets {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [4, 1, 1].
+    /// Grid: [rows capacity, 4, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        q2k: Ptr<i32>,
-        cu_copy: Ptr<i32>,
-        status: PtrMut<i32>,
-        doc_blocks: Ptr<i32>,
-        row_pair_offset: Ptr<i32>,
-        pair_counts: PtrMut<i32>,
-        row_ptr: PtrMut<i32>,
-        item_offsets: PtrMut<i32>,
-        num_docs: u32,
+        status: Ptr<i32>,
+        block_record: Ptr<i32>,
+        block_of_row: Ptr<i32>,
+        entries: Ptr<i32>,
+        block_entries: Ptr<i32>,
+        bucket_starts: Ptr<i32>,
+        buckets: PtrMut<i32>,
+        row_ptr: Ptr<i32>,
+        item_offsets: Ptr<i32>,
+        q_indices: PtrMut<i32>,
+        scheduler_metadata: PtrMut<i32>,
         num_tokens: u32,
         rows_capacity: u32,
-        pair_capacity: u32,
+        work_capacity: u32,
         queries_per_work: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q2k), KernelArg::from(cu_copy), KernelArg::from(status),
-            KernelArg::from(doc_blocks), KernelArg::from(row_pair_offset),
-            KernelArg::from(pair_counts), KernelArg::from(row_ptr),
-            KernelArg::from(item_offsets), KernelArg::from(num_docs),
-            KernelArg::from(num_tokens), KernelArg::from(rows_capacity),
-            KernelArg::from(pair_capacity), KernelArg::from(queries_per_work)
+            KernelArg::from(status), KernelArg::from(block_record),
+            KernelArg::from(block_of_row), KernelArg::from(entries),
+            KernelArg::from(block_entries), KernelArg::from(bucket_starts),
+            KernelArg::from(buckets), KernelArg::from(row_ptr),
+            KernelArg::from(item_offsets), KernelArg::from(q_indices),
+            KernelArg::from(scheduler_metadata), KernelArg::from(num_tokens),
+            KernelArg::from(rows_capacity), KernelArg::from(work_capacity),
+            KernelArg::from(queries_per_work)
         ]
     }
 }
-/// `schedule_fill`: writes every CSR edge at its pair offset plus its rank in the query block.
+/// `schedule_order`: sorts each row's entries by query block and scans their edge counts into starts.
+pub mod schedule_order {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "schedule_order";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `schedule_order` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("schedule_order.sm_90a.ptx");
+    /// PTX of `schedule_order` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("schedule_order.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [rows capacity, 4, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        status: Ptr<i32>,
+        row_counters: Ptr<i32>,
+        bucket_starts: Ptr<i32>,
+        buckets: Ptr<i32>,
+        row_ptr: Ptr<i32>,
+        entries: PtrMut<i32>,
+        num_tokens: u32,
+        rows_capacity: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(status), KernelArg::from(row_counters),
+            KernelArg::from(bucket_starts), KernelArg::from(buckets),
+            KernelArg::from(row_ptr), KernelArg::from(entries),
+            KernelArg::from(num_tokens), KernelArg::from(rows_capacity)
+        ]
+    }
+}
+/// `schedule_fill`: writes every CSR edge at its entry's start plus its rank in the query block.
 pub mod schedule_fill {
     use super::*;
     /// Entry name in the PTX module.
@@ -379,75 +400,17 @@ pub mod schedule_fill {
     /// Grid: [rows capacity, 4, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        q2k: Ptr<i32>,
         status: Ptr<i32>,
         block_record: Ptr<i32>,
-        row_of_block: Ptr<i32>,
-        row_pair_offset: Ptr<i32>,
-        pair_counts: Ptr<i32>,
-        num_tokens: u32,
-        pair_capacity: u32,
+        entries: Ptr<i32>,
+        edge_places: Ptr<i32>,
         q_indices: PtrMut<i32>,
-    ) -> Vec<KernelArg> {
-        vec![
-            KernelArg::from(q2k), KernelArg::from(status), KernelArg::from(block_record),
-            KernelArg::from(row_of_block), KernelArg::from(row_pair_offset),
-            KernelArg::from(pair_counts), KernelArg::from(num_tokens),
-            KernelArg::from(pair_capacity), KernelArg::from(q_indices)
-        ]
-    }
-}
-/// `schedule_items`: writes scheduler_metadata, work_count and the -1 tail of q_indices.
-pub mod schedule_items {
-    use super::*;
-    /// Entry name in the PTX module.
-    pub const NAME: &str = "schedule_items";
-    /// Threads per CTA.
-    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
-    /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    /// PTX of `schedule_items` for `sm_90a`.
-    pub const PTX_SM_90A: &str = include_str!("schedule_items.sm_90a.ptx");
-    /// PTX of `schedule_items` for `sm_100a`.
-    pub const PTX_SM_100A: &str = include_str!("schedule_items.sm_100a.ptx");
-    /// PTX per compute capability.
-    pub const VARIANTS: &[((i32, i32), &str)] = &[
-        ((9, 0), PTX_SM_90A),
-        ((10, 0), PTX_SM_100A),
-    ];
-    /// The kernel for [`crate::backend::Backend::launch`].
-    pub const KERNEL: KernelSpec = KernelSpec {
-        name: NAME,
-        threads: THREADS,
-        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
-        variants: VARIANTS,
-    };
-    /// The launch arguments in declaration order, typed so that a call site cannot
-    /// swap or mistype them; every buffer must hold the elements the kernel addresses
-    /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(work_capacity / 256), 1, 1].
-    #[allow(clippy::too_many_arguments)]
-    pub fn args(
-        status: Ptr<i32>,
-        block_record: Ptr<i32>,
-        block_of_row: Ptr<i32>,
-        row_ptr: Ptr<i32>,
-        item_offsets: Ptr<i32>,
-        q_indices: PtrMut<i32>,
-        scheduler_metadata: PtrMut<i32>,
-        work_count: PtrMut<i32>,
         num_tokens: u32,
-        rows_capacity: u32,
-        work_capacity: u32,
-        queries_per_work: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(status), KernelArg::from(block_record),
-            KernelArg::from(block_of_row), KernelArg::from(row_ptr),
-            KernelArg::from(item_offsets), KernelArg::from(q_indices),
-            KernelArg::from(scheduler_metadata), KernelArg::from(work_count),
-            KernelArg::from(num_tokens), KernelArg::from(rows_capacity),
-            KernelArg::from(work_capacity), KernelArg::from(queries_per_work)
+            KernelArg::from(entries), KernelArg::from(edge_places),
+            KernelArg::from(q_indices), KernelArg::from(num_tokens)
         ]
     }
 }

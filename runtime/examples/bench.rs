@@ -55,8 +55,9 @@
 //! the device `q2k`/`cu_seqlens` alone between two events (`sched_ms`, checked bit-exact against
 //! `build_schedule` first), and the backward with it, build included (`dev_ms`: build +
 //! `run_backward` on the resident schedule, no host schedule anywhere). `sched%` is
-//! `sched_ms / ms_med`, the build's share of the host-schedule backward. Cases past the device
-//! build's `MAX_BUILD_TOKENS` (262,144) show `-` there and time the host-schedule path only.
+//! `sched_ms / ms_med`, the build's share of the host-schedule backward. The device build covers
+//! every case (`MAX_BUILD_TOKENS` = `MAX_TOKENS`); a case past it would show `-` there and
+//! time the host-schedule path only.
 //!
 //! Without a GPU (no libcuda, no device, or an error opening it) it says so and exits 0.
 

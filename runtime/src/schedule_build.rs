@@ -14,10 +14,13 @@
 //! - Work items: `4·R + ceil(64·T/queries_per_work)`, since a row of `c` edges gives
 //!   `ceil(c/q) < c/q + 1` items and a head has at most `16·T` edges. Rows past `work_count`
 //!   are zero.
-//! - `(row, query block)` pairs per head: `min(D, R) + X(X+1)/2` with `X = min(R,
-//!   ceil(T/128) + min(D, floor(T/129)))`: a one-block document has one pair, and the long
-//!   documents (at most `floor(T/129)` of them, at most `ceil(T/128) + their count` blocks in
-//!   all) have `Σ nb(nb+1)/2 <= X(X+1)/2`.
+//! - Entries (one per `(head, key block, query block)` with an edge, see
+//!   `codegen::kernels::schedule_build`): at most `16·T` per head, since each has an edge. The
+//!   entry lists, the row buckets and the per-edge places take `2·16·T`, `2·16·T` and `16·T`
+//!   words per head; the row counters and starts `4·R` words per head. Nothing is quadratic:
+//!   the scratch is about 5 times `q_indices`.
+//! - A row's bucket holds at most one entry per query block of its document, at most
+//!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the size the bucket sort works in.
 //!
 //! `W` must be at least the dense layout `Σ ceil(len_d/128)·128` (checked on the device,
 //! [`ScheduleError`] naming `workspace_rows` otherwise); rows past it are padding that no key
@@ -37,20 +40,21 @@
 //! [`ScheduleError`] is the one `build_schedule` returns for the same input.
 
 use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
-use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
+use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
-use crate::kernels::{
-    schedule_count, schedule_documents, schedule_fill, schedule_items, schedule_offsets,
-};
+use crate::kernels::{schedule_count, schedule_fill, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
 use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 
-/// Largest `T` the device schedule build supports: a query block's selection mask names at
-/// most 2048 blocks. Longer inputs (up to [`crate::MAX_TOKENS`]) take the host
-/// [`crate::build_schedule`] path.
-pub const MAX_BUILD_TOKENS: usize = 2048 * BLOCK_SIZE;
+/// Largest `T` the device schedule build supports: the backward's own limit
+/// [`crate::MAX_TOKENS`], one document or packed.
+pub const MAX_BUILD_TOKENS: usize = MAX_TOKENS;
+
+/// Key blocks per window of `schedule_count`'s selection mask (its shared array's size):
+/// a query block of the `k`-th window sees `k + 1` passes, at most 8 for `T <= MAX_TOKENS`.
+pub const COUNT_WINDOW: usize = 1024;
 
 /// Words of the status block the kernels write (mirrors `codegen::kernels::schedule_build`).
 pub const STATUS_WORDS: usize = 32;
@@ -60,8 +64,6 @@ pub const FLAG_CU_SEQLENS: i32 = 1;
 pub const FLAG_WORKSPACE: i32 = 2;
 /// Status flag: a `q2k` entry breaks the selection contract.
 pub const FLAG_SELECTION: i32 = 4;
-/// Status flag: the pair table outgrew its bound (an internal error; never expected).
-pub const FLAG_PAIR_CAPACITY: i32 = 8;
 
 // Status word indices, mirrors of the codegen constants (a test compares them).
 /// Status word: the flags.
@@ -70,8 +72,6 @@ pub const ST_FLAGS: usize = 0;
 pub const ST_CU_FAULT: usize = 1;
 /// Status word: CSR rows `Σ ceil(len_d/128)`.
 pub const ST_ROWS: usize = 3;
-/// Status word: `(row, query block)` pairs per head.
-pub const ST_PAIRS: usize = 6;
 /// Status word: the selection fault's kind (1 below -1, 2 past the end, 3 after the own
 /// block, 4 repeated).
 pub const ST_KIND: usize = 7;
@@ -112,8 +112,10 @@ pub struct ScheduleBuildSizes {
     pub edge_capacity: usize,
     /// Rows of `scheduler_metadata`.
     pub work_capacity: usize,
-    /// `(row, query block)` pairs per head.
-    pub pair_capacity: usize,
+    /// Key blocks per window of `schedule_count`'s shared selection mask, a power of two up to
+    /// [`COUNT_WINDOW`] (the default). Smaller windows give the same tables with more passes:
+    /// tests lower it to run several windows on small inputs.
+    pub count_window: usize,
 }
 
 impl ScheduleBuildSizes {
@@ -133,7 +135,7 @@ impl ScheduleBuildSizes {
             return Err(RuntimeError::input(
                 "q2k",
                 format!("T = {num_tokens} tokens"),
-                format!("1 <= T <= {MAX_BUILD_TOKENS} (own blocks must fit the 2048-block mask)"),
+                format!("1 <= T <= {MAX_BUILD_TOKENS} (MAX_TOKENS, the backward's limit)"),
             ));
         }
         if num_documents == 0 {
@@ -164,13 +166,11 @@ impl ScheduleBuildSizes {
         let edge_capacity = TOPK_BLOCKS * t;
         let heads = NUM_INDEX_HEADS;
         let work_capacity = heads * rows + (heads * edge_capacity).div_ceil(queries_per_work);
-        let long_blocks = rows.min(t.div_ceil(BLOCK_SIZE) + d.min(t / (BLOCK_SIZE + 1)));
-        let pair_capacity = d.min(rows) + long_blocks * (long_blocks + 1) / 2;
-        // Indices the kernels form in u32: head·16T + edge, head·P + pair, 6·item, ids·16.
+        // Indices the kernels form in u32: head·16T + edge (q_indices, entries, buckets),
+        // (head·T + t)·16 + slot, 6·item. With T <= 2^20 all but the last are below 2^26.
         let limit = u32::MAX as usize;
         for (what, words) in [
             ("q_indices", heads * edge_capacity),
-            ("pair table", heads * pair_capacity),
             ("scheduler_metadata", 6 * work_capacity),
         ] {
             if words > limit || words > i32::MAX as usize {
@@ -189,7 +189,7 @@ impl ScheduleBuildSizes {
             rows_capacity: rows,
             edge_capacity,
             work_capacity,
-            pair_capacity,
+            count_window: COUNT_WINDOW,
         })
     }
 }
@@ -211,9 +211,13 @@ struct Layout {
     block_doc: usize,
     row_of_block: usize,
     block_of_row: usize,
-    pair_offset: usize,
-    pair_counts: usize,
+    counters: usize,
+    bucket_starts: usize,
     item_offsets: usize,
+    block_entries: usize,
+    entries: usize,
+    buckets: usize,
+    edge_places: usize,
     words: usize,
 }
 
@@ -241,9 +245,14 @@ impl Layout {
             block_doc: take(4 * r),
             row_of_block: take(r),
             block_of_row: take(r),
-            pair_offset: take(r),
-            pair_counts: take(h * z.pair_capacity),
+            // u64 (entries << 32 | edges) per (head, row).
+            counters: take(2 * h * r),
+            bucket_starts: take(h * r),
             item_offsets: take(h * r),
+            block_entries: take(2 * h * r),
+            entries: take(2 * h * z.edge_capacity),
+            buckets: take(2 * h * z.edge_capacity),
+            edge_places: take(h * z.edge_capacity),
             words: at,
         }
     }
@@ -324,6 +333,13 @@ impl<B: Backend> ResidentSchedule<B> {
         let layout = Layout::new(&sizes);
         let storage = backend.alloc("device schedule", 4 * layout.words)?;
         let base = backend.address(&storage);
+        // The build's grid-wide handoff word (ST_READY) must start at 0; every build leaves
+        // it at 0 again.
+        backend.zero(
+            "device schedule status",
+            base + 4 * layout.status as u64,
+            4 * STATUS_WORDS,
+        )?;
         Ok(ResidentSchedule {
             sizes,
             layout,
@@ -379,17 +395,16 @@ impl<B: Backend> ResidentSchedule<B> {
     }
 
     /// The kernels of the build, for loading ahead of a capture.
-    pub fn kernels() -> [&'static crate::KernelSpec; 5] {
+    pub fn kernels() -> [&'static crate::KernelSpec; 4] {
         [
-            &schedule_documents::KERNEL,
             &schedule_count::KERNEL,
-            &schedule_offsets::KERNEL,
+            &schedule_scatter::KERNEL,
+            &schedule_order::KERNEL,
             &schedule_fill::KERNEL,
-            &schedule_items::KERNEL,
         ]
     }
 
-    /// Issues the five build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// Issues the four build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
     /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
     /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
     ///
@@ -441,6 +456,13 @@ impl<B: Backend> ResidentSchedule<B> {
                 "a 4-byte aligned device address",
             ));
         }
+        if !z.count_window.is_power_of_two() || z.count_window > COUNT_WINDOW {
+            return Err(RuntimeError::input(
+                "count_window",
+                z.count_window,
+                format!("a power of two <= {COUNT_WINDOW} (the selection mask's blocks)"),
+            ));
+        }
         for k in Self::kernels() {
             backend.load(k)?;
         }
@@ -449,17 +471,12 @@ impl<B: Backend> ResidentSchedule<B> {
         let l = self.layout;
         let rows_cap = u(z.rows_capacity);
         let block_grid = (rows_cap.max(1), NUM_INDEX_HEADS as u32, 1);
-        // Enough threads for the items and for the -1 tail (about 8 stores each); the
-        // kernel's loops are grid-strided, so any grid is correct.
-        let item_threads = z.work_capacity.max(NUM_INDEX_HEADS * z.edge_capacity / 8);
-        let item_ctas = item_threads
-            .div_ceil(schedule_items::THREADS.0 as usize)
-            .max(1) as u32;
+        let tokens = u(z.num_tokens);
         let launches = [
             (
-                &schedule_documents::KERNEL,
-                (1, 1, 1),
-                schedule_documents::args(
+                &schedule_count::KERNEL,
+                block_grid,
+                schedule_count::args(
                     cu_seqlens.ptr(),
                     self.w(l.cu),
                     self.w(l.ws),
@@ -471,77 +488,69 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.w(l.block_doc),
                     self.w(l.row_of_block),
                     self.w(l.block_of_row),
-                    self.w(l.pair_offset),
+                    self.w(l.counters),
                     u(z.num_documents),
-                    u(z.num_tokens),
+                    tokens,
                     u(z.workspace_rows / BLOCK_SIZE),
-                    u(z.pair_capacity),
-                ),
-            ),
-            (
-                &schedule_count::KERNEL,
-                block_grid,
-                schedule_count::args(
+                    u(NUM_INDEX_HEADS * z.rows_capacity),
                     q2k.ptr(),
-                    self.w(l.status),
-                    self.r(l.block_doc),
-                    self.r(l.row_of_block),
-                    self.r(l.pair_offset),
-                    self.w(l.pair_counts),
-                    u(z.num_tokens),
-                    u(z.pair_capacity),
-                ),
-            ),
-            (
-                &schedule_offsets::KERNEL,
-                (NUM_INDEX_HEADS as u32, 1, 1),
-                schedule_offsets::args(
-                    q2k.ptr(),
-                    self.r(l.cu),
-                    self.w(l.status),
-                    self.r(l.doc_blocks),
-                    self.r(l.pair_offset),
-                    self.w(l.pair_counts),
+                    self.w(l.entries),
+                    self.w(l.block_entries),
+                    self.w(l.edge_places),
                     self.w(l.row_ptr),
+                    self.w(l.bucket_starts),
                     self.w(l.item_offsets),
-                    u(z.num_documents),
-                    u(z.num_tokens),
+                    self.w(l.work_count),
                     rows_cap,
-                    u(z.pair_capacity),
                     u(z.queries_per_work),
+                    z.count_window.trailing_zeros(),
+                ),
+            ),
+            (
+                &schedule_scatter::KERNEL,
+                block_grid,
+                schedule_scatter::args(
+                    self.r(l.status),
+                    self.r(l.block_doc),
+                    self.r(l.block_of_row),
+                    self.r(l.entries),
+                    self.r(l.block_entries),
+                    self.r(l.bucket_starts),
+                    self.w(l.buckets),
+                    self.r(l.row_ptr),
+                    self.r(l.item_offsets),
+                    self.w(l.q_indices),
+                    self.w(l.metadata),
+                    tokens,
+                    rows_cap,
+                    u(z.work_capacity),
+                    u(z.queries_per_work),
+                ),
+            ),
+            (
+                &schedule_order::KERNEL,
+                block_grid,
+                schedule_order::args(
+                    self.r(l.status),
+                    self.r(l.counters),
+                    self.r(l.bucket_starts),
+                    self.r(l.buckets),
+                    self.r(l.row_ptr),
+                    self.w(l.entries),
+                    tokens,
+                    rows_cap,
                 ),
             ),
             (
                 &schedule_fill::KERNEL,
                 block_grid,
                 schedule_fill::args(
-                    q2k.ptr(),
                     self.r(l.status),
                     self.r(l.block_doc),
-                    self.r(l.row_of_block),
-                    self.r(l.pair_offset),
-                    self.r(l.pair_counts),
-                    u(z.num_tokens),
-                    u(z.pair_capacity),
+                    self.r(l.entries),
+                    self.r(l.edge_places),
                     self.w(l.q_indices),
-                ),
-            ),
-            (
-                &schedule_items::KERNEL,
-                (item_ctas, 1, 1),
-                schedule_items::args(
-                    self.r(l.status),
-                    self.r(l.block_doc),
-                    self.r(l.block_of_row),
-                    self.r(l.row_ptr),
-                    self.r(l.item_offsets),
-                    self.w(l.q_indices),
-                    self.w(l.metadata),
-                    self.w(l.work_count),
-                    u(z.num_tokens),
-                    rows_cap,
-                    u(z.work_capacity),
-                    u(z.queries_per_work),
+                    tokens,
                 ),
             ),
         ];
@@ -639,12 +648,6 @@ fn decode_status(s: &[i32], z: &ScheduleBuildSizes) -> Result<(), RuntimeError> 
             slot: s[ST_SLOT].max(0) as usize,
             block: s[ST_VALUE],
             fault,
-        }
-    } else if flags & FLAG_PAIR_CAPACITY != 0 {
-        ScheduleError::Invalid {
-            field: "schedule build pair table".into(),
-            found: format!("{} pairs", s[ST_PAIRS]),
-            expected: format!("<= the bound {} (an internal error)", z.pair_capacity),
         }
     } else {
         return Ok(());

@@ -1,43 +1,72 @@
 //! The device schedule build: from a device block selection `q2k [4, T, 16]` and device
-//! `cu_seqlens`, five launches write the schedule of `docs/design.md` §2.1 (`row_ptr`, `q_indices`,
-//! `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables the host
-//! `build_schedule` gives, and validate the selection on the way, with no host sync.
+//! `cu_seqlens`, four launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
+//! `q_indices`, `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables
+//! the host `build_schedule` gives, and validate the selection on the way, with no host sync.
+//! Work and memory are linear in `T` for every `T <= MAX_TOKENS = 2^20`, one document or packed.
 //!
-//! 1. [`DOCUMENTS`] (1 CTA): validates `cu_seqlens`, lays out the aligned workspace, numbers the
-//!    CSR rows (level-major, round-robin across documents) and the `(row, query block)` pairs.
-//! 2. [`COUNT`] (one CTA per (document block, head)): validates every id of the block's 128
-//!    queries and counts, per (key block, query block), the queries that selected it.
-//! 3. [`OFFSETS`] (one CTA per head): scans the pair counts into edge offsets, writes
-//!    `row_ptr`, scans the work items per row; CTA 0 decodes the first fault for the host.
-//! 4. [`FILL`] (as 2): writes every edge at `offset + rank`, the rank being the query's place
-//!    among the block's queries that selected the same key block, so rows ascend.
-//! 5. [`ITEMS`]: writes the work items (head-major, then row, then `q_begin`), `work_count`
-//!    (0 when anything was flagged) and the `-1` tail of `q_indices`.
+//! An *entry* is one `(head, key block k, query block qb)` with at least one edge: the `c >= 1`
+//! queries of block `qb` that selected `k`. A query block names at most 2048 entries, so a head
+//! has at most `16·T`. The CSR row of `k` lists its edges by ascending query, i.e. its entries
+//! by ascending `qb`, each entry's queries ascending. The build is a counting sort of the
+//! entries by row that restores the `qb` order inside each row:
+//!
+//! 1. [`COUNT`] (one CTA per (document block, head)). CTA (0, 0) first does the documents step
+//!    (validates `cu_seqlens`, resets the status block, clears the row counters, lays out the
+//!    aligned workspace, numbers the CSR rows level-major and round-robin across documents) and
+//!    publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched first, so the wait
+//!    always ends; the simulator runs CTAs in order). Then every CTA validates the 16 ids of
+//!    its 128 queries and finds the block's entries with a shared selection mask over windows
+//!    of [`WINDOW`] key blocks (at most 8 passes at `T = 2^20`), which also gives each edge its
+//!    rank among the block's queries that selected the same block. The entries go to a
+//!    per-head list (a bump allocation); one 64-bit atomic per entry adds `(1 entry, c edges)`
+//!    to its row's counter and returns the entry's slot in the row. The CTA that finishes last
+//!    (an atomic counter of finished CTAs, no waiting) scans the counters of all four heads
+//!    into `row_ptr`, the row starts of the entry buckets and the work items per row, decodes
+//!    the first fault and writes `work_count` (0 when anything was flagged).
+//! 2. [`SCATTER`]: puts every entry into its row's bucket at its slot (any order), and writes
+//!    the work items (head-major, then row, then `q_begin`), the `-1` tail of `q_indices` and
+//!    the zero tail of `scheduler_metadata`.
+//! 3. [`ORDER`] (one CTA per (row, head)): sorts the row's bucket by `qb` (a bitonic sort in
+//!    shared memory; a bucket holds at most one entry per query block of one document, so at
+//!    most [`MAX_BUCKET`]) and scans the edge counts: entry `(k, qb)` starts at
+//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`.
+//! 4. [`FILL`] (as 1): writes every edge at its entry's start plus its rank.
+//!
+//! The slots the atomics hand out and the places of the entry lists vary from run to run; the
+//! tables do not: every position in them comes from a count or a sort by a unique key.
 //!
 //! Rows are numbered without a level loop: document `d`'s block `k` is row `rank0(d)` at
 //! level 0, and `N0 + Σ_long (min(nb_j, k) − 1) + #{long j before d : nb_j > k}` at level
 //! `k >= 1`, where `N0` counts the non-empty documents and "long" ones have two or more blocks.
-//! Edges of a row come from query blocks `qb >= k` of the row's document in ascending order,
-//! so an exclusive scan over the pairs `(head, row, qb)` in that order gives every edge's
-//! place. All index arithmetic is `u32`; the host sizes every region from `T`, the document
-//! count and `W` alone and rejects shapes whose indices would not fit.
+//! (That sum is over the long documents for each row: linear in `T` for a bounded number of
+//! long documents, as in every benchmark case; `T/129` long documents of two blocks would make
+//! it quadratic in the worst case.)
+//! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
+//! `W` alone and rejects shapes whose indices would not fit.
 
-use super::common::{
-    div_ceil, load_if, load_u32, store_u32, tiled_scan, warp_inclusive_scan, SCAN_PER_THREAD,
-    SCAN_THREADS,
-};
+use super::common::{div_ceil, load_if, load_u32, store_u32, warp_inclusive_scan, SCAN_PER_THREAD};
 use super::KernelDesc;
+use crate::ptx::ir::Label;
 use crate::ptx::*;
 use crate::target::Target;
 
 /// Threads of the per-block kernels: one per query of a 128-query block.
 pub const BLOCK_THREADS: u32 = 128;
-/// Threads per CTA of [`ITEMS`].
-pub const ITEM_THREADS: u32 = 256;
+/// Threads per CTA of [`ORDER`].
+pub const ORDER_THREADS: u32 = 256;
 /// Block ids per list (`q2k` entries per query and head).
 pub const TOPK: u32 = 16;
-/// Key blocks a query block's selection mask can name: own block `< 2048`, so `T <= 2^18`.
-pub const MAX_KEY_BLOCKS: u32 = 2048;
+/// Key blocks of one window of [`COUNT`]'s shared selection mask: the most its
+/// `window_bits` parameter may ask for (`2^window_bits` blocks). The runtime passes 10; tests
+/// pass less to run several windows at sizes the simulator affords.
+pub const WINDOW: u32 = 1024;
+/// Largest bucket [`ORDER`] sorts: a row's entries come from distinct query blocks of one
+/// document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
+pub const MAX_BUCKET: u32 = 8192;
+/// Entries a [`COUNT`] thread handles per pass of its entry loop.
+const ENTRY_BATCH: u32 = 4;
+/// Bits of a bucket sort key holding the slot (the rest holds `qb`).
+const SLOT_BITS: u32 = 13;
 
 /// Words of the status block (the host reads it back; layout mirrored by the runtime).
 pub const STATUS_WORDS: u32 = 32;
@@ -53,8 +82,6 @@ pub const ST_ROWS: u32 = 3;
 pub const ST_NONEMPTY: u32 = 4;
 /// Status word: documents of two or more blocks.
 pub const ST_LONG: u32 = 5;
-/// Status word: `(row, query block)` pairs per head.
-pub const ST_PAIRS: u32 = 6;
 /// Status word (decoded): the selection fault's kind (`KIND_*`).
 pub const ST_KIND: u32 = 7;
 /// Status word (decoded): the faulty value (`q2k` id, or `cu_seqlens[i]`).
@@ -72,6 +99,13 @@ pub const ST_SLOT: u32 = 12;
 pub const ST_EDGES: u32 = 16;
 /// Status words 20..24: work items per head.
 pub const ST_ITEMS: u32 = 20;
+/// Status words 24..28: entries per head (the bump allocator of the entry lists).
+pub const ST_ENTRIES: u32 = 24;
+/// Status word: [`COUNT`] CTAs finished (the last one scans the rows).
+pub const ST_DONE: u32 = 28;
+/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs wait
+/// for it); its last CTA sets it back to 0, so it is 0 between builds.
+pub const ST_READY: u32 = 29;
 
 /// Flag: `cu_seqlens` does not start at 0, decreases, or does not end at `T`.
 pub const FLAG_CU_SEQLENS: u32 = 1;
@@ -79,9 +113,6 @@ pub const FLAG_CU_SEQLENS: u32 = 1;
 pub const FLAG_WORKSPACE: u32 = 2;
 /// Flag: a `q2k` id breaks the selection contract.
 pub const FLAG_SELECTION: u32 = 4;
-/// Flag: more `(row, query block)` pairs than the host's bound (never expected: the bound is
-/// proven; the flag keeps the build memory-safe if it were wrong).
-pub const FLAG_PAIR_CAPACITY: u32 = 8;
 
 /// Selection fault: id below `-1`.
 pub const KIND_BELOW_PADDING: u32 = 1;
@@ -94,70 +125,45 @@ pub const KIND_REPEATED: u32 = 4;
 
 const TARGETS: &[Target] = &[Target::Sm90a, Target::Sm100a];
 
-/// `schedule_documents`.
-pub const DOCUMENTS: KernelDesc = KernelDesc {
-    name: "schedule_documents",
-    about: "validates cu_seqlens, lays out the workspace, numbers the CSR rows and their pairs",
-    targets: TARGETS,
-    threads: (SCAN_THREADS, 1, 1),
-    describe: documents,
-};
-
 /// `schedule_count`.
 pub const COUNT: KernelDesc = KernelDesc {
     name: "schedule_count",
-    about: "validates q2k and counts the queries of each (key block, query block) pair",
+    about: "validates q2k, lists each query block's entries and counts them per row; the last CTA scans the rows",
     targets: TARGETS,
     threads: (BLOCK_THREADS, 1, 1),
     describe: count,
 };
 
-/// `schedule_offsets`.
-pub const OFFSETS: KernelDesc = KernelDesc {
-    name: "schedule_offsets",
-    about: "pair counts to edge offsets, row_ptr, work items per row; decodes the first fault",
+/// `schedule_scatter`.
+pub const SCATTER: KernelDesc = KernelDesc {
+    name: "schedule_scatter",
+    about: "puts every entry into its row's bucket; writes scheduler_metadata and the table tails",
     targets: TARGETS,
-    threads: (SCAN_THREADS, 1, 1),
-    describe: offsets,
+    threads: (BLOCK_THREADS, 1, 1),
+    describe: scatter,
+};
+
+/// `schedule_order`.
+pub const ORDER: KernelDesc = KernelDesc {
+    name: "schedule_order",
+    about: "sorts each row's entries by query block and scans their edge counts into starts",
+    targets: TARGETS,
+    threads: (ORDER_THREADS, 1, 1),
+    describe: order,
 };
 
 /// `schedule_fill`.
 pub const FILL: KernelDesc = KernelDesc {
     name: "schedule_fill",
-    about: "writes every CSR edge at its pair offset plus its rank in the query block",
+    about: "writes every CSR edge at its entry's start plus its rank in the query block",
     targets: TARGETS,
     threads: (BLOCK_THREADS, 1, 1),
     describe: fill,
 };
 
-/// `schedule_items`.
-pub const ITEMS: KernelDesc = KernelDesc {
-    name: "schedule_items",
-    about: "writes scheduler_metadata, work_count and the -1 tail of q_indices",
-    targets: TARGETS,
-    threads: (ITEM_THREADS, 1, 1),
-    describe: items,
-};
-
 /// `status[word]`.
 fn status_addr(status: Reg<U64>, word: u32) -> GlobalAddr {
     global(status, 4 * i64::from(word))
-}
-
-/// Population count of a 32-bit word (SWAR: no `popc` needed in the simulator).
-fn popc(b: &mut KernelBuilder, x: Reg<U32>) -> Reg<U32> {
-    let h = b.shr(x, 1u32);
-    let h = b.and(h, 0x5555_5555u32);
-    let x = b.sub(x, h);
-    let lo = b.and(x, 0x3333_3333u32);
-    let hi = b.shr(x, 2u32);
-    let hi = b.and(hi, 0x3333_3333u32);
-    let x = b.add(lo, hi);
-    let s = b.shr(x, 4u32);
-    let x = b.add(x, s);
-    let x = b.and(x, 0x0f0f_0f0fu32);
-    let x = b.mul_lo(x, 0x0101_0101u32);
-    b.shr(x, 24u32)
 }
 
 /// The last index `i < n` with `a[i] <= key` for a non-decreasing `a` with `a[0] <= key`.
@@ -240,10 +246,12 @@ fn cta_exclusive_scan_n<const N: usize>(
     )
 }
 
-/// [`common::tiled_scan`] of `N` values per entry (one scan's barriers for all of them):
-/// `value` gives the entry's `N` values (zeros when not live), `store` gets the sums before it.
+/// [`common::tiled_scan`] of `N` values per entry (one scan's barriers for all of them) for a
+/// CTA of `threads` threads owning `per_thread` entries each per tile: `value` gives the
+/// entry's `N` values (zeros when not live), `store` gets the sums before it.
 fn tiled_scan_n<const N: usize>(
     b: &mut KernelBuilder,
+    (threads, per_thread): (u32, u32),
     n: Reg<U32>,
     tid: Reg<U32>,
     warp_totals: &SharedVar,
@@ -251,12 +259,12 @@ fn tiled_scan_n<const N: usize>(
     store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
 ) -> [Reg<U32>; N] {
     let carry: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-    let tile = SCAN_THREADS * SCAN_PER_THREAD;
+    let tile = threads * per_thread;
     b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
-        let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
+        let first = b.mad_lo(tid, per_thread, tile_base);
         let mut entries = Vec::new();
         let mut sum: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
-        for k in 0..SCAN_PER_THREAD {
+        for k in 0..per_thread {
             let i = b.add(first, k);
             let l = b.setp(Cmp::Lt, i, n);
             let v = value(b, i, l);
@@ -305,57 +313,87 @@ fn strided(
     b.place(&done);
 }
 
-/// Returns from the kernel when `status[FLAGS] & mask` is set. Every thread reads the same
-/// word, so the exit is uniform and later barriers see the whole CTA.
-fn exit_if_flagged(b: &mut KernelBuilder, status: Reg<U64>, mask: u32) {
-    let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
-    let hit = b.and(flags, mask);
-    let bad = b.setp(Cmp::Ne, hit, 0u32);
-    b.if_then(bad, "flagged", |b| b.ret());
+/// The parameters of the documents step (the first ones of [`COUNT`]).
+struct DocParams {
+    cu_in: ParamRef<U64>,
+    cu: ParamRef<U64>,
+    ws: ParamRef<U64>,
+    status: ParamRef<U64>,
+    nb: ParamRef<U64>,
+    rank0: ParamRef<U64>,
+    long_idx: ParamRef<U64>,
+    long_nb: ParamRef<U64>,
+    blk_doc: ParamRef<U64>,
+    row_of: ParamRef<U64>,
+    block_of: ParamRef<U64>,
+    ctr: ParamRef<U64>,
+    docs: ParamRef<U32>,
+    tokens: ParamRef<U32>,
+    kblocks: ParamRef<U32>,
+    counters: ParamRef<U32>,
 }
 
-fn documents(b: &mut KernelBuilder) {
-    b.grid("[1, 1, 1]");
-    let cu_in_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
-    let cu_p = b.param_ptr("cu_copy", HostElem::I32, true);
-    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, true);
-    let status_p = b.param_ptr("status", HostElem::I32, true);
-    let nb_p = b.param_ptr("doc_blocks", HostElem::I32, true);
-    let rank0_p = b.param_ptr("doc_rank0", HostElem::I32, true);
-    let long_idx_p = b.param_ptr("doc_long_index", HostElem::I32, true);
-    let long_nb_p = b.param_ptr("long_blocks", HostElem::I32, true);
-    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, true);
-    let row_of_p = b.param_ptr("row_of_block", HostElem::I32, true);
-    let block_of_p = b.param_ptr("block_of_row", HostElem::I32, true);
-    let pair_p = b.param_ptr("row_pair_offset", HostElem::I32, true);
-    let docs_p = b.param_u32("num_docs");
-    let tokens_p = b.param_u32("num_tokens");
-    let kblocks_p = b.param_u32("workspace_blocks");
-    let pair_cap_p = b.param_u32("pair_capacity");
-    let warp_totals = b.shared_array("warp_totals", 128, 16);
+fn doc_params(b: &mut KernelBuilder) -> DocParams {
+    DocParams {
+        cu_in: b.param_ptr("cu_seqlens", HostElem::I32, false),
+        cu: b.param_ptr("cu_copy", HostElem::I32, true),
+        ws: b.param_ptr("document_workspace_starts", HostElem::I32, true),
+        status: b.param_ptr("status", HostElem::I32, true),
+        nb: b.param_ptr("doc_blocks", HostElem::I32, true),
+        rank0: b.param_ptr("doc_rank0", HostElem::I32, true),
+        long_idx: b.param_ptr("doc_long_index", HostElem::I32, true),
+        long_nb: b.param_ptr("long_blocks", HostElem::I32, true),
+        blk_doc: b.param_ptr("block_record", HostElem::I32, true),
+        row_of: b.param_ptr("row_of_block", HostElem::I32, true),
+        block_of: b.param_ptr("block_of_row", HostElem::I32, true),
+        ctr: b.param_ptr("row_counters", HostElem::I32, true),
+        docs: b.param_u32("num_docs"),
+        tokens: b.param_u32("num_tokens"),
+        kblocks: b.param_u32("workspace_blocks"),
+        counters: b.param_u32("row_counter_count"),
+    }
+}
+
+/// The documents step, run by CTA (0, 0) of [`COUNT`] (`threads` threads) before it publishes
+/// `ST_READY`: validates `cu_seqlens`, resets the status block (all but `ST_READY`), clears
+/// the row counters, lays out the workspace and numbers the rows. A malformed `cu_seqlens` or
+/// a workspace too small branches to `exit` once the flags are stored.
+fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Label) {
+    let (cu_in_p, cu_p, ws_p, status_p, nb_p) = (&p.cu_in, &p.cu, &p.ws, &p.status, &p.nb);
+    let (rank0_p, long_idx_p, long_nb_p) = (&p.rank0, &p.long_idx, &p.long_nb);
+    let (blk_doc_p, row_of_p, block_of_p, ctr_p) = (&p.blk_doc, &p.row_of, &p.block_of, &p.ctr);
+    let (docs_p, tokens_p, kblocks_p, counters_p) = (&p.docs, &p.tokens, &p.kblocks, &p.counters);
     let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
-    // [first cu_seqlens fault, flags]: the kernel is one CTA, so its own fault bookkeeping
+    // [first cu_seqlens fault, flags]: the step is one CTA, so its own fault bookkeeping
     // stays in shared memory and only the verdict goes to the status block.
     let verdict_var = b.shared_array("verdict", 16, 16);
 
-    let cu_in = b.ld_param_ptr(&cu_in_p);
-    let cu = b.ld_param_ptr(&cu_p);
-    let ws = b.ld_param_ptr(&ws_p);
-    let status = b.ld_param_ptr(&status_p);
-    let nb_a = b.ld_param_ptr(&nb_p);
-    let rank0_a = b.ld_param_ptr(&rank0_p);
-    let long_idx_a = b.ld_param_ptr(&long_idx_p);
-    let long_nb_a = b.ld_param_ptr(&long_nb_p);
-    let docs = b.ld_param(&docs_p);
-    let tokens = b.ld_param(&tokens_p);
-    let kblocks = b.ld_param(&kblocks_p);
+    let cu_in = b.ld_param_ptr(cu_in_p);
+    let cu = b.ld_param_ptr(cu_p);
+    let ws = b.ld_param_ptr(ws_p);
+    let status = b.ld_param_ptr(status_p);
+    let nb_a = b.ld_param_ptr(nb_p);
+    let rank0_a = b.ld_param_ptr(rank0_p);
+    let long_idx_a = b.ld_param_ptr(long_idx_p);
+    let long_nb_a = b.ld_param_ptr(long_nb_p);
+    let docs = b.ld_param(docs_p);
+    let tokens = b.ld_param(tokens_p);
+    let kblocks = b.ld_param(kblocks_p);
     let tid = b.sreg(SReg::TidX);
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     let verdict = b.shared_base(&verdict_var);
 
+    b.comment("clear the (entries, edges) counters of every (head, row) the build may use");
+    let ctr = b.ld_param_ptr(ctr_p);
+    let counters = b.ld_param(counters_p);
+    b.for_range(tid, counters, threads, "clear_counters", |b, i| {
+        let a = super::common::elem_bytes(b, ctr, i, 8);
+        b.st::<U64, _>(&a, 0u64);
+    });
+
     b.comment("reset the status block; a bad cu_seqlens[0] is fault index 0");
     b.if_then(leader, "reset", |b| {
-        for w in 0..STATUS_WORDS {
+        for w in (0..STATUS_WORDS).filter(|&w| w != ST_READY) {
             let v = if w == ST_CU_FAULT {
                 i32::MAX as u32
             } else if w == ST_SEL_FAULT {
@@ -381,6 +419,7 @@ fn documents(b: &mut KernelBuilder) {
     b.comment("the level-0 row of each document and the compacted list of long documents");
     let [rows, nonempty, long] = tiled_scan_n(
         b,
+        (threads, SCAN_PER_THREAD),
         docs,
         tid,
         &doc_totals,
@@ -451,21 +490,19 @@ fn documents(b: &mut KernelBuilder) {
     // A malformed cu_seqlens or a workspace too small: the row tables would not fit.
     let flags = b.ld::<U32, _>(&shared(verdict, 4));
     let bad = b.setp(Cmp::Ne, flags, 0u32);
-    b.if_then(bad, "flagged", |b| b.ret());
+    b.bra_if(bad, exit);
 
     b.comment("rows: document d's block k is row rank0(d) at level 0, else");
     b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
-    let blk_doc = b.ld_param_ptr(&blk_doc_p);
-    let row_of = b.ld_param_ptr(&row_of_p);
-    let block_of = b.ld_param_ptr(&block_of_p);
-    let pair = b.ld_param_ptr(&pair_p);
-    b.for_range(tid, rows, SCAN_THREADS, "rows", |b, f| {
+    let blk_doc = b.ld_param_ptr(blk_doc_p);
+    let row_of = b.ld_param_ptr(row_of_p);
+    let block_of = b.ld_param_ptr(block_of_p);
+    b.for_range(tid, rows, threads, "rows", |b, f| {
         let start = b.shl(f, 7u32);
         let d = last_le(b, ws, docs, start);
         let ws_d = load_u32(b, ws, d);
         let first = b.shr(ws_d, 7u32);
         let k = b.sub(f, first);
-        let nb = load_u32(b, nb_a, d);
         let row = load_u32(b, rank0_a, d);
         let upper = b.setp(Cmp::Gt, k, 0u32);
         b.if_then(upper, "upper_level", |b| {
@@ -495,124 +532,267 @@ fn documents(b: &mut KernelBuilder) {
         b.st_v(&rec, [d, first, cs, len]);
         store_u32(b, row_of, f, row);
         store_u32(b, block_of, row, f);
-        let pairs = b.sub(nb, k);
-        store_u32(b, pair, row, pairs);
     });
-    b.bar_sync(0, None);
-
-    b.comment("pairs (row, query block qb >= k), rows in CSR order: exclusive scan in place");
-    let pairs = tiled_scan(
-        b,
-        rows,
-        tid,
-        &warp_totals,
-        |b, r, live| load_if(b, live, |b| load_u32(b, pair, r)),
-        |b, r, live, before, _| {
-            b.if_then(live, "pair_offset", |b| store_u32(b, pair, r, before));
-        },
-    );
-    b.if_then(leader, "pairs", |b| {
-        b.st::<U32, _>(&status_addr(status, ST_PAIRS), pairs);
-        let cap = b.ld_param(&pair_cap_p);
-        let over = b.setp(Cmp::Gt, pairs, cap);
-        b.if_then(over, "pair_capacity", |b| {
-            b.red::<U32, _>(
-                AtomOp::Or,
-                &status_addr(status, ST_FLAGS),
-                FLAG_PAIR_CAPACITY,
-            );
-        });
-    });
-    b.ret();
 }
 
-/// What the per-block kernels share: the block's document, its query block `qb`, and the
-/// shared selection masks `mask[k]` (128 bits: which of the block's queries selected `k`).
-struct QueryBlock {
+/// The block a per-block CTA `(f, head)` works on, from its record.
+struct Block {
     head: Reg<U32>,
     qb: Reg<U32>,
     first_block: Reg<U32>,
-    /// Document-local position of this thread's query.
-    q: Reg<U32>,
-    /// This thread's 16 ids, and whether each is a valid edge.
-    ids: Vec<(Reg<U32>, Reg<Pred>)>,
-    mask: Reg<U32>,
+    /// Compact start of the block's document.
+    start: Reg<U32>,
+    /// Tokens of the block's document.
+    len: Reg<U32>,
     tid: Reg<U32>,
 }
 
-struct BlockParams {
-    q2k: ParamRef<U64>,
-    status: ParamRef<U64>,
-    blk_doc: ParamRef<U64>,
-    row_of: ParamRef<U64>,
-    pair: ParamRef<U64>,
-    pair_counts: ParamRef<U64>,
-    tokens: ParamRef<U32>,
-    pair_cap: ParamRef<U32>,
-}
-
-fn block_params(b: &mut KernelBuilder, counts_written: bool) -> BlockParams {
-    BlockParams {
-        q2k: b.param_ptr("q2k", HostElem::I32, false),
-        status: b.param_ptr("status", HostElem::I32, counts_written),
-        blk_doc: b.param_ptr("block_record", HostElem::I32, false),
-        row_of: b.param_ptr("row_of_block", HostElem::I32, false),
-        pair: b.param_ptr("row_pair_offset", HostElem::I32, false),
-        pair_counts: b.param_ptr("pair_counts", HostElem::I32, counts_written),
-        tokens: b.param_u32("num_tokens"),
-        pair_cap: b.param_u32("pair_capacity"),
-    }
-}
-
-/// CTA `(f, head)`: document block `f` as a query block. Loads the 16 ids of each of its
-/// queries, validates them when `validate` (raising the selection flag and recording the
-/// first faulty entry) and builds the selection masks. Exits (uniformly) past the last
-/// block or when an earlier step flagged anything.
-fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryBlock {
-    let mask_var = b.shared_array("mask", MAX_KEY_BLOCKS * 16, 16);
-    let status = b.ld_param_ptr(&p.status);
+fn block_of_cta(b: &mut KernelBuilder, blk_doc: Reg<U64>) -> Block {
     let f = b.sreg(SReg::CtaidX);
     let head = b.sreg(SReg::CtaidY);
     let tid = b.sreg(SReg::TidX);
-    let exit_mask = if validate {
-        FLAG_CU_SEQLENS | FLAG_WORKSPACE | FLAG_PAIR_CAPACITY
-    } else {
-        u32::MAX
-    };
-    // Flags (word 0) and rows (word 3) in one load; the exit is uniform per CTA.
-    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
-    let hit = b.and(flags, exit_mask);
-    let flagged = b.setp(Cmp::Ne, hit, 0u32);
-    let past = b.setp(Cmp::Ge, f, rows);
-    let done = b.or_pred(flagged, past);
-    b.if_then(done, "block_done", |b| b.ret());
-
-    let blk_doc = b.ld_param_ptr(&p.blk_doc);
     let rec = common_elem16(b, blk_doc, f);
     let [_, first_block, start, len]: [Reg<U32>; 4] = b.ld_v(&rec);
     let qb = b.sub(f, first_block);
-    let nb = b.add(len, 127u32);
-    let nb = b.shr(nb, 7u32);
-    let q = b.mad_lo(qb, 128u32, tid);
-    let live = b.setp(Cmp::Lt, q, len);
+    Block {
+        head,
+        qb,
+        first_block,
+        start,
+        len,
+        tid,
+    }
+}
 
-    b.comment("clear mask[0..=qb] (a query selects at most its own block qb)");
+/// Bitonic sort, ascending, of the `m` (a power of two) words at shared `keys`, by a CTA of
+/// `threads` threads. Ends with a barrier.
+fn bitonic_sort(b: &mut KernelBuilder, keys: Reg<U32>, m: Reg<U32>, tid: Reg<U32>, threads: u32) {
+    let half = b.shr(m, 1u32);
+    let k = b.mov::<U32>(2u32);
+    let k_top = b.label("sort_k");
+    let k_done = b.label("sort_k_done");
+    b.place(&k_top);
+    let over = b.setp(Cmp::Gt, k, m);
+    b.bra_if(over, &k_done);
+    let j = b.shr(k, 1u32);
+    let j_top = b.label("sort_j");
+    let j_done = b.label("sort_j_done");
+    b.place(&j_top);
+    let none = b.setp(Cmp::Eq, j, 0u32);
+    b.bra_if(none, &j_done);
+    b.for_range(tid, half, threads, "sort_pairs", |b, i| {
+        // The i-th pair (lo, lo + j) with bit j of lo clear.
+        let jm1 = b.sub(j, 1u32);
+        let low = b.and(i, jm1);
+        let i2 = b.shl(i, 1u32);
+        let lo = b.sub(i2, low);
+        let lo4 = b.shl(lo, 2u32);
+        let a_lo = b.add(keys, lo4);
+        let j4 = b.shl(j, 2u32);
+        let a_hi = b.add(a_lo, j4);
+        let x = b.ld::<U32, _>(&shared(a_lo, 0));
+        let y = b.ld::<U32, _>(&shared(a_hi, 0));
+        let dir = b.and(lo, k);
+        let up = b.setp(Cmp::Eq, dir, 0u32);
+        let mn = b.min(x, y);
+        let mx = b.max(x, y);
+        let first = b.selp(mn, mx, up);
+        let second = b.selp(mx, mn, up);
+        b.st::<U32, _>(&shared(a_lo, 0), first);
+        b.st::<U32, _>(&shared(a_hi, 0), second);
+    });
+    b.bar_sync(0, None);
+    let j2 = b.shr(j, 1u32);
+    b.set(j, j2);
+    b.bra(&j_top);
+    b.place(&j_done);
+    let k2 = b.shl(k, 1u32);
+    b.set(k, k2);
+    b.bra(&k_top);
+    b.place(&k_done);
+}
+
+/// Thread 0 of the last [`COUNT`] CTA: the first fault, decoded into the status block.
+fn decode_fault(
+    b: &mut KernelBuilder,
+    status: Reg<U64>,
+    q2k: Reg<U64>,
+    cu: Reg<U64>,
+    nb_a: Reg<U64>,
+    docs: Reg<U32>,
+    tokens: Reg<U32>,
+) {
+    let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
+    let cu_flag = b.and(flags, FLAG_CU_SEQLENS);
+    let cu_bad = b.setp(Cmp::Ne, cu_flag, 0u32);
+    b.if_then(cu_bad, "decode_cu", |b| {
+        let i = b.ld::<U32, _>(&status_addr(status, ST_CU_FAULT));
+        let v = load_u32(b, cu, i);
+        let has_prev = b.setp(Cmp::Gt, i, 0u32);
+        let prev = load_if(b, has_prev, |b| {
+            let im1 = b.sub(i, 1u32);
+            load_u32(b, cu, im1)
+        });
+        b.st::<U32, _>(&status_addr(status, ST_VALUE), v);
+        b.st::<U32, _>(&status_addr(status, ST_AUX), prev);
+    });
+    let sel_flag = b.and(flags, FLAG_SELECTION);
+    let sel_bad = b.setp(Cmp::Ne, sel_flag, 0u32);
+    b.if_then(sel_bad, "decode_sel", |b| {
+        let lin = b.ld::<U32, _>(&status_addr(status, ST_SEL_FAULT));
+        let slot = b.and(lin, TOPK - 1);
+        let ht = b.shr(lin, 4u32);
+        let h = b.div(ht, tokens);
+        let t = b.rem(ht, tokens);
+        let id = load_u32(b, q2k, lin);
+        let d = last_le(b, cu, docs, t);
+        let start = load_u32(b, cu, d);
+        let q = b.sub(t, start);
+        let own = b.shr(q, 7u32);
+        let nb = load_u32(b, nb_a, d);
+        let ids = b.bitcast::<S32, U32>(id);
+        let below = b.setp(Cmp::Lt, ids, -1i32);
+        let past = b.setp(Cmp::Ge, id, nb);
+        let after = b.setp(Cmp::Gt, id, own);
+        let first = b.mov::<U32>(0u32);
+        let list = b.sub(lin, slot);
+        b.for_range(0u32, slot, 1, "first_slot", |b, s| {
+            let e = b.add(list, s);
+            let v = load_u32(b, q2k, e);
+            let same = b.setp(Cmp::Eq, v, id);
+            let later = b.setp(Cmp::Eq, first, 0u32);
+            let take = b.and_pred(same, later);
+            let s1 = b.add(s, 1u32);
+            let n = b.selp(s1, first, take);
+            b.set(first, n);
+        });
+        // first holds slot + 1 of the first equal id (0: none; a fault is then past/after).
+        let first_slot = b.max(first, 1u32);
+        let first_slot = b.sub(first_slot, 1u32);
+        let kind = b.mov::<U32>(KIND_REPEATED);
+        let aux = b.mov::<U32>(first_slot);
+        let k = b.selp(KIND_AFTER_OWN, kind, after);
+        let a = b.selp(own, aux, after);
+        let k = b.selp(KIND_PAST_END, k, past);
+        let a = b.selp(nb, a, past);
+        let k = b.selp(KIND_BELOW_PADDING, k, below);
+        let a = b.selp(0u32, a, below);
+        b.st::<U32, _>(&status_addr(status, ST_KIND), k);
+        b.st::<U32, _>(&status_addr(status, ST_VALUE), id);
+        b.st::<U32, _>(&status_addr(status, ST_AUX), a);
+        b.st::<U32, _>(&status_addr(status, ST_HEAD), h);
+        b.st::<U32, _>(&status_addr(status, ST_ROW), t);
+        b.st::<U32, _>(&status_addr(status, ST_SLOT), slot);
+    });
+}
+
+/// `(lo, hi)` halves of a 64-bit counter.
+fn halves(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<U32>, Reg<U32>) {
+    let lo = b.cvt::<U32, U64>(v);
+    let h = b.shr(v, 32u32);
+    let hi = b.cvt::<U32, U64>(h);
+    (lo, hi)
+}
+
+fn count(b: &mut KernelBuilder) {
+    b.grid("[rows capacity, 4, 1]");
+    let dp = doc_params(b);
+    let (cu_p, status_p, nb_p) = (&dp.cu, &dp.status, &dp.nb);
+    let (blk_doc_p, row_of_p, ctr_p) = (&dp.blk_doc, &dp.row_of, &dp.ctr);
+    let (docs_p, tokens_p) = (&dp.docs, &dp.tokens);
+    let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
+    let entries_p = b.param_ptr("entries", HostElem::I32, true);
+    let info_p = b.param_ptr("block_entries", HostElem::I32, true);
+    let aux_p = b.param_ptr("edge_places", HostElem::I32, true);
+    let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, true);
+    let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, true);
+    let item_off_p = b.param_ptr("item_offsets", HostElem::I32, true);
+    let work_count_p = b.param_ptr("work_count", HostElem::I32, true);
+    let rows_cap_p = b.param_u32("rows_capacity");
+    let qpw_p = b.param_u32("queries_per_work");
+    let window_bits_p = b.param_u32("window_bits");
+    let mask_var = b.shared_array("mask", WINDOW * 16, 16);
+    let jtab_var = b.shared_array("entry_of", WINDOW * 4, 16);
+    let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
+    // [entries of the block, their list base, last CTA]
+    let misc_var = b.shared_array("misc", 16, 16);
+    let warp_totals = b.shared_array("warp_totals", 12 * 128, 16);
+
+    let status = b.ld_param_ptr(status_p);
+    let blk_doc = b.ld_param_ptr(blk_doc_p);
+    let tokens = b.ld_param(tokens_p);
+    let rows_cap = b.ld_param(&rows_cap_p);
+    let edge_cap = b.mul_lo(tokens, TOPK);
+    let f = b.sreg(SReg::CtaidX);
+    let head = b.sreg(SReg::CtaidY);
+    let tid = b.sreg(SReg::TidX);
+    let misc = b.shared_base(&misc_var);
+    // Everything the handoff after `finish` reads is defined before the skip.
+    let t0 = b.setp(Cmp::Eq, tid, 0u32);
+    let q2k = b.ld_param_ptr(&q2k_p);
+    let ctr = b.ld_param_ptr(ctr_p);
+
+    b.comment("grid-wide handoff: CTA (0, 0) does the documents step and publishes ST_READY,");
+    b.comment("the others wait for it (CTA 0 is dispatched first, so it always runs)");
+    let fh = b.or(f, head);
+    let later = b.setp(Cmp::Ne, fh, 0u32);
+    let wait = b.label("wait_documents");
+    let ready = b.label("documents_ready");
+    b.bra_if(later, &wait);
+    let published = b.label("documents_published");
+    documents_step(b, &dp, BLOCK_THREADS, &published);
+    b.place(&published);
+    b.bar_sync(0, None);
+    b.if_then(t0, "publish", |b| {
+        b.fence_acq_rel_gpu();
+        b.atom::<U32, _>(AtomOp::Exch, &status_addr(status, ST_READY), 1u32);
+    });
+    b.bra(&ready);
+    b.place(&wait);
+    b.if_then(t0, "spin", |b| {
+        let top = b.label("spin");
+        b.place(&top);
+        let v = b.atom::<U32, _>(AtomOp::Or, &status_addr(status, ST_READY), 0u32);
+        let not_yet = b.setp(Cmp::Eq, v, 0u32);
+        b.bra_if(not_yet, &top);
+        b.fence_acq_rel_gpu();
+    });
+    b.place(&ready);
+    b.bar_sync(0, None);
+    b.fence_acq_rel_gpu();
+    // Flags (word 0) and rows (word 3) in one load; the skip is uniform per CTA. A selection
+    // fault of another CTA does not stop this one: its entries are still counted, and the
+    // flag zeroes work_count at the end.
+    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
+    let hit = b.and(flags, FLAG_CU_SEQLENS | FLAG_WORKSPACE);
+    let flagged = b.setp(Cmp::Ne, hit, 0u32);
+    let past = b.setp(Cmp::Ge, f, rows);
+    let skip = b.or_pred(flagged, past);
+    let finish = b.label("finish");
+    b.bra_if(skip, &finish);
+
+    let blk = block_of_cta(b, blk_doc);
+    let nb = b.add(blk.len, 127u32);
+    let nb = b.shr(nb, 7u32);
+    let q = b.mad_lo(blk.qb, 128u32, tid);
+    let live = b.setp(Cmp::Lt, q, blk.len);
     let mask = b.shared_base(&mask_var);
-    let qb1 = b.add(qb, 1u32);
-    b.for_range(tid, qb1, BLOCK_THREADS, "clear", |b, k| {
+    let jtab = b.shared_base(&jtab_var);
+    let elist = b.shared_base(&elist_var);
+
+    b.comment("clear the mask window and the entry counter");
+    b.for_range(tid, WINDOW, BLOCK_THREADS, "clear", |b, k| {
         let off = b.shl(k, 4u32);
         let a = b.add(mask, off);
         let z = b.mov::<U32>(0u32);
         b.st_v(&shared(a, 0), [z, z, z, z]);
     });
-    b.bar_sync(0, None);
+    b.predicated(t0, false, |b| b.st::<U32, _>(&shared(misc, 0), 0u32));
 
-    b.comment("load the 16 ids; padding (-1) and, when validating, faults are no edge");
-    let tokens = b.ld_param(&p.tokens);
-    let t = b.add(start, q);
+    b.comment("load the 16 ids; padding (-1) and faults are no edge");
+    let t = b.add(blk.start, q);
     let ht = b.mad_lo(head, tokens, t);
     let lin0 = b.mul_lo(ht, TOPK);
-    let q2k = b.ld_param_ptr(&p.q2k);
     let raw: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(u32::MAX)).collect();
     b.if_then(live, "load_ids", |b| {
         let base = b.mul_wide(lin0, 4u32);
@@ -626,7 +806,7 @@ fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryB
     });
     let own = b.shr(q, 7u32);
     let first_fault = b.mov::<U32>(TOPK);
-    let mut ids = Vec::new();
+    let mut ids: Vec<(Reg<U32>, Reg<Pred>)> = Vec::new();
     for (s, &id) in raw.iter().enumerate() {
         let pad = b.setp(Cmp::Eq, id, u32::MAX);
         let ids_ = b.bitcast::<S32, U32>(id);
@@ -648,338 +828,314 @@ fn query_block(b: &mut KernelBuilder, p: &BlockParams, validate: bool) -> QueryB
         let keep = b.selp::<U32>(0u32, 1u32, skip);
         let valid = b.setp(Cmp::Ne, keep, 0u32);
         let valid = b.and_pred(valid, live);
-        if validate {
-            let cand = b.mov::<U32>(s as u32);
-            let newf = b.min(first_fault, cand);
-            let f2 = b.selp(newf, first_fault, fault);
-            b.set(first_fault, f2);
-        }
+        let cand = b.mov::<U32>(s as u32);
+        let newf = b.min(first_fault, cand);
+        let f2 = b.selp(newf, first_fault, fault);
+        b.set(first_fault, f2);
         ids.push((id, valid));
     }
-    if validate {
-        let faulted = b.setp(Cmp::Lt, first_fault, TOPK);
-        b.if_then(faulted, "fault", |b| {
-            let lin = b.add(lin0, first_fault);
-            b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_SEL_FAULT), lin);
-            b.red::<U32, _>(AtomOp::Or, &status_addr(status, ST_FLAGS), FLAG_SELECTION);
-        });
-    }
+    let faulted = b.setp(Cmp::Lt, first_fault, TOPK);
+    b.if_then(faulted, "fault", |b| {
+        let lin = b.add(lin0, first_fault);
+        b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_SEL_FAULT), lin);
+        b.red::<U32, _>(AtomOp::Or, &status_addr(status, ST_FLAGS), FLAG_SELECTION);
+    });
+    b.bar_sync(0, None);
 
-    b.comment("mask[id] |= bit of this query");
+    b.comment("per window of key blocks: mask[id] |= bit of this query, then every edge's rank");
+    b.comment("among the block's queries with the same id; the rank-0 edge creates the entry");
     let word = b.shr(tid, 5u32);
     let word4 = b.shl(word, 2u32);
     let lane = b.and(tid, 31u32);
     let one = b.mov::<U32>(1u32);
     let bit = b.shl(one, lane);
-    for &(id, valid) in &ids {
-        b.if_then(valid, "mask_set", |b| {
-            let off = b.shl(id, 4u32);
-            let a = b.add(mask, off);
-            let a = b.add(a, word4);
-            b.red::<U32, _>(AtomOp::Or, &shared(a, 0), bit);
-        });
-    }
-    b.bar_sync(0, None);
-    QueryBlock {
-        head,
-        qb,
-        first_block,
-        q,
-        ids,
-        mask,
-        tid,
-    }
-}
-
-/// Index of pair `(row of key block k, qb)` of `head` in the pair table.
-fn pair_index(b: &mut KernelBuilder, p: &BlockParams, blk: &QueryBlock, k: Reg<U32>) -> Reg<U32> {
-    let row_of = b.ld_param_ptr(&p.row_of);
-    let pair = b.ld_param_ptr(&p.pair);
-    let fk = b.add(blk.first_block, k);
-    let row = load_u32(b, row_of, fk);
-    let base = load_u32(b, pair, row);
-    let dq = b.sub(blk.qb, k);
-    let i = b.add(base, dq);
-    let cap = b.ld_param(&p.pair_cap);
-    b.mad_lo(blk.head, cap, i)
-}
-
-fn count(b: &mut KernelBuilder) {
-    b.grid("[rows capacity, 4, 1]");
-    let p = block_params(b, true);
-    let blk = query_block(b, &p, true);
-    let counts = b.ld_param_ptr(&p.pair_counts);
-    b.comment("count[head, row(k), qb] = popc(mask[k]) for every k <= qb (zeros too)");
-    let qb1 = b.add(blk.qb, 1u32);
-    b.for_range(blk.tid, qb1, BLOCK_THREADS, "count", |b, k| {
-        let off = b.shl(k, 4u32);
-        let a = b.add(blk.mask, off);
-        let w: [Reg<U32>; 4] = b.ld_v(&shared(a, 0));
-        let mut n = popc(b, w[0]);
-        for &x in &w[1..] {
-            let c = popc(b, x);
-            n = b.add(n, c);
-        }
-        let i = pair_index(b, &p, &blk, k);
-        store_u32(b, counts, i, n);
-    });
-    b.ret();
-}
-
-fn fill(b: &mut KernelBuilder) {
-    b.grid("[rows capacity, 4, 1]");
-    let p = block_params(b, false);
-    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
-    let bases_var = b.shared_array("edge_base", MAX_KEY_BLOCKS * 4, 16);
-    let blk = query_block(b, &p, false);
-    let offsets = b.ld_param_ptr(&p.pair_counts);
-    let q_indices = b.ld_param_ptr(&q_indices_p);
-    let tokens = b.ld_param(&p.tokens);
-    let edge_cap = b.mul_lo(tokens, TOPK);
-    let head_base = b.mul_lo(blk.head, edge_cap);
-    // The three dependent global lookups of a pair's offset, once per key block of the CTA
-    // into shared memory, instead of once per (query, slot).
-    b.comment("edge_base[k] = head base + offset of pair (row of k, qb), for k <= qb");
-    let bases = b.shared_base(&bases_var);
-    let qb1 = b.add(blk.qb, 1u32);
-    b.for_range(blk.tid, qb1, BLOCK_THREADS, "bases", |b, k| {
-        let i = pair_index(b, &p, &blk, k);
-        let o = load_u32(b, offsets, i);
-        let o = b.add(o, head_base);
-        let off = b.shl(k, 2u32);
-        let a = b.add(bases, off);
-        b.st::<U32, _>(&shared(a, 0), o);
-    });
-    b.bar_sync(0, None);
-    b.comment("edge place = offset[pair] + #(earlier queries of the block with the same id)");
-    let word = b.shr(blk.tid, 5u32);
-    let lane = b.and(blk.tid, 31u32);
-    let one = b.mov::<U32>(1u32);
-    let bit = b.shl(one, lane);
     let below_bit = b.sub(bit, 1u32);
-    for &(id, valid) in &blk.ids {
-        b.if_then(valid, "edge", |b| {
-            let off = b.shl(id, 4u32);
-            let a = b.add(blk.mask, off);
-            let w: [Reg<U32>; 4] = b.ld_v(&shared(a, 0));
-            let rank = b.mov::<U32>(0u32);
-            for (i, &x) in w.iter().enumerate() {
-                let before = b.setp(Cmp::Gt, word, i as u32);
-                let mine = b.setp(Cmp::Eq, word, i as u32);
-                let part = b.and(x, below_bit);
-                let whole = b.selp(x, 0u32, before);
-                let m = b.selp(part, whole, mine);
-                let c = popc(b, m);
-                let r = b.add(rank, c);
-                b.set(rank, r);
-            }
-            let off = b.shl(id, 2u32);
-            let a = b.add(bases, off);
-            let o = b.ld::<U32, _>(&shared(a, 0));
-            let e = b.add(o, rank);
-            store_u32(b, q_indices, e, blk.q);
-        });
-    }
-    b.ret();
-}
-
-fn offsets(b: &mut KernelBuilder) {
-    b.grid("[4, 1, 1]");
-    let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
-    let cu_p = b.param_ptr("cu_copy", HostElem::I32, false);
-    let status_p = b.param_ptr("status", HostElem::I32, true);
-    let nb_p = b.param_ptr("doc_blocks", HostElem::I32, false);
-    let pair_p = b.param_ptr("row_pair_offset", HostElem::I32, false);
-    let counts_p = b.param_ptr("pair_counts", HostElem::I32, true);
-    let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, true);
-    let item_off_p = b.param_ptr("item_offsets", HostElem::I32, true);
-    let docs_p = b.param_u32("num_docs");
-    let tokens_p = b.param_u32("num_tokens");
-    let rows_cap_p = b.param_u32("rows_capacity");
-    let pair_cap_p = b.param_u32("pair_capacity");
-    let qpw_p = b.param_u32("queries_per_work");
-    let warp_totals = b.shared_array("warp_totals", 128, 16);
-
-    let status = b.ld_param_ptr(&status_p);
-    let tid = b.sreg(SReg::TidX);
-    let head = b.sreg(SReg::CtaidX);
-    let tokens = b.ld_param(&tokens_p);
-    let t0 = b.setp(Cmp::Eq, tid, 0u32);
-    let h0 = b.setp(Cmp::Eq, head, 0u32);
-    let decoder = b.and_pred(t0, h0);
-    b.comment("CTA 0 thread 0: decode the first fault into the status block for the host");
-    b.if_then(decoder, "decode", |b| {
-        let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
-        let cu = b.ld_param_ptr(&cu_p);
-        let cu_flag = b.and(flags, FLAG_CU_SEQLENS);
-        let cu_bad = b.setp(Cmp::Ne, cu_flag, 0u32);
-        b.if_then(cu_bad, "decode_cu", |b| {
-            let i = b.ld::<U32, _>(&status_addr(status, ST_CU_FAULT));
-            let v = load_u32(b, cu, i);
-            let has_prev = b.setp(Cmp::Gt, i, 0u32);
-            let prev = load_if(b, has_prev, |b| {
-                let im1 = b.sub(i, 1u32);
-                load_u32(b, cu, im1)
-            });
-            b.st::<U32, _>(&status_addr(status, ST_VALUE), v);
-            b.st::<U32, _>(&status_addr(status, ST_AUX), prev);
-        });
-        let sel_flag = b.and(flags, FLAG_SELECTION);
-        let sel_bad = b.setp(Cmp::Ne, sel_flag, 0u32);
-        b.if_then(sel_bad, "decode_sel", |b| {
-            let lin = b.ld::<U32, _>(&status_addr(status, ST_SEL_FAULT));
-            let slot = b.and(lin, TOPK - 1);
-            let ht = b.shr(lin, 4u32);
-            let h = b.div(ht, tokens);
-            let t = b.rem(ht, tokens);
-            let q2k = b.ld_param_ptr(&q2k_p);
-            let id = load_u32(b, q2k, lin);
-            let docs = b.ld_param(&docs_p);
-            let d = last_le(b, cu, docs, t);
-            let start = load_u32(b, cu, d);
-            let q = b.sub(t, start);
-            let own = b.shr(q, 7u32);
-            let nb_a = b.ld_param_ptr(&nb_p);
-            let nb = load_u32(b, nb_a, d);
-            let ids = b.bitcast::<S32, U32>(id);
-            let below = b.setp(Cmp::Lt, ids, -1i32);
-            let past = b.setp(Cmp::Ge, id, nb);
-            let after = b.setp(Cmp::Gt, id, own);
-            let first = b.mov::<U32>(0u32);
-            let list = b.sub(lin, slot);
-            b.for_range(0u32, slot, 1, "first_slot", |b, s| {
-                let e = b.add(list, s);
-                let v = load_u32(b, q2k, e);
-                let same = b.setp(Cmp::Eq, v, id);
-                let later = b.setp(Cmp::Eq, first, 0u32);
-                let take = b.and_pred(same, later);
-                let s1 = b.add(s, 1u32);
-                let n = b.selp(s1, first, take);
-                b.set(first, n);
-            });
-            // first holds slot + 1 of the first equal id (0: none; a fault is then past/after).
-            let first_slot = b.max(first, 1u32);
-            let first_slot = b.sub(first_slot, 1u32);
-            let kind = b.mov::<U32>(KIND_REPEATED);
-            let aux = b.mov::<U32>(first_slot);
-            let k = b.selp(KIND_AFTER_OWN, kind, after);
-            let a = b.selp(own, aux, after);
-            let k = b.selp(KIND_PAST_END, k, past);
-            let a = b.selp(nb, a, past);
-            let k = b.selp(KIND_BELOW_PADDING, k, below);
-            let a = b.selp(0u32, a, below);
-            b.st::<U32, _>(&status_addr(status, ST_KIND), k);
-            b.st::<U32, _>(&status_addr(status, ST_VALUE), id);
-            b.st::<U32, _>(&status_addr(status, ST_AUX), a);
-            b.st::<U32, _>(&status_addr(status, ST_HEAD), h);
-            b.st::<U32, _>(&status_addr(status, ST_ROW), t);
-            b.st::<U32, _>(&status_addr(status, ST_SLOT), slot);
-        });
-    });
-    exit_if_flagged(b, status, u32::MAX);
-
-    let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
-    let pairs = b.ld::<U32, _>(&status_addr(status, ST_PAIRS));
-    let pair_cap = b.ld_param(&pair_cap_p);
-    let counts = b.ld_param_ptr(&counts_p);
-    let pc_head = b.mul_lo(head, pair_cap);
-    b.comment("edge offsets of the head's pairs: exclusive scan in place");
-    let edges = tiled_scan(
-        b,
-        pairs,
-        tid,
-        &warp_totals,
-        |b, i, live| {
-            load_if(b, live, |b| {
-                let j = b.add(pc_head, i);
-                load_u32(b, counts, j)
+    let places: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
+    let ranks: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
+    let window_bits = b.ld_param(&window_bits_p);
+    let window = b.shl(one, window_bits);
+    let local_mask = b.sub(window, 1u32);
+    let windows = b.shr(blk.qb, window_bits);
+    let windows = b.add(windows, 1u32);
+    b.for_range(0u32, windows, 1, "window", |b, w| {
+        let in_window: Vec<(Reg<Pred>, Reg<U32>)> = ids
+            .iter()
+            .map(|&(id, valid)| {
+                let wi = b.shr(id, window_bits);
+                let same = b.setp(Cmp::Eq, wi, w);
+                let p = b.and_pred(valid, same);
+                let local = b.and(id, local_mask);
+                let off = b.shl(local, 4u32);
+                let a = b.add(mask, off);
+                (p, a)
             })
-        },
-        |b, i, live, before, _| {
-            b.if_then(live, "edge_offset", |b| {
-                let j = b.add(pc_head, i);
-                store_u32(b, counts, j, before);
+            .collect();
+        for &(p, a) in &in_window {
+            b.if_then(p, "mask_set", |b| {
+                let a = b.add(a, word4);
+                b.red::<U32, _>(AtomOp::Or, &shared(a, 0), bit);
             });
-        },
-    );
-    b.bar_sync(0, None);
-    let t0 = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(t0, "edges", |b| {
-        let w = b.add(head, ST_EDGES);
-        let a = b.mul_wide(w, 4u32);
-        let a = b.add(status, a);
-        b.st::<U32, _>(&global(a, 0), edges);
+        }
+        b.bar_sync(0, None);
+        for (s, (&(p, a), &(id, _))) in in_window.iter().zip(&ids).enumerate() {
+            b.if_then(p, "rank", |b| {
+                let m: [Reg<U32>; 4] = b.ld_v(&shared(a, 0));
+                let rank = b.mov::<U32>(0u32);
+                let total = b.mov::<U32>(0u32);
+                for (i, &x) in m.iter().enumerate() {
+                    let before = b.setp(Cmp::Gt, word, i as u32);
+                    let mine = b.setp(Cmp::Eq, word, i as u32);
+                    let part = b.and(x, below_bit);
+                    let whole = b.selp(x, 0u32, before);
+                    let sel = b.selp(part, whole, mine);
+                    let c = b.popc(sel);
+                    let r = b.add(rank, c);
+                    b.set(rank, r);
+                    let c = b.popc(x);
+                    let n = b.add(total, c);
+                    b.set(total, n);
+                }
+                b.set(ranks[s], rank);
+                let leader = b.setp(Cmp::Eq, rank, 0u32);
+                b.if_then(leader, "entry", |b| {
+                    let j = b.atom::<U32, _>(AtomOp::Add, &shared(misc, 0), 1u32);
+                    let local = b.and(id, local_mask);
+                    let l4 = b.shl(local, 2u32);
+                    let at = b.add(jtab, l4);
+                    b.st::<U32, _>(&shared(at, 0), j);
+                    let c = b.shl(total, 16u32);
+                    let e = b.or(id, c);
+                    let j4 = b.shl(j, 2u32);
+                    let at = b.add(elist, j4);
+                    b.st::<U32, _>(&shared(at, 0), e);
+                });
+            });
+        }
+        b.bar_sync(0, None);
+        for (s, (&(p, a), &(id, _))) in in_window.iter().zip(&ids).enumerate() {
+            b.if_then(p, "place", |b| {
+                let local = b.and(id, local_mask);
+                let l4 = b.shl(local, 2u32);
+                let at = b.add(jtab, l4);
+                let j = b.ld::<U32, _>(&shared(at, 0));
+                let j7 = b.shl(j, 7u32);
+                let v = b.or(j7, ranks[s]);
+                b.set(places[s], v);
+                // Every read of this window's mask is behind the barrier above.
+                let leader = b.setp(Cmp::Eq, ranks[s], 0u32);
+                b.if_then(leader, "unmask", |b| {
+                    let z = b.mov::<U32>(0u32);
+                    b.st_v(&shared(a, 0), [z, z, z, z]);
+                });
+            });
+        }
+        b.bar_sync(0, None);
     });
 
-    b.comment("row_ptr[head, r] = offset of the row's first pair (rows past the last: total),");
-    b.comment("and the work items per row, ceil(edges / queries_per_work): exclusive scan");
-    let pair = b.ld_param_ptr(&pair_p);
-    let row_ptr = b.ld_param_ptr(&row_ptr_p);
-    let rows_cap = b.ld_param(&rows_cap_p);
-    let stride = b.add(rows_cap, 1u32);
-    let rp_head = b.mul_lo(head, stride);
+    b.comment("the block's entries: a place in the head's list, a slot in their row");
+    let n = b.ld::<U32, _>(&shared(misc, 0));
+    let info = b.ld_param_ptr(&info_p);
+    b.if_then(t0, "allocate", |b| {
+        let word = b.add(head, ST_ENTRIES);
+        let a = b.mul_wide(word, 4u32);
+        let a = b.add(status, a);
+        let eb = b.atom::<U32, _>(AtomOp::Add, &global(a, 0), n);
+        b.st::<U32, _>(&shared(misc, 4), eb);
+        let i = b.mad_lo(head, rows_cap, f);
+        let at = super::common::elem_bytes(b, info, i, 8);
+        b.st_v(&at, [eb, n]);
+    });
+    b.bar_sync(0, None);
+    let eb = b.ld::<U32, _>(&shared(misc, 4));
+    let row_of = b.ld_param_ptr(row_of_p);
+    let entries = b.ld_param_ptr(&entries_p);
+    let head_entries = b.mul_lo(head, edge_cap);
+    let list_base = b.add(head_entries, eb);
+    // ENTRY_BATCH entries per thread and pass, each step for all of them before the next
+    // (row lookups, then the atomics), so their round trips overlap.
+    let n1 = b.max(n, 1u32);
+    let last_entry = b.sub(n1, 1u32);
+    b.for_range(tid, n, BLOCK_THREADS * ENTRY_BATCH, "entries", |b, j0| {
+        let mut batch = Vec::new();
+        for k in 0..ENTRY_BATCH {
+            let j = b.add(j0, BLOCK_THREADS * k);
+            let live = b.setp(Cmp::Lt, j, n);
+            let jc = b.min(j, last_entry);
+            let j4 = b.shl(jc, 2u32);
+            let at = b.add(elist, j4);
+            let e = b.ld::<U32, _>(&shared(at, 0));
+            let id = b.and(e, 0xffffu32);
+            let c = b.shr(e, 16u32);
+            let fk = b.add(blk.first_block, id);
+            let row = load_u32(b, row_of, fk);
+            batch.push((j, live, c, row));
+        }
+        let mut slots = Vec::new();
+        for &(_, live, c, row) in &batch {
+            let bi = b.mad_lo(head, rows_cap, row);
+            let c64 = b.cvt::<U64, U32>(c);
+            let inc = b.add(c64, 1u64 << 32);
+            let ca = super::common::elem_bytes(b, ctr, bi, 8);
+            let old = b.mov::<U64>(0u64);
+            b.predicated(live, false, |b| {
+                let o = b.atom::<U64, _>(AtomOp::Add, &ca, inc);
+                b.set(old, o);
+            });
+            slots.push(old);
+        }
+        for (&(j, live, c, row), &old) in batch.iter().zip(&slots) {
+            let (_, slot) = halves(b, old);
+            let c13 = b.shl(c, SLOT_BITS);
+            let sc = b.or(slot, c13);
+            let gi = b.add(list_base, j);
+            b.predicated(live, false, |b| {
+                let ea = super::common::elem_bytes(b, entries, gi, 8);
+                b.st_v(&ea, [row, sc]);
+            });
+        }
+    });
+    b.comment("edge_places[head, t, slot] = (list index << 7) | rank, or -1 for no edge");
+    let eb7 = b.shl(eb, 7u32);
+    let aux = b.ld_param_ptr(&aux_p);
+    b.if_then(live, "places", |b| {
+        let mut v = Vec::new();
+        for (s, &(_, valid)) in ids.iter().enumerate() {
+            let p = b.add(places[s], eb7);
+            v.push(b.selp(p, u32::MAX, valid));
+        }
+        let base = b.mul_wide(lin0, 4u32);
+        let base = b.add(aux, base);
+        for c in 0..4 {
+            b.st_v(
+                &global(base, 16 * c as i64),
+                [v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]],
+            );
+        }
+    });
+
+    b.place(&finish);
+    b.comment("grid-wide handoff: the CTA that finishes last scans the rows");
+    b.bar_sync(0, None);
+    b.if_then(t0, "done", |b| {
+        b.fence_acq_rel_gpu();
+        let done = b.atom::<U32, _>(AtomOp::Add, &status_addr(status, ST_DONE), 1u32);
+        let gx = b.sreg(SReg::NctaidX);
+        let ctas = b.shl(gx, 2u32);
+        let last = b.sub(ctas, 1u32);
+        let is_last = b.setp(Cmp::Eq, done, last);
+        let v = b.selp(1u32, 0u32, is_last);
+        b.st::<U32, _>(&shared(misc, 8), v);
+    });
+    b.bar_sync(0, None);
+    let last = b.ld::<U32, _>(&shared(misc, 8));
+    let not_last = b.setp(Cmp::Eq, last, 0u32);
+    b.if_then(not_last, "not_last", |b| b.ret());
+    b.fence_acq_rel_gpu();
+    // Every CTA has passed its wait: the next build starts from ST_READY = 0.
+    b.if_then(t0, "unpublish", |b| {
+        b.st::<U32, _>(&status_addr(status, ST_READY), 0u32);
+    });
+
+    let cu = b.ld_param_ptr(cu_p);
+    let nb_a = b.ld_param_ptr(nb_p);
+    let docs = b.ld_param(docs_p);
+    b.if_then(t0, "decode", |b| {
+        decode_fault(b, status, q2k, cu, nb_a, docs, tokens);
+    });
+    let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
+    let work_count = b.ld_param_ptr(&work_count_p);
+    b.if_then(t0, "no_work", |b| {
+        b.st::<U32, _>(&global(work_count, 0), 0u32)
+    });
+    let hit = b.and(flags, FLAG_CU_SEQLENS | FLAG_WORKSPACE);
+    let bad = b.setp(Cmp::Ne, hit, 0u32);
+    b.if_then(bad, "bad_documents", |b| b.ret());
+
+    b.comment("row_ptr, bucket starts and item offsets of all four heads: one scan of the");
+    b.comment("counters (12 values per row), so the serial tail has one set of barriers");
+    let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
     let qpw = b.ld_param(&qpw_p);
+    let row_ptr = b.ld_param_ptr(&row_ptr_p);
+    let bstart = b.ld_param_ptr(&bstart_p);
     let item_off = b.ld_param_ptr(&item_off_p);
-    let io_head = b.mul_lo(head, rows_cap);
-    // The first edge of row r, or the head's total past the last row.
-    let row_start = |b: &mut KernelBuilder, r: Reg<U32>| {
-        let v = b.mov::<U32>(edges);
-        let inside = b.setp(Cmp::Lt, r, rows);
-        b.if_then(inside, "row_first", |b| {
-            let po = load_u32(b, pair, r);
-            let j = b.add(pc_head, po);
-            let o = load_u32(b, counts, j);
-            b.set(v, o);
-        });
-        v
-    };
-    let items = tiled_scan(
+    let stride = b.add(rows_cap, 1u32);
+    let rows1 = b.max(rows, 1u32);
+    let last_row = b.sub(rows1, 1u32);
+    // Two rows per thread and tile: the 12 values per row stay in registers.
+    let totals = tiled_scan_n::<12>(
         b,
+        (BLOCK_THREADS, 2),
         rows,
         tid,
         &warp_totals,
+        // Unpredicated loads at a clamped row (rows >= 1 here), zero when not live.
         |b, r, live| {
-            load_if(b, live, |b| {
-                let lo = row_start(b, r);
-                let r1 = b.add(r, 1u32);
-                let hi = row_start(b, r1);
-                let i = b.add(rp_head, r);
-                store_u32(b, row_ptr, i, lo);
-                let c = b.sub(hi, lo);
-                div_ceil(b, c, qpw)
-            })
+            let rc = b.min(r, last_row);
+            let mut out = Vec::new();
+            for h in 0..4u32 {
+                let i = b.mad_lo(rows_cap, h, rc);
+                let a = super::common::elem_bytes(b, ctr, i, 8);
+                let v = b.ld::<U64, _>(&a);
+                let (e, n) = halves(b, v);
+                let w = div_ceil(b, e, qpw);
+                for x in [e, n, w] {
+                    out.push(b.selp(x, 0u32, live));
+                }
+            }
+            std::array::from_fn(|k| out[k])
         },
         |b, r, live, before, _| {
-            b.if_then(live, "item_offset", |b| {
-                let i = b.add(io_head, r);
-                store_u32(b, item_off, i, before);
+            b.if_then(live, "row_store", |b| {
+                for h in 0..4u32 {
+                    let i = b.mad_lo(stride, h, r);
+                    let k = 3 * h as usize;
+                    store_u32(b, row_ptr, i, before[k]);
+                    let i = b.mad_lo(rows_cap, h, r);
+                    store_u32(b, bstart, i, before[k + 1]);
+                    store_u32(b, item_off, i, before[k + 2]);
+                }
             });
         },
     );
-    let pad_from = b.add(rows, tid);
-    b.for_range(pad_from, stride, SCAN_THREADS, "row_ptr_pad", |b, r| {
-        let i = b.add(rp_head, r);
-        store_u32(b, row_ptr, i, edges);
-    });
-    b.if_then(t0, "items", |b| {
-        let w = b.add(head, ST_ITEMS);
-        let a = b.mul_wide(w, 4u32);
-        let a = b.add(status, a);
-        b.st::<U32, _>(&global(a, 0), items);
+    let all_items = b.mov::<U32>(0u32);
+    for h in 0..4u32 {
+        let edges = totals[3 * h as usize];
+        let items = totals[3 * h as usize + 2];
+        let rp_head = b.mul_lo(stride, h);
+        let pad_from = b.add(rows, tid);
+        b.for_range(pad_from, stride, BLOCK_THREADS, "row_ptr_pad", |b, r| {
+            let i = b.add(rp_head, r);
+            store_u32(b, row_ptr, i, edges);
+        });
+        b.if_then(t0, "head_totals", |b| {
+            b.st::<U32, _>(&status_addr(status, ST_EDGES + h), edges);
+            b.st::<U32, _>(&status_addr(status, ST_ITEMS + h), items);
+        });
+        let s = b.add(all_items, items);
+        b.set(all_items, s);
+    }
+    // A flagged schedule has no work: the backward then walks no task and writes zeros.
+    let clean = b.setp(Cmp::Eq, flags, 0u32);
+    let wc = b.selp(all_items, 0u32, clean);
+    b.if_then(t0, "work_count", |b| {
+        b.st::<U32, _>(&global(work_count, 0), wc)
     });
     b.ret();
 }
 
-fn items(b: &mut KernelBuilder) {
-    b.grid("[ceil(work_capacity / 256), 1, 1]");
+fn scatter(b: &mut KernelBuilder) {
+    b.grid("[rows capacity, 4, 1]");
     let status_p = b.param_ptr("status", HostElem::I32, false);
     let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
     let block_of_p = b.param_ptr("block_of_row", HostElem::I32, false);
+    let entries_p = b.param_ptr("entries", HostElem::I32, false);
+    let info_p = b.param_ptr("block_entries", HostElem::I32, false);
+    let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, false);
+    let buckets_p = b.param_ptr("buckets", HostElem::I32, true);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
     let item_off_p = b.param_ptr("item_offsets", HostElem::I32, false);
     let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
     let metadata_p = b.param_ptr("scheduler_metadata", HostElem::I32, true);
-    let work_count_p = b.param_ptr("work_count", HostElem::I32, true);
     let tokens_p = b.param_u32("num_tokens");
     let rows_cap_p = b.param_u32("rows_capacity");
     let work_cap_p = b.param_u32("work_capacity");
@@ -987,9 +1143,17 @@ fn items(b: &mut KernelBuilder) {
 
     let status = b.ld_param_ptr(&status_p);
     let tid = b.sreg(SReg::TidX);
-    let cta = b.sreg(SReg::CtaidX);
-    let j = b.mad_lo(cta, ITEM_THREADS, tid);
-    let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
+    let f = b.sreg(SReg::CtaidX);
+    let head = b.sreg(SReg::CtaidY);
+    let gx = b.sreg(SReg::NctaidX);
+    let cta = b.mad_lo(head, gx, f);
+    let j = b.mad_lo(cta, BLOCK_THREADS, tid);
+    let ctas = b.shl(gx, 2u32);
+    let threads = b.mul_lo(ctas, BLOCK_THREADS);
+    let tokens = b.ld_param(&tokens_p);
+    let edge_cap = b.mul_lo(tokens, TOPK);
+    let rows_cap = b.ld_param(&rows_cap_p);
+    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
     let clean = b.setp(Cmp::Eq, flags, 0u32);
     let mut bases = Vec::new();
     let total = b.mov::<U32>(0u32);
@@ -999,27 +1163,17 @@ fn items(b: &mut KernelBuilder) {
         let t = b.add(total, n);
         b.set(total, t);
     }
-    // A flagged schedule has no work: the backward then walks no task and writes zeros.
     let total = b.selp(total, 0u32, clean);
-    let leader = b.setp(Cmp::Eq, j, 0u32);
-    b.if_then(leader, "work_count", |b| {
-        let wc = b.ld_param_ptr(&work_count_p);
-        b.st::<U32, _>(&global(wc, 0), total);
-    });
 
     let work_cap = b.ld_param(&work_cap_p);
     let metadata = b.ld_param_ptr(&metadata_p);
-    let ctas = b.sreg(SReg::NctaidX);
-    let threads = b.mul_lo(ctas, ITEM_THREADS);
     let warps = b.shr(threads, 5u32);
     let lane = b.and(tid, 31u32);
     let warp = b.shr(j, 5u32);
 
-    b.comment("one warp per (head, row): its lanes write the row's items");
+    b.comment("work items: one warp per (head, row), its lanes write the row's items");
     b.if_then(clean, "items", |b| {
-        let rows = b.ld::<U32, _>(&status_addr(status, ST_ROWS));
         let pairs = b.mul_lo(rows, 4u32);
-        let rows_cap = b.ld_param(&rows_cap_p);
         let stride = b.add(rows_cap, 1u32);
         let qpw = b.ld_param(&qpw_p);
         let item_off = b.ld_param_ptr(&item_off_p);
@@ -1027,34 +1181,34 @@ fn items(b: &mut KernelBuilder) {
         let block_of = b.ld_param_ptr(&block_of_p);
         let blk_doc = b.ld_param_ptr(&blk_doc_p);
         strided(b, warp, pairs, warps, |b, hr| {
-            let head = b.div(hr, rows);
+            let h = b.div(hr, rows);
             let row = b.rem(hr, rows);
             let base = b.mov::<U32>(0u32);
-            for (h, &bh) in bases.iter().enumerate().skip(1) {
-                let is = b.setp(Cmp::Eq, head, h as u32);
+            for (k, &bh) in bases.iter().enumerate().skip(1) {
+                let is = b.setp(Cmp::Eq, h, k as u32);
                 let v = b.selp(bh, base, is);
                 b.set(base, v);
             }
-            let io = b.mad_lo(head, rows_cap, row);
+            let io = b.mad_lo(h, rows_cap, row);
             let first = load_u32(b, item_off, io);
             let first = b.add(first, base);
-            let rp = b.mad_lo(head, stride, row);
+            let rp = b.mad_lo(h, stride, row);
             let lo = load_u32(b, row_ptr, rp);
             let rp1 = b.add(rp, 1u32);
             let hi = load_u32(b, row_ptr, rp1);
             let c = b.sub(hi, lo);
             let n = div_ceil(b, c, qpw);
-            let f = load_u32(b, block_of, row);
-            let rec = common_elem16(b, blk_doc, f);
-            let [d, fb, _, _]: [Reg<U32>; 4] = b.ld_v(&rec);
-            let k = b.sub(f, fb);
+            let fb = load_u32(b, block_of, row);
+            let rec = common_elem16(b, blk_doc, fb);
+            let [d, first_block, _, _]: [Reg<U32>; 4] = b.ld_v(&rec);
+            let k = b.sub(fb, first_block);
             b.for_range(lane, n, 32, "row_items", |b, m| {
                 let q_begin = b.mul_lo(m, qpw);
                 let left = b.sub(c, q_begin);
                 let q_count = b.min(left, qpw);
                 let it = b.add(first, m);
                 let at = b.mul_lo(it, 6u32);
-                for (col, v) in [head, row, q_begin, q_count, d, k].into_iter().enumerate() {
+                for (col, v) in [h, row, q_begin, q_count, d, k].into_iter().enumerate() {
                     let i = b.add(at, col as u32);
                     store_u32(b, metadata, i, v);
                 }
@@ -1074,8 +1228,6 @@ fn items(b: &mut KernelBuilder) {
 
     b.comment("q_indices past each head's last edge: -1");
     b.if_then(clean, "tail", |b| {
-        let tokens = b.ld_param(&tokens_p);
-        let edge_cap = b.mul_lo(tokens, TOPK);
         let q_indices = b.ld_param_ptr(&q_indices_p);
         for h in 0..4 {
             let used = b.ld::<U32, _>(&status_addr(status, ST_EDGES + h));
@@ -1087,5 +1239,213 @@ fn items(b: &mut KernelBuilder) {
             });
         }
     });
+
+    b.comment("the block's entries into their rows' buckets: (qb | count << 16, list index)");
+    let past = b.setp(Cmp::Ge, f, rows);
+    b.unless(clean, "flagged", |b| b.ret());
+    b.if_then(past, "past", |b| b.ret());
+    let blk_doc = b.ld_param_ptr(&blk_doc_p);
+    let blk = block_of_cta(b, blk_doc);
+    let info = b.ld_param_ptr(&info_p);
+    let i = b.mad_lo(head, rows_cap, f);
+    let at = super::common::elem_bytes(b, info, i, 8);
+    let [eb, n]: [Reg<U32>; 2] = b.ld_v(&at);
+    let entries = b.ld_param_ptr(&entries_p);
+    let bstart = b.ld_param_ptr(&bstart_p);
+    let buckets = b.ld_param_ptr(&buckets_p);
+    let head_base = b.mul_lo(head, edge_cap);
+    let list_base = b.add(head_base, eb);
+    b.for_range(blk.tid, n, BLOCK_THREADS, "entries", |b, j| {
+        let gi = b.add(list_base, j);
+        let ea = super::common::elem_bytes(b, entries, gi, 8);
+        let [row, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
+        let slot = b.and(sc, (1u32 << SLOT_BITS) - 1);
+        let c = b.shr(sc, SLOT_BITS);
+        let bi = b.mad_lo(head, rows_cap, row);
+        let bs = load_u32(b, bstart, bi);
+        let di = b.add(head_base, bs);
+        let di = b.add(di, slot);
+        let c16 = b.shl(c, 16u32);
+        let key = b.or(blk.qb, c16);
+        let li = b.add(eb, j);
+        let da = super::common::elem_bytes(b, buckets, di, 8);
+        b.st_v(&da, [key, li]);
+    });
+    b.ret();
+}
+
+fn order(b: &mut KernelBuilder) {
+    b.grid("[rows capacity, 4, 1]");
+    let status_p = b.param_ptr("status", HostElem::I32, false);
+    let ctr_p = b.param_ptr("row_counters", HostElem::I32, false);
+    let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, false);
+    let buckets_p = b.param_ptr("buckets", HostElem::I32, false);
+    let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
+    let entries_p = b.param_ptr("entries", HostElem::I32, true);
+    let tokens_p = b.param_u32("num_tokens");
+    let rows_cap_p = b.param_u32("rows_capacity");
+    let keys_var = b.shared_array("keys", MAX_BUCKET * 4, 16);
+    let warp_totals = b.shared_array("warp_totals", 128, 16);
+
+    let status = b.ld_param_ptr(&status_p);
+    let tid = b.sreg(SReg::TidX);
+    let row = b.sreg(SReg::CtaidX);
+    let head = b.sreg(SReg::CtaidY);
+    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
+    let flagged = b.setp(Cmp::Ne, flags, 0u32);
+    let past = b.setp(Cmp::Ge, row, rows);
+    let done = b.or_pred(flagged, past);
+    b.if_then(done, "row_done", |b| b.ret());
+
+    let tokens = b.ld_param(&tokens_p);
+    let edge_cap = b.mul_lo(tokens, TOPK);
+    let rows_cap = b.ld_param(&rows_cap_p);
+    let bi = b.mad_lo(head, rows_cap, row);
+    let ctr = b.ld_param_ptr(&ctr_p);
+    let ca = super::common::elem_bytes(b, ctr, bi, 8);
+    let cv = b.ld::<U64, _>(&ca);
+    let (_, n) = halves(b, cv);
+    let bstart = b.ld_param_ptr(&bstart_p);
+    let bs = load_u32(b, bstart, bi);
+    let head_base = b.mul_lo(head, edge_cap);
+    let first = b.add(head_base, bs);
+    let buckets = b.ld_param_ptr(&buckets_p);
+    let stride = b.add(rows_cap, 1u32);
+    let rp = b.mad_lo(head, stride, row);
+    let row_ptr = b.ld_param_ptr(&row_ptr_p);
+    let row_start = load_u32(b, row_ptr, rp);
+
+    b.comment("keys (qb << 13 | slot), padded with u32::MAX to a power of two, sorted");
+    let m = b.mov::<U32>(1u32);
+    let grow = b.label("grow");
+    let grown = b.label("grown");
+    b.place(&grow);
+    let enough = b.setp(Cmp::Ge, m, n);
+    b.bra_if(enough, &grown);
+    let m2 = b.shl(m, 1u32);
+    b.set(m, m2);
+    b.bra(&grow);
+    b.place(&grown);
+    let keys = b.shared_base(&keys_var);
+    b.for_range(tid, m, ORDER_THREADS, "keys", |b, i| {
+        let key = b.mov::<U32>(u32::MAX);
+        let inside = b.setp(Cmp::Lt, i, n);
+        b.if_then(inside, "key", |b| {
+            let di = b.add(first, i);
+            let da = super::common::elem_bytes(b, buckets, di, 8);
+            let w = b.ld::<U32, _>(&da);
+            let qb = b.and(w, 0xffffu32);
+            let k = b.shl(qb, SLOT_BITS);
+            let k = b.or(k, i);
+            b.set(key, k);
+        });
+        let i4 = b.shl(i, 2u32);
+        let a = b.add(keys, i4);
+        b.st::<U32, _>(&shared(a, 0), key);
+    });
+    b.bar_sync(0, None);
+    bitonic_sort(b, keys, m, tid, ORDER_THREADS);
+
+    b.comment("entry start = row_ptr + edges of the row's earlier query blocks");
+    // n >= 1: the row has a CTA only if rows > row, and an empty row scans nothing.
+    let n1 = b.max(n, 1u32);
+    let last = b.sub(n1, 1u32);
+    let entries = b.ld_param_ptr(&entries_p);
+    let record = |b: &mut KernelBuilder, i: Reg<U32>| {
+        let i4 = b.shl(i, 2u32);
+        let a = b.add(keys, i4);
+        let key = b.ld::<U32, _>(&shared(a, 0));
+        let slot = b.and(key, (1u32 << SLOT_BITS) - 1);
+        let di = b.add(first, slot);
+        super::common::elem_bytes(b, buckets, di, 8)
+    };
+    tiled_scan_n::<1>(
+        b,
+        (ORDER_THREADS, SCAN_PER_THREAD),
+        n,
+        tid,
+        &warp_totals,
+        // Unpredicated loads at a clamped index (so a thread's loads overlap); dead entries
+        // count 0 and store nothing.
+        |b, i, live| {
+            let ic = b.min(i, last);
+            let da = record(b, ic);
+            let w = b.ld::<U32, _>(&da);
+            let c = b.shr(w, 16u32);
+            [b.selp(c, 0u32, live)]
+        },
+        |b, i, live, before, _| {
+            let ic = b.min(i, last);
+            let da = record(b, ic);
+            let li = b.ld::<U32, _>(&da.offset(4));
+            b.if_then(live, "entry_start", |b| {
+                let gi = b.add(head_base, li);
+                let ea = super::common::elem_bytes(b, entries, gi, 8);
+                let s = b.add(row_start, before[0]);
+                b.st::<U32, _>(&ea, s);
+            });
+        },
+    );
+    b.ret();
+}
+
+fn fill(b: &mut KernelBuilder) {
+    b.grid("[rows capacity, 4, 1]");
+    let status_p = b.param_ptr("status", HostElem::I32, false);
+    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
+    let entries_p = b.param_ptr("entries", HostElem::I32, false);
+    let aux_p = b.param_ptr("edge_places", HostElem::I32, false);
+    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
+    let tokens_p = b.param_u32("num_tokens");
+
+    let status = b.ld_param_ptr(&status_p);
+    let f = b.sreg(SReg::CtaidX);
+    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
+    let flagged = b.setp(Cmp::Ne, flags, 0u32);
+    let past = b.setp(Cmp::Ge, f, rows);
+    let done = b.or_pred(flagged, past);
+    b.if_then(done, "block_done", |b| b.ret());
+
+    let blk_doc = b.ld_param_ptr(&blk_doc_p);
+    let blk = block_of_cta(b, blk_doc);
+    let q = b.mad_lo(blk.qb, 128u32, blk.tid);
+    let live = b.setp(Cmp::Lt, q, blk.len);
+    b.unless(live, "dead", |b| b.ret());
+    let tokens = b.ld_param(&tokens_p);
+    let edge_cap = b.mul_lo(tokens, TOPK);
+    let head_base = b.mul_lo(blk.head, edge_cap);
+    let t = b.add(blk.start, q);
+    let ht = b.mad_lo(blk.head, tokens, t);
+    let lin0 = b.mul_lo(ht, TOPK);
+    let aux = b.ld_param_ptr(&aux_p);
+    let base = b.mul_wide(lin0, 4u32);
+    let base = b.add(aux, base);
+    let entries = b.ld_param_ptr(&entries_p);
+    let q_indices = b.ld_param_ptr(&q_indices_p);
+    b.comment("q_indices[head, start of the entry + rank] = q");
+    // All 16 loads first, unpredicated (a slot with no edge reads the head's entry 0, which
+    // is in bounds), so they overlap; only the stores are predicated.
+    let mut places = Vec::new();
+    for c in 0..4 {
+        let v: [Reg<U32>; 4] = b.ld_v(&global(base, 16 * c as i64));
+        places.extend(v);
+    }
+    let mut starts = Vec::new();
+    for &a in &places {
+        let edge = b.setp(Cmp::Ne, a, u32::MAX);
+        let li = b.shr(a, 7u32);
+        let li = b.selp(li, 0u32, edge);
+        let gi = b.add(head_base, li);
+        let ea = super::common::elem_bytes(b, entries, gi, 8);
+        starts.push((edge, b.ld::<U32, _>(&ea)));
+    }
+    for (&a, &(edge, start)) in places.iter().zip(&starts) {
+        b.if_then(edge, "edge", |b| {
+            let r = b.and(a, 127u32);
+            let e = b.add(start, r);
+            let e = b.add(head_base, e);
+            store_u32(b, q_indices, e, q);
+        });
+    }
     b.ret();
 }

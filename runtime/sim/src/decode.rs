@@ -551,6 +551,20 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 }
             }
         }
+        "popc" => {
+            let ty = m.one_type()?;
+            if !matches!(ty, Ty::B(32) | Ty::B(64)) {
+                return unsupported(format!("popc on {ty:?}"));
+            }
+            m.finish()?;
+            arity(ops, 2)?;
+            Op::IntUn {
+                op: IntUnOp::Popc,
+                ty: int_ty(ty)?,
+                d: ctx.reg(&ops[0])?,
+                a: ctx.src(&ops[1], ty)?,
+            }
+        }
         "not" | "neg" | "abs" => {
             let ty = m.one_type()?;
             if ty == Ty::Pred && name == "not" {

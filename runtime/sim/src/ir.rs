@@ -315,6 +315,8 @@ pub enum IntUnOp {
     Neg,
     /// `abs`
     Abs,
+    /// `popc` (the destination is a `.u32`)
+    Popc,
 }
 
 /// `mad` variants.

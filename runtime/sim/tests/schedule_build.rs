@@ -5,7 +5,7 @@
 
 use half::bf16;
 use msa_runtime::backend::bytes_of;
-use msa_runtime::schedule_build::{FLAG_CU_SEQLENS, FLAG_SELECTION, FLAG_WORKSPACE};
+use msa_runtime::schedule_build::{COUNT_WINDOW, FLAG_CU_SEQLENS, FLAG_SELECTION, FLAG_WORKSPACE};
 use msa_runtime::Backend;
 use msa_runtime::{
     build_schedule, causal_support, max_workspace_rows, workspace_layout, MsaBackward,
@@ -87,29 +87,74 @@ fn device_build(
     workspace_rows: usize,
     qpw: usize,
 ) -> (SimDevice, ResidentSchedule<SimDevice>) {
+    device_build_windowed(arch, q2k, cu, workspace_rows, qpw, COUNT_WINDOW)
+}
+
+/// [`device_build`] with `count_window` key blocks per pass of the selection mask.
+fn device_build_windowed(
+    arch: Arch,
+    q2k: &[i32],
+    cu: &[i32],
+    workspace_rows: usize,
+    qpw: usize,
+    count_window: usize,
+) -> (SimDevice, ResidentSchedule<SimDevice>) {
     let t = q2k.len() / 64;
     let mut dev = SimDevice::new(arch, 8);
-    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, workspace_rows, qpw).expect("sizes");
+    let mut sizes = ScheduleBuildSizes::new(t, cu.len() - 1, workspace_rows, qpw).expect("sizes");
+    sizes.count_window = count_window;
     let mut s = ResidentSchedule::new(&mut dev, sizes).expect("allocate");
+    rebuild(&mut dev, &mut s, q2k, cu);
+    (dev, s)
+}
+
+/// Uploads `q2k`/`cu` and builds into the existing `s`.
+fn rebuild(dev: &mut SimDevice, s: &mut ResidentSchedule<SimDevice>, q2k: &[i32], cu: &[i32]) {
     let q = dev.upload_new("q2k", q2k);
     let c = dev.upload_new("cu_seqlens", cu);
     s.build(
-        &mut dev,
+        dev,
         Span::new(q.ptr.addr(), q2k.len()),
         Span::new(c.ptr.addr(), cu.len()),
     )
-    .unwrap_or_else(|e| panic!("{arch:?}: build: {e}"));
-    (dev, s)
+    .unwrap_or_else(|e| panic!("build: {e}"));
 }
 
 /// The device tables equal `build_schedule`'s, and the padding is what the docs say.
 fn check_tables(what: &str, q2k: &[i32], cu: &[i32], workspace_rows: usize, qpw: usize) {
-    let host = build_schedule(q2k, cu, qpw).unwrap_or_else(|e| panic!("{what}: host: {e}"));
+    check_tables_windowed(what, q2k, cu, workspace_rows, qpw, COUNT_WINDOW);
+}
+
+/// [`check_tables`] with `count_window` key blocks per pass of the selection mask.
+fn check_tables_windowed(
+    what: &str,
+    q2k: &[i32],
+    cu: &[i32],
+    workspace_rows: usize,
+    qpw: usize,
+    count_window: usize,
+) {
     for arch in ARCHES {
-        let (mut dev, s) = device_build(arch, q2k, cu, workspace_rows, qpw);
-        s.status(&mut dev)
+        let (mut dev, s) = device_build_windowed(arch, q2k, cu, workspace_rows, qpw, count_window);
+        compare(what, arch, &mut dev, &s, q2k, cu, qpw);
+    }
+}
+
+/// The tables of the last build of `s` equal `build_schedule`'s, padding included.
+fn compare(
+    what: &str,
+    arch: Arch,
+    dev: &mut SimDevice,
+    s: &ResidentSchedule<SimDevice>,
+    q2k: &[i32],
+    cu: &[i32],
+    qpw: usize,
+) {
+    let host = build_schedule(q2k, cu, qpw).unwrap_or_else(|e| panic!("{what}: host: {e}"));
+    {
+        s.status(dev)
             .unwrap_or_else(|e| panic!("{what} {arch:?}: flagged a valid input: {e}"));
-        let tables = s.read_tables(&mut dev).expect("read back");
+        let tables = s.read_tables(dev).expect("read back");
         let got = tables
             .to_schedule()
             .unwrap_or_else(|e| panic!("{what} {arch:?}: device tables invalid: {e}"));
@@ -379,7 +424,7 @@ fn malformed_cu_seqlens_and_a_small_workspace_are_flagged() {
 fn shapes_are_checked_on_the_host_before_any_launch() {
     for (t, d, w, qpw, field) in [
         (0, 1, 128, 8, "q2k"),
-        (1 << 19, 1, 1 << 19, 8, "q2k"),
+        ((1 << 20) + 128, 1, (1 << 20) + 128, 8, "q2k"),
         (10, 0, 128, 8, "cu_seqlens"),
         (10, 1, 100, 8, "workspace_rows"),
         (10, 1, 128, 12, "queries_per_work"),
@@ -427,7 +472,7 @@ fn shapes_are_checked_on_the_host_before_any_launch() {
 
 #[test]
 fn the_capacity_bounds_hold_for_random_lengths() {
-    // The pair and row bounds of ScheduleBuildSizes against the exact counts.
+    // The row bound of ScheduleBuildSizes against the exact counts.
     let mut rng = Rng(99);
     for _ in 0..2000 {
         let docs = 1 + rng.below(40);
@@ -447,14 +492,8 @@ fn the_capacity_bounds_hold_for_random_lengths() {
             .map(|&l| (l as usize).div_ceil(128))
             .collect();
         let rows: usize = nb.iter().sum();
-        let pairs: usize = nb.iter().map(|n| n * (n + 1) / 2).sum();
         let z = ScheduleBuildSizes::new(t, docs, 128 * rows, 8).unwrap();
         assert!(rows <= z.rows_capacity, "{lengths:?}: rows");
-        assert!(
-            pairs <= z.pair_capacity,
-            "{lengths:?}: {pairs} > {}",
-            z.pair_capacity
-        );
         assert!(
             128 * rows <= max_workspace_rows(t, docs),
             "{lengths:?}: W bound"
@@ -559,4 +598,61 @@ fn after_reserve_a_backward_on_a_device_schedule_allocates_nothing() {
         "{names:?}"
     );
     println!("after reserve: {names:?}");
+}
+
+#[test]
+fn several_mask_windows_match_build_schedule() {
+    // schedule_count's mask covers `count_window` key blocks per pass: 1, 4 and 8 blocks here
+    // give up to 24 passes per query block, the path documents of more than 1024 blocks take.
+    let mut rng = Rng(20261202);
+    let cases: [(&str, Vec<i32>, usize); 3] = [
+        ("24 blocks, window 1", vec![3000], 1),
+        ("packed, window 4", vec![700, 1, 1500, 129, 900], 4),
+        ("odd lengths, window 8", vec![1100, 2047, 3], 8),
+    ];
+    for (what, lengths, window) in cases {
+        let cu = cu_of(&lengths);
+        let q2k = random_q2k(&cu, &mut rng, &[]);
+        check_tables_windowed(what, &q2k, &cu, dense_w(&cu), 16, window);
+    }
+}
+
+#[test]
+fn a_schedule_rebuilt_on_new_inputs_and_after_faults_matches_build_schedule() {
+    // The build's handoff words and row counters are reused by every build of a
+    // ResidentSchedule: valid, faulty and valid inputs in turn, all of the same shapes.
+    let mut rng = Rng(11);
+    let cu = cu_of(&[300, 1, 211]);
+    let w = dense_w(&cu);
+    let first = random_q2k(&cu, &mut rng, &[]);
+    let second = random_q2k(&cu, &mut rng, &[1]);
+    let mut faulty = second.clone();
+    faulty[(2 * 512 + 400) * 16 + 7] = 3; // past the end of document 2 (2 blocks)
+    let bad_cu = vec![0, 300, 200, 512];
+    for arch in ARCHES {
+        let (mut dev, mut s) = device_build(arch, &first, &cu, w, 16);
+        compare("first build", arch, &mut dev, &s, &first, &cu, 16);
+        rebuild(&mut dev, &mut s, &faulty, &cu);
+        assert!(matches!(
+            s.status(&mut dev),
+            Err(RuntimeError::ScheduleFlagged(
+                ScheduleError::Selection { .. }
+            ))
+        ));
+        rebuild(&mut dev, &mut s, &second, &bad_cu);
+        assert!(matches!(
+            s.status(&mut dev),
+            Err(RuntimeError::ScheduleFlagged(ScheduleError::Invalid { .. }))
+        ));
+        rebuild(&mut dev, &mut s, &second, &cu);
+        compare(
+            "after two flagged builds",
+            arch,
+            &mut dev,
+            &s,
+            &second,
+            &cu,
+            16,
+        );
+    }
 }

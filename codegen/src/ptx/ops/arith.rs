@@ -123,6 +123,11 @@ impl KernelBuilder {
         self.compute(op, vec![a, b])
     }
 
+    /// `popc.b32`: the number of set bits of `a`.
+    pub fn popc(&mut self, a: Reg<U32>) -> Reg<U32> {
+        self.compute("popc.b32", vec![a.operand()])
+    }
+
     /// `a * b + c` (low half).
     pub fn mad_lo<T: Int>(&mut self, a: Reg<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
         let op = format!("mad.lo.{}", T::NAME);

@@ -135,6 +135,12 @@ impl KernelBuilder {
         self.bra_unless(done, &top);
     }
 
+    /// `fence.acq_rel.gpu`: orders this thread's memory accesses before and after it at GPU
+    /// scope (the release and acquire sides of a handoff between CTAs through an atomic).
+    pub fn fence_acq_rel_gpu(&mut self) {
+        self.inst("fence.acq_rel.gpu".into(), vec![]);
+    }
+
     /// Orders this thread's generic-proxy shared-memory writes before later async-proxy
     /// (TMA, wgmma, tcgen05) accesses.
     pub fn fence_proxy_async_shared(&mut self) {

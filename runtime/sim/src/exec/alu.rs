@@ -90,6 +90,7 @@ impl Cta<'_> {
                     IntUnOp::Not => !x,
                     IntUnOp::Neg => x.wrapping_neg(),
                     IntUnOp::Abs => sext(x, bits).wrapping_abs() as u64,
+                    IntUnOp::Popc => u64::from(mask(bits, x).count_ones()),
                 });
             }
             Op::MulWide { ty, d, a, b } => {
