@@ -10,9 +10,32 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Whether the CUDA driver library can be loaded. cudarc panics on the first driver call
 /// when it cannot, so every entry point asks this first.
+///
+/// With the `dynamic-loading` feature (the default) this probes for the shared library
+/// without calling the driver. Without it, the dependency graph chose cudarc's linking mode:
+/// under `dynamic-linking` libcuda was linked when the process started, so the answer is
+/// `true`; under a graph that loads it at run time (burn's `fallback-dynamic-loading`) the
+/// first driver call is made here once, and cudarc's panic for a missing library is caught
+/// and answered `false` (its message still reaches the panic hook; a `panic = "abort"`
+/// profile aborts instead, so enable `msa-runtime/dynamic-loading` there).
 pub fn driver_present() -> bool {
-    // SAFETY: only probes for the shared library; no driver call is made.
-    unsafe { sys::is_culib_present() }
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: only probes for the shared library; no driver call is made.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
+    {
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        *PRESENT.get_or_init(|| {
+            std::panic::catch_unwind(|| {
+                let mut version = 0;
+                // SAFETY: writes one int; needs no context.
+                unsafe { sys::cuDriverGetVersion(&mut version) };
+            })
+            .is_ok()
+        })
+    }
 }
 
 /// An opened device with its memoized facts and loaded modules.

@@ -147,6 +147,11 @@ pub mod tma {
     }
 }
 
+/// The cudarc this crate is built against (0.19), so that a dependent crate can name the
+/// same `CudaStream`, `CudaSlice` and driver types (`msa_runtime::cudarc::driver::...`)
+/// or match its own version requirement to it.
+pub use cudarc;
+
 pub use aligned::{from_aligned, from_aligned_on, to_aligned, to_aligned_on};
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
 pub use backward::{run_backward, BackwardBuffers, BackwardSchedule, Gradients, MsaBackward};
