@@ -1,16 +1,12 @@
 //! The CUDA driver as a [`Backend`]: one stream of one context, kernels JIT-loaded through
 //! [`Device`], memory as raw device addresses.
 
-use crate::backend::Span;
-use crate::backend::{Backend, KernelArg, KernelSpec};
-use crate::backward::TileMapSpec;
-use crate::device::Device;
+use crate::backend::{Backend, KernelArg, KernelSpec, TileMapSpec};
+use crate::device::{driver_present, Device};
 use crate::error::RuntimeError;
 use crate::tma::TensorMap;
-use cudarc::driver::{
-    result, sys, CudaSlice, CudaStream, CudaView, DevicePtr, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
-};
+use cudarc::driver::{result, sys, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 /// Work issued on one CUDA stream. Cheap to create: the device's facts and modules are
@@ -167,13 +163,51 @@ impl Backend for CudaBackend {
     }
 }
 
-/// The span of a view a kernel reads, with the guard that records the read for cudarc's
-/// cross-stream tracking (it cannot see accesses through raw addresses); hold the guard until
-/// the kernels are enqueued.
-pub(crate) fn read_span<'a, T>(
-    view: &'a CudaView<'_, T>,
-    stream: &'a CudaStream,
-) -> (Span<T>, SyncOnDrop<'a>) {
-    let (ptr, guard) = view.device_ptr(stream);
-    (Span::new(ptr, view.len()), guard)
+impl TileMapSpec {
+    /// Validates, then encodes the map over the device address `base`.
+    ///
+    /// Encoding only packs the parameters; the memory is read by the kernel that receives the
+    /// map, which must keep `base` alive and sized for [`TileMapSpec::bytes`].
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] from [`TileMapSpec::validate`], [`RuntimeError::NoDriver`]
+    /// without libcuda, and [`RuntimeError::TensorMapEncode`] when the driver refuses.
+    pub fn encode(&self, base: u64) -> Result<TensorMap, RuntimeError> {
+        self.validate(base)?;
+        if !driver_present() {
+            return Err(RuntimeError::NoDriver);
+        }
+        let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
+        // SAFETY: every array has `rank` (or `rank - 1` for the strides) entries and outlives
+        // the call; the driver writes the 128-byte descriptor into `map` and reads no memory
+        // at `base`.
+        let result = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3,
+                base as *mut std::ffi::c_void,
+                self.global_dim.as_ptr(),
+                self.global_strides.as_ptr(),
+                self.box_dim.as_ptr(),
+                self.element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        result
+            .result()
+            .map_err(|source| RuntimeError::TensorMapEncode {
+                map: self.map,
+                params: format!(
+                    "base {base:#x}, globalDim {:?}, globalStrides {:?}, boxDim {:?}",
+                    self.global_dim, self.global_strides, self.box_dim
+                ),
+                source,
+            })?;
+        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before).
+        Ok(TensorMap::from(unsafe { map.assume_init() }))
+    }
 }
