@@ -58,6 +58,16 @@ pub fn backward(
         &o.as_view(), schedule,
     )
 }
+
+/// # Safety
+/// As `msa_runtime::run_backward_raw`.
+pub unsafe fn backward_raw(
+    stream: cudarc::driver::sys::CUstream,
+    io: &msa_runtime::BackwardBuffers,
+    schedule: &msa_runtime::Schedule,
+) -> Result<(), msa_runtime::RuntimeError> {
+    unsafe { msa_runtime::run_backward_raw(stream, io, schedule) }
+}
 RUST
   [ -f "$dir/Cargo.lock" ] || cp Cargo.lock "$dir/Cargo.lock"
   # No nvcc on CI: cudarc's documented override of `nvcc --version`.

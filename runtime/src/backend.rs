@@ -231,6 +231,15 @@ pub trait Backend {
     /// (a CUDA context, one simulated device).
     fn memory_space(&self) -> u64;
 
+    /// Identifies the work queue (a CUDA stream) within the memory space: work issued on one
+    /// queue runs in issue order, work on two queues is unordered. The host flow keeps each
+    /// workspace on the queue that allocated it, so that its reuse and its stream-ordered
+    /// free always come after every kernel that used it. A backend with one queue (the
+    /// simulator) keeps the default.
+    fn queue(&self) -> u64 {
+        0
+    }
+
     /// Allocates `bytes` of uninitialised device memory, 256-byte aligned.
     fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<Self::Buffer, RuntimeError>;
 

@@ -27,7 +27,9 @@ use half::bf16;
 use std::mem::size_of;
 
 mod stream;
-pub use stream::{run_backward, Gradients};
+pub use stream::{
+    release_workspace, release_workspace_raw, run_backward, run_backward_raw, Gradients,
+};
 
 /// Elements of one token's query-side row `[64, 128]` (q, dO, O, dQ).
 const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
@@ -187,10 +189,20 @@ pub struct BackwardBuffers {
 ///
 /// Holds the gradient workspace (one allocation: dQ pool, dK/dV pools, delta) and the
 /// task-build workspace. The gradient workspace grows to the largest `(T, W)` seen and never
-/// shrinks; the task workspace is reused while its sizes fit. A call on another memory space
-/// (another CUDA context or simulated device) drops the cache and starts over there.
+/// shrinks; the task workspace is reused while its sizes fit.
+///
+/// # One stream at a time
+///
+/// The workspaces belong to the stream ([`Backend::queue`]) of the memory space that
+/// allocated them: a call on another stream, or another CUDA context or simulated device,
+/// drops them (each is freed stream-ordered on its own stream, behind every kernel that used
+/// it) and allocates new ones there. So two streams never share a workspace, and a workspace
+/// is never freed or regrown under a kernel still running on another stream; but alternating
+/// streams reallocates on every call. Keep one `MsaBackward` per stream, as [`run_backward`]
+/// does. (A [`ResidentSchedule`] is the caller's: build and use it on one stream.)
 pub struct MsaBackward<B: Backend = CudaBackend> {
-    memory_space: Option<u64>,
+    // (memory space, queue) the workspaces belong to.
+    owner: Option<(u64, u64)>,
     pools: Option<GradientPools<B>>,
     tasks: Option<TaskWorkspace<B>>,
     // The last call's schedule upload, kept until the next call so its buffers are freed
@@ -204,7 +216,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
 impl<B: Backend> Default for MsaBackward<B> {
     fn default() -> Self {
         MsaBackward {
-            memory_space: None,
+            owner: None,
             pools: None,
             tasks: None,
             schedule: None,
@@ -406,13 +418,15 @@ impl<B: Backend> MsaBackward<B> {
         Ok(())
     }
 
-    /// Drops the cache when `backend` is another memory space than the cached one.
+    /// Drops the cache when `backend` is another memory space or queue than the cached one
+    /// (see "One stream at a time" above).
     fn adopt(&mut self, backend: &B) {
-        if self.memory_space != Some(backend.memory_space()) {
+        let owner = (backend.memory_space(), backend.queue());
+        if self.owner != Some(owner) {
             let (allocations, locality, in_place) =
                 (self.allocations, self.locality, self.in_place);
             *self = MsaBackward {
-                memory_space: Some(backend.memory_space()),
+                owner: Some(owner),
                 allocations,
                 in_place,
                 locality,

@@ -91,6 +91,12 @@ impl Device {
         Ok(device)
     }
 
+    /// The device already opened for the context handle `ctx`, if any.
+    pub(crate) fn registered(ctx: usize) -> Option<Arc<Device>> {
+        let devices = registry().lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(&ctx).cloned()
+    }
+
     fn from_context(ctx: Arc<CudaContext>) -> Result<Device, RuntimeError> {
         let capability = ctx.compute_capability().map_err(RuntimeError::driver(
             "cuDeviceGetAttribute(compute capability)",

@@ -100,6 +100,8 @@
 //! the whole backward ([`backward`]). The design notes the documentation cites as
 //! "`docs/design.md` §N" are in the repository's `docs/design.md`.
 
+#![warn(missing_docs)]
+
 pub mod aligned;
 pub mod backend;
 pub mod backward;
@@ -155,7 +157,10 @@ pub use cudarc;
 
 pub use aligned::{from_aligned, from_aligned_on, to_aligned, to_aligned_on};
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
-pub use backward::{run_backward, BackwardBuffers, BackwardSchedule, Gradients, MsaBackward};
+pub use backward::{
+    release_workspace, release_workspace_raw, run_backward, run_backward_raw, BackwardBuffers,
+    BackwardSchedule, Gradients, MsaBackward,
+};
 pub use contract::*;
 pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};

@@ -2,11 +2,11 @@
 //! and [`run_backward`] with its process-wide workspace cache.
 
 use super::{BackwardBuffers, BackwardSchedule, MsaBackward};
-use crate::backend::Span;
+use crate::backend::{Backend, Span};
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::views::{check_context, read_span};
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtrMut};
+use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, DevicePtrMut};
 use half::bf16;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -103,21 +103,38 @@ impl MsaBackward<CudaBackend> {
     }
 }
 
-/// One cached [`MsaBackward`] per CUDA context, for [`run_backward`].
-fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>>> = OnceLock::new();
+/// One cached [`MsaBackward`] per stream, keyed by `(context, stream id)`.
+type Cache = Mutex<HashMap<(u64, u64), Arc<Mutex<MsaBackward>>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
+/// The cached backward of `backend`'s stream, made on first use.
+fn cached(backend: &CudaBackend) -> Arc<Mutex<MsaBackward>> {
+    let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
+    map.entry((backend.memory_space(), backend.queue()))
+        .or_default()
+        .clone()
+}
+
 /// The MSA backward (`docs/design.md` §1.5 `run_backward`) with a process-wide workspace cache per
-/// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
+/// stream; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
 ///
 /// `k_aligned` and `v_aligned` must have zero padding rows: make them from compact K/V with
 /// [`crate::to_aligned`], and bring the returned `dk_aligned`/`dv_aligned` back to compact rows
 /// with [`crate::from_aligned`] (the crate-level guide has the whole sequence).
 ///
-/// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
-/// itself is asynchronous).
+/// # Concurrency
+///
+/// Each stream has its own cached workspace, allocated on that stream and used only there, so
+/// calls from any number of threads on any number of streams never share one (see
+/// [`MsaBackward`], "One stream at a time"). Calls on the same stream serialize on that
+/// stream's lock while they enqueue; the GPU work itself is asynchronous. The cache keeps a
+/// stream's workspace (and a handle to the stream) until [`release_workspace`]: call it
+/// before dropping a stream that will not run the backward again, or the memory stays
+/// allocated until the process ends.
 #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
 pub fn run_backward<'s>(
     stream: &Arc<CudaStream>,
@@ -129,16 +146,80 @@ pub fn run_backward<'s>(
     out: &CudaView<'_, bf16>,
     schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
 ) -> Result<Gradients, RuntimeError> {
-    let entry = {
-        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(stream.context().cu_ctx() as usize)
-            .or_default()
-            .clone()
-    };
+    let entry = cached(&CudaBackend::new(stream)?);
     // A panic mid-call leaves every cached field either valid or empty, so a poisoned lock is
     // safe to reuse.
     let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
     backward.run(
         stream, q, k_aligned, v_aligned, grad_out, lse, out, schedule,
     )
+}
+
+/// [`run_backward`] on a stream another library owns, with raw device buffers: for
+/// frameworks whose cudarc version or stream type differs from this crate's (PyTorch through
+/// a C ABI, burn/cubecl, whose streams are private, a CUDA C++ extension).
+///
+/// `stream` is the raw driver handle (cast with `as msa_runtime::cudarc::driver::sys::CUstream`;
+/// a `cudaStream_t` is the same pointer), of a device's primary context; `io` holds the
+/// device addresses and lengths of the inputs and of the outputs the call writes
+/// (`dq [T, 64, 128]`, `dk_aligned`, `dv_aligned [W, 4, 128]` bf16; see [`BackwardBuffers`]
+/// for every shape and the padding contract). Everything is enqueued on `stream` in its order,
+/// with no host sync; the caller orders other streams' use of the buffers against it (an
+/// event, as for any kernel of its own). The stream's cached workspace is the one
+/// [`run_backward`] uses on the same stream.
+///
+/// # Safety
+/// As [`CudaBackend::from_raw_stream`]: a valid stream that stays alive until
+/// [`release_workspace_raw`] is called for it (the cache frees its workspace on it). Every
+/// address in `io` must point at device memory of the stream's context holding the stated
+/// number of elements (the lengths, bases, alignment and overlaps are checked; what lies
+/// behind an address cannot be), alive until the enqueued work has finished.
+///
+/// # Errors
+/// Those of [`CudaBackend::from_raw_stream`] and [`MsaBackward::run_on`].
+pub unsafe fn run_backward_raw<'s>(
+    stream: sys::CUstream,
+    io: &BackwardBuffers,
+    schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
+) -> Result<(), RuntimeError> {
+    // SAFETY: forwarded to the caller.
+    let mut backend = unsafe { CudaBackend::from_raw_stream(stream) }?;
+    let entry = cached(&backend);
+    let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
+    backward.run_on(&mut backend, io, schedule)
+}
+
+/// Drops the cached workspace of `stream` ([`run_backward`]'s cache), freeing it
+/// stream-ordered behind the work that used it, and the cache's handle to the stream.
+/// Returns whether there was one. The next call on the stream allocates a new workspace.
+///
+/// # Errors
+/// [`RuntimeError::Driver`] when the stream's id cannot be read.
+pub fn release_workspace(stream: &Arc<CudaStream>) -> Result<bool, RuntimeError> {
+    release(&CudaBackend::new(stream)?)
+}
+
+/// [`release_workspace`] for a raw stream handle ([`run_backward_raw`]'s cache); call it
+/// before the stream's owner destroys the stream.
+///
+/// # Safety
+/// `stream` must be a valid stream handle (not yet destroyed).
+///
+/// # Errors
+/// Those of [`CudaBackend::from_raw_stream`].
+pub unsafe fn release_workspace_raw(stream: sys::CUstream) -> Result<bool, RuntimeError> {
+    // SAFETY: forwarded to the caller; the backend is dropped before this returns.
+    release(&unsafe { CudaBackend::from_raw_stream(stream) }?)
+}
+
+fn release(backend: &CudaBackend) -> Result<bool, RuntimeError> {
+    let entry = {
+        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&(backend.memory_space(), backend.queue()))
+    };
+    // Waits for a call still enqueueing on this stream, then frees on the stream.
+    Ok(entry.is_some_and(|e| {
+        drop(e.lock().unwrap_or_else(|p| p.into_inner()));
+        true
+    }))
 }
