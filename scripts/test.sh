@@ -80,5 +80,6 @@ RUST
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+python3 scripts/runtime-layers.py runtime/src
 downstream_check
 cargo test --workspace

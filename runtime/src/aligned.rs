@@ -10,6 +10,9 @@
 //! allocation, `torch.empty`) are safe; [`from_aligned`] brings dK/dV back to compact rows.
 //!
 //! Both are one launch each, stream-ordered, with no host sync.
+//!
+//! Layer 3 of the crate (the host flow); [`to_aligned`] and [`from_aligned`] are layer 5, in
+//! the `stream` child, re-exported here.
 
 use crate::backend::{bytes_of, Backend, Ptr, Span};
 use crate::buffers::{check_regions, Region};

@@ -5,6 +5,9 @@
 //! Memory is addressed by plain 64-bit device addresses: the flow carves its own allocations
 //! into regions, and the generated bindings ([`crate::kernels`]) turn typed [`Ptr`]s and
 //! scalars into the [`KernelArg`] list of each kernel in declaration order.
+//!
+//! Layer 2 of the crate: the trait and the value types every layer above uses (the crate
+//! documentation, "Layers").
 
 use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::error::RuntimeError;

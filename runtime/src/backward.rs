@@ -6,8 +6,12 @@
 //! The flow is written once against [`Backend`]: [`MsaBackward::run_on`] drives the CUDA
 //! driver ([`CudaBackend`]) or the `msa-sim` simulator through the same workspace carving,
 //! tensor-map parameters, launch geometry and kernel order. [`MsaBackward`] owns the workspace
-//! of one device and reuses it across calls; the free function [`run_backward`] keeps one per
-//! CUDA context.
+//! of one stream and reuses it across calls; the free function [`run_backward`] keeps one per
+//! stream.
+//!
+//! Layer 3 of the crate (the host flow, generic over [`Backend`]); its cudarc entry points
+//! ([`run_backward`], [`MsaBackward::run`], [`run_backward_raw`]) are layer 5, in the `stream`
+//! child, re-exported here.
 
 pub use crate::backend::TileMapSpec;
 use crate::backend::{Backend, KernelSpec, Span};

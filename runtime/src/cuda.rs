@@ -1,5 +1,7 @@
 //! The CUDA driver as a [`Backend`]: one stream of one context, kernels JIT-loaded through
 //! [`Device`], memory as raw device addresses.
+//!
+//! Layer 4 of the crate (the CUDA backend): it uses layers 1 and 2 only.
 
 use crate::backend::{Backend, KernelArg, KernelSpec, TileMapSpec};
 use crate::device::{driver_present, Device};

@@ -1,5 +1,7 @@
 //! Devices: opening them without panicking, memoized facts (capability, SM count), and
 //! JIT-loading the generated PTX variant that matches the device.
+//!
+//! Layer 4 of the crate (the CUDA backend), with [`crate::cuda`].
 
 use crate::backend::select_variant;
 use crate::error::RuntimeError;

@@ -92,12 +92,51 @@
 //! host check cannot see is the contents of device memory: that is why the runtime writes the
 //! aligned padding itself ([`to_aligned`]).
 //!
-//! # Modules
+//! # From another framework
 //!
-//! The schedule contract ([`contract`], [`schedule`]), an f32 CPU reference of the attention
-//! ([`mod@reference`]), the [`Backend`] trait the host flow is written against and its CUDA
-//! implementation ([`cuda`], [`device`]), the launches ([`ops`], [`tasks`], [`aligned`]) and
-//! the whole backward ([`backward`]). The design notes the documentation cites as
+//! - **Same cudarc** (candle 0.11, anything on cudarc 0.19): depend on `msa-runtime` with
+//!   `default-features = false` so that your graph picks cudarc's linking mode and CUDA
+//!   version, and pass your `Arc<CudaStream>` and `CudaView`s to [`run_backward`] directly;
+//!   [`cudarc`] is re-exported to name the same types.
+//! - **Another cudarc or a private stream type** (burn/cubecl, PyTorch through a C ABI, a CUDA
+//!   C++ extension): [`run_backward_raw`] takes the raw `CUstream` and a [`BackwardBuffers`]
+//!   of raw device addresses ([`CudaBackend::from_raw_stream`] with [`MsaBackward::run_on`]
+//!   to own the workspace). Nothing is synchronized; the work runs on that stream, in its
+//!   order.
+//!
+//! # Concurrency
+//!
+//! A workspace never leaves the stream that allocated it: [`run_backward`] keeps one per
+//! stream, and an [`MsaBackward`] called on another stream moves to it (see "One stream at a
+//! time" there). Any number of threads may call on any number of streams;
+//! `tests/tests/concurrency.rs` checks two threads on two streams with different shapes
+//! against single-stream runs on an H200. [`release_workspace`] frees a stream's cached
+//! workspace.
+//!
+//! # Layers
+//!
+//! Bottom up; no module imports from a layer above its own (`scripts/runtime-layers.py`,
+//! run by the test command, checks it, and `scripts/import-cycles.py runtime/src` finds no
+//! circle):
+//!
+//! 1. **Contract and schedule**, pure data and rules: [`contract`], [`schedule`], [`error`],
+//!    and the f32 CPU reference [`mod@reference`].
+//! 2. **The [`Backend`] trait and its value types** ([`Span`], [`Ptr`], [`KernelSpec`],
+//!    [`backend::TileMapSpec`], [`tma::TensorMap`]): [`backend`], and the host checks of the
+//!    buffers a call is given.
+//! 3. **The host flow, generic over [`Backend`]**: the launches ([`ops`], [`tasks`],
+//!    [`aligned`]), the device schedule build ([`schedule_build`]) and the whole backward
+//!    ([`backward`]: [`MsaBackward::run_on`]).
+//! 4. **The CUDA backend** on cudarc: [`cuda`] ([`CudaBackend`], the tensor-map encoding) and
+//!    [`device`] (JIT loading, memoized device facts).
+//! 5. **The cudarc convenience API**: the entry points on `Arc<CudaStream>` and `CudaView`s
+//!    ([`run_backward`], [`MsaBackward::run`], [`to_aligned`], [`run_preprocess`], ...) and
+//!    [`run_backward_raw`]. Each lives in a `stream` child of the flow module it wraps, which
+//!    re-exports it so that its path (`msa_runtime::backward::run_backward`) stays.
+//!
+//! The `msa-sim` crate's `SimDevice` is a second backend beside the CUDA one (layer 4), run by
+//! the same flow. The one name a lower layer takes from a higher one is the default type
+//! parameter of `MsaBackward<B = CudaBackend>`. The design notes the documentation cites as
 //! "`docs/design.md` §N" are in the repository's `docs/design.md`.
 
 #![warn(missing_docs)]

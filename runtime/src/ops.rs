@@ -1,6 +1,9 @@
 //! Launch wrappers of the standalone kernels: each validates its inputs, picks the PTX variant
 //! of the device and launches without synchronizing; generic over the [`Backend`], with
 //! cudarc-view wrappers for a CUDA stream.
+//!
+//! Layer 3 of the crate (the host flow); the cudarc wrappers are layer 5, in the `stream`
+//! child, re-exported here.
 
 use crate::backend::{Backend, Span};
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};

@@ -4,6 +4,9 @@
 //! Everything is issued through a [`Backend`] (a CUDA stream or the simulator); nothing here
 //! synchronizes unless a function says so ([`TaskWorkspace::read_tables`],
 //! [`FlagsReadback::wait`]).
+//!
+//! Layer 3 of the crate (the host flow); the pinned-memory flags read is layer 5, in the
+//! `stream` child, re-exported here.
 
 use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut};
 use crate::contract::{grid_launch_bound, Locality, NUM_INDEX_HEADS, QUERY_CHUNK};
