@@ -110,7 +110,8 @@
 //! stream, and an [`MsaBackward`] called on another stream moves to it (see "One stream at a
 //! time" there). Any number of threads may call on any number of streams;
 //! `tests/tests/concurrency.rs` checks two threads on two streams with different shapes
-//! against single-stream runs on an H200. [`release_workspace`] frees a stream's cached
+//! against single-stream runs on an H200 (it passes on this code; it did not provoke the
+//! failure of the code before it either, see the README). [`release_workspace`] frees a stream's cached
 //! workspace.
 //!
 //! # Layers
