@@ -19,7 +19,67 @@ fi
 export PTXAS
 "$PTXAS" --version | tail -n 1
 
+# A downstream crate whose graph picks cudarc's linking mode and CUDA version, as candle 0.11
+# does (`dynamic-linking`, `cuda-version-from-build-system`), must build against msa-runtime
+# with `default-features = false` and pass candle's cudarc types to it. The throwaway crate is
+# written under target/ (git-ignored); with the lock file copied from this workspace the
+# check is offline once the crates are in cargo's cache, and fetches them otherwise.
+downstream_check() {
+  local dir="$PWD/target/downstream-check"
+  mkdir -p "$dir/src"
+  cat >"$dir/Cargo.toml" <<TOML
+[package]
+name = "msa-downstream-check"
+version = "0.0.0"
+edition = "2021"
+publish = false
+
+[workspace]
+
+[dependencies]
+msa-runtime = { path = "$PWD/runtime", default-features = false }
+cudarc = { version = "0.19.8", default-features = false, features = ["std", "cublas", "cublaslt", "curand", "driver", "nvrtc", "f16", "dynamic-linking", "cuda-version-from-build-system"] }
+half = "2"
+TOML
+  cat >"$dir/src/lib.rs" <<'RUST'
+//! Compiles only: candle's cudarc (the same crate as msa-runtime's) reaches the runtime.
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use std::sync::Arc;
+
+pub fn backward(
+    stream: &Arc<CudaStream>,
+    [q, k, v, d_o, o]: [&CudaSlice<bf16>; 5],
+    lse: &CudaSlice<f32>,
+    schedule: &msa_runtime::Schedule,
+) -> Result<msa_runtime::Gradients, msa_runtime::RuntimeError> {
+    msa_runtime::run_backward(
+        stream, &q.as_view(), &k.as_view(), &v.as_view(), &d_o.as_view(), &lse.as_view(),
+        &o.as_view(), schedule,
+    )
+}
+
+/// # Safety
+/// As `msa_runtime::run_backward_raw`.
+pub unsafe fn backward_raw(
+    stream: cudarc::driver::sys::CUstream,
+    io: &msa_runtime::BackwardBuffers,
+    schedule: &msa_runtime::Schedule,
+) -> Result<(), msa_runtime::RuntimeError> {
+    unsafe { msa_runtime::run_backward_raw(stream, io, schedule) }
+}
+RUST
+  [ -f "$dir/Cargo.lock" ] || cp Cargo.lock "$dir/Cargo.lock"
+  # No nvcc on CI: cudarc's documented override of `nvcc --version`.
+  local run=(env CUDARC_CUDA_VERSION=12080 cargo check --quiet --manifest-path "$dir/Cargo.toml"
+    --target-dir "$PWD/target/downstream-check/target")
+  "${run[@]}" --offline 2>/dev/null || "${run[@]}"
+  echo "downstream check: msa-runtime (default-features = false) + cudarc dynamic-linking builds"
+}
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+python3 scripts/runtime-layers.py runtime/src
+downstream_check
 cargo test --workspace

@@ -5,12 +5,19 @@
 //! Memory is addressed by plain 64-bit device addresses: the flow carves its own allocations
 //! into regions, and the generated bindings ([`crate::kernels`]) turn typed [`Ptr`]s and
 //! scalars into the [`KernelArg`] list of each kernel in declaration order.
+//!
+//! Layer 2 of the crate: the trait and the value types every layer above uses (the crate
+//! documentation, "Layers").
 
-use crate::backward::TileMapSpec;
+use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::error::RuntimeError;
 use crate::tma::TensorMap;
 use std::fmt;
 use std::marker::PhantomData;
+use std::mem::size_of;
+
+/// The 16-byte alignment TMA and the 128-bit vector accesses of the small kernels need.
+pub(crate) const BASE_ALIGN: u64 = 16;
 
 /// A kernel of `generated/`: its entry name, launch shape and PTX per compute capability
 /// (each generated binding module has one as `KERNEL`).
@@ -227,6 +234,15 @@ pub trait Backend {
     /// (a CUDA context, one simulated device).
     fn memory_space(&self) -> u64;
 
+    /// Identifies the work queue (a CUDA stream) within the memory space: work issued on one
+    /// queue runs in issue order, work on two queues is unordered. The host flow keeps each
+    /// workspace on the queue that allocated it, so that its reuse and its stream-ordered
+    /// free always come after every kernel that used it. A backend with one queue (the
+    /// simulator) keeps the default.
+    fn queue(&self) -> u64 {
+        0
+    }
+
     /// Allocates `bytes` of uninitialised device memory, 256-byte aligned.
     fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<Self::Buffer, RuntimeError>;
 
@@ -311,3 +327,146 @@ unsafe impl Pod for u64 {}
 unsafe impl Pod for f32 {}
 // SAFETY: as above.
 unsafe impl Pod for half::bf16 {}
+
+/// Parameters of one rank-3 bf16 tiled tensor map, innermost dimension first, in the form
+/// `cuTensorMapEncodeTiled` takes them. All maps use swizzle 128B, no interleave, L2 promotion
+/// 256B and OOB fill NONE (out-of-bounds elements read as zero).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileMapSpec {
+    /// The tensor the map describes; error messages name it.
+    pub map: &'static str,
+    /// Elements per dimension, innermost first.
+    pub global_dim: [u64; 3],
+    /// Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
+    pub global_strides: [u64; 2],
+    /// The box (tile) one TMA load moves, innermost first.
+    pub box_dim: [u32; 3],
+    /// Element strides inside the box.
+    pub element_strides: [u32; 3],
+}
+
+impl TileMapSpec {
+    /// The map of a query-side tensor `[T, 64, 128]` bf16 (`q`, `grad_out`): globalDim
+    /// `[128, 64, T]`, strides `[256, 16384]` bytes, box `[64, 16, 1]` = 16 heads × 64 d of one
+    /// token, the K-major SW128 sub-block the MMA reads (`docs/design.md` §3.3).
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
+    pub fn query_rows(map: &'static str, num_tokens: usize) -> Result<Self, RuntimeError> {
+        if num_tokens == 0 || num_tokens as u64 > 1 << 32 {
+            return Err(RuntimeError::TensorMap {
+                map,
+                what: "token count T (globalDim[2])",
+                found: num_tokens.to_string(),
+                expected: "1 <= T <= 2^32".into(),
+            });
+        }
+        Ok(TileMapSpec {
+            map,
+            global_dim: [HEAD_DIM as u64, NUM_Q_HEADS as u64, num_tokens as u64],
+            global_strides: [(HEAD_DIM * 2) as u64, (NUM_Q_HEADS * HEAD_DIM * 2) as u64],
+            box_dim: [64, 16, 1],
+            element_strides: [1, 1, 1],
+        })
+    }
+
+    /// The map of an aligned key-side tensor `[W, 4, 128]` bf16 (`k_aligned`, `v_aligned`):
+    /// globalDim `[128, 4, W]`, strides `[256, 1024]` bytes, box `[64, 1, 128]` = one 128-key
+    /// block of one kv head, 64 d wide.
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] unless `W` is a positive multiple of 128 and at most 2^32
+    /// (every key block must be a full tile, `docs/design.md` §1.5).
+    pub fn key_rows(map: &'static str, workspace_rows: usize) -> Result<Self, RuntimeError> {
+        if workspace_rows == 0
+            || !workspace_rows.is_multiple_of(BLOCK_SIZE)
+            || workspace_rows as u64 > 1 << 32
+        {
+            return Err(RuntimeError::TensorMap {
+                map,
+                what: "workspace rows W (globalDim[2])",
+                found: workspace_rows.to_string(),
+                expected: "a positive multiple of 128, at most 2^32".into(),
+            });
+        }
+        Ok(TileMapSpec {
+            map,
+            global_dim: [HEAD_DIM as u64, NUM_KV_HEADS as u64, workspace_rows as u64],
+            global_strides: [(HEAD_DIM * 2) as u64, (NUM_KV_HEADS * HEAD_DIM * 2) as u64],
+            box_dim: [64, 1, BLOCK_SIZE as u32],
+            element_strides: [1, 1, 1],
+        })
+    }
+
+    /// Checks the parameters and `base` against the rules of `cuTensorMapEncodeTiled` for bf16,
+    /// no interleave and swizzle 128B, so that a bad input gets a precise error instead of the
+    /// driver's bare `CUDA_ERROR_INVALID_VALUE`.
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] naming the first violated rule.
+    pub fn validate(&self, base: u64) -> Result<(), RuntimeError> {
+        let fail = |what: &'static str, found: String, expected: &str| {
+            Err(RuntimeError::TensorMap {
+                map: self.map,
+                what,
+                found,
+                expected: expected.into(),
+            })
+        };
+        if base == 0 || !base.is_multiple_of(BASE_ALIGN) {
+            return fail(
+                "base address",
+                format!("{base:#x}"),
+                "a non-null, 16-byte aligned device address",
+            );
+        }
+        for &d in &self.global_dim {
+            if d == 0 || d > 1 << 32 {
+                return fail(
+                    "globalDim",
+                    format!("{:?}", self.global_dim),
+                    "each in 1..=2^32",
+                );
+            }
+        }
+        for &s in &self.global_strides {
+            if !s.is_multiple_of(16) || s >= 1 << 40 {
+                return fail(
+                    "globalStrides",
+                    format!("{:?}", self.global_strides),
+                    "multiples of 16 bytes below 2^40",
+                );
+            }
+        }
+        for &b in &self.box_dim {
+            if b == 0 || b > 256 {
+                return fail("boxDim", format!("{:?}", self.box_dim), "each in 1..=256");
+            }
+        }
+        // Swizzle 128B: the inner box row is at most the 128-byte swizzle span, and (no
+        // interleave) its byte size must be a multiple of 16.
+        let inner_bytes = self.box_dim[0] as usize * size_of::<half::bf16>();
+        if inner_bytes > 128 || !inner_bytes.is_multiple_of(16) {
+            return fail(
+                "boxDim[0]",
+                format!("{} ({inner_bytes} bytes)", self.box_dim[0]),
+                "a multiple of 16 bytes, at most 128 bytes (swizzle 128B)",
+            );
+        }
+        for &e in &self.element_strides {
+            if e == 0 || e > 8 {
+                return fail(
+                    "elementStrides",
+                    format!("{:?}", self.element_strides),
+                    "each in 1..=8",
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of the tensor the map spans: `globalDim[2] · globalStrides[1]`.
+    pub fn bytes(&self) -> u64 {
+        self.global_dim[2] * self.global_strides[1]
+    }
+}

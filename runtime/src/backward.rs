@@ -6,14 +6,18 @@
 //! The flow is written once against [`Backend`]: [`MsaBackward::run_on`] drives the CUDA
 //! driver ([`CudaBackend`]) or the `msa-sim` simulator through the same workspace carving,
 //! tensor-map parameters, launch geometry and kernel order. [`MsaBackward`] owns the workspace
-//! of one device and reuses it across calls; the free function [`run_backward`] keeps one per
-//! CUDA context.
+//! of one stream and reuses it across calls; the free function [`run_backward`] keeps one per
+//! stream.
+//!
+//! Layer 3 of the crate (the host flow, generic over [`Backend`]); its cudarc entry points
+//! ([`run_backward`], [`MsaBackward::run`], [`run_backward_raw`]) are layer 5, in the `stream`
+//! child, re-exported here.
 
+pub use crate::backend::TileMapSpec;
 use crate::backend::{Backend, KernelSpec, Span};
-use crate::buffers::{check_regions, Region, BASE_ALIGN};
+use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, MAX_TOKENS, NUM_KV_HEADS, NUM_Q_HEADS};
-use crate::cuda::{read_span, CudaBackend};
-use crate::device::driver_present;
+use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{
     bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90, task_assign_segments,
@@ -23,12 +27,13 @@ use crate::ops::{check_len, postprocess, preprocess};
 use crate::schedule::Schedule;
 use crate::schedule_build::ResidentSchedule;
 use crate::tasks::{DeviceSchedule, ScheduleRefs, ScheduleShape, TaskBuildSizes, TaskWorkspace};
-use crate::tma::TensorMap;
-use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceSlice};
 use half::bf16;
-use std::collections::HashMap;
-use std::mem::{size_of, MaybeUninit};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::mem::size_of;
+
+mod stream;
+pub use stream::{
+    release_workspace, release_workspace_raw, run_backward, run_backward_raw, Gradients,
+};
 
 /// Elements of one token's query-side row `[64, 128]` (q, dO, O, dQ).
 const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
@@ -36,199 +41,6 @@ const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
 const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
 /// Workspace regions start on 256-byte boundaries (`docs/design.md` §3.1).
 const REGION_ALIGN: usize = 256;
-
-// ---------------------------------------------------------------------------------------------
-// Tensor maps
-
-/// Parameters of one rank-3 bf16 tiled tensor map, innermost dimension first, in the form
-/// `cuTensorMapEncodeTiled` takes them. All maps use swizzle 128B, no interleave, L2 promotion
-/// 256B and OOB fill NONE (out-of-bounds elements read as zero).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TileMapSpec {
-    /// The tensor the map describes; error messages name it.
-    pub map: &'static str,
-    /// Elements per dimension, innermost first.
-    pub global_dim: [u64; 3],
-    /// Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
-    pub global_strides: [u64; 2],
-    /// The box (tile) one TMA load moves, innermost first.
-    pub box_dim: [u32; 3],
-    /// Element strides inside the box.
-    pub element_strides: [u32; 3],
-}
-
-impl TileMapSpec {
-    /// The map of a query-side tensor `[T, 64, 128]` bf16 (`q`, `grad_out`): globalDim
-    /// `[128, 64, T]`, strides `[256, 16384]` bytes, box `[64, 16, 1]` = 16 heads × 64 d of one
-    /// token, the K-major SW128 sub-block the MMA reads (`docs/design.md` §3.3).
-    ///
-    /// # Errors
-    /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
-    pub fn query_rows(map: &'static str, num_tokens: usize) -> Result<Self, RuntimeError> {
-        if num_tokens == 0 || num_tokens as u64 > 1 << 32 {
-            return Err(RuntimeError::TensorMap {
-                map,
-                what: "token count T (globalDim[2])",
-                found: num_tokens.to_string(),
-                expected: "1 <= T <= 2^32".into(),
-            });
-        }
-        Ok(TileMapSpec {
-            map,
-            global_dim: [HEAD_DIM as u64, NUM_Q_HEADS as u64, num_tokens as u64],
-            global_strides: [(HEAD_DIM * 2) as u64, (Q_ROW * 2) as u64],
-            box_dim: [64, 16, 1],
-            element_strides: [1, 1, 1],
-        })
-    }
-
-    /// The map of an aligned key-side tensor `[W, 4, 128]` bf16 (`k_aligned`, `v_aligned`):
-    /// globalDim `[128, 4, W]`, strides `[256, 1024]` bytes, box `[64, 1, 128]` = one 128-key
-    /// block of one kv head, 64 d wide.
-    ///
-    /// # Errors
-    /// [`RuntimeError::TensorMap`] unless `W` is a positive multiple of 128 and at most 2^32
-    /// (every key block must be a full tile, `docs/design.md` §1.5).
-    pub fn key_rows(map: &'static str, workspace_rows: usize) -> Result<Self, RuntimeError> {
-        if workspace_rows == 0
-            || !workspace_rows.is_multiple_of(BLOCK_SIZE)
-            || workspace_rows as u64 > 1 << 32
-        {
-            return Err(RuntimeError::TensorMap {
-                map,
-                what: "workspace rows W (globalDim[2])",
-                found: workspace_rows.to_string(),
-                expected: "a positive multiple of 128, at most 2^32".into(),
-            });
-        }
-        Ok(TileMapSpec {
-            map,
-            global_dim: [HEAD_DIM as u64, NUM_KV_HEADS as u64, workspace_rows as u64],
-            global_strides: [(HEAD_DIM * 2) as u64, (KV_ROW * 2) as u64],
-            box_dim: [64, 1, BLOCK_SIZE as u32],
-            element_strides: [1, 1, 1],
-        })
-    }
-
-    /// Checks the parameters and `base` against the rules of `cuTensorMapEncodeTiled` for bf16,
-    /// no interleave and swizzle 128B, so that a bad input gets a precise error instead of the
-    /// driver's bare `CUDA_ERROR_INVALID_VALUE`.
-    ///
-    /// # Errors
-    /// [`RuntimeError::TensorMap`] naming the first violated rule.
-    pub fn validate(&self, base: u64) -> Result<(), RuntimeError> {
-        let fail = |what: &'static str, found: String, expected: &str| {
-            Err(RuntimeError::TensorMap {
-                map: self.map,
-                what,
-                found,
-                expected: expected.into(),
-            })
-        };
-        if base == 0 || !base.is_multiple_of(BASE_ALIGN) {
-            return fail(
-                "base address",
-                format!("{base:#x}"),
-                "a non-null, 16-byte aligned device address",
-            );
-        }
-        for &d in &self.global_dim {
-            if d == 0 || d > 1 << 32 {
-                return fail(
-                    "globalDim",
-                    format!("{:?}", self.global_dim),
-                    "each in 1..=2^32",
-                );
-            }
-        }
-        for &s in &self.global_strides {
-            if !s.is_multiple_of(16) || s >= 1 << 40 {
-                return fail(
-                    "globalStrides",
-                    format!("{:?}", self.global_strides),
-                    "multiples of 16 bytes below 2^40",
-                );
-            }
-        }
-        for &b in &self.box_dim {
-            if b == 0 || b > 256 {
-                return fail("boxDim", format!("{:?}", self.box_dim), "each in 1..=256");
-            }
-        }
-        // Swizzle 128B: the inner box row is at most the 128-byte swizzle span, and (no
-        // interleave) its byte size must be a multiple of 16.
-        let inner_bytes = self.box_dim[0] as usize * size_of::<bf16>();
-        if inner_bytes > 128 || !inner_bytes.is_multiple_of(16) {
-            return fail(
-                "boxDim[0]",
-                format!("{} ({inner_bytes} bytes)", self.box_dim[0]),
-                "a multiple of 16 bytes, at most 128 bytes (swizzle 128B)",
-            );
-        }
-        for &e in &self.element_strides {
-            if e == 0 || e > 8 {
-                return fail(
-                    "elementStrides",
-                    format!("{:?}", self.element_strides),
-                    "each in 1..=8",
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Validates, then encodes the map over the device address `base`.
-    ///
-    /// Encoding only packs the parameters; the memory is read by the kernel that receives the
-    /// map, which must keep `base` alive and sized for [`TileMapSpec::bytes`].
-    ///
-    /// # Errors
-    /// [`RuntimeError::TensorMap`] from [`TileMapSpec::validate`], [`RuntimeError::NoDriver`]
-    /// without libcuda, and [`RuntimeError::TensorMapEncode`] when the driver refuses.
-    pub fn encode(&self, base: u64) -> Result<TensorMap, RuntimeError> {
-        self.validate(base)?;
-        if !driver_present() {
-            return Err(RuntimeError::NoDriver);
-        }
-        let mut map = MaybeUninit::<sys::CUtensorMap>::zeroed();
-        // SAFETY: every array has `rank` (or `rank - 1` for the strides) entries and outlives
-        // the call; the driver writes the 128-byte descriptor into `map` and reads no memory
-        // at `base`.
-        let result = unsafe {
-            sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                3,
-                base as *mut std::ffi::c_void,
-                self.global_dim.as_ptr(),
-                self.global_strides.as_ptr(),
-                self.box_dim.as_ptr(),
-                self.element_strides.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        };
-        result
-            .result()
-            .map_err(|source| RuntimeError::TensorMapEncode {
-                map: self.map,
-                params: format!(
-                    "base {base:#x}, globalDim {:?}, globalStrides {:?}, boxDim {:?}",
-                    self.global_dim, self.global_strides, self.box_dim
-                ),
-                source,
-            })?;
-        // SAFETY: the driver initialised the descriptor on success (and it was zeroed before).
-        Ok(TensorMap::from(unsafe { map.assume_init() }))
-    }
-
-    /// Bytes of the tensor the map spans: `globalDim[2] · globalStrides[1]`.
-    pub fn bytes(&self) -> u64 {
-        self.global_dim[2] * self.global_strides[1]
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // The gradient workspace
@@ -393,25 +205,26 @@ pub struct BackwardBuffers {
     pub dv_aligned: Span<bf16>,
 }
 
-/// The gradients of one backward call, all bf16.
-pub struct Gradients {
-    /// `dQ`, compact `[T, 64, 128]`.
-    pub dq: CudaSlice<bf16>,
-    /// `dK` in the aligned workspace layout `[W, 4, 128]`; padding rows are zero.
-    pub dk_aligned: CudaSlice<bf16>,
-    /// `dV` in the aligned workspace layout `[W, 4, 128]`; padding rows are zero.
-    pub dv_aligned: CudaSlice<bf16>,
-}
-
 /// The MSA backward of one device with its cached workspace, on any [`Backend`] (the CUDA
 /// driver by default, or the `msa-sim` simulator).
 ///
 /// Holds the gradient workspace (one allocation: dK/dV pools, delta, and a dQ pool only for
-/// in-place use of `dq` on `q` or `grad_out`; see [`PoolLayout`]) and the task-build workspace. The gradient workspace grows to the largest `(T, W)` seen and never
-/// shrinks; the task workspace is reused while its sizes fit. A call on another memory space
-/// (another CUDA context or simulated device) drops the cache and starts over there.
+/// in-place use of `dq` on `q` or `grad_out`; see [`PoolLayout`]) and the task-build
+/// workspace. The gradient workspace grows to the largest `(T, W)` seen and never shrinks; the
+/// task workspace is reused while its sizes fit.
+///
+/// # One stream at a time
+///
+/// The workspaces belong to the stream ([`Backend::queue`]) of the memory space that
+/// allocated them: a call on another stream, or another CUDA context or simulated device,
+/// drops them (each is freed stream-ordered on its own stream, behind every kernel that used
+/// it) and allocates new ones there. So two streams never share a workspace, and a workspace
+/// is never freed or regrown under a kernel still running on another stream; but alternating
+/// streams reallocates on every call. Keep one `MsaBackward` per stream, as [`run_backward`]
+/// does. (A [`ResidentSchedule`] is the caller's: build and use it on one stream.)
 pub struct MsaBackward<B: Backend = CudaBackend> {
-    memory_space: Option<u64>,
+    // (memory space, queue) the workspaces belong to.
+    owner: Option<(u64, u64)>,
     pools: Option<GradientPools<B>>,
     tasks: Option<TaskWorkspace<B>>,
     // The last call's schedule upload, kept until the next call so its buffers are freed
@@ -425,7 +238,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
 impl<B: Backend> Default for MsaBackward<B> {
     fn default() -> Self {
         MsaBackward {
-            memory_space: None,
+            owner: None,
             pools: None,
             tasks: None,
             schedule: None,
@@ -677,13 +490,15 @@ impl<B: Backend> MsaBackward<B> {
         Ok(())
     }
 
-    /// Drops the cache when `backend` is another memory space than the cached one.
+    /// Drops the cache when `backend` is another memory space or queue than the cached one
+    /// (see "One stream at a time" above).
     fn adopt(&mut self, backend: &B) {
-        if self.memory_space != Some(backend.memory_space()) {
+        let owner = (backend.memory_space(), backend.queue());
+        if self.owner != Some(owner) {
             let (allocations, locality, in_place) =
                 (self.allocations, self.locality, self.in_place);
             *self = MsaBackward {
-                memory_space: Some(backend.memory_space()),
+                owner: Some(owner),
                 allocations,
                 in_place,
                 locality,
@@ -910,110 +725,6 @@ impl<B: Backend> MsaBackward<B> {
     }
 }
 
-impl MsaBackward<CudaBackend> {
-    /// [`MsaBackward::run_on`] on a CUDA stream with cudarc views; allocates and returns the
-    /// gradients `dq [T,64,128]`, `dk_aligned`, `dv_aligned [W,4,128]`.
-    ///
-    /// Every input must belong to the stream's context. Everything is enqueued on `stream`
-    /// without a host sync.
-    ///
-    /// # Errors
-    /// Those of [`MsaBackward::run_on`], and [`RuntimeError::Input`] for a buffer of another
-    /// context.
-    #[allow(clippy::too_many_arguments)] // the seed's run_backward signature
-    pub fn run<'s>(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        q: &CudaView<'_, bf16>,
-        k_aligned: &CudaView<'_, bf16>,
-        v_aligned: &CudaView<'_, bf16>,
-        grad_out: &CudaView<'_, bf16>,
-        lse: &CudaView<'_, f32>,
-        out: &CudaView<'_, bf16>,
-        schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
-    ) -> Result<Gradients, RuntimeError> {
-        check_context("q", q, stream)?;
-        check_context("k_aligned", k_aligned, stream)?;
-        check_context("v_aligned", v_aligned, stream)?;
-        check_context("grad_out", grad_out, stream)?;
-        check_context("lse", lse, stream)?;
-        check_context("out", out, stream)?;
-        let mut backend = CudaBackend::new(stream)?;
-        // Outputs: sized from the inputs so that a length error is reported by `run_on`.
-        let alloc = |len: usize| -> Result<CudaSlice<bf16>, RuntimeError> {
-            let r = if len == 0 {
-                stream.null()
-            } else {
-                // SAFETY: `run_on` writes every element (postprocess, or zeroing for T = 0).
-                unsafe { stream.alloc::<bf16>(len) }
-            };
-            r.map_err(|source| RuntimeError::Alloc {
-                what: "gradients",
-                bytes: 2 * len,
-                source,
-            })
-        };
-        let (mut dq, mut dk, mut dv) = (
-            alloc(q.len())?,
-            alloc(k_aligned.len())?,
-            alloc(v_aligned.len())?,
-        );
-        // The guards record the kernels' reads and writes for cudarc's cross-stream tracking,
-        // which cannot see accesses through raw addresses and tensor maps; they are held until
-        // everything is enqueued. (Taking a pointer enqueues at most an event wait.)
-        let (q, _q) = read_span(q, stream);
-        let (k_aligned, _k) = read_span(k_aligned, stream);
-        let (v_aligned, _v) = read_span(v_aligned, stream);
-        let (grad_out, _do) = read_span(grad_out, stream);
-        let (lse, _lse) = read_span(lse, stream);
-        let (out, _out) = read_span(out, stream);
-        let (dq_len, dk_len, dv_len) = (dq.len(), dk.len(), dv.len());
-        let (dq_ptr, _dq) = dq.device_ptr_mut(stream);
-        let (dk_ptr, _dk) = dk.device_ptr_mut(stream);
-        let (dv_ptr, _dv) = dv.device_ptr_mut(stream);
-        let io = BackwardBuffers {
-            q,
-            k_aligned,
-            v_aligned,
-            grad_out,
-            lse,
-            out,
-            dq: Span::new(dq_ptr, dq_len),
-            dk_aligned: Span::new(dk_ptr, dk_len),
-            dv_aligned: Span::new(dv_ptr, dv_len),
-        };
-        self.run_on(&mut backend, &io, schedule)?;
-        drop((_dq, _dk, _dv));
-        Ok(Gradients {
-            dq,
-            dk_aligned: dk,
-            dv_aligned: dv,
-        })
-    }
-}
-
-/// Checks that `view` lives on the stream's context.
-pub(crate) fn check_context<T>(
-    field: &'static str,
-    view: &CudaView<'_, T>,
-    stream: &CudaStream,
-) -> Result<(), RuntimeError> {
-    let (have, want) = (view.stream().context(), stream.context());
-    if have.cu_ctx() == want.cu_ctx() {
-        return Ok(());
-    }
-    let found = if have.ordinal() == want.ordinal() {
-        format!("another context on device {}", have.ordinal())
-    } else {
-        format!("device {}", have.ordinal())
-    };
-    Err(RuntimeError::input(
-        field,
-        found,
-        format!("memory of the stream's context (device {})", want.ordinal()),
-    ))
-}
-
 /// The gradient pools, grown (never shrunk) to hold `(t, w)`, and a dQ pool when `dq_pool`
 /// (kept once it exists).
 fn ensure_pools<'a, B: Backend>(
@@ -1063,44 +774,4 @@ fn ensure_tasks<'a, B: Backend>(
         }
     };
     Ok(slot.insert(tasks))
-}
-
-/// One cached [`MsaBackward`] per CUDA context, for [`run_backward`].
-fn cache() -> &'static Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Mutex<MsaBackward>>>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
-}
-
-/// The MSA backward (`docs/design.md` §1.5 `run_backward`) with a process-wide workspace cache per
-/// CUDA context; see [`MsaBackward::run`] for the inputs, the launch sequence and the errors.
-///
-/// `k_aligned` and `v_aligned` must have zero padding rows: make them from compact K/V with
-/// [`crate::to_aligned`], and bring the returned `dk_aligned`/`dv_aligned` back to compact rows
-/// with [`crate::from_aligned`] (the crate-level guide has the whole sequence).
-///
-/// Calls on the same context serialize on the cache's lock while they enqueue (the GPU work
-/// itself is asynchronous).
-#[allow(clippy::too_many_arguments)] // the seed's run_backward signature
-pub fn run_backward<'s>(
-    stream: &Arc<CudaStream>,
-    q: &CudaView<'_, bf16>,
-    k_aligned: &CudaView<'_, bf16>,
-    v_aligned: &CudaView<'_, bf16>,
-    grad_out: &CudaView<'_, bf16>,
-    lse: &CudaView<'_, f32>,
-    out: &CudaView<'_, bf16>,
-    schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
-) -> Result<Gradients, RuntimeError> {
-    let entry = {
-        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(stream.context().cu_ctx() as usize)
-            .or_default()
-            .clone()
-    };
-    // A panic mid-call leaves every cached field either valid or empty, so a poisoned lock is
-    // safe to reuse.
-    let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
-    backward.run(
-        stream, q, k_aligned, v_aligned, grad_out, lse, out, schedule,
-    )
 }

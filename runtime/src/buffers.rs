@@ -3,12 +3,9 @@
 //! buffer is a typed error naming it, never a kernel fault after part of the outputs were
 //! written, nor a silently wrong gradient.
 
-use crate::backend::Span;
+use crate::backend::{Span, BASE_ALIGN};
 use crate::error::RuntimeError;
 use std::mem::size_of;
-
-/// The 16-byte alignment TMA and the 128-bit vector accesses of the small kernels need.
-pub(crate) const BASE_ALIGN: u64 = 16;
 
 /// One buffer of a call as a device byte range `[start, end)`.
 #[derive(Debug, Clone, Copy)]

@@ -1,5 +1,7 @@
 //! Devices: opening them without panicking, memoized facts (capability, SM count), and
 //! JIT-loading the generated PTX variant that matches the device.
+//!
+//! Layer 4 of the crate (the CUDA backend), with [`crate::cuda`].
 
 use crate::backend::select_variant;
 use crate::error::RuntimeError;
@@ -10,9 +12,32 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Whether the CUDA driver library can be loaded. cudarc panics on the first driver call
 /// when it cannot, so every entry point asks this first.
+///
+/// With the `dynamic-loading` feature (the default) this probes for the shared library
+/// without calling the driver. Without it, the dependency graph chose cudarc's linking mode:
+/// under `dynamic-linking` libcuda was linked when the process started, so the answer is
+/// `true`; under a graph that loads it at run time (burn's `fallback-dynamic-loading`) the
+/// first driver call is made here once, and cudarc's panic for a missing library is caught
+/// and answered `false` (its message still reaches the panic hook; a `panic = "abort"`
+/// profile aborts instead, so enable `msa-runtime/dynamic-loading` there).
 pub fn driver_present() -> bool {
-    // SAFETY: only probes for the shared library; no driver call is made.
-    unsafe { sys::is_culib_present() }
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: only probes for the shared library; no driver call is made.
+        unsafe { sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
+    {
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        *PRESENT.get_or_init(|| {
+            std::panic::catch_unwind(|| {
+                let mut version = 0;
+                // SAFETY: writes one int; needs no context.
+                unsafe { sys::cuDriverGetVersion(&mut version) };
+            })
+            .is_ok()
+        })
+    }
 }
 
 /// An opened device with its memoized facts and loaded modules.
@@ -66,6 +91,12 @@ impl Device {
         let device = Arc::new(Self::from_context(ctx.clone())?);
         devices.insert(key(ctx), device.clone());
         Ok(device)
+    }
+
+    /// The device already opened for the context handle `ctx`, if any.
+    pub(crate) fn registered(ctx: usize) -> Option<Arc<Device>> {
+        let devices = registry().lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(&ctx).cloned()
     }
 
     fn from_context(ctx: Arc<CudaContext>) -> Result<Device, RuntimeError> {

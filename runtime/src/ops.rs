@@ -1,16 +1,19 @@
 //! Launch wrappers of the standalone kernels: each validates its inputs, picks the PTX variant
 //! of the device and launches without synchronizing; generic over the [`Backend`], with
 //! cudarc-view wrappers for a CUDA stream.
+//!
+//! Layer 3 of the crate (the host flow); the cudarc wrappers are layer 5, in the `stream`
+//! child, re-exported here.
 
 use crate::backend::{Backend, Span};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use crate::cuda::{read_span, CudaBackend};
 use crate::error::RuntimeError;
 use crate::kernels::{bwd_postprocess, bwd_preprocess};
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtrMut};
 use half::bf16;
-use std::sync::Arc;
+
+mod stream;
+pub use stream::{run_postprocess, run_preprocess};
 
 /// Checks that a buffer of `len` elements holds the `expected` elements of `shape`.
 pub(crate) fn check_len(
@@ -68,22 +71,6 @@ pub fn preprocess<B: Backend>(
             &args,
         )
     }
-}
-
-/// [`preprocess`] on a CUDA stream, with cudarc views.
-pub fn run_preprocess(
-    stream: &Arc<CudaStream>,
-    out: &CudaView<'_, bf16>,
-    dout: &CudaView<'_, bf16>,
-    delta: &mut CudaViewMut<'_, f32>,
-    num_tokens: usize,
-) -> Result<(), RuntimeError> {
-    let mut backend = CudaBackend::new(stream)?;
-    let (o, _o) = read_span(out, stream);
-    let (d, _d) = read_span(dout, stream);
-    let len = delta.len();
-    let (x, _x) = delta.device_ptr_mut(stream);
-    preprocess(&mut backend, o, d, Span::new(x, len), num_tokens)
 }
 
 /// Finishes the gradients on any [`Backend`]: de-interleaves the bf16 dQ pool
@@ -165,38 +152,4 @@ pub fn postprocess<B: Backend>(
     );
     // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
     unsafe { backend.launch(&bwd_postprocess::KERNEL, (blocks, 2, 1), &args) }
-}
-
-/// [`postprocess`] on a CUDA stream, with cudarc views.
-#[allow(clippy::too_many_arguments)]
-pub fn run_postprocess(
-    stream: &Arc<CudaStream>,
-    dq_pool: &CudaView<'_, bf16>,
-    dk_pool: &CudaView<'_, f32>,
-    dv_pool: &CudaView<'_, f32>,
-    dq: &mut CudaViewMut<'_, bf16>,
-    dk: &mut CudaViewMut<'_, bf16>,
-    dv: &mut CudaViewMut<'_, bf16>,
-    num_tokens: usize,
-    workspace_rows: usize,
-) -> Result<(), RuntimeError> {
-    let mut backend = CudaBackend::new(stream)?;
-    let (a, _a) = read_span(dq_pool, stream);
-    let (b, _b) = read_span(dk_pool, stream);
-    let (c, _c) = read_span(dv_pool, stream);
-    let (ld, le, lf) = (dq.len(), dk.len(), dv.len());
-    let (d, _d) = dq.device_ptr_mut(stream);
-    let (e, _e) = dk.device_ptr_mut(stream);
-    let (f, _f) = dv.device_ptr_mut(stream);
-    postprocess(
-        &mut backend,
-        a,
-        b,
-        c,
-        Span::new(d, ld),
-        Span::new(e, le),
-        Span::new(f, lf),
-        num_tokens,
-        workspace_rows,
-    )
 }

@@ -41,12 +41,13 @@
 
 use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
 use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
-use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{schedule_count, schedule_fill, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
-use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+
+mod stream;
+pub use stream::StatusReadback;
 
 /// Largest `T` the device schedule build supports: the backward's own limit
 /// [`crate::MAX_TOKENS`], one document or packed.
@@ -653,64 +654,4 @@ fn decode_status(s: &[i32], z: &ScheduleBuildSizes) -> Result<(), RuntimeError> 
         return Ok(());
     };
     Err(RuntimeError::ScheduleFlagged(fault))
-}
-
-impl ResidentSchedule<CudaBackend> {
-    /// Enqueues a copy of the status block to pinned host memory without blocking; the
-    /// handle's [`StatusReadback::poll`] and [`StatusReadback::wait`] give the verdict.
-    /// (Allocates pinned memory and records an event: call it outside a graph capture.)
-    pub fn read_status(&self, backend: &CudaBackend) -> Result<StatusReadback, RuntimeError> {
-        let stream = backend.stream();
-        // SAFETY: pinned memory of the status words, written only by the copy below.
-        let mut host = unsafe { stream.context().alloc_pinned::<i32>(STATUS_WORDS) }
-            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
-        let dst = host
-            .as_mut_slice()
-            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
-        // SAFETY: the status block lies inside the allocation; `host` lives in the returned
-        // handle, which reads it only after `done` has completed.
-        unsafe { result::memcpy_dtoh_async(dst, self.status_ptr().addr(), stream.cu_stream()) }
-            .map_err(RuntimeError::driver("cuMemcpyDtoHAsync(schedule status)"))?;
-        let done = stream
-            .record_event(None)
-            .map_err(RuntimeError::driver("cuEventRecord"))?;
-        Ok(StatusReadback {
-            host,
-            done,
-            sizes: self.sizes,
-        })
-    }
-}
-
-/// The status block on its way to the host.
-pub struct StatusReadback {
-    host: PinnedHostSlice<i32>,
-    done: CudaEvent,
-    sizes: ScheduleBuildSizes,
-}
-
-impl StatusReadback {
-    /// The verdict if the copy has finished, without blocking.
-    pub fn poll(&self) -> Option<Result<(), RuntimeError>> {
-        if !self.done.is_complete() {
-            return None;
-        }
-        Some(self.decode())
-    }
-
-    /// Blocks until the copy has finished and returns the verdict.
-    pub fn wait(&self) -> Result<(), RuntimeError> {
-        self.done
-            .synchronize()
-            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
-        self.decode()
-    }
-
-    fn decode(&self) -> Result<(), RuntimeError> {
-        let s = self
-            .host
-            .as_slice()
-            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
-        decode_status(s, &self.sizes)
-    }
 }

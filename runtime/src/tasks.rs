@@ -4,14 +4,18 @@
 //! Everything is issued through a [`Backend`] (a CUDA stream or the simulator); nothing here
 //! synchronizes unless a function says so ([`TaskWorkspace::read_tables`],
 //! [`FlagsReadback::wait`]).
+//!
+//! Layer 3 of the crate (the host flow); the pinned-memory flags read is layer 5, in the
+//! `stream` child, re-exported here.
 
 use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut};
 use crate::contract::{grid_launch_bound, Locality, NUM_INDEX_HEADS, QUERY_CHUNK};
-use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables};
 use crate::schedule::Schedule;
-use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+
+mod stream;
+pub use stream::FlagsReadback;
 
 /// Descriptor flag: more tasks than capacity; the walk has zero rows.
 pub const FLAG_CAPACITY_OVERFLOW: i32 = 1;
@@ -597,56 +601,6 @@ impl<B: Backend> TaskWorkspace<B> {
             qrows: rows(self.task_qrows(), 8)?,
             qpos: rows(self.task_qpos(), 8)?,
         })
-    }
-}
-
-impl TaskWorkspace<CudaBackend> {
-    /// Enqueues a copy of the descriptor's flags word to pinned host memory without blocking.
-    pub fn read_flags(&self, backend: &CudaBackend) -> Result<FlagsReadback, RuntimeError> {
-        let stream = backend.stream();
-        // SAFETY: pinned memory of one i32, written only by the copy below.
-        let mut host = unsafe { stream.context().alloc_pinned::<i32>(1) }
-            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
-        let dst = host
-            .as_mut_slice()
-            .map_err(RuntimeError::driver("cuMemHostAlloc"))?;
-        // SAFETY: word 7 of the descriptor is inside the workspace; `host` lives in the
-        // returned handle, which is read only after `done` has completed.
-        unsafe { result::memcpy_dtoh_async(dst, self.desc().addr() + 28, stream.cu_stream()) }
-            .map_err(RuntimeError::driver("cuMemcpyDtoHAsync(flags)"))?;
-        let done = stream
-            .record_event(None)
-            .map_err(RuntimeError::driver("cuEventRecord"))?;
-        Ok(FlagsReadback { host, done })
-    }
-}
-
-/// The flags word on its way to the host.
-pub struct FlagsReadback {
-    host: PinnedHostSlice<i32>,
-    done: CudaEvent,
-}
-
-impl FlagsReadback {
-    /// The flags if the copy has finished, without blocking.
-    pub fn poll(&self) -> Option<i32> {
-        if self.done.is_complete() {
-            self.host.as_slice().ok().map(|s| s[0])
-        } else {
-            None
-        }
-    }
-
-    /// Blocks until the copy has finished and returns the flags.
-    pub fn wait(&self) -> Result<i32, RuntimeError> {
-        self.done
-            .synchronize()
-            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
-        let s = self
-            .host
-            .as_slice()
-            .map_err(RuntimeError::driver("cuEventSynchronize"))?;
-        Ok(s[0])
     }
 }
 

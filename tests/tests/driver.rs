@@ -22,3 +22,15 @@ fn opening_a_device_is_an_error_not_a_panic() {
         ));
     }
 }
+
+#[test]
+fn a_raw_stream_without_a_driver_is_an_error_not_a_panic() {
+    // SAFETY: the legacy default stream handle; without a driver nothing is called, with one
+    // it names the calling thread's current context (none here: a typed driver error).
+    let r = unsafe { msa_runtime::CudaBackend::from_raw_stream(std::ptr::null_mut()) };
+    match r {
+        Err(RuntimeError::NoDriver) => assert!(!driver_present()),
+        Err(RuntimeError::Driver { .. }) | Ok(_) => assert!(driver_present()),
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+}
