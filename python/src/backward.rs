@@ -40,7 +40,12 @@ impl<'a> Sched<'a> {
         match self {
             Sched::Host(h) => (h.inner.num_tokens(), h.inner.workspace_rows()),
             Sched::Resident(r) => {
-                let z = r.inner.lock().unwrap_or_else(|e| e.into_inner()).sizes().to_owned();
+                let z = r
+                    .inner
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .sizes()
+                    .to_owned();
                 (z.num_tokens, z.workspace_rows)
             }
         }
@@ -180,7 +185,7 @@ pub fn run_backward(
     .map_err(error::runtime)
 }
 
-/// One row of [`workspace_cache`]: `((device, stream), (T, W) if allocated, allocations)`.
+/// One row of `workspace_cache`: `((device, stream), (T, W) if allocated, allocations)`.
 type CacheRow = ((usize, u64), Option<(usize, usize)>, usize);
 
 /// `((device, stream), (T, W), allocations)` of each cached workspace, for inspection.

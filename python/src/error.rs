@@ -31,12 +31,16 @@ pub fn schedule(e: ScheduleError) -> PyErr {
 
 /// `argument `name`: found .., expected ..` as a `TypeError`.
 pub fn type_error(name: &str, found: impl std::fmt::Display, expected: &str) -> PyErr {
-    PyTypeError::new_err(format!("argument `{name}`: found {found}, expected {expected}"))
+    PyTypeError::new_err(format!(
+        "argument `{name}`: found {found}, expected {expected}"
+    ))
 }
 
 /// `argument `name`: found .., expected ..` as a `ValueError`.
 pub fn value_error(name: &str, found: impl std::fmt::Display, expected: &str) -> PyErr {
-    PyValueError::new_err(format!("argument `{name}`: found {found}, expected {expected}"))
+    PyValueError::new_err(format!(
+        "argument `{name}`: found {found}, expected {expected}"
+    ))
 }
 
 /// `argument `name`: found .., expected ..` as a `NotImplementedError`.

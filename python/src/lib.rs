@@ -1,10 +1,10 @@
 //! `msa_ptx._native`: the PyO3 extension behind the `msa_ptx` Python package (`python/msa_ptx/`).
 //!
 //! It reads torch tensors through their `data_ptr()` and metadata only (the protocol of
-//! [`tensor`]), checks them, and runs `msa-runtime`'s host flow on the caller's CUDA stream
+//! `tensor.rs`), checks them, and runs `msa-runtime`'s host flow on the caller's CUDA stream
 //! (`torch.cuda.current_stream(device)`, passed as a raw `CUstream` handle): zero-copy, no
 //! host sync, outputs written into tensors torch allocated. Errors become the Python classes
-//! of [`error`] with the Rust message. The Python half does what needs torch itself:
+//! of `error.rs` with the Rust message. The Python half does what needs torch itself:
 //! allocating outputs, copying non-contiguous inputs, finding the current stream.
 
 mod backward;
@@ -41,7 +41,11 @@ pub(crate) fn cuda_stream(ordinal: usize, handle: u64) -> Result<CudaStreamHandl
     // Python layer passes nothing else), a stream of its primary context; torch keeps its
     // streams alive for the process (pool and default streams) or as long as the user's
     // `torch.cuda.Stream` lives, which the documentation asks to outlive its cached workspace.
-    let stream = unsafe { device.context().wrap_borrowed_stream(handle as sys::CUstream) };
+    let stream = unsafe {
+        device
+            .context()
+            .wrap_borrowed_stream(handle as sys::CUstream)
+    };
     let s = CudaStreamHandle(stream);
     map.insert((ordinal, handle), s.clone());
     Ok(s)

@@ -1,4 +1,4 @@
-//! The schedule a backward runs on, in its two forms: a validated host [`Schedule`]
+//! The schedule a backward runs on, in its two forms: a validated host `Schedule`
 //! (`HostSchedule`) and one built on the device from a CUDA `q2k` (`ResidentSchedule`), plus
 //! the shape and dtype checks of the original `MSABackwardSchedule.__post_init__`.
 
@@ -58,7 +58,11 @@ pub fn check_schedule_fields(
         if ok {
             Ok(())
         } else {
-            Err(error::value_error(t.name, format!("shape {:?}", t.shape), text))
+            Err(error::value_error(
+                t.name,
+                format!("shape {:?}", t.shape),
+                text,
+            ))
         }
     };
     let dims = |t: &Tensor| t.shape.clone();
@@ -88,7 +92,10 @@ pub fn check_schedule_fields(
     shape(
         ws,
         dims(ws) == [docs],
-        &format!("[documents] = [{docs}] (cu_seqlens has {} entries)", docs + 1),
+        &format!(
+            "[documents] = [{docs}] (cu_seqlens has {} entries)",
+            docs + 1
+        ),
     )?;
     let device = |t: &Tensor| (t.is_cpu(), t.cuda_index().ok());
     if let Some(t) = fields.iter().find(|t| device(t) != device(rp)) {
@@ -149,7 +156,10 @@ impl HostSchedule {
         cu_seqlens: &Bound<'_, PyAny>,
         queries_per_work: usize,
     ) -> PyResult<HostSchedule> {
-        let (q2k, cu) = (Tensor::read("q2k", q2k)?, Tensor::read("cu_seqlens", cu_seqlens)?);
+        let (q2k, cu) = (
+            Tensor::read("q2k", q2k)?,
+            Tensor::read("cu_seqlens", cu_seqlens)?,
+        );
         q2k.expect_dtype(Dtype::I32)?;
         cu.expect_dtype(Dtype::I32)?;
         check_q2k_shape(&q2k)?;
@@ -227,7 +237,7 @@ fn check_q2k_shape(q2k: &Tensor) -> PyResult<usize> {
 
 /// A schedule built on a CUDA device from a device `q2k` (`msa_runtime::ResidentSchedule`):
 /// no copy to the host and no host sync. Faults in the values are flagged on the device;
-/// [`ResidentSchedulePy::poll`] and [`ResidentSchedulePy::check`] report them.
+/// `poll` and `check` report them.
 #[pyclass(module = "msa_ptx._native", name = "ResidentSchedule", frozen)]
 pub struct ResidentSchedulePy {
     pub(crate) inner: Mutex<ResidentSchedule<CudaBackend>>,
@@ -253,7 +263,10 @@ impl ResidentSchedulePy {
         workspace_rows: Option<usize>,
         queries_per_work: usize,
     ) -> PyResult<ResidentSchedulePy> {
-        let (q2k, cu) = (Tensor::read("q2k", q2k)?, Tensor::read("cu_seqlens", cu_seqlens)?);
+        let (q2k, cu) = (
+            Tensor::read("q2k", q2k)?,
+            Tensor::read("cu_seqlens", cu_seqlens)?,
+        );
         q2k.expect_dtype(Dtype::I32)?;
         cu.expect_dtype(Dtype::I32)?;
         let t = check_q2k_shape(&q2k)?;

@@ -42,7 +42,11 @@ pub struct Tensor {
     pub ptr: u64,
 }
 
-fn attr<'py>(obj: &Bound<'py, PyAny>, name: &'static str, what: &str) -> PyResult<Bound<'py, PyAny>> {
+fn attr<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &'static str,
+    what: &str,
+) -> PyResult<Bound<'py, PyAny>> {
     obj.getattr(what).map_err(|_| not_a_tensor(obj, name))
 }
 
