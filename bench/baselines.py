@@ -114,7 +114,8 @@ class Case:
 
 
 def reference(c):
-    """fp32 autograd reference of the exact MSA semantics (seed-design 1.4)."""
+    """fp32 autograd reference of the exact MSA semantics (seed-design 1.4): O, its LSE
+    [T,64] and dQ/dK/dV for dO = c.do."""
     import torch
 
     T = c.T
@@ -133,7 +134,8 @@ def reference(c):
     og = torch.einsum("gjts,gsd->gjtd", p, vf.permute(1, 0, 2))
     o = og.permute(2, 0, 1, 3).reshape(T, 64, 128)
     dq, dk, dv = torch.autograd.grad(o, (qf, kf, vf), c.do.float())
-    return {"o": o.detach(), "dq": dq, "dk": dk, "dv": dv}
+    lse = torch.logsumexp(s.detach(), dim=-1).permute(2, 0, 1).reshape(T, 64)  # natural log
+    return {"o": o.detach(), "dq": dq, "dk": dk, "dv": dv, "lse": lse}
 
 
 def compare(got, ref, tol=True):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's one test command (README, `.ci/run`): installs ptxas when it is missing,
-# then checks formatting, lints and rustdoc (warnings are errors), and runs every test
-# (doc tests and the bounded proptest suite included). GPU tests skip without a GPU unless
-# REQUIRE_GPU=1.
+# then checks formatting, lints and rustdoc (warnings are errors), runs every test (doc tests
+# and the bounded proptest suite included), then builds the Python wheel and runs its CPU
+# tests (scripts/test-python.sh). GPU tests skip without a GPU unless REQUIRE_GPU=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -83,3 +83,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 python3 scripts/runtime-layers.py runtime/src
 downstream_check
 cargo test --workspace
+
+# The Python package: build the wheel, import it, its CPU tests (no torch, no GPU needed).
+# maturin is installed from PyPI into .tools/maturin when missing (MSA_PY_TOOLS overrides).
+./scripts/test-python.sh

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""GPU check and benchmark of the installed msa_ptx wheel, in one script (python/README.md).
+
+1. Gradients of ``msa_ptx.run_backward`` against the fp32 PyTorch reference of
+   ``bench/baselines.py`` within the seed tolerances (seed-design §4.3: dQ 0.035/0.007,
+   dK 0.075/0.007, dV 0.1/0.007 max-abs/L2-rel), on the device-built and the host-built
+   schedule; non-contiguous and misaligned inputs; a side stream; the autograd Function with
+   the reference standing in for the forward (which the package does not have yet); a
+   flagged selection (ValueError, zero gradients); errors on real tensors.
+2. The backward timed against fla's ``parallel_nsa_bwd`` on the same inputs in the same run
+   (``bench/baselines.py``'s cases, timing and fla setup).
+
+Exits non-zero if any check fails. Run from the repository root with the wheel importable:
+    python3 python/tests/gpu_check.py --json $OUT/python-h200.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+import baselines as bl  # noqa: E402
+import msa_inputs as mi  # noqa: E402
+
+import torch  # noqa: E402
+
+import msa_ptx  # noqa: E402
+
+T0 = time.time()
+FAILURES = []
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def expect(ok, what):
+    log(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        FAILURES.append(what)
+
+
+def raises(exc, fn, what):
+    try:
+        fn()
+    except exc as e:
+        expect(True, f"{what}: {type(e).__name__}: {str(e)[:160]}")
+        return
+    except Exception as e:  # noqa: BLE001
+        expect(False, f"{what}: {type(e).__name__} instead of {exc.__name__}: {e}")
+        return
+    expect(False, f"{what}: no error")
+
+
+def ours(c, ref, schedule, q=None, **kw):
+    """run_backward on the case, compact gradients and their comparison with `ref`."""
+    k_aligned, v_aligned = msa_ptx.to_aligned(c.k, c.v, schedule)
+    out, lse = ref["o"].bfloat16(), ref["lse"]
+    dq, dka, dva = msa_ptx.run_backward(c.q if q is None else q, k_aligned, v_aligned, c.do,
+                                        lse, out, schedule)
+    dk, dv = msa_ptx.from_aligned(dka, dva, schedule)
+    pad = torch.ones(dka.shape[0], dtype=torch.bool, device=dka.device)
+    pad[msa_ptx._aligned_rows(schedule, dka.device)] = False
+    padding_zero = bool((dka[pad] == 0).all() and (dva[pad] == 0).all())
+    res, ok = bl.compare({"dq": dq, "dk": dk, "dv": dv}, ref)
+    return res, ok and padding_zero, padding_zero, (dq, dk, dv)
+
+
+def check_case(name, docs, topk, seed, report):
+    c = bl.Case(name, docs, topk, seed)
+    ref = bl.reference(c)
+    cu = torch.tensor(c.cu, dtype=torch.int32, device="cuda")
+    entry = {"docs": docs, "topk": topk, "T": c.T}
+    dev_sched = msa_ptx.build_schedule(c.q2k, cu)
+    for path, sched in (("device", dev_sched),
+                        ("host", msa_ptx.build_schedule(c.q2k.cpu(), cu.cpu()))):
+        res, ok, pad, _ = ours(c, ref, sched)
+        sched.check()
+        entry[path] = res
+        expect(ok, f"{name} {path} schedule: {bl.fmt_cmp(res)} padding rows zero: {pad}")
+    # A non-contiguous q (head-major storage) and a misaligned one (2-byte offset): copied.
+    q_nc = torch.empty(64, c.T, 128, dtype=torch.bfloat16, device="cuda").transpose(0, 1)
+    q_nc.copy_(c.q)
+    buf = torch.empty(c.q.numel() + 8, dtype=torch.bfloat16, device="cuda")
+    q_mis = buf[1:1 + c.q.numel()].view(c.T, 64, 128)
+    q_mis.copy_(c.q)
+    for label, q in (("non-contiguous q", q_nc), ("misaligned q", q_mis)):
+        res, ok, _, _ = ours(c, ref, dev_sched, q=q)
+        entry[label] = res
+        expect(ok, f"{name} {label} (contiguous {q.is_contiguous()}, data_ptr % 16 = "
+                   f"{q.data_ptr() % 16}): {bl.fmt_cmp(res)}")
+    # A side stream: the work goes there; its own workspace entry appears.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        res, ok, _, _ = ours(c, ref, msa_ptx.build_schedule(c.q2k, cu))
+    torch.cuda.current_stream().wait_stream(side)
+    keys = [k for k, _, _ in msa_ptx.workspace_cache()]
+    entry["side stream"] = res
+    expect(ok and (0, side.cuda_stream) in keys,
+           f"{name} side stream: {bl.fmt_cmp(res)}; cached workspaces {keys}")
+    # The autograd Function, with the reference's O and LSE standing in for the forward.
+    saved = msa_ptx._forward
+    msa_ptx._forward = lambda q, k_aligned, v_aligned, schedule: (ref["o"].bfloat16(), ref["lse"])
+    try:
+        q, k, v = (x.detach().clone().requires_grad_() for x in (c.q, c.k, c.v))
+        out = msa_ptx.msa_attention(q, k, v, c.q2k, cu)
+        out.backward(c.do)
+        res, ok = bl.compare({"dq": q.grad, "dk": k.grad, "dv": v.grad}, ref)
+    finally:
+        msa_ptx._forward = saved
+    entry["autograd"] = res
+    expect(ok, f"{name} autograd Function backward: {bl.fmt_cmp(res)}")
+    report["checks"][name] = entry
+    return c, ref
+
+
+def check_errors(c, ref):
+    cu = torch.tensor(c.cu, dtype=torch.int32, device="cuda")
+    sched = msa_ptx.build_schedule(c.q2k, cu)
+    ka, va = msa_ptx.to_aligned(c.k, c.v, sched)
+    lse, out = ref["lse"], ref["o"].bfloat16()
+    raises(TypeError, lambda: msa_ptx.run_backward(c.q.half(), ka, va, c.do, lse, out, sched),
+           "fp16 q")
+    raises(ValueError, lambda: msa_ptx.run_backward(c.q, ka[:-128], va, c.do, lse, out, sched),
+           "k_aligned one block short")
+    raises(NotImplementedError,
+           lambda: msa_ptx.run_backward(c.q, ka, va, c.do, lse, out.cpu(), sched), "cpu out")
+    raises(NotImplementedError, lambda: msa_ptx.require_sm100("cuda:0"), "require_sm100 on 9.0")
+    # A selection the device flags: block 1 of the first query (after its own block 0).
+    bad = c.q2k.clone()
+    bad[0, 0, 1] = 1
+    flagged = msa_ptx.build_schedule(bad, cu)
+    dq, dka, dva = msa_ptx.run_backward(c.q, ka, va, c.do, lse, out, flagged)
+    raises(ValueError, flagged.check, "flagged selection")
+    expect(bool((dq == 0).all() and (dka == 0).all() and (dva == 0).all()),
+           "flagged selection: zero gradients")
+
+
+def bench(names, reps, warmup, report):
+    fla = bl.Fla()
+    flush = torch.empty(bl.FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    for name in names:
+        c = bl.Case(name, mi.CASES[name], mi.TOPK, mi.DEFAULT_SEED)
+        info = c.info
+        cu = torch.tensor(c.cu, dtype=torch.int32, device="cuda")
+        schedule = msa_ptx.build_schedule(c.q2k, cu)
+        ka, va = msa_ptx.to_aligned(c.k, c.v, schedule)
+        fla_bwd, _, _ = fla.setup(c)
+        # The time does not depend on O's and LSE's values: randn O, a finite LSE.
+        out = torch.randn_like(c.q)
+        lse = torch.full((c.T, 64), 8.0, device="cuda")
+        schedule.check()
+
+        def ours_bwd():
+            return msa_ptx.run_backward(c.q, ka, va, c.do, lse, out, schedule)
+
+        t_ours = bl.summary(bl.time_backward(ours_bwd, reps, warmup, flush))
+        t_fla = bl.summary(bl.time_backward(fla_bwd, reps, warmup, flush))
+        useful = info["useful_flop"]
+        row = {"case": name, "T": c.T, "q2k_checksum": info["q2k_checksum"], "ours": t_ours,
+               "fla": t_fla, "fla_over_ours": t_fla["ms_median"] / t_ours["ms_median"],
+               "ours_useful_tflops": useful / (t_ours["ms_median"] * 1e-3) / 1e12}
+        report["bench"].append(row)
+        log(f"bench {name}: msa_ptx.run_backward {t_ours['ms_median']:.3f} ms, fla "
+            f"{t_fla['ms_median']:.3f} ms, fla/ours {row['fla_over_ours']:.2f}x"
+            + f", ours {row['ours_useful_tflops']:.0f} useful TFLOP/s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "python-h200.json"))
+    ap.add_argument("--bench", default="doc8k", help="comma list of bench cases ('' = none)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    report = {"environment": {
+        "python": platform.python_version(), "glibc": os.confstr("CS_GNU_LIBC_VERSION"),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0), "msa_ptx": msa_ptx.__file__,
+        "capability": msa_ptx.sm_capability(0), "sms": msa_ptx.sm_count("cuda:0"),
+    }, "checks": {}, "bench": []}
+    log(json.dumps(report["environment"]))
+    msa_ptx.require_supported(torch.device("cuda", 0))
+    c = ref = None
+    for name, docs, topk in (("packed_tiny", [127, 129, 1, 2, 3, 5, 128], 16),
+                             ("check2doc_top4", [700, 1348], 4),
+                             ("doc2177_top16", [2177], 16)):
+        c, ref = check_case(name, docs, topk, 20261201, report)
+    check_errors(c, ref)
+    del c, ref
+    torch.cuda.empty_cache()
+    names = [x for x in args.bench.split(",") if x]
+    if names:
+        bench(names, args.reps, args.warmup, report)
+    report["failures"] = FAILURES
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    log(f"{len(FAILURES)} failed" if FAILURES else "all checks passed")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
