@@ -108,6 +108,7 @@ pub mod contract;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod forward;
 pub mod ops;
 pub mod reference;
 pub mod schedule;
@@ -154,6 +155,9 @@ pub use contract::*;
 pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;
+pub use forward::{
+    run_forward, ForwardBuffers, ForwardOutput, MsaAttention, MsaForward, Saved,
+};
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{
