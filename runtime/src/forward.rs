@@ -99,8 +99,18 @@ impl MsaForward {
         let z = *schedule.sizes();
         let (t, w) = (z.num_tokens, z.workspace_rows);
         check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len("k_aligned", io.k_aligned.len, w * KV_ROW, "[W, 4, 128] bf16")?;
-        check_len("v_aligned", io.v_aligned.len, w * KV_ROW, "[W, 4, 128] bf16")?;
+        check_len(
+            "k_aligned",
+            io.k_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len(
+            "v_aligned",
+            io.v_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
         let q2k_len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
         check_len("q2k", io.q2k.len, q2k_len, "[4, T, 16] int32")?;
         check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;

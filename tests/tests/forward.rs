@@ -52,7 +52,10 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
             &dout.as_view(),
         )
         .unwrap();
-    saved.schedule.status(&mut msa_runtime::CudaBackend::new(&stream).unwrap()).unwrap();
+    saved
+        .schedule
+        .status(&mut msa_runtime::CudaBackend::new(&stream).unwrap())
+        .unwrap();
 
     let out = to_f32(&stream.clone_dtoh(&saved.out).unwrap());
     let lse = stream.clone_dtoh(&saved.lse).unwrap();

@@ -116,7 +116,14 @@ pub fn q_pipeline() -> Pipeline {
 /// The list pipeline: filled by the list warp's 32 lanes, released by the TMA thread and each
 /// of the 256 consumer threads after its own last read.
 pub fn list_pipeline() -> Pipeline {
-    Pipeline::new("list", 2, Role::Scalar, &[Role::Load, Role::Compute], 32, 1 + 256)
+    Pipeline::new(
+        "list",
+        2,
+        Role::Scalar,
+        &[Role::Load, Role::Compute],
+        32,
+        1 + 256,
+    )
 }
 
 const KV_SLOT: u32 = 0;
@@ -477,7 +484,12 @@ fn tma_thread(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, w: &Item
             for panel in 0..2u32 {
                 let d0 = b.mov::<S32>(panel as i32 * 64);
                 let off = SQ + panel * PANEL_BYTES + slot * 2048;
-                b.tma_load_3d(&shared(q_tile, off as i64), tq, [d0, head16, qrow], &qst.full);
+                b.tma_load_3d(
+                    &shared(q_tile, off as i64),
+                    tq,
+                    [d0, head16, qrow],
+                    &qst.full,
+                );
             }
         }
 

@@ -121,7 +121,10 @@ fn check(what: &str, cu: &[i32], q2k: &[i32], seed: u64, sms: usize, limits: Lim
         if e == f32::NEG_INFINITY {
             assert_eq!(g, e, "{what}: lse[{i}] of an empty row");
             let row = &out[i * 128..i * 128 + 128];
-            assert!(row.iter().all(|&x| x == 0.0), "{what}: out of empty row {i}");
+            assert!(
+                row.iter().all(|&x| x == 0.0),
+                "{what}: out of empty row {i}"
+            );
         } else {
             let d = (g - e).abs();
             assert!(d <= 1e-3, "{what}: lse[{i}] = {g}, want {e}");
@@ -135,7 +138,14 @@ fn check(what: &str, cu: &[i32], q2k: &[i32], seed: u64, sms: usize, limits: Lim
 fn forward_sm90_packed_tiny_documents_match_the_reference() {
     let cu = cu_of(&[127, 129, 1, 2, 3, 5, 128]);
     let q2k = causal_support(&cu).unwrap();
-    check("causal support, packed", &cu, &q2k, 11, 132, Limits::default());
+    check(
+        "causal support, packed",
+        &cu,
+        &q2k,
+        11,
+        132,
+        Limits::default(),
+    );
 }
 
 #[test]
@@ -179,8 +189,12 @@ fn forward_sm90_on_a_flagged_schedule_writes_empty_rows() {
     let q2k_d = dev.upload_new("q2k", &q2k);
     let cu_d = dev.upload_new("cu", &cu);
     let q2k_s = Span::new(q2k_d.ptr.addr(), q2k.len());
-    s.build(&mut dev, q2k_s, Span::new(cu_d.ptr.addr(), 2)).unwrap();
-    assert!(s.status(&mut dev).is_err(), "the build must flag the selection");
+    s.build(&mut dev, q2k_s, Span::new(cu_d.ptr.addr(), 2))
+        .unwrap();
+    assert!(
+        s.status(&mut dev).is_err(),
+        "the build must flag the selection"
+    );
     let q_d = dev.upload_new("q", &q);
     let k_d = dev.upload_new("k", &k);
     let out_d = dev.upload_new("out", &vec![bf16::from_f32(1.0); t * Q_ROW]);
@@ -215,7 +229,10 @@ fn forward_checks_lengths_before_any_launch() {
         out: Span::new(a + (1 << 19), 10 * Q_ROW),
         lse: Span::new(a + (1 << 19) + 2 * 10 * Q_ROW as u64, 10 * 64),
     };
-    let e = MsaForward.run_on(&mut dev, &io, &s).unwrap_err().to_string();
+    let e = MsaForward
+        .run_on(&mut dev, &io, &s)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("q2k") && e.contains("641"), "{e}");
     assert!(dev.launches().is_empty(), "nothing may launch");
 }

@@ -8,8 +8,8 @@ use crate::ir::{
     SHARED_WINDOW,
 };
 use crate::numeric::{
-    bf16_rne, bf16_to_f32, canon, compare, ex2, f16_rne, lg2, f32_of, f32_to_int, flush, fminmax,
-    int_op, mask, prmt, round_int, sext,
+    bf16_rne, bf16_to_f32, canon, compare, ex2, f16_rne, f32_of, f32_to_int, flush, fminmax,
+    int_op, lg2, mask, prmt, round_int, sext,
 };
 
 impl Cta<'_> {
