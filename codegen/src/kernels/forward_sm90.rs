@@ -2,7 +2,7 @@
 //! K/V and the selection `q2k`, with the semantics of `docs/design.md` §1.4.
 //!
 //! # Design
-//! Q-parallel. A *item* is 8 consecutive compact query rows × the 16 heads of one KV group
+//! Q-parallel. An *item* is 8 consecutive compact query rows × the 16 heads of one KV group
 //! `g`: 128 folded rows (`slot·16 + head`), the same fold as the backward's tasks. Items are
 //! numbered `4·chunk + g`, so the CTAs resident at one time work on neighbouring queries of all
 //! four groups and share their key blocks in L2; each CTA walks items `ctaid, ctaid + grid, …`.
@@ -630,7 +630,7 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
                 b.comment("online softmax per row (rows r and r+8 of the warp's 16 heads)");
                 let mut alpha = Vec::new();
                 let mut m_use = Vec::new();
-                for rr in 0..2usize {
+                for (rr, &m_old) in m_row.iter().enumerate() {
                     let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
                     let mut mx = v[idx[0]];
                     for &i in &idx[1..] {
@@ -640,13 +640,13 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
                         let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
                         mx = b.max(mx, o);
                     }
-                    let m_new = b.max(m_row[rr], mx);
+                    let m_new = b.max(m_old, mx);
                     let empty = b.setp(Cmp::Eq, m_new, neg_inf);
                     let mu = b.selp(0.0f32, m_new, empty);
-                    let diff = b.sub(m_row[rr], mu);
+                    let diff = b.sub(m_old, mu);
                     alpha.push(b.ex2_approx(diff));
                     m_use.push(mu);
-                    b.set(m_row[rr], m_new);
+                    b.set(m_old, m_new);
                 }
                 let mut pv = Vec::with_capacity(64);
                 let mut sums = [None, None];
