@@ -240,6 +240,8 @@ pub fn run_forward(
         cu_seqlens.len() - 1,
     );
     let mut backend = CudaBackend::new(stream)?;
+    // Before anything is enqueued: a device without a forward kernel gets its error at once.
+    forward_kernel(backend.capability(), backend.ordinal())?;
     let sizes = ScheduleBuildSizes::new(t, d, w, QUERIES_PER_WORK)?;
     let mut schedule = ResidentSchedule::new(&mut backend, sizes)?;
     let alloc_err = |what, bytes| {
