@@ -35,6 +35,7 @@ LAYERS = {
     "backward.rs": 3,
     "schedule_build.rs": 3,
     "aligned.rs": 3,
+    "forward.rs": 3,
     "cuda.rs": 4,
     "device.rs": 4,
     "views.rs": 5,
@@ -43,6 +44,7 @@ LAYERS = {
     "backward/stream.rs": 5,
     "schedule_build/stream.rs": 5,
     "aligned/stream.rs": 5,
+    "forward/stream.rs": 5,
 }
 
 ALLOWED = {

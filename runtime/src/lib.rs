@@ -127,11 +127,11 @@
 //!    buffers a call is given.
 //! 3. **The host flow, generic over [`Backend`]**: the launches ([`ops`], [`tasks`],
 //!    [`aligned`]), the device schedule build ([`schedule_build`]) and the whole backward
-//!    ([`backward`]: [`MsaBackward::run_on`]).
+//!    ([`backward`]: [`MsaBackward::run_on`]), and the forward ([`forward`]: [`MsaForward::run_on`]).
 //! 4. **The CUDA backend** on cudarc: [`cuda`] ([`CudaBackend`], the tensor-map encoding) and
 //!    [`device`] (JIT loading, memoized device facts).
 //! 5. **The cudarc convenience API**: the entry points on `Arc<CudaStream>` and `CudaView`s
-//!    ([`run_backward`], [`MsaBackward::run`], [`to_aligned`], [`run_preprocess`], ...) and
+//!    ([`run_backward`], [`MsaBackward::run`], [`to_aligned`], [`run_forward`], [`run_preprocess`], ...) and
 //!    [`run_backward_raw`]. Each lives in a `stream` child of the flow module it wraps, which
 //!    re-exports it so that its path (`msa_runtime::backward::run_backward`) stays.
 //!
@@ -150,6 +150,7 @@ pub mod contract;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod forward;
 pub mod ops;
 pub mod reference;
 pub mod schedule;
@@ -205,6 +206,7 @@ pub use contract::*;
 pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;
+pub use forward::{run_forward, ForwardBuffers, ForwardOutput, MsaAttention, MsaForward, Saved};
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{

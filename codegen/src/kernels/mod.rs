@@ -4,6 +4,7 @@
 pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
+pub mod forward_sm90;
 pub mod kv_layout;
 pub mod postprocess;
 pub mod preprocess;
@@ -57,5 +58,6 @@ pub fn all() -> &'static [KernelDesc] {
         task_build::SCATTER_TABLES,
         backward_sm90::DESC,
         backward_sm100::DESC,
+        forward_sm90::DESC,
     ]
 }

@@ -684,6 +684,36 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 a: ctx.src(&ops[1], ty)?,
             }
         }
+        "lg2" => {
+            let ty = m.one_type()?;
+            if ty != Ty::F32 || !m.take("approx") {
+                return unsupported("only lg2.approx[.ftz].f32 is modelled");
+            }
+            let ftz = m.take("ftz");
+            m.finish()?;
+            arity(ops, 2)?;
+            Op::FloatUn {
+                op: FloatUnOp::Lg2,
+                ftz,
+                d: ctx.reg(&ops[0])?,
+                a: ctx.src(&ops[1], ty)?,
+            }
+        }
+        "rcp" => {
+            let ty = m.one_type()?;
+            if ty != Ty::F32 || !m.take("rn") {
+                return unsupported("only rcp.rn[.ftz].f32 is modelled");
+            }
+            let ftz = m.take("ftz");
+            m.finish()?;
+            arity(ops, 2)?;
+            Op::FloatUn {
+                op: FloatUnOp::Rcp,
+                ftz,
+                d: ctx.reg(&ops[0])?,
+                a: ctx.src(&ops[1], ty)?,
+            }
+        }
         "setp" => {
             let first = m.list.first().copied().unwrap_or_default();
             let Some(cmp) = cmp_of(first) else {

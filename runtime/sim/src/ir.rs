@@ -350,6 +350,10 @@ pub enum FloatOp {
 pub enum FloatUnOp {
     /// `ex2.approx.f32`: modelled as `exp2` computed in f64 and rounded to f32.
     Ex2,
+    /// `lg2.approx.f32`: modelled as `log2` computed in f64 and rounded to f32.
+    Lg2,
+    /// `rcp.rn.f32`: the correctly rounded reciprocal.
+    Rcp,
     /// `neg.f32`
     Neg,
     /// `abs.f32`

@@ -56,7 +56,8 @@
 //! `fma`), conversions and bf16 packing are bit-exact per the PTX ISA; f32 arithmetic results
 //! that are NaN are the canonical `0x7fffffff`. Deviation: `ex2.approx.f32` is computed as
 //! `exp2` in f64 rounded to f32 (the hardware approximation is within 2 ulp of that), with
-//! `.ftz` flushing subnormal inputs and results.
+//! `.ftz` flushing subnormal inputs and results; likewise `lg2.approx.f32` as `log2` in f64
+//! rounded to f32. `rcp.rn.f32` is exact (the correctly rounded `1/x`).
 //!
 //! `wgmma` follows the sm_90 tensor core bit for bit ([`tensor_core`]: one fused block of
 //! the sixteen exact products and the accumulator, aligned to the largest exponent, cut 25

@@ -174,6 +174,13 @@ pub fn ex2(x: f32, ftz: bool) -> f32 {
     }
 }
 
+/// `lg2.approx[.ftz].f32`, modelled as `log2` in f64 rounded to f32 (the hardware's
+/// approximation differs in the last bits; `log2(0) = -inf`, negative inputs NaN).
+pub fn lg2(x: f32, ftz: bool) -> f32 {
+    let x = if ftz { flush(x) } else { x };
+    (x as f64).log2() as f32
+}
+
 /// `setp.cmp.ty a, b`.
 #[inline]
 pub fn compare(cmp: Cmp, ty: Ty, a: u64, b: u64) -> bool {

@@ -144,6 +144,16 @@ impl KernelBuilder {
         self.compute("ex2.approx.ftz.f32", vec![a.operand()])
     }
 
+    /// `log2(a)`, approximate (flush-to-zero), as the MUFU unit computes it.
+    pub fn lg2_approx(&mut self, a: Reg<F32>) -> Reg<F32> {
+        self.compute("lg2.approx.ftz.f32", vec![a.operand()])
+    }
+
+    /// `1/a`, IEEE round to nearest even.
+    pub fn rcp_rn(&mut self, a: Reg<F32>) -> Reg<F32> {
+        self.compute("rcp.rn.f32", vec![a.operand()])
+    }
+
     /// `p = a <cmp> b`.
     pub fn setp<T: Arith>(&mut self, cmp: Cmp, a: Reg<T>, b: impl Src<T>) -> Reg<Pred> {
         self.binary(

@@ -9,7 +9,7 @@ use crate::ir::{
 };
 use crate::numeric::{
     bf16_rne, bf16_to_f32, canon, compare, ex2, f16_rne, f32_of, f32_to_int, flush, fminmax,
-    int_op, mask, prmt, round_int, sext,
+    int_op, lg2, mask, prmt, round_int, sext,
 };
 
 impl Cta<'_> {
@@ -171,6 +171,8 @@ impl Cta<'_> {
                     let x = if ftz { flush(f32_of(x)) } else { f32_of(x) };
                     match op {
                         FloatUnOp::Ex2 => canon(ex2(x, ftz)),
+                        FloatUnOp::Lg2 => canon(lg2(x, ftz)),
+                        FloatUnOp::Rcp => canon(if ftz { flush(1.0 / x) } else { 1.0 / x }),
                         FloatUnOp::Neg => (-x).to_bits() as u64,
                         FloatUnOp::Abs => x.abs().to_bits() as u64,
                     }

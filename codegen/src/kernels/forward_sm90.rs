@@ -1,0 +1,750 @@
+//! `msa_forward_sm90`: the MSA forward for Hopper (sm_90a): `out` and `lse` from Q, the aligned
+//! K/V and the selection `q2k`, with the semantics of `docs/design.md` §1.4.
+//!
+//! # Design
+//! Q-parallel. An *item* is 8 consecutive compact query rows × the 16 heads of one KV group
+//! `g`: 128 folded rows (`slot·16 + head`), the same fold as the backward's tasks. Items are
+//! numbered `4·chunk + g`, so the CTAs resident at one time work on neighbouring queries of all
+//! four groups and share their key blocks in L2; each CTA walks items `ctaid, ctaid + grid, …`.
+//!
+//! - **Block list.** The 8 queries of an item select up to 8·16 blocks; neighbouring queries
+//!   of one document mostly select the same ones. The CTA walks the *union* once: one entry
+//!   per distinct global key block (`document_workspace_starts[d]/128 + id`), with an 8-bit
+//!   mask of the slots that selected it. A slot's rows are masked to −∞ on a block it did
+//!   not select, so each query attends exactly its own selection; a consumer warpgroup skips
+//!   (computes nothing for) a block none of its 4 slots selected.
+//! - **Warpgroups.** 384 threads. Warpgroup 0 produces (`setmaxnreg.dec`): warp 0 builds each
+//!   item's list in shared memory (the slots' documents by binary search over `cu_seqlens`,
+//!   their aligned positions, then the union: every lane compares its 4 of the 128 candidates
+//!   with all of them, and a warp scan compacts the first occurrences in slot-major order, so
+//!   the walk order is deterministic); thread 32 issues the TMA loads (Q as 16-head × 64-d
+//!   boxes, a −1 row out of bounds and zero-filled; per list entry K and V as 128-key × 64-d
+//!   boxes). Warpgroups 1 and 2 consume (`setmaxnreg.inc`); consumer `c` owns slots
+//!   `4c .. 4c+4`, i.e. folded rows `64c .. 64c+64`, and its warp `w` exactly the 16 heads
+//!   of slot `4c + w`.
+//! - **Pipelines** (typed [`Pipeline`]s, stage/parity from [`Pipe`]): the list, two stages
+//!   (full: the 32 list lanes; empty: the TMA thread and every consumer thread after its own
+//!   last read); Q, two stages (16 boxes); K/V, two stages (4 boxes; empty: one arrival per
+//!   consumer warp after its last `wgmma.wait_group`). A consumer warpgroup that skips a block
+//!   still waits for its stage before releasing it, so its arrivals cannot run ahead into the
+//!   stage's next phase.
+//! - **Per block** (consumer `c`, wgmma m64, bf16 in, f32 accumulators in registers):
+//!   `S = Q_c·Kᵀ` (m64n128k16 × 8, both operands K-major SW128), the mask
+//!   `selected(slot) ∧ qpos ≥ kblock·128 + key` in aligned coordinates (document-local
+//!   causality; padding keys excluded, `docs/design.md` §3.5), online softmax in the log2
+//!   domain (`exp2(S·scale·log2e − m)`; a row whose running max is still −∞ uses 0 as its
+//!   reference, so an empty row never produces NaN), then `O += P·V` with P rounded to bf16 in
+//!   registers as the A fragment (the accumulator layout of S is the wgmma A layout) and V as
+//!   an MN-major SW128 descriptor.
+//! - **Epilogue.** The row sum is reduced over the quad; `out = O/l` as bf16 and
+//!   `lse = ln2·(m + log2 l)` (natural log, as `run_backward` reads it); a row with no key
+//!   gets `out = 0`, `lse = −∞`. A flagged schedule (status word 0 non-zero) makes every
+//!   selection empty, so its `out` is 0 and `lse` −∞, never a wrong value.
+
+use super::common;
+use super::KernelDesc;
+use crate::plan::gemm::SmemDesc;
+use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
+use crate::plan::roles::Role;
+use crate::plan::smem::Major;
+use crate::ptx::*;
+use crate::target::Target;
+
+/// Threads per CTA: one producer warpgroup and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+/// Registers of the producer warpgroup after `setmaxnreg.dec`.
+pub const PRODUCER_REGS: u32 = 40;
+/// Registers of each consumer warpgroup after `setmaxnreg.inc` (40·128 + 232·256 ≤ 64 Ki).
+pub const CONSUMER_REGS: u32 = 232;
+/// Query rows per item.
+pub const ITEM_QUERIES: u32 = 8;
+
+const TILE_BYTES: u32 = 128 * 128 * 2;
+const PANEL_BYTES: u32 = 128 * 128;
+/// One K/V stage: K then V, 32 KiB each.
+const KV_STAGE: u32 = 2 * TILE_BYTES;
+const SKV: u32 = 0;
+const SQ: u32 = 2 * KV_STAGE;
+const BARS: u32 = SQ + 2 * TILE_BYTES;
+/// The item lists, one per stage: the entry count, the slots' compact rows and aligned
+/// positions, then up to 128 (global key block, slot mask) entries.
+const LISTS: u32 = BARS + 128;
+const L_COUNT: u32 = 0;
+const L_QROW: u32 = 16;
+const L_QPOS: u32 = L_QROW + 4 * 8;
+const L_GB: u32 = L_QPOS + 4 * 8;
+const L_MASK: u32 = L_GB + 4 * 128;
+const LIST_BYTES: u32 = 1152;
+/// The list warp's scratch: the 128 candidate blocks, then each slot's first block (or −1).
+const SCRATCH: u32 = LISTS + 2 * LIST_BYTES;
+const S_RAW: u32 = SCRATCH;
+const S_QBASE: u32 = SCRATCH + 4 * 128;
+/// Dynamic shared memory: two K/V stages, two Q stages, barriers, lists, scratch, and 1 KiB
+/// of slack to align the tiles to the 1024-B swizzle atom at run time.
+pub const SMEM_BYTES: u32 = S_QBASE + 4 * 8 + 1024;
+
+/// Named barrier of the list warp alone (it orders the lanes' scratch stores and loads).
+const LIST_WARP_BAR: u32 = 1;
+
+/// The K/V pipeline: two stages of two 128-key × 64-d boxes each of K and V; one arrival per
+/// consumer warp releases a stage.
+pub fn kv_pipeline() -> Pipeline {
+    let mut p = Pipeline::new("kv", 2, Role::Load, &[Role::Compute], 1, 8);
+    p.tx = vec![
+        TmaBox {
+            dims: vec![64, 1, 128],
+            elem_bytes: 2
+        };
+        4
+    ];
+    p
+}
+
+/// The Q pipeline: two stages of 8 slots × 2 d-halves of 16 heads × 64 d.
+pub fn q_pipeline() -> Pipeline {
+    let mut p = Pipeline::new("q", 2, Role::Load, &[Role::Compute], 1, 8);
+    p.tx = vec![
+        TmaBox {
+            dims: vec![64, 16, 1],
+            elem_bytes: 2
+        };
+        16
+    ];
+    p
+}
+
+/// The list pipeline: filled by the list warp's 32 lanes, released by the TMA thread and each
+/// of the 256 consumer threads after its own last read.
+pub fn list_pipeline() -> Pipeline {
+    Pipeline::new(
+        "list",
+        2,
+        Role::Scalar,
+        &[Role::Load, Role::Compute],
+        32,
+        1 + 256,
+    )
+}
+
+const KV_SLOT: u32 = 0;
+const Q_SLOT: u32 = 4;
+const LIST_SLOT: u32 = 8;
+
+fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
+    b.require("tcgen05.commit", Target::Sm100a);
+}
+
+fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
+    Barriers {
+        base: b.add(base, BARS),
+        umma_commit: no_umma,
+    }
+}
+
+/// 128^-0.5, exactly rounded (as the backward).
+const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
+const LOG2E: f64 = std::f64::consts::LOG2_E;
+const LN2: f32 = std::f32::consts::LN_2;
+
+/// The Hopper forward kernel.
+pub const DESC: KernelDesc = KernelDesc {
+    name: "msa_forward_sm90",
+    about: "MSA forward for Hopper: per item the union of its queries' blocks, TMA + mbarrier \
+            pipelines, wgmma, online softmax in exp2; out bf16 and lse (natural log)",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe,
+};
+
+/// The forward kernels' parameters.
+pub struct ForwardParams {
+    /// Q `[T, 64, 128]` bf16, boxes of 16 heads × 64 d.
+    pub tmap_q: TensorMapRef,
+    /// K `[W, 4, 128]` bf16 (aligned), boxes of 128 keys × 64 d.
+    pub tmap_k: TensorMapRef,
+    /// V, as K.
+    pub tmap_v: TensorMapRef,
+    /// `q2k [4, T, 16]` int32.
+    pub q2k: ParamRef<U64>,
+    /// `cu_seqlens [D+1]` int32.
+    pub cu: ParamRef<U64>,
+    /// `document_workspace_starts [D]` int32.
+    pub ws: ParamRef<U64>,
+    /// The schedule build's status block (word 0: the flags).
+    pub status: ParamRef<U64>,
+    /// `out [T, 64, 128]` bf16.
+    pub out: ParamRef<U64>,
+    /// `lse [T, 64]` f32.
+    pub lse: ParamRef<U64>,
+    /// T.
+    pub num_tokens: ParamRef<U32>,
+    /// D.
+    pub num_docs: ParamRef<U32>,
+}
+
+/// Declares the forward kernels' parameters.
+pub fn forward_params(b: &mut KernelBuilder) -> ForwardParams {
+    ForwardParams {
+        tmap_q: b.param_tensor_map("tmap_q"),
+        tmap_k: b.param_tensor_map("tmap_k"),
+        tmap_v: b.param_tensor_map("tmap_v"),
+        q2k: b.param_ptr("q2k", HostElem::I32, false),
+        cu: b.param_ptr("cu_seqlens", HostElem::I32, false),
+        ws: b.param_ptr("document_workspace_starts", HostElem::I32, false),
+        status: b.param_ptr("status", HostElem::I32, false),
+        out: b.param_ptr("out", HostElem::Bf16, true),
+        lse: b.param_ptr("lse", HostElem::F32, true),
+        num_tokens: b.param_u32("num_tokens"),
+        num_docs: b.param_u32("num_docs"),
+    }
+}
+
+/// This CTA's items: `ctaid + k·grid` for `k < count`.
+pub struct Items {
+    /// How many items this CTA walks.
+    pub count: Reg<U32>,
+    /// The CTA index.
+    pub cta: Reg<U32>,
+    /// The grid size.
+    pub grid: Reg<U32>,
+}
+
+impl Items {
+    /// Item `k` of this CTA.
+    pub fn item(&self, b: &mut KernelBuilder, k: Reg<U32>) -> Reg<U32> {
+        b.mad_lo(k, self.grid, self.cta)
+    }
+}
+
+/// `4·ceil(T/8)` items, walked with a grid stride.
+pub fn items(b: &mut KernelBuilder, p: &ForwardParams) -> Items {
+    let t = b.ld_param(&p.num_tokens);
+    let chunks = common::div_ceil(b, t, ITEM_QUERIES);
+    let n = b.shl(chunks, 2u32);
+    let cta = b.sreg(SReg::CtaidX);
+    let grid = b.sreg(SReg::NctaidX);
+    let left = b.sub(n, cta);
+    let some = b.setp(Cmp::Lt, cta, n);
+    let left = b.selp(left, 0u32, some);
+    let count = common::div_ceil(b, left, grid);
+    Items { count, cta, grid }
+}
+
+fn describe(b: &mut KernelBuilder) {
+    b.grid("[min(4*ceil(T/8), num_sms), 1, 1]");
+    b.min_ctas_per_sm(1);
+    let p = forward_params(b);
+    let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
+    let raw = b.shared_base(&smem);
+    let base = b.add(raw, 1023u32);
+    let base = b.and(base, !1023u32);
+    let tid = b.sreg(SReg::TidX);
+
+    b.comment("thread 0 initialises the pipeline barriers");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| {
+        let bars = barriers(b, base);
+        for (pipeline, slot) in [
+            (kv_pipeline(), KV_SLOT),
+            (q_pipeline(), Q_SLOT),
+            (list_pipeline(), LIST_SLOT),
+        ] {
+            Pipe {
+                pipeline: &pipeline,
+                slot,
+            }
+            .emit_init(b, &bars);
+        }
+        b.fence_mbarrier_init();
+    });
+    b.bar_sync(0, None);
+    let walk = items(b, &p);
+
+    let wg = b.shr(tid, 7u32);
+    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
+    let consumers = b.label("consumers");
+    b.bra_unless(is_producer, &consumers);
+    b.setmaxnreg(false, PRODUCER_REGS);
+    let warp = b.shr(tid, 5u32);
+    let is_list = b.setp(Cmp::Eq, warp, 0u32);
+    b.if_then(is_list, "list", |b| list_warp(b, &p, base, tid, &walk));
+    let is_tma = b.setp(Cmp::Eq, tid, 32u32);
+    b.if_then(is_tma, "tma", |b| tma_thread(b, &p, base, &walk));
+    b.ret();
+
+    b.place(&consumers);
+    b.setmaxnreg(true, CONSUMER_REGS);
+    consumer(b, &p, base, tid, &walk);
+    b.ret();
+}
+
+fn list_base(b: &mut KernelBuilder, base: Reg<U32>, stage: Reg<U32>) -> Reg<U32> {
+    let off = b.mul_lo(stage, LIST_BYTES);
+    let at = b.add(base, off);
+    b.add(at, LISTS)
+}
+
+/// The list warp: per item, the slots' rows and positions and the union of their blocks.
+fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U32>, w: &Items) {
+    let list = list_pipeline();
+    let list = Pipe {
+        pipeline: &list,
+        slot: LIST_SLOT,
+    };
+    let bars = barriers(b, base);
+    let lane = b.and(tid, 31u32);
+    let t_total = b.ld_param(&p.num_tokens);
+    let status = b.ld_param_ptr(&p.status);
+    let flags = b.ld::<U32, _>(&global(status, 0));
+    let lane4 = b.shl(lane, 2u32);
+    let lane_at = b.add(base, lane4);
+    b.for_range(0u32, w.count, 1, "list_item", |b, k| {
+        let item = w.item(b, k);
+        let g = b.and(item, 3u32);
+        let chunk = b.shr(item, 2u32);
+        let row0 = b.shl(chunk, 3u32);
+        let st = list.producer_acquire(b, &bars, k);
+        let lb = list_base(b, base, st.index);
+
+        b.comment("lanes 0..8: each slot's compact row, aligned position and first block");
+        let is_slot = b.setp(Cmp::Lt, lane, 8u32);
+        b.if_then(is_slot, "slot", |b| {
+            let t = b.add(row0, lane);
+            let qrow = b.mov::<S32>(-1i32);
+            let qpos = b.mov::<S32>(-1i32);
+            let qbase = b.mov::<U32>(u32::MAX);
+            let inside = b.setp(Cmp::Lt, t, t_total);
+            let clean = b.setp(Cmp::Eq, flags, 0u32);
+            let valid = b.and_pred(inside, clean);
+            // A row inside T is always written (an empty one as 0 / -inf, also when the
+            // schedule is flagged); only a valid one gets a position and blocks.
+            let row = b.bitcast::<S32, U32>(t);
+            let row = b.selp(row, -1i32, inside);
+            b.set(qrow, row);
+            b.if_then(valid, "slot_doc", |b| {
+                // The document: the largest d with cu[d] <= t (cu[0] <= t < cu[D]).
+                let cu = b.ld_param_ptr(&p.cu);
+                let lo = b.mov::<U32>(0u32);
+                let hi = b.ld_param(&p.num_docs);
+                let top = b.label("doc_search");
+                let done = b.label("doc_found");
+                b.place(&top);
+                let width = b.sub(hi, lo);
+                let found = b.setp(Cmp::Le, width, 1u32);
+                b.bra_if(found, &done);
+                let mid = b.add(lo, hi);
+                let mid = b.shr(mid, 1u32);
+                let c = common::load_u32(b, cu, mid);
+                let below = b.setp(Cmp::Le, c, t);
+                let nlo = b.selp(mid, lo, below);
+                let nhi = b.selp(hi, mid, below);
+                b.set(lo, nlo);
+                b.set(hi, nhi);
+                b.bra(&top);
+                b.place(&done);
+                let start = common::load_u32(b, cu, lo);
+                let ws = b.ld_param_ptr(&p.ws);
+                let wstart = common::load_u32(b, ws, lo);
+                let local = b.sub(t, start);
+                let pos = b.add(wstart, local);
+                let pos = b.bitcast::<S32, U32>(pos);
+                b.set(qpos, pos);
+                let first = b.shr(wstart, 7u32);
+                b.set(qbase, first);
+            });
+            let at = b.add(lb, lane4);
+            b.st(&shared(at, L_QROW as i64), qrow);
+            b.st(&shared(at, L_QPOS as i64), qpos);
+            b.st(&shared(lane_at, S_QBASE as i64), qbase);
+        });
+        b.bar_sync(LIST_WARP_BAR, Some(32));
+
+        b.comment("the 128 candidates: entry e = 16*slot + j, lane owns e = lane + 32kk");
+        let j = b.and(lane, 15u32);
+        let half = b.shr(lane, 4u32);
+        let q2k = b.ld_param_ptr(&p.q2k);
+        let mut gbs = Vec::new();
+        for kk in 0..4u32 {
+            let slot = b.add(half, 2 * kk);
+            let slot4 = b.shl(slot, 2u32);
+            let sat = b.add(base, slot4);
+            let qb = b.ld::<U32, _>(&shared(sat, S_QBASE as i64));
+            let gb = b.mov::<U32>(u32::MAX);
+            let live = b.setp(Cmp::Ne, qb, u32::MAX);
+            b.if_then(live, "cand", |b| {
+                let t = b.add(row0, slot);
+                let gt = b.mad_lo(g, t_total, t);
+                let idx = b.mad_lo(gt, 16u32, j);
+                let a = common::elem::<S32>(b, q2k, idx);
+                let id = b.ld::<S32, _>(&a);
+                let sel = b.setp(Cmp::Ge, id, 0i32);
+                let idu = b.bitcast::<U32, S32>(id);
+                let v = b.add(qb, idu);
+                let v = b.selp(v, u32::MAX, sel);
+                b.set(gb, v);
+            });
+            let e4 = b.add(lane4, 128 * kk);
+            let at = b.add(base, e4);
+            b.st(&shared(at, S_RAW as i64), gb);
+            gbs.push(gb);
+        }
+        b.bar_sync(LIST_WARP_BAR, Some(32));
+
+        b.comment("each candidate's first occurrence and the mask of the slots that chose it");
+        let masks: Vec<Reg<U32>> = (0..4).map(|_| b.mov::<U32>(0u32)).collect();
+        let dups: Vec<Reg<U32>> = (0..4).map(|_| b.mov::<U32>(0u32)).collect();
+        let mine: Vec<Reg<U32>> = (0..4u32).map(|kk| b.add(lane, 32 * kk)).collect();
+        b.for_range(0u32, 128u32, 4, "dedup", |b, e2| {
+            let off = b.shl(e2, 2u32);
+            let at = b.add(base, off);
+            let v: [Reg<U32>; 4] = b.ld_v(&shared(at, S_RAW as i64));
+            let slot = b.shr(e2, 4u32);
+            let bit = b.mov::<U32>(1u32);
+            let bit = b.shl(bit, slot);
+            for (q, vq) in v.iter().enumerate() {
+                let eq_idx = b.add(e2, q as u32);
+                for kk in 0..4 {
+                    let eq = b.setp(Cmp::Eq, *vq, gbs[kk]);
+                    let add = b.selp(bit, 0u32, eq);
+                    let m = b.or(masks[kk], add);
+                    b.set(masks[kk], m);
+                    let before = b.setp(Cmp::Lt, eq_idx, mine[kk]);
+                    let both = b.and_pred(eq, before);
+                    let one = b.selp(1u32, 0u32, both);
+                    let d = b.add(dups[kk], one);
+                    b.set(dups[kk], d);
+                }
+            }
+        });
+
+        b.comment("compact the first occurrences in entry order (a warp scan per round)");
+        let count = b.mov::<U32>(0u32);
+        for kk in 0..4 {
+            let none = b.setp(Cmp::Eq, dups[kk], 0u32);
+            let real = b.setp(Cmp::Ne, gbs[kk], u32::MAX);
+            let keep = b.and_pred(none, real);
+            let f = b.selp(1u32, 0u32, keep);
+            let incl = common::warp_inclusive_scan(b, f, lane);
+            let excl = b.sub(incl, f);
+            let pos = b.add(count, excl);
+            b.if_then(keep, "keep", |b| {
+                let pos4 = b.shl(pos, 2u32);
+                let at = b.add(lb, pos4);
+                b.st(&shared(at, L_GB as i64), gbs[kk]);
+                b.st(&shared(at, L_MASK as i64), masks[kk]);
+            });
+            let total = b.shfl(Shfl::Idx, incl, 31u32, 0x1f);
+            let next = b.add(count, total);
+            b.set(count, next);
+        }
+        let first = b.setp(Cmp::Eq, lane, 0u32);
+        b.predicated(first, false, |b| {
+            b.st(&shared(lb, L_COUNT as i64), count);
+        });
+        list.producer_commit(b, &bars, &st);
+        // The next item rewrites the scratch: every lane has finished reading it.
+        b.bar_sync(LIST_WARP_BAR, Some(32));
+    });
+}
+
+/// The TMA thread: per item its Q rows, then K and V of every list entry.
+fn tma_thread(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, w: &Items) {
+    let (list, q, kv) = (list_pipeline(), q_pipeline(), kv_pipeline());
+    let list = Pipe {
+        pipeline: &list,
+        slot: LIST_SLOT,
+    };
+    let q = Pipe {
+        pipeline: &q,
+        slot: Q_SLOT,
+    };
+    let kv = Pipe {
+        pipeline: &kv,
+        slot: KV_SLOT,
+    };
+    let bars = barriers(b, base);
+    let tq = b.tensor_map_addr(&p.tmap_q);
+    let tk = b.tensor_map_addr(&p.tmap_k);
+    let tv = b.tensor_map_addr(&p.tmap_v);
+    let kv_iter = b.mov::<U32>(0u32);
+    b.for_range(0u32, w.count, 1, "tma_item", |b, k| {
+        let item = w.item(b, k);
+        let g = b.and(item, 3u32);
+        let lst = list.consumer_wait(b, &bars, k);
+        let lb = list_base(b, base, lst.index);
+        let count = b.ld::<U32, _>(&shared(lb, L_COUNT as i64));
+
+        let qst = q.producer_acquire(b, &bars, k);
+        let q_off = b.mul_lo(qst.index, TILE_BYTES);
+        let q_tile = b.add(base, q_off);
+        let head16 = b.shl(g, 4u32);
+        let head16 = b.bitcast::<S32, U32>(head16);
+        for slot in 0..8u32 {
+            let qrow = b.ld::<S32, _>(&shared(lb, (L_QROW + 4 * slot) as i64));
+            for panel in 0..2u32 {
+                let d0 = b.mov::<S32>(panel as i32 * 64);
+                let off = SQ + panel * PANEL_BYTES + slot * 2048;
+                b.tma_load_3d(
+                    &shared(q_tile, off as i64),
+                    tq,
+                    [d0, head16, qrow],
+                    &qst.full,
+                );
+            }
+        }
+
+        b.for_range(0u32, count, 1, "tma_block", |b, e| {
+            let e4 = b.shl(e, 2u32);
+            let at = b.add(lb, e4);
+            let gb = b.ld::<U32, _>(&shared(at, L_GB as i64));
+            let st = kv.producer_acquire(b, &bars, kv_iter);
+            let off = b.mul_lo(st.index, KV_STAGE);
+            let stage = b.add(base, off);
+            let tiles = [
+                shared(stage, SKV as i64),
+                shared(stage, (SKV + TILE_BYTES) as i64),
+            ];
+            common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full);
+            let next = b.add(kv_iter, 1u32);
+            b.set(kv_iter, next);
+        });
+        list.consumer_release(b, &bars, &lst);
+    });
+}
+
+fn k_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
+}
+
+fn mn_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
+}
+
+#[allow(clippy::too_many_lines)]
+fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U32>, w: &Items) {
+    let t = b.sub(tid, 128u32);
+    let c = b.shr(t, 7u32); // consumer 0/1: slots 4c..4c+4
+    let tw = b.and(t, 127u32);
+    let warp = b.shr(tw, 5u32);
+    let lane = b.and(tw, 31u32);
+    let quad = b.shr(lane, 2u32);
+    let pair = b.and(lane, 3u32);
+    let col0 = b.shl(pair, 1u32);
+    let slot = b.mad_lo(c, 4u32, warp);
+    let slot4 = b.shl(slot, 2u32);
+    let c4 = b.shl(c, 2u32);
+    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+    let zero = b.mov::<U32>(0u32);
+    let always = b.setp(Cmp::Eq, zero, 0u32);
+    let never = b.setp(Cmp::Ne, zero, 0u32);
+    let neg_inf = f32::NEG_INFINITY;
+    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let c_rows = b.mul_lo(c, 64 * 128);
+
+    let (list, q, kv) = (list_pipeline(), q_pipeline(), kv_pipeline());
+    let list = Pipe {
+        pipeline: &list,
+        slot: LIST_SLOT,
+    };
+    let q = Pipe {
+        pipeline: &q,
+        slot: Q_SLOT,
+    };
+    let kv = Pipe {
+        pipeline: &kv,
+        slot: KV_SLOT,
+    };
+    let bars = barriers(b, base);
+    let kv_iter = b.mov::<U32>(0u32);
+    let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+    let m_row: [Reg<F32>; 2] = std::array::from_fn(|_| b.reg());
+    let l_row: [Reg<F32>; 2] = std::array::from_fn(|_| b.reg());
+
+    b.for_range(0u32, w.count, 1, "item", |b, k| {
+        let item = w.item(b, k);
+        let g = b.and(item, 3u32);
+        let lst = list.consumer_wait(b, &bars, k);
+        let lb = list_base(b, base, lst.index);
+        let count = b.ld::<U32, _>(&shared(lb, L_COUNT as i64));
+        let sat = b.add(lb, slot4);
+        let qpos = b.ld::<S32, _>(&shared(sat, L_QPOS as i64));
+        let qrow = b.ld::<S32, _>(&shared(sat, L_QROW as i64));
+        let qst = q.consumer_wait(b, &bars, k);
+        let q_off = b.mul_lo(qst.index, TILE_BYTES);
+        let q_tile = b.add(base, q_off);
+        let q_tile = b.add(q_tile, SQ);
+        let a_base = b.add(q_tile, c_rows);
+        for r in &o_acc {
+            b.set(*r, 0.0f32);
+        }
+        for rr in 0..2 {
+            b.set(m_row[rr], neg_inf);
+            b.set(l_row[rr], 0.0f32);
+        }
+
+        b.for_range(0u32, count, 1, "block", |b, e| {
+            let e4 = b.shl(e, 2u32);
+            let at = b.add(lb, e4);
+            let gb = b.ld::<U32, _>(&shared(at, L_GB as i64));
+            let mask = b.ld::<U32, _>(&shared(at, L_MASK as i64));
+            let st = kv.consumer_wait(b, &bars, kv_iter);
+            let off = b.mul_lo(st.index, KV_STAGE);
+            let stage = b.add(base, off);
+            let wg_bits = b.shr(mask, c4);
+            let wg_bits = b.and(wg_bits, 15u32);
+            let active = b.setp(Cmp::Ne, wg_bits, 0u32);
+            b.if_then(active, "active", |b| {
+                b.comment("S = Q_c*K^T");
+                let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+                b.wgmma_fence();
+                let a0 = k_major().emit(b, a_base);
+                let k_addr = b.add(stage, SKV);
+                let b0 = k_major().emit(b, k_addr);
+                for kk in 0..8u32 {
+                    let a_desc = k_major().emit_step(b, a0, kk);
+                    let b_desc = k_major().emit_step(b, b0, kk);
+                    let acc_p = if kk == 0 { never } else { always };
+                    b.wgmma_ss(&s_acc, a_desc, b_desc, acc_p, false, false);
+                }
+                b.wgmma_commit();
+                b.wgmma_wait(0);
+
+                b.comment("mask: the slot selected this block, and qpos >= key position");
+                let bits = b.shr(mask, slot);
+                let bits = b.and(bits, 1u32);
+                let chose = b.setp(Cmp::Ne, bits, 0u32);
+                let qpos_eff = b.selp(qpos, -1i32, chose);
+                let key0 = b.shl(gb, 7u32);
+                let key0 = b.add(key0, col0);
+                let key0 = b.bitcast::<S32, U32>(key0);
+                let mut v = Vec::with_capacity(64);
+                for (i, s) in s_acc.iter().enumerate() {
+                    let (jj, e) = (i / 4, i % 2);
+                    let n = (8 * jj + e) as i32;
+                    let kp = b.add(key0, n);
+                    let seen = b.setp(Cmp::Ge, qpos_eff, kp);
+                    let x = b.fmul(*s, scale_log2e);
+                    v.push(b.selp(x, neg_inf, seen));
+                }
+
+                b.comment("online softmax per row (rows r and r+8 of the warp's 16 heads)");
+                let mut alpha = Vec::new();
+                let mut m_use = Vec::new();
+                for (rr, &m_old) in m_row.iter().enumerate() {
+                    let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+                    let mut mx = v[idx[0]];
+                    for &i in &idx[1..] {
+                        mx = b.max(mx, v[i]);
+                    }
+                    for d in [1u32, 2] {
+                        let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+                        mx = b.max(mx, o);
+                    }
+                    let m_new = b.max(m_old, mx);
+                    let empty = b.setp(Cmp::Eq, m_new, neg_inf);
+                    let mu = b.selp(0.0f32, m_new, empty);
+                    let diff = b.sub(m_old, mu);
+                    alpha.push(b.ex2_approx(diff));
+                    m_use.push(mu);
+                    b.set(m_old, m_new);
+                }
+                let mut pv = Vec::with_capacity(64);
+                let mut sums = [None, None];
+                for (i, x) in v.iter().enumerate() {
+                    let rr = (i / 2) % 2;
+                    let d = b.sub(*x, m_use[rr]);
+                    let pe = b.ex2_approx(d);
+                    sums[rr] = Some(match sums[rr] {
+                        None => pe,
+                        Some(s) => b.add(s, pe),
+                    });
+                    pv.push(pe);
+                }
+                for rr in 0..2usize {
+                    let sum = sums[rr].expect("64 values");
+                    let l = b.fma(l_row[rr], alpha[rr], sum);
+                    b.set(l_row[rr], l);
+                }
+                for (i, o) in o_acc.iter().enumerate() {
+                    let rr = (i / 2) % 2;
+                    let x = b.fmul(*o, alpha[rr]);
+                    b.set(*o, x);
+                }
+                let mut frags = Vec::with_capacity(32);
+                for jj in 0..16usize {
+                    for rr in 0..2usize {
+                        let i = 4 * jj + 2 * rr;
+                        frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
+                    }
+                }
+
+                b.comment("O += P*V (A from registers, V MN-major)");
+                b.wgmma_fence();
+                let v_addr = b.add(stage, SKV + TILE_BYTES);
+                let b0 = mn_major().emit(b, v_addr);
+                for kk in 0..8u32 {
+                    let b_desc = mn_major().emit_step(b, b0, kk);
+                    let a = [
+                        frags[(4 * kk) as usize],
+                        frags[(4 * kk + 1) as usize],
+                        frags[(4 * kk + 2) as usize],
+                        frags[(4 * kk + 3) as usize],
+                    ];
+                    b.wgmma_rs(&o_acc, a, b_desc, always, true);
+                }
+                b.wgmma_commit();
+                b.wgmma_wait(0);
+            });
+            b.predicated(lane0, false, |b| kv.consumer_release(b, &bars, &st));
+            let next = b.add(kv_iter, 1u32);
+            b.set(kv_iter, next);
+        });
+        b.comment("this warp's wgmma reads of Q are complete: release the stage");
+        b.predicated(lane0, false, |b| q.consumer_release(b, &bars, &qst));
+        b.comment("this thread's last read of the list is done");
+        list.consumer_release(b, &bars, &lst);
+
+        b.comment("epilogue: out = O/l (bf16), lse = ln2*(m + log2 l); empty rows 0 and -inf");
+        let live = b.setp(Cmp::Ge, qrow, 0i32);
+        let qrow_u = b.bitcast::<U32, S32>(qrow);
+        let g16 = b.shl(g, 4u32);
+        for rr in 0..2usize {
+            let mut l = l_row[rr];
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
+                l = b.add(l, o);
+            }
+            let some = b.setp(Cmp::Gt, l, 0.0f32);
+            let r = b.rcp_rn(l);
+            let inv = b.selp(r, 0.0f32, some);
+            let lg = b.lg2_approx(l);
+            let lse2 = b.add(m_row[rr], lg);
+            let lse = b.fmul(lse2, LN2);
+            let lse = b.selp(lse, neg_inf, some);
+            let head = b.add(quad, 8 * rr as u32);
+            let head = b.add(head, g16);
+            let row = b.mad_lo(qrow_u, 64u32, head);
+            b.if_then(live, "store", |b| {
+                let out = b.ld_param_ptr(&p.out);
+                let off = b.mul_wide(row, 256u32);
+                let cb = b.mul_wide(col0, 2u32);
+                let at = b.add(out, off);
+                let at = b.add(at, cb);
+                let row_at = global(at, 0);
+                for jj in 0..16usize {
+                    let i = 4 * jj + 2 * rr;
+                    let lo = b.fmul(o_acc[i], inv);
+                    let hi = b.fmul(o_acc[i + 1], inv);
+                    let pk = b.cvt_bf16x2(hi, lo);
+                    b.st(&row_at.offset(16 * jj as i64), pk);
+                }
+                let head_lane = b.setp(Cmp::Eq, pair, 0u32);
+                b.if_then(head_lane, "store_lse", |b| {
+                    let lse_p = b.ld_param_ptr(&p.lse);
+                    let a = common::elem::<F32>(b, lse_p, row);
+                    b.st(&a, lse);
+                });
+            });
+        }
+    });
+}

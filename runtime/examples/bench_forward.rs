@@ -1,0 +1,162 @@
+//! Times the MSA forward on the benchmark cases `bench/msa_inputs.py --write DIR` dumps (the
+//! same `q2k`/`cu_seqlens` files `bench/baselines.py` and `bench/forward_fla.py` use):
+//!
+//! ```text
+//! cargo build --release -p msa-runtime --example bench_forward
+//! target/release/examples/bench_forward DIR doc8k,packed64k [REPS]
+//! ```
+//!
+//! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
+//! schedule built once; `run_forward ms` is one whole `run_forward` call (the device schedule
+//! build, the output allocations and the kernel). Medians over REPS (default 20) calls between
+//! CUDA events after 3 warm-up calls, a 256 MiB L2 flush before each. Useful forward FLOP =
+//! `2·(128 + 128)·16·Σ keys attended` (keys summed over the 4 index heads and all tokens, ×16
+//! query heads per index head). Inputs are uniform bf16 (timing does not depend on them).
+//! Without a GPU it says so and exits 0.
+
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+use half::bf16;
+use msa_runtime::reference::keys_attended;
+use msa_runtime::{
+    run_forward, workspace_layout, CudaBackend, ForwardBuffers, MsaForward, ResidentSchedule,
+    ScheduleBuildSizes, Span,
+};
+use std::error::Error;
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+fn read_i32s(path: &str) -> Res<Vec<i32>> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            let u = (z >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((2.0 * u - 1.0) * 3f32.sqrt())
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(f32::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
+        return Err("usage: bench_forward DIR case,case [REPS]".into());
+    };
+    let reps: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(20);
+    let dev = match msa_runtime::Device::open(0) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("no GPU ({e}); nothing to time");
+            return Ok(());
+        }
+    };
+    let stream = dev.context().default_stream();
+    let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    println!("| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s |");
+    println!("|---|---|---|---|---|---|");
+    for name in cases.split(',') {
+        let cu = read_i32s(&format!("{dir}/{name}.cu_seqlens.i32"))?;
+        let q2k = read_i32s(&format!("{dir}/{name}.q2k.i32"))?;
+        let t = *cu.last().ok_or("empty cu_seqlens")? as usize;
+        let (starts, w) = workspace_layout(&cu)?;
+        let keys: usize = keys_attended(&q2k, &cu)?.iter().sum();
+        let flop = 2.0 * 256.0 * 16.0 * keys as f64;
+        let q = stream.clone_htod(&random_bf16(t * 8192, 1))?;
+        let kv_len = w * 512;
+        // Aligned K/V: random rows for tokens, zeros for padding.
+        let mut k_h = vec![bf16::ZERO; kv_len];
+        let mut v_h = vec![bf16::ZERO; kv_len];
+        let (kr, vr) = (random_bf16(t * 512, 2), random_bf16(t * 512, 3));
+        for d in 0..cu.len() - 1 {
+            let (s, e, ws) = (cu[d] as usize, cu[d + 1] as usize, starts[d] as usize);
+            k_h[ws * 512..(ws + e - s) * 512].copy_from_slice(&kr[s * 512..e * 512]);
+            v_h[ws * 512..(ws + e - s) * 512].copy_from_slice(&vr[s * 512..e * 512]);
+        }
+        let k = stream.clone_htod(&k_h)?;
+        let v = stream.clone_htod(&v_h)?;
+        let q2k_d = stream.clone_htod(&q2k)?;
+        let cu_d = stream.clone_htod(&cu)?;
+        let mut out = stream.alloc_zeros::<bf16>(t * 8192)?;
+        let mut lse = stream.alloc_zeros::<f32>(t * 64)?;
+
+        // The kernel alone, on a schedule built once.
+        let mut backend = CudaBackend::new(&stream)?;
+        let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64)?;
+        let mut schedule = ResidentSchedule::new(&mut backend, sizes)?;
+        let q2k_s = Span::new(q2k_d.device_ptr(&stream).0, q2k.len());
+        schedule.build(
+            &mut backend,
+            q2k_s,
+            Span::new(cu_d.device_ptr(&stream).0, cu.len()),
+        )?;
+        schedule.status(&mut backend)?;
+        let io = ForwardBuffers {
+            q: Span::new(q.device_ptr(&stream).0, q.len()),
+            k_aligned: Span::new(k.device_ptr(&stream).0, k.len()),
+            v_aligned: Span::new(v.device_ptr(&stream).0, v.len()),
+            q2k: q2k_s,
+            out: Span::new(out.device_ptr_mut(&stream).0, t * 8192),
+            lse: Span::new(lse.device_ptr_mut(&stream).0, t * 64),
+        };
+        let mut kernel = Vec::new();
+        for i in 0..reps + 3 {
+            stream.memset_zeros(&mut flush)?;
+            let a = stream.record_event(timing)?;
+            MsaForward.run_on(&mut backend, &io, &schedule)?;
+            let b = stream.record_event(timing)?;
+            if i >= 3 {
+                kernel.push(a.elapsed_ms(&b)?);
+            }
+        }
+        stream.synchronize()?;
+        let mut whole = Vec::new();
+        for i in 0..reps + 3 {
+            stream.memset_zeros(&mut flush)?;
+            let a = stream.record_event(timing)?;
+            let r = run_forward(
+                &stream,
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &q2k_d.as_view(),
+                &cu_d.as_view(),
+            )?;
+            let b = stream.record_event(timing)?;
+            if i >= 3 {
+                whole.push(a.elapsed_ms(&b)?);
+            }
+            drop(r);
+        }
+        stream.synchronize()?;
+        let (km, wm) = (median(kernel), median(whole));
+        let rate = |ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
+        println!(
+            "| {name} | {t} | {km:.3} | {:.1} | {wm:.3} | {:.1} |",
+            rate(km),
+            rate(wm)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,174 @@
+//! The MSA forward (`docs/design.md` §1.4): `out [T, 64, 128]` bf16 and `lse [T, 64]` f32
+//! (natural log, what [`run_backward`](crate::run_backward) reads) from Q, the aligned K/V and
+//! the selection `q2k`, on the device schedule the backward then reuses.
+//!
+//! - [`MsaForward::run_on`] is the host flow against any [`Backend`] (the CUDA driver or the
+//!   simulator): checks, kernel dispatch by capability, tensor maps, one launch.
+//! - [`run_forward`] builds the [`ResidentSchedule`] from the device `q2k` and `cu_seqlens`
+//!   and runs the forward on it, all on one stream with no host sync, and returns `out`, `lse`
+//!   and the schedule.
+//! - [`MsaAttention`] pairs the two directions: its forward keeps `out`, `lse` and the
+//!   schedule in a [`Saved`], which its backward takes, so a training step is two calls.
+//!
+//! Layer 3 (host flow, generic over [`Backend`]); the cudarc entry points ([`run_forward`],
+//! [`MsaAttention`]) are layer 5, in `forward/stream.rs`.
+//!
+//! Semantics: query `t` of document `d`, head `h` attends the keys of the blocks in
+//! `q2k[h/16, t, :]` (document-local ids, `−1` skipped) at or before `t`; a row with no key
+//! gets `out = 0`, `lse = −∞`. A selection the schedule build flags (an id past the own block,
+//! a repeat, a malformed `cu_seqlens`; see [`ResidentSchedule::status`]) makes every row empty,
+//! so `out` is 0 and `lse` −∞ and the backward on it writes zero gradients: never wrong values.
+
+use crate::backend::{Backend, KernelSpec, Span, TileMapSpec};
+use crate::buffers::{check_regions, Region};
+use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
+use crate::error::RuntimeError;
+use crate::kernels::msa_forward_sm90;
+use crate::ops::check_len;
+use crate::schedule_build::ResidentSchedule;
+use half::bf16;
+
+mod stream;
+pub use stream::{run_forward, ForwardOutput, MsaAttention, Saved};
+
+/// Elements of one token's Q or O row, `64 × 128`.
+pub(crate) const Q_ROW: usize = NUM_Q_HEADS * crate::contract::HEAD_DIM;
+/// Elements of one aligned K/V row, `4 × 128`.
+pub(crate) const KV_ROW: usize = crate::contract::NUM_KV_HEADS * crate::contract::HEAD_DIM;
+/// Query rows per forward work item (the kernel's `ITEM_QUERIES`).
+pub const FORWARD_ITEM_QUERIES: usize = 8;
+/// Queries per work item of the schedule the forward builds (what the backward measured
+/// best with; any positive multiple of 8 is valid).
+pub const QUERIES_PER_WORK: usize = 64;
+
+/// The device buffers of one forward call; `T` and `W` come from the schedule's sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardBuffers {
+    /// `q [T, 64, 128]` bf16.
+    pub q: Span<bf16>,
+    /// `k_aligned [W, 4, 128]` bf16 in the schedule's aligned layout, zero padding rows.
+    pub k_aligned: Span<bf16>,
+    /// `v_aligned`, as `k_aligned`.
+    pub v_aligned: Span<bf16>,
+    /// `q2k [4, T, 16]` int32, the selection the schedule was built from.
+    pub q2k: Span<i32>,
+    /// Output `out [T, 64, 128]` bf16.
+    pub out: Span<bf16>,
+    /// Output `lse [T, 64]` f32.
+    pub lse: Span<f32>,
+}
+
+/// The forward kernel for compute capability `cc`.
+///
+/// # Errors
+/// [`RuntimeError::UnsupportedArch`] for a capability without a forward kernel (the Hopper
+/// kernel runs on 9.0; the Blackwell forward is not built yet).
+pub fn forward_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec, RuntimeError> {
+    let k = &msa_forward_sm90::KERNEL;
+    k.ptx(cc, ordinal)?;
+    Ok(k)
+}
+
+/// Launch grid of the forward: one CTA per SM at most, never more than the items.
+pub fn forward_grid(num_tokens: usize, sm_count: usize) -> u32 {
+    let items = NUM_INDEX_HEADS * num_tokens.div_ceil(FORWARD_ITEM_QUERIES);
+    items.min(sm_count.max(1)).min(i32::MAX as usize) as u32
+}
+
+/// The forward's host flow, written against [`Backend`]. It holds no device memory.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MsaForward;
+
+impl MsaForward {
+    /// Issues the forward on `backend`'s stream: checks, tensor maps, one launch of the main
+    /// kernel. `schedule` must have been built from the same `q2k` and the `cu_seqlens` of
+    /// these tensors ([`ResidentSchedule::build`]), earlier on the same stream.
+    ///
+    /// # Errors
+    /// - [`RuntimeError::Input`] naming the field for a wrong length, a misaligned base, or a
+    ///   schedule of another memory space; [`RuntimeError::NullBuffer`];
+    ///   [`RuntimeError::Overlap`] for an output on an input or the other output.
+    /// - [`RuntimeError::UnsupportedArch`] on a capability without a forward kernel.
+    /// - Tensor-map, JIT and launch errors from the backend.
+    pub fn run_on<B: Backend>(
+        &self,
+        backend: &mut B,
+        io: &ForwardBuffers,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        let z = *schedule.sizes();
+        let (t, w) = (z.num_tokens, z.workspace_rows);
+        check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len(
+            "k_aligned",
+            io.k_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len(
+            "v_aligned",
+            io.v_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        let q2k_len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
+        check_len("q2k", io.q2k.len, q2k_len, "[4, T, 16] int32")?;
+        check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        if schedule.memory_space() != backend.memory_space() {
+            return Err(RuntimeError::input(
+                "schedule",
+                "a resident schedule of another memory space",
+                "one built on this backend's device",
+            ));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        if w == 0 || !w.is_multiple_of(BLOCK_SIZE) {
+            return Err(RuntimeError::input(
+                "schedule.workspace_rows",
+                w,
+                "a positive multiple of 128",
+            ));
+        }
+        check_regions(
+            &[
+                Region::input("q", io.q)?,
+                Region::input("k_aligned", io.k_aligned)?,
+                Region::input("v_aligned", io.v_aligned)?,
+                Region::input("q2k", io.q2k)?,
+                Region::output("out", io.out)?,
+                Region::output("lse", io.lse)?,
+            ],
+            false,
+            "no in-place forward",
+        )?;
+        let kernel = forward_kernel(backend.capability(), backend.ordinal())?;
+        backend.load(kernel)?;
+        let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
+        let tmap_k =
+            backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
+        let tmap_v =
+            backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
+        let refs = schedule.refs();
+        let grid = forward_grid(t, backend.sm_count());
+        let args = msa_forward_sm90::args(
+            &tmap_q,
+            &tmap_k,
+            &tmap_v,
+            io.q2k.ptr(),
+            Span::<i32>::new(refs.cu_seqlens, z.num_documents + 1).ptr(),
+            Span::<i32>::new(refs.ws_starts, z.num_documents).ptr(),
+            schedule.status_ptr(),
+            io.out.ptr_mut(),
+            io.lse.ptr_mut(),
+            t as u32,
+            z.num_documents as u32,
+        );
+        // SAFETY: the maps span q [T,64,128] and k/v [W,4,128], whose lengths were checked;
+        // q2k is [4,T,16], out [T,64,128], lse [T,64]; cu_seqlens [D+1], the workspace starts
+        // [D] and the status block belong to a schedule allocated for (T, D, W).
+        unsafe { backend.launch(kernel, (grid, 1, 1), &args) }
+    }
+}
