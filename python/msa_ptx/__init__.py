@@ -54,6 +54,7 @@ __all__ = [
     "MSABackwardSchedule",
     "build_schedule",
     "run_backward",
+    "run_forward",
     "to_aligned",
     "from_aligned",
     "msa_attention",
@@ -380,12 +381,33 @@ def run_backward(q: Any, k_aligned: Any, v_aligned: Any, grad_out: Any, lse: Any
 # Autograd
 
 
-def _forward(q: Any, k_aligned: Any, v_aligned: Any, schedule: MSABackwardSchedule):
-    """The MSA forward: ``(out [T, 64, 128] bf16, lse [T, 64] fp32)``; the one place the
-    forward kernel's binding goes once the runtime has it."""
-    raise NotImplementedError(
-        "the MSA forward kernel is not part of this build yet, so msa_attention cannot run; "
-        "run_backward works on the outputs of another forward")
+def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABackwardSchedule):
+    """The MSA forward: ``(out [T, 64, 128] bf16, lse [T, 64] fp32, natural log)`` of
+    ``q``, the aligned ``k``/``v`` and ``q2k`` on ``schedule``, which must have been built on
+    the device from this ``q2k`` (``build_schedule`` of a CUDA ``q2k``). Runs
+    ``msa_forward_sm90`` on ``torch.cuda.current_stream(q.device)`` (compute capability 9.0
+    only so far; 10.0 raises ``NotImplementedError``). A row with no key gets ``out = 0`` and
+    ``lse = -inf``; so does every row when the schedule build flagged the selection."""
+    handle = _schedule_handle(schedule)
+    torch = _torch()
+    q, k_aligned, v_aligned, q2k = (_operand(x) for x in (q, k_aligned, v_aligned, q2k))
+    t = q.shape[0]
+    out = torch.empty_like(q)
+    lse = torch.empty((t, q.shape[1]), dtype=torch.float32, device=q.device)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _native.run_forward(q, k_aligned, v_aligned, q2k, out, lse, handle, stream)
+    return out, lse
+
+
+def run_forward(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any):
+    """The MSA forward from compact tensors: ``q [T, 64, 128]``, ``k``, ``v [T, 4, 128]``
+    (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32, CUDA). Builds the schedule on
+    the device, lays out K/V aligned and runs the forward, with no host sync; returns
+    ``(out, lse, schedule, k_aligned, v_aligned)``, the last three for ``run_backward``."""
+    schedule = build_schedule(q2k, cu_seqlens)
+    k_aligned, v_aligned = to_aligned(k, v, schedule)
+    out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule)
+    return out, lse, schedule, k_aligned, v_aligned
 
 
 @functools.lru_cache(maxsize=None)
@@ -399,7 +421,7 @@ def _function():
         def forward(ctx, q, k, v, q2k, cu_seqlens):
             schedule = build_schedule(q2k, cu_seqlens)
             k_aligned, v_aligned = to_aligned(k, v, schedule)
-            out, lse = _forward(q, k_aligned, v_aligned, schedule)
+            out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule)
             ctx.save_for_backward(q, k_aligned, v_aligned, out, lse, *schedule._fields())
             ctx.schedule_handle = schedule._handle
             ctx.mark_non_differentiable(lse)
@@ -423,7 +445,7 @@ def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any):
     [T, 4, 128]`` (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32); returns
     ``out [T, 64, 128]`` (``loss.backward()`` runs the MSA backward).
 
-    Needs the forward kernel, which this build does not have yet: it raises
-    ``NotImplementedError`` until then."""
+    Runs ``msa_forward_sm90`` (compute capability 9.0; the SM100 forward does not exist yet)
+    and, in the backward, ``run_backward``. Not ``torch.compile``-able (see the README)."""
     out, _lse = _function().apply(q, k, v, q2k, cu_seqlens)
     return out

@@ -9,6 +9,7 @@
 
 mod backward;
 mod error;
+mod forward;
 mod schedule;
 mod tensor;
 
@@ -108,6 +109,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schedule::check_schedule_fields, m)?)?;
     m.add_function(wrap_pyfunction!(backward::check_backward, m)?)?;
     m.add_function(wrap_pyfunction!(backward::run_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(forward::run_forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward::workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(backward::clear_workspace_cache, m)?)?;
     m.add_class::<schedule::HostSchedule>()?;

@@ -271,10 +271,12 @@ class Devices(unittest.TestCase):
             with self.assertRaisesRegex(RuntimeError, r"libcuda"):
                 f("cuda:0")
 
-    def test_the_forward_is_not_there_yet(self):
-        with self.assertRaisesRegex(NotImplementedError, r"forward"):
-            msa_ptx._forward(None, None, None, None)
-
+    def test_the_forward_needs_a_schedule_built_on_the_device(self):
+        h = msa_ptx.MSABackwardSchedule(*tiny_fields()).validate()._handle
+        args = [Fake([T, 64, 128]), Fake([128, 4, 128]), Fake([128, 4, 128]),
+                Fake([4, T, 16], "torch.int32"), Fake([T, 64, 128]), Fake([T, 64], "torch.float32")]
+        with self.assertRaisesRegex(TypeError, r"`schedule`.*built on the device"):
+            _native.run_forward(*args, h, 0)
 
 if __name__ == "__main__":
     unittest.main()
