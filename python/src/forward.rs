@@ -11,6 +11,15 @@ use msa_runtime::{
 };
 use pyo3::prelude::*;
 
+/// One argument: its name, the object, and the dtype, shape and shape text it must have.
+type Spec<'a, 'py> = (
+    &'static str,
+    &'a Bound<'py, PyAny>,
+    Dtype,
+    Vec<usize>,
+    &'a String,
+);
+
 /// Runs the forward on `stream` (a `CUstream` of the tensors' device): reads `q`,
 /// `k_aligned`, `v_aligned` and `q2k`, writes `out [T, 64, 128]` bf16 and `lse [T, 64]` f32 in
 /// place, all through their `data_ptr()`. The schedule must be the one built on the device
@@ -47,7 +56,7 @@ pub fn run_forward(
     let kv_text = format!("[W, 4, 128] with W = {w} (the schedule's workspace rows)");
     let q2k_text = format!("[4, T, 16] with T = {t} (the schedule's tokens)");
     let lse_text = format!("[T, 64] with T = {t} (the schedule's tokens)");
-    let specs: [(&'static str, &Bound<'_, PyAny>, Dtype, Vec<usize>, &String); 6] = [
+    let specs: [Spec<'_, '_>; 6] = [
         ("q", q, Dtype::Bf16, vec![t, NUM_Q_HEADS, HEAD_DIM], &q_text),
         (
             "k_aligned",
