@@ -61,9 +61,6 @@ pub const THREADS: u32 = crate::plan::roles::THREADS;
 /// layout for aligning the base to 1024 B at run time.
 pub const SMEM_BYTES: u32 = MAX_SHARED_BYTES;
 
-/// 128^-0.5, exactly rounded (as in the Hopper kernel).
-const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
-const LOG2E: f64 = std::f64::consts::LOG2_E;
 /// Folded columns of one compute chunk (one `tcgen05.ld.32x32b.x32`).
 const CHUNK_COLS: u32 = 32;
 /// Heads per query slot: folded column `n = slot·16 + h`.
@@ -301,9 +298,7 @@ fn describe(b: &mut KernelBuilder) {
 
     let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
     b.comment("align the dynamic base to the 1024-B SW128 atom; trap if the slack is short");
-    let raw = b.shared_base(&smem);
-    let base = b.add(raw, 1023u32);
-    let base = b.and(base, !1023u32);
+    let (raw, base) = common::swizzle_aligned_base(b, &smem);
     let pad = b.sub(base, raw);
     let short = b.setp(Cmp::Gt, pad, SMEM_BYTES - total);
     b.if_then(short, "smem_guard", |b| b.inst("trap".into(), vec![]));
@@ -484,7 +479,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
     let pds_row = b.add(ctx.base, key_row);
     let pds_row = b.add(pds_row, resolved.pds.offset);
     let key7 = b.and(key, 7u32);
-    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let scale_log2e = common::SCALE_LOG2E;
     let t = b.mov::<U32>(0u32);
 
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "compute_task", |b, row| {
@@ -545,7 +540,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
                     let i = 4 * g as usize + e;
                     let dd = b.sub(dp[i], de);
                     let x = b.fmul(p[i], dd);
-                    ds.push(b.fmul(x, SCALE));
+                    ds.push(b.fmul(x, common::SCALE));
                 }
             }
             // Folded column 2j in the low half, 2j+1 in the high half of packed word j.

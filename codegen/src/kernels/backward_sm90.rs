@@ -116,20 +116,9 @@ const KV_SLOT: u32 = 0;
 const QDO_SLOT: u32 = 2;
 const ROWS_SLOT: u32 = 6;
 
-fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
-    b.require("tcgen05.commit", Target::Sm100a);
-}
-
 fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
-    Barriers {
-        base: b.add(base, BARS),
-        umma_commit: no_umma,
-    }
+    common::sm90_barriers(b, base, BARS)
 }
-
-/// 128^-0.5, exactly rounded: (1/√2)/8, and the division by 8 is exact.
-const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
-const LOG2E: f64 = std::f64::consts::LOG2_E;
 
 /// The Hopper main kernel.
 pub const DESC: KernelDesc = KernelDesc {
@@ -152,31 +141,19 @@ fn describe(b: &mut KernelBuilder) {
     b.min_ctas_per_sm(1);
     let p = common::main_params(b);
     let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
-    // The 128B swizzle is a function of absolute address bits: align the tiles to its
-    // 1024-B atom whatever base the dynamic window gets.
-    let raw = b.shared_base(&smem);
-    let base = b.add(raw, 1023u32);
-    let base = b.and(base, !1023u32);
+    let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
-
-    b.comment("thread 0 initialises the pipeline barriers");
-    let leader = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(leader, "init", |b| {
-        let bars = barriers(b, base);
-        for (pipeline, slot) in [
+    let leader = common::sm90_init_pipelines(
+        b,
+        tid,
+        base,
+        BARS,
+        &[
             (kv_pipeline(), KV_SLOT),
             (qdo_pipeline(), QDO_SLOT),
             (rows_pipeline(), ROWS_SLOT),
-        ] {
-            Pipe {
-                pipeline: &pipeline,
-                slot,
-            }
-            .emit_init(b, &bars);
-        }
-        b.fence_mbarrier_init();
-    });
-    b.bar_sync(0, None);
+        ],
+    );
 
     b.comment("the CTA walk: this CTA's interval of task rows");
     let desc = b.ld_param_ptr(&p.desc);
@@ -327,7 +304,7 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
     let neg_inf = f32::NEG_INFINITY;
-    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let scale_log2e = common::SCALE_LOG2E;
 
     // Pointers are re-read from the parameter bank where used: holding all eight across the
     // loop costs 16 registers the accumulators need.
@@ -453,7 +430,7 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
                         let pv = b.ex2_approx(v);
                         let dd = b.sub(dp_acc[i], dl);
                         let ds = b.fmul(pv, dd);
-                        let ds = b.fmul(ds, SCALE);
+                        let ds = b.fmul(ds, common::SCALE);
                         p_pair[rr][e as usize] = Some(pv);
                         ds_pair[rr][e as usize] = Some(ds);
                     }

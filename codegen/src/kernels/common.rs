@@ -1,7 +1,66 @@
 //! Building blocks shared by kernel descriptions: element addressing, the CTA-wide scan, and
 //! the CTA-walk rule mirrored from the host contract.
 
+use crate::plan::pipeline::{Barriers, Pipe, Pipeline};
 use crate::ptx::*;
+use crate::target::Target;
+
+/// The softmax scale 128^-0.5, exactly rounded: (1/√2)/8, and the division by 8 is exact
+/// (the runtime's `contract::SOFTMAX_SCALE`, which codegen does not depend on).
+pub const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
+/// log2(e), for the kernels' exp2-based softmax.
+pub const LOG2E: f64 = std::f64::consts::LOG2_E;
+/// `SCALE · log2(e)` rounded once to f32: the factor of the scores in `exp2`.
+pub const SCALE_LOG2E: f32 = (SCALE as f64 * LOG2E) as f32;
+
+/// The dynamic shared window's base `raw` and `raw` rounded up to the 1024-B atom of the 128B
+/// swizzle, which is a function of absolute address bits: the tiles sit at aligned offsets
+/// whatever base the window gets.
+pub fn swizzle_aligned_base(b: &mut KernelBuilder, smem: &SharedVar) -> (Reg<U32>, Reg<U32>) {
+    let raw = b.shared_base(smem);
+    let base = b.add(raw, 1023u32);
+    (raw, b.and(base, !1023u32))
+}
+
+fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
+    b.require("tcgen05.commit", Target::Sm100a);
+}
+
+/// The barriers of a Hopper kernel whose barrier words start `offset` bytes past `base`; no
+/// pipeline of it is released by a tcgen05 commit.
+pub fn sm90_barriers(b: &mut KernelBuilder, base: Reg<U32>, offset: u32) -> Barriers {
+    Barriers {
+        base: b.add(base, offset),
+        umma_commit: no_umma,
+    }
+}
+
+/// Thread 0 initialises the barriers of each `(pipeline, slot)` of a Hopper kernel, then the
+/// CTA waits for it. Returns the predicate "thread 0", for the kernel's other single-thread
+/// work.
+pub fn sm90_init_pipelines(
+    b: &mut KernelBuilder,
+    tid: Reg<U32>,
+    base: Reg<U32>,
+    offset: u32,
+    pipelines: &[(Pipeline, u32)],
+) -> Reg<Pred> {
+    b.comment("thread 0 initialises the pipeline barriers");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| {
+        let bars = sm90_barriers(b, base, offset);
+        for (pipeline, slot) in pipelines {
+            Pipe {
+                pipeline,
+                slot: *slot,
+            }
+            .emit_init(b, &bars);
+        }
+        b.fence_mbarrier_init();
+    });
+    b.bar_sync(0, None);
+    leader
+}
 
 /// Threads of the single-CTA scans ([`tiled_scan`]).
 pub const SCAN_THREADS: u32 = 1024;

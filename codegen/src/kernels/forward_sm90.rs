@@ -130,20 +130,10 @@ const KV_SLOT: u32 = 0;
 const Q_SLOT: u32 = 4;
 const LIST_SLOT: u32 = 8;
 
-fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
-    b.require("tcgen05.commit", Target::Sm100a);
-}
-
 fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
-    Barriers {
-        base: b.add(base, BARS),
-        umma_commit: no_umma,
-    }
+    common::sm90_barriers(b, base, BARS)
 }
 
-/// 128^-0.5, exactly rounded (as the backward).
-const SCALE: f32 = std::f32::consts::FRAC_1_SQRT_2 / 8.0;
-const LOG2E: f64 = std::f64::consts::LOG2_E;
 const LN2: f32 = std::f32::consts::LN_2;
 
 /// The Hopper forward kernel.
@@ -235,29 +225,19 @@ fn describe(b: &mut KernelBuilder) {
     b.min_ctas_per_sm(1);
     let p = forward_params(b);
     let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
-    let raw = b.shared_base(&smem);
-    let base = b.add(raw, 1023u32);
-    let base = b.and(base, !1023u32);
+    let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
-
-    b.comment("thread 0 initialises the pipeline barriers");
-    let leader = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(leader, "init", |b| {
-        let bars = barriers(b, base);
-        for (pipeline, slot) in [
+    common::sm90_init_pipelines(
+        b,
+        tid,
+        base,
+        BARS,
+        &[
             (kv_pipeline(), KV_SLOT),
             (q_pipeline(), Q_SLOT),
             (list_pipeline(), LIST_SLOT),
-        ] {
-            Pipe {
-                pipeline: &pipeline,
-                slot,
-            }
-            .emit_init(b, &bars);
-        }
-        b.fence_mbarrier_init();
-    });
-    b.bar_sync(0, None);
+        ],
+    );
     let walk = items(b, &p);
 
     let wg = b.shr(tid, 7u32);
@@ -538,7 +518,7 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
     let neg_inf = f32::NEG_INFINITY;
-    let scale_log2e = (SCALE as f64 * LOG2E) as f32;
+    let scale_log2e = common::SCALE_LOG2E;
     let c_rows = b.mul_lo(c, 64 * 128);
 
     let (list, q, kv) = (list_pipeline(), q_pipeline(), kv_pipeline());
