@@ -7,21 +7,21 @@ use crate::schedule::{HostSchedule, ResidentSchedulePy};
 use crate::tensor::{common_device, Dtype, Tensor};
 use crate::{cuda_stream, CudaStreamHandle};
 use msa_runtime::{
-    BackwardBuffers, CudaBackend, MsaBackward, RuntimeError, Span, HEAD_DIM, NUM_KV_HEADS,
-    NUM_Q_HEADS,
+    BackwardBuffers, CudaBackend, MsaBackward, RuntimeError, HEAD_DIM, NUM_INDEX_HEADS,
+    NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS,
 };
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The schedule argument: a host schedule or one resident on the device.
-enum Sched<'a> {
+pub(crate) enum Sched<'a> {
     Host(&'a HostSchedule),
     Resident(&'a ResidentSchedulePy),
 }
 
 impl<'a> Sched<'a> {
-    fn of(obj: &'a Bound<'_, PyAny>) -> PyResult<Sched<'a>> {
+    pub(crate) fn of(obj: &'a Bound<'_, PyAny>) -> PyResult<Sched<'a>> {
         if let Ok(h) = obj.cast::<HostSchedule>() {
             return Ok(Sched::Host(h.get()));
         }
@@ -52,10 +52,10 @@ impl<'a> Sched<'a> {
     }
 }
 
-/// The nine tensors of one call, read and checked.
-struct Args {
-    tensors: Vec<Tensor>,
-    device: usize,
+/// The tensors of one call, read and checked.
+pub(crate) struct Args {
+    pub(crate) tensors: Vec<Tensor>,
+    pub(crate) device: usize,
 }
 
 const INPUTS: [&str; 6] = ["q", "k_aligned", "v_aligned", "grad_out", "lse", "out"];
@@ -64,16 +64,22 @@ const OUTPUTS: [&str; 3] = ["dq", "dk_aligned", "dv_aligned"];
 /// Reads and checks `objs` (the inputs, then possibly the outputs) against the schedule's `T`
 /// and `W`: dtypes (`TypeError`), shapes (`ValueError`), then devices (`NotImplementedError`
 /// off CUDA, `ValueError` for two devices or a resident schedule of another device).
-fn check(names: &[&'static str], objs: &[&Bound<'_, PyAny>], sched: &Sched) -> PyResult<Args> {
+pub(crate) fn check(
+    names: &[&'static str],
+    objs: &[&Bound<'_, PyAny>],
+    sched: &Sched,
+) -> PyResult<Args> {
     let (t, w) = sched.shape();
     let q_text = format!("[T, 64, 128] with T = {t} (the schedule's tokens)");
     let kv_text = format!("[W, 4, 128] with W = {w} (the schedule's workspace rows)");
     let lse_text = format!("[T, 64] with T = {t} (the schedule's tokens)");
+    let q2k_text = format!("[4, T, 16] with T = {t} (the schedule's tokens)");
     let mut tensors = Vec::with_capacity(objs.len());
     for (&name, obj) in names.iter().zip(objs) {
         let x = Tensor::read(name, obj)?;
         let (dtype, shape, text) = match name {
             "lse" => (Dtype::F32, vec![t, NUM_Q_HEADS], &lse_text),
+            "q2k" => (Dtype::I32, vec![NUM_INDEX_HEADS, t, TOPK_BLOCKS], &q2k_text),
             "k_aligned" | "v_aligned" | "dk_aligned" | "dv_aligned" => {
                 (Dtype::Bf16, vec![w, NUM_KV_HEADS, HEAD_DIM], &kv_text)
             }
@@ -150,20 +156,17 @@ pub fn run_backward(
     for x in &args.tensors {
         x.expect_dense(16)?;
     }
-    fn span<T>(x: &Tensor) -> Span<T> {
-        Span::new(x.ptr, x.numel())
-    }
     let x = &args.tensors;
     let io = BackwardBuffers {
-        q: span(&x[0]),
-        k_aligned: span(&x[1]),
-        v_aligned: span(&x[2]),
-        grad_out: span(&x[3]),
-        lse: span(&x[4]),
-        out: span(&x[5]),
-        dq: span(&x[6]),
-        dk_aligned: span(&x[7]),
-        dv_aligned: span(&x[8]),
+        q: x[0].span(),
+        k_aligned: x[1].span(),
+        v_aligned: x[2].span(),
+        grad_out: x[3].span(),
+        lse: x[4].span(),
+        out: x[5].span(),
+        dq: x[6].span(),
+        dk_aligned: x[7].span(),
+        dv_aligned: x[8].span(),
     };
     let device = args.device;
     py.detach(|| -> Result<(), RuntimeError> {

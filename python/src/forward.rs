@@ -1,24 +1,12 @@
 //! `run_forward` on torch tensors: the checks, then `MsaForward::run_on` on the caller's CUDA
 //! stream with the tensors' own memory, on a schedule built on the device.
 
+use crate::backward::{check, Sched};
 use crate::error;
 use crate::schedule::ResidentSchedulePy;
-use crate::tensor::{common_device, Dtype, Tensor};
 use crate::{cuda_stream, CudaStreamHandle};
-use msa_runtime::{
-    CudaBackend, ForwardBuffers, MsaForward, RuntimeError, Span, HEAD_DIM, NUM_INDEX_HEADS,
-    NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS,
-};
+use msa_runtime::{CudaBackend, ForwardBuffers, MsaForward, RuntimeError};
 use pyo3::prelude::*;
-
-/// One argument: its name, the object, and the dtype, shape and shape text it must have.
-type Spec<'a, 'py> = (
-    &'static str,
-    &'a Bound<'py, PyAny>,
-    Dtype,
-    Vec<usize>,
-    &'a String,
-);
 
 /// Runs the forward on `stream` (a `CUstream` of the tensors' device): reads `q`,
 /// `k_aligned`, `v_aligned` and `q2k`, writes `out [T, 64, 128]` bf16 and `lse [T, 64]` f32 in
@@ -46,79 +34,26 @@ pub fn run_forward(
         )
     })?;
     let sched = sched.get();
-    let sizes = *sched
-        .inner
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .sizes();
-    let (t, w) = (sizes.num_tokens, sizes.workspace_rows);
-    let q_text = format!("[T, 64, 128] with T = {t} (the schedule's tokens)");
-    let kv_text = format!("[W, 4, 128] with W = {w} (the schedule's workspace rows)");
-    let q2k_text = format!("[4, T, 16] with T = {t} (the schedule's tokens)");
-    let lse_text = format!("[T, 64] with T = {t} (the schedule's tokens)");
-    let specs: [Spec<'_, '_>; 6] = [
-        ("q", q, Dtype::Bf16, vec![t, NUM_Q_HEADS, HEAD_DIM], &q_text),
-        (
-            "k_aligned",
-            k_aligned,
-            Dtype::Bf16,
-            vec![w, NUM_KV_HEADS, HEAD_DIM],
-            &kv_text,
-        ),
-        (
-            "v_aligned",
-            v_aligned,
-            Dtype::Bf16,
-            vec![w, NUM_KV_HEADS, HEAD_DIM],
-            &kv_text,
-        ),
-        (
-            "q2k",
-            q2k,
-            Dtype::I32,
-            vec![NUM_INDEX_HEADS, t, TOPK_BLOCKS],
-            &q2k_text,
-        ),
-        (
-            "out",
-            out,
-            Dtype::Bf16,
-            vec![t, NUM_Q_HEADS, HEAD_DIM],
-            &q_text,
-        ),
-        ("lse", lse, Dtype::F32, vec![t, NUM_Q_HEADS], &lse_text),
-    ];
-    let mut x = Vec::with_capacity(specs.len());
-    for (name, obj, dtype, shape, text) in specs {
-        let tensor = Tensor::read(name, obj)?;
-        tensor.expect_dtype(dtype)?;
-        tensor.expect_shape(&shape, text)?;
-        x.push(tensor);
-    }
-    let device = common_device(&x.iter().collect::<Vec<_>>())?;
-    if sched.device != device {
-        return Err(error::value_error(
-            "schedule",
-            format!("a schedule built on cuda:{}", sched.device),
-            &format!("one built on the tensors' device, cuda:{device}"),
-        ));
-    }
-    for tensor in &x {
+    let names = ["q", "k_aligned", "v_aligned", "q2k", "out", "lse"];
+    let args = check(
+        &names,
+        &[q, k_aligned, v_aligned, q2k, out, lse],
+        &Sched::Resident(sched),
+    )?;
+    for tensor in &args.tensors {
         tensor.expect_dense(16)?;
     }
-    fn span<T>(x: &Tensor) -> Span<T> {
-        Span::new(x.ptr, x.numel())
-    }
+    let x = &args.tensors;
     let io = ForwardBuffers {
-        q: span(&x[0]),
-        k_aligned: span(&x[1]),
-        v_aligned: span(&x[2]),
-        q2k: span(&x[3]),
-        out: span(&x[4]),
-        lse: span(&x[5]),
+        q: x[0].span(),
+        k_aligned: x[1].span(),
+        v_aligned: x[2].span(),
+        q2k: x[3].span(),
+        out: x[4].span(),
+        lse: x[5].span(),
     };
     py.detach(|| -> Result<(), RuntimeError> {
-        let handle: CudaStreamHandle = cuda_stream(device, stream)?;
+        let handle: CudaStreamHandle = cuda_stream(args.device, stream)?;
         let mut backend = CudaBackend::new(&handle.0)?;
         let s = sched.inner.lock().unwrap_or_else(|e| e.into_inner());
         MsaForward.run_on(&mut backend, &io, &s)

@@ -8,7 +8,7 @@ use crate::{cuda_stream, CudaStreamHandle};
 use msa_runtime::schedule_build::StatusReadback;
 use msa_runtime::{
     build_schedule, max_workspace_rows, CudaBackend, ResidentSchedule, Schedule,
-    ScheduleBuildSizes, Span, NUM_INDEX_HEADS, TOPK_BLOCKS,
+    ScheduleBuildSizes, NUM_INDEX_HEADS, TOPK_BLOCKS,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -286,10 +286,7 @@ impl ResidentSchedulePy {
         let w = workspace_rows.unwrap_or_else(|| max_workspace_rows(t, docs));
         let sizes =
             ScheduleBuildSizes::new(t, docs, w, queries_per_work).map_err(error::runtime)?;
-        let (q2k_span, cu_span) = (
-            Span::new(q2k.ptr, q2k.numel()),
-            Span::new(cu.ptr, cu.numel()),
-        );
+        let (q2k_span, cu_span) = (q2k.span(), cu.span());
         py.detach(|| {
             let stream = cuda_stream(device, stream)?;
             let mut backend = CudaBackend::new(&stream.0)?;

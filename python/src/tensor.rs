@@ -96,6 +96,11 @@ impl Tensor {
         self.shape.iter().product()
     }
 
+    /// The tensor's memory as the runtime's typed span (element type checked by the caller).
+    pub fn span<T>(&self) -> msa_runtime::Span<T> {
+        msa_runtime::Span::new(self.ptr, self.numel())
+    }
+
     /// `TypeError` unless the dtype is `want`.
     pub fn expect_dtype(&self, want: Dtype) -> PyResult<()> {
         if self.dtype == want.name() {
