@@ -52,6 +52,11 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// Uniform in `0..n` (`n > 0`), by the modulo of the next draw.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
     /// Standard normal (Box–Muller), like the seed's randn inputs.
     pub fn normal(&mut self) -> f32 {
         let u1 = ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
@@ -75,6 +80,54 @@ pub fn to_bf16(v: &[f32]) -> Vec<bf16> {
 /// `v` widened to f32 (exact).
 pub fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// `cu_seqlens` of documents of `lengths` tokens.
+pub fn cu_of(lengths: &[i32]) -> Vec<i32> {
+    let mut cu = vec![0];
+    for &l in lengths {
+        cu.push(cu[cu.len() - 1] + l);
+    }
+    cu
+}
+
+/// A random valid selection `q2k [4, T, 16]` over `cu`: each query picks up to 16 distinct
+/// blocks at or before its own block (its own block with probability 3/4), `-1` holes
+/// anywhere, slots shuffled; index heads in `silent` select nothing.
+pub fn random_q2k(cu: &[i32], rng: &mut Rng, silent: &[usize]) -> Vec<i32> {
+    let t = *cu.last().unwrap() as usize;
+    let mut q2k = vec![-1i32; 4 * t * 16];
+    for h in 0..4 {
+        if silent.contains(&h) {
+            continue;
+        }
+        for d in 0..cu.len() - 1 {
+            for q in 0..(cu[d + 1] - cu[d]) as usize {
+                let own = q / 128;
+                let mut pool: Vec<i32> = (0..=own as i32).collect();
+                let mut picked = Vec::new();
+                if rng.below(4) != 0 {
+                    picked.push(own as i32);
+                    pool.pop();
+                }
+                let target = (picked.len() + rng.below(17)).min(16);
+                while picked.len() < target && !pool.is_empty() {
+                    let i = rng.below(pool.len());
+                    picked.push(pool.swap_remove(i));
+                }
+                let mut list = [-1i32; 16];
+                for (slot, &id) in list.iter_mut().zip(&picked) {
+                    *slot = id;
+                }
+                for i in (1..16).rev() {
+                    list.swap(i, rng.below(i + 1));
+                }
+                let at = (h * t + cu[d] as usize + q) * 16;
+                q2k[at..at + 16].copy_from_slice(&list);
+            }
+        }
+    }
+    q2k
 }
 
 /// A causal problem over documents, with its inputs and reference gradients.

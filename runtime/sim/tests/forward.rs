@@ -9,60 +9,12 @@ use msa_runtime::{
     causal_support, workspace_layout, ForwardBuffers, MsaForward, ResidentSchedule,
     ScheduleBuildSizes, Span,
 };
-use msa_sim::backward::{to_f32, Rng};
+use msa_sim::backward::{cu_of, random_q2k, to_f32, Rng};
 use msa_sim::device::{Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion};
 
 const Q_ROW: usize = 64 * 128;
 const KV_ROW: usize = 4 * 128;
-
-fn cu_of(lengths: &[i32]) -> Vec<i32> {
-    let mut cu = vec![0];
-    for &l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
-    }
-    cu
-}
-
-/// A random valid selection: up to 16 distinct blocks at or before the own block (the own
-/// block with probability 3/4), `-1` holes anywhere, slots shuffled; heads in `silent` select
-/// nothing.
-fn random_q2k(cu: &[i32], rng: &mut Rng, silent: &[usize]) -> Vec<i32> {
-    let t = *cu.last().unwrap() as usize;
-    let below = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
-    let mut q2k = vec![-1i32; 4 * t * 16];
-    for h in 0..4 {
-        if silent.contains(&h) {
-            continue;
-        }
-        for d in 0..cu.len() - 1 {
-            for q in 0..(cu[d + 1] - cu[d]) as usize {
-                let own = q / 128;
-                let mut pool: Vec<i32> = (0..=own as i32).collect();
-                let mut picked = Vec::new();
-                if below(rng, 4) != 0 {
-                    picked.push(own as i32);
-                    pool.pop();
-                }
-                let target = (picked.len() + below(rng, 17)).min(16);
-                while picked.len() < target && !pool.is_empty() {
-                    let i = below(rng, pool.len());
-                    picked.push(pool.swap_remove(i));
-                }
-                let mut list = [-1i32; 16];
-                for (slot, &id) in list.iter_mut().zip(&picked) {
-                    *slot = id;
-                }
-                for i in (1..16).rev() {
-                    list.swap(i, below(rng, i + 1));
-                }
-                let at = (h * t + cu[d] as usize + q) * 16;
-                q2k[at..at + 16].copy_from_slice(&list);
-            }
-        }
-    }
-    q2k
-}
 
 /// Runs the forward on the simulator and checks it against the CPU reference.
 fn check(what: &str, cu: &[i32], q2k: &[i32], seed: u64, sms: usize, limits: Limits) {

@@ -12,6 +12,7 @@ use msa_runtime::reference::{postprocess, preprocess_delta};
 use msa_runtime::schedule::Schedule;
 use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
 use msa_runtime::{build_schedule, causal_support, Span};
+use msa_sim::backward::cu_of;
 use msa_sim::device::{Arch, SimDevice};
 use msa_sim::Element;
 
@@ -215,14 +216,6 @@ fn postprocess_is_bit_exact() {
 // ---------------------------------------------------------------------------------------------
 // Task build
 // ---------------------------------------------------------------------------------------------
-
-fn cu_of(lengths: &[i32]) -> Vec<i32> {
-    let mut cu = vec![0];
-    for &l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
-    }
-    cu
-}
 
 fn causal(lengths: &[i32]) -> Schedule {
     let cu = cu_of(lengths);

@@ -11,73 +11,10 @@ use msa_runtime::{
     build_schedule, causal_support, max_workspace_rows, workspace_layout, MsaBackward,
     ResidentSchedule, RuntimeError, ScheduleBuildSizes, ScheduleError, Span,
 };
+use msa_sim::backward::{cu_of, random_q2k, Rng};
 use msa_sim::device::{Arch, SimDevice};
 
 const ARCHES: [Arch; 2] = [Arch::Sm90, Arch::Sm100];
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn cu_of(lengths: &[i32]) -> Vec<i32> {
-    let mut cu = vec![0];
-    for &l in lengths {
-        cu.push(cu[cu.len() - 1] + l);
-    }
-    cu
-}
-
-/// A random valid selection: each query picks up to 16 distinct blocks at or before its own
-/// block (its own block with probability 3/4), `-1` holes anywhere, slots shuffled; heads in
-/// `silent` select nothing.
-fn random_q2k(cu: &[i32], rng: &mut Rng, silent: &[usize]) -> Vec<i32> {
-    let t = *cu.last().unwrap() as usize;
-    let mut q2k = vec![-1i32; 4 * t * 16];
-    for h in 0..4 {
-        if silent.contains(&h) {
-            continue;
-        }
-        for d in 0..cu.len() - 1 {
-            for q in 0..(cu[d + 1] - cu[d]) as usize {
-                let own = q / 128;
-                let mut pool: Vec<i32> = (0..=own as i32).collect();
-                let mut picked = Vec::new();
-                if rng.below(4) != 0 {
-                    picked.push(own as i32);
-                    pool.pop();
-                }
-                let target = (picked.len() + rng.below(17)).min(16);
-                while picked.len() < target && !pool.is_empty() {
-                    let i = rng.below(pool.len());
-                    picked.push(pool.swap_remove(i));
-                }
-                let mut list = [-1i32; 16];
-                for (slot, &id) in list.iter_mut().zip(&picked) {
-                    *slot = id;
-                }
-                for i in (1..16).rev() {
-                    list.swap(i, rng.below(i + 1));
-                }
-                let at = (h * t + cu[d] as usize + q) * 16;
-                q2k[at..at + 16].copy_from_slice(&list);
-            }
-        }
-    }
-    q2k
-}
 
 /// Builds on the simulator; returns the device and the schedule.
 fn device_build(
