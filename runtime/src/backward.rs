@@ -366,22 +366,17 @@ fn check_buffers(io: &BackwardBuffers, in_place: bool) -> Result<(), RuntimeErro
 /// Whether `dq` lies on an input the main kernel reads (possible only in place), so that the
 /// main kernel must reduce into a separate workspace pool rather than into `dq` itself.
 /// `out` is not among them: only the preprocess reads it, before `dq` is zeroed.
-fn dq_needs_pool(io: &BackwardBuffers) -> bool {
-    fn bytes<T>(s: Span<T>) -> (u64, u64) {
-        let start = s.addr;
-        (start, start + (s.len * size_of::<T>()) as u64)
-    }
-    let dq = bytes(io.dq);
-    let meets = |(start, end): (u64, u64)| start < dq.1 && dq.0 < end;
-    [
-        bytes(io.q),
-        bytes(io.grad_out),
-        bytes(io.k_aligned),
-        bytes(io.v_aligned),
-        bytes(io.lse),
+fn dq_needs_pool(io: &BackwardBuffers) -> Result<bool, RuntimeError> {
+    let dq = Region::output("dq", io.dq)?;
+    Ok([
+        Region::input("q", io.q)?,
+        Region::input("grad_out", io.grad_out)?,
+        Region::input("k_aligned", io.k_aligned)?,
+        Region::input("v_aligned", io.v_aligned)?,
+        Region::input("lse", io.lse)?,
     ]
-    .into_iter()
-    .any(meets)
+    .iter()
+    .any(|r| r.overlaps(&dq)))
 }
 
 impl<B: Backend> MsaBackward<B> {
@@ -634,7 +629,7 @@ impl<B: Backend> MsaBackward<B> {
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
 
         // 4. Workspaces and the schedule's device buffer (allocations only).
-        let separate_dq = dq_needs_pool(io);
+        let separate_dq = dq_needs_pool(io)?;
         let pools = ensure_pools(
             &mut self.pools,
             &mut self.allocations,

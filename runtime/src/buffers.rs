@@ -45,6 +45,14 @@ impl Region {
     pub(crate) fn output<T>(field: &'static str, span: Span<T>) -> Result<Region, RuntimeError> {
         Self::new(field, span, true)
     }
+
+    /// Whether the two ranges share a byte (an empty range shares none).
+    pub(crate) fn overlaps(&self, other: &Region) -> bool {
+        self.start < self.end
+            && other.start < other.end
+            && self.start < other.end
+            && other.start < self.end
+    }
 }
 
 /// Checks every base is non-null and 16-byte aligned, and that no output overlaps another
@@ -73,9 +81,7 @@ pub(crate) fn check_regions(
     }
     for (i, a) in regions.iter().enumerate() {
         for b in &regions[i + 1..] {
-            // Empty ranges hold nothing to overlap.
-            let disjoint = a.end <= b.start || b.end <= a.start || a.start == a.end;
-            if !(a.output || b.output) || disjoint || b.start == b.end {
+            if !(a.output || b.output) || !a.overlaps(b) {
                 continue;
             }
             let exact = a.start == b.start && a.end == b.end;
