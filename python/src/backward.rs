@@ -39,15 +39,7 @@ impl<'a> Sched<'a> {
     fn shape(&self) -> (usize, usize) {
         match self {
             Sched::Host(h) => (h.inner.num_tokens(), h.inner.workspace_rows()),
-            Sched::Resident(r) => {
-                let z = r
-                    .inner
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .sizes()
-                    .to_owned();
-                (z.num_tokens, z.workspace_rows)
-            }
+            Sched::Resident(r) => (r.sizes.num_tokens, r.sizes.workspace_rows),
         }
     }
 }

@@ -242,7 +242,7 @@ fn check_q2k_shape(q2k: &Tensor) -> PyResult<usize> {
 pub struct ResidentSchedulePy {
     pub(crate) inner: Mutex<ResidentSchedule<CudaBackend>>,
     pub(crate) device: usize,
-    sizes: ScheduleBuildSizes,
+    pub(crate) sizes: ScheduleBuildSizes,
     status: Mutex<StatusReadback>,
     // The stream the schedule's memory is freed on; kept with it.
     _stream: CudaStreamHandle,
