@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Ours and fla-core 0.6.0 `parallel_nsa` on the same selections at every length issue 19 names,
 # in one GPU session (about 6-8 minutes on an H200: fla autotunes for ~60 s at doc8k, the
-# 1M-token cases take 1-2 minutes each). Not yet run: the session that wrote it had no device
-# time left.
+# 1M-token cases take 1-2 minutes each). Last run: results/h200-2026-12-01-long-fla.md (388 s).
 #
 #   bench/long_fla.sh BENCH FLA_WHEELS [OUTDIR]
 #
