@@ -23,7 +23,7 @@ Counting (one KV group g, global key block = document start block + local id):
   for the queries that did not select the block).
 Rates: L2 -> SM 10 TB/s (ncu on the current kernel, packed64k, bench/results/
 ncu-forward-packed64k.txt: 77.5 GB at 4.08 TB/s were 37.8 % of the L2 peak at the locked 1.36 GHz,
-i.e. a peak near 10.8 TB/s at that clock), bf16 dense 790 TFLOP/s (an 8192^3 torch.mm on this
+i.e. a peak near 10.8 TB/s at that clock if bytes are what sets that percentage), bf16 dense 790 TFLOP/s (an 8192^3 torch.mm on this
 H200), shared-memory reads 128 B/clk/SM x 132 SMs x 1.98 GHz = 33.5 TB/s. The bounds are ideal;
 the current kernel keeps the tensor pipe busy 53 % of its cycles (same ncu run), so a real
 design lands near bound / 0.55 unless it also overlaps its softmax with the GEMMs.
