@@ -289,6 +289,15 @@ def unfold_q(x, T):
     return x.reshape(4, T, 16, 128).permute(1, 0, 2, 3).reshape(T, 64, 128)
 
 
+def fold_kv(c, x):
+    """Compact [T,4,128] -> aligned workspace layout [1,4,W,128], zero padding rows."""
+    import torch
+
+    al = torch.zeros(c.W, 4, 128, dtype=x.dtype, device=DEV)
+    al[c.ws_pos] = x
+    return al.permute(1, 0, 2).reshape(1, 4, c.W, 128)
+
+
 class Flex:
     key = "flex"
     label = "FlexAttention, folded layout"
@@ -386,14 +395,9 @@ class Flex:
         def unfold_kv(x):
             return x.reshape(4, W, 128).permute(1, 0, 2)[c.ws_pos]
 
-        def fold_kv(x):
-            al = torch.zeros(W, 4, 128, dtype=x.dtype, device=DEV)
-            al[c.ws_pos] = x
-            return al.permute(1, 0, 2).reshape(1, 4, W, 128)
-
         qf = fold_q(c.q, T).detach().requires_grad_(grad)
-        kf = fold_kv(c.k).detach().requires_grad_(grad)
-        vf = fold_kv(c.v).detach().requires_grad_(grad)
+        kf = fold_kv(c, c.k).detach().requires_grad_(grad)
+        vf = fold_kv(c, c.v).detach().requires_grad_(grad)
         dof = fold_q(c.do, T).contiguous()
         out = self.fn(qf, kf, vf, block_mask=bm, scale=SCALE)
         stats["fold_roundtrip_ok"] = bool(torch.equal(unfold_q(qf.detach(), T), c.q)) and bool(

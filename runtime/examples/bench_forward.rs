@@ -1,5 +1,5 @@
 //! Times the MSA forward on the benchmark cases `bench/msa_inputs.py --write DIR` dumps (the
-//! same `q2k`/`cu_seqlens` files `bench/baselines.py` and `bench/forward_fla.py` use):
+//! same `q2k`/`cu_seqlens` files `bench/baselines.py` and `bench/forward_baselines.py` use):
 //!
 //! ```text
 //! cargo build --release -p msa-runtime --example bench_forward

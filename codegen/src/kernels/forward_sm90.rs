@@ -40,6 +40,29 @@
 //!   `lse = ln2·(m + log2 l)` (natural log, as `run_backward` reads it); a row with no key
 //!   gets `out = 0`, `lse = −∞`. A flagged schedule (status word 0 non-zero) makes every
 //!   selection empty, so its `out` is 0 and `lse` −∞, never a wrong value.
+//!
+//! # Performance, and the design that should replace this one
+//! On the H200 (`bench/results/h200-2026-12-01-forward-baselines.md`) this kernel runs at 236 /
+//! 261 / 141 useful TFLOP/s (packed64k / doc8k / doc32k): 2.4× / 2.6× / 1.4× fla's
+//! `parallel_nsa_fwd`, 3.2-3.7× FlexAttention, short of the 3× and 450 TFLOP/s and not
+//! flat with document length. ncu (packed64k): tensor pipe busy 53 % of cycles, L2 at 38 % of
+//! its peak, no spills. The limit is wasted tensor work: an m64 tile holds 4 queries, so a
+//! consumer executes a tile for every block any of its 4 queries chose, while with random
+//! selections about one of them wants it (packed64k: 7.4 TFLOP executed for 3.6 useful; doc32k
+//! 6.3 for 2.1, the union growing with the document).
+//!
+//! `bench/forward_model.py` bounds the alternatives (L2 bytes, executed FLOP, shared-memory
+//! operand bytes). A smaller item or a cluster alone keep the waste. Executing only selected
+//! (query, block) pairs needs the transposed orientation, `Sᵀ = K·Qᵀ` with M = 128 keys and
+//! N = 16 heads per query and `Oᵀ += Vᵀ·Pᵀ` (Vᵀ an MN-major A operand, Pᵀ staged in shared
+//! memory as a K-major B, the column softmax reduced across the warpgroup's warps), with:
+//! 16 queries per CTA (two consumers × 8, `Oᵀ` of 8 queries = 128 f32 registers per thread),
+//! which halves the L2 bytes; the Q rows of a block's selecting queries gathered into one
+//! N = 16·n staging tile, so K is read from shared memory once per block and consumer; and PV
+//! per fixed pair of queries (their `Oᵀ` is one static register list; a run-time-gathered
+//! PV would need registers named at run time). Its bound at packed64k is 546 useful TFLOP/s,
+//! ~330 at this kernel's 60 % of bound; doc32k stays L2-bound (386) unless a 2-CTA cluster
+//! multicasts each block to both CTAs (32-query union), which `msa-sim` does not model yet.
 
 use super::common;
 use super::KernelDesc;
