@@ -28,17 +28,27 @@
 //!   hand; the operand descriptors are the plan's [`SmemDesc`] SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
 //!   halves of the folded rows:
-//!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128.
-//!   - `P^T = exp2(S^T·scale·log2e − lse·log2e)` with the causal predicate
-//!     `qpos ≥ key_pos` in workspace coordinates; invalid slots have −lse·log2e = −∞.
-//!   - `dS^T = bf16(P^T ∘ (dP^T − Delta) · scale)`: the softmax scale is folded into dS.
+//!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128,
+//!     committed as two groups: after `wgmma.wait_group 1` (S^T done, dP^T still running)
+//!     the thread computes `P^T = exp2(S^T·scale·log2e − lse·log2e)` with the causal
+//!     predicate `qpos ≥ key_pos` in workspace coordinates (invalid slots have
+//!     −lse·log2e = −∞), so the exponentials overlap the dP^T GEMM.
+//!   - After `wait_group 0`: `dS^T = bf16(P^T ∘ (dP^T − Delta) · scale)` (the softmax scale
+//!     is folded into dS).
 //!   - `dV_c += P^T·dO_h` and `dK_c += dS^T·Q_h`: m64n128k16 with A from registers (the
 //!     accumulator layout of S^T is the wgmma A-fragment layout) and B an MN-major
 //!     descriptor over the same Q/dO bytes. dK/dV stay in registers across a segment.
 //!   - dS^T is also stored to shared memory (SW128, MN-major panels); after both consumers
-//!     have written it, `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves,
-//!     both operands MN-major, to keep the accumulator small next to dK/dV; consumer
-//!     `c` owns head dims `64c .. 64c+64`).
+//!     have written it (`bar.sync` over both, the one consumer-wide wait of a task),
+//!     `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves, both operands
+//!     MN-major, 32 accumulator registers each; consumer `c` owns head dims `64c .. 64c+64`).
+//!     Both passes are issued before the first `wait_group`, so the reductions of the first
+//!     half run under the second's GEMM.
+//!   - The write-after-read order on the shared dS^T (the next task's stores after the other
+//!     consumer's dQ^T reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
+//!     other's instance once its dQ^T GEMMs have completed (not after the walk's last task),
+//!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
+//!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ^T.
 //! - **Writes.** dQ^T columns come in head pairs (2m, 2m+1) in one thread, so each pair is
 //!   one `red.global.add.noftz.bf16x2` into the head-pair-interleaved pool, with an L2
 //!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
@@ -88,6 +98,7 @@ struct Resolved<'a> {
     rows: Pipe<'a>,
     consumers: &'a NamedBarrier,
     consumer_wg: &'a WarpgroupBarrier,
+    ds_free: &'a WarpgroupBarrier,
 }
 
 /// Looks up everything [`Resolved`] holds; the error names what is missing or the rule the
@@ -116,6 +127,9 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
         consumer_wg: plan
             .warpgroup_barrier("consumer_wg")
             .ok_or("the plan has no warpgroup barrier `consumer_wg`")?,
+        ds_free: plan
+            .warpgroup_barrier("ds_free")
+            .ok_or("the plan has no warpgroup barrier `ds_free`")?,
     };
     // The code addresses K/V and the row scalars at stage 0 and releases K/V and Q/dO with
     // one elected arrival per consumer warpgroup.
@@ -295,6 +309,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let key_local = b.mad_lo(c, 64u32, row0); // key inside the block (and + 8)
     let elected = b.setp(Cmp::Eq, tw, 0u32);
     let wg_bar = b.add(c, r.consumer_wg.first); // one consumer warpgroup
+                                                // ds_free: this consumer's instance (it waits there) and the other's (it arrives there).
+    let ds_mine = b.add(c, r.ds_free.first);
+    let other = b.xor(c, 1u32);
+    let ds_other = b.add(other, r.ds_free.first);
     let zero = b.mov::<U32>(0u32);
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
@@ -325,6 +343,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             b.set(prev, cur);
         });
         let is_end = common::segment_ends(b, p, walk, row, cur);
+        let first_task = b.setp(Cmp::Eq, row, walk.lo);
+        let next_row = b.add(row, 1u32);
+        let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
 
         let qst = qdo.consumer_wait(b, &bars, tasks);
         let q_base = r.q.emit_stage_addr(b, base, qst.index);
@@ -352,6 +373,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let s_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
             let dp_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
             b.wgmma_fence();
+            // S^T and dP^T in two commit groups: the exponentials of P^T run while the
+            // tensor cores still compute dP^T.
             for (acc, a_tile, b_tile) in
                 [(&s_acc, r.k.offset, q_base), (&dp_acc, r.v.offset, do_base)]
             {
@@ -366,50 +389,58 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let acc_p = if k == 0 { never } else { always };
                     b.wgmma_ss(acc, a_desc, b_desc, acc_p, false, false);
                 }
+                b.wgmma_commit();
             }
-            b.wgmma_commit();
-            b.wgmma_wait(0);
+            b.wgmma_wait(1);
             if half == 0 {
                 b.comment("the gather warp's row scalars for this task");
                 rows_stage = Some(rows.consumer_wait(b, &bars, tasks));
             }
 
-            b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate; dS^T");
+            // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e;
+            // accumulator element 4j + 2rr + e, folded row 16·slot + 8(j%2) + col0 + e.
+            let n4 = b.shl(col0, 2u32);
+            let at = b.add(base, n4);
+            let folded = |j: u32, e: u32| 16 * (4 * half + j / 2) + 8 * (j % 2) + e;
+            b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate");
+            let mut p_val = Vec::new();
+            for j in 0..8u32 {
+                let slot = 4 * half + j / 2;
+                let slot_qpos = b.ld::<S32, _>(&r.qpos.at(base, 0).offset(4 * slot as i64));
+                // −lse·log2e (−∞ for an empty slot), gathered into shared memory.
+                let nl: Vec<Reg<F32>> = (0..2u32)
+                    .map(|e| b.ld::<F32, _>(&r.lse.at(at, 0).offset(4 * folded(j, e) as i64)))
+                    .collect();
+                for rr in 0..2usize {
+                    let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
+                    let seen = b.setp(Cmp::Ge, slot_qpos, kp);
+                    for e in 0..2usize {
+                        let i = (4 * j) as usize + 2 * rr + e;
+                        let v = b.fma(s_acc[i], scale_log2e, nl[e]);
+                        let v = b.selp(v, neg_inf, seen);
+                        p_val.push(b.ex2_approx(v));
+                    }
+                }
+            }
+            b.wgmma_wait(0);
+            b.comment("dS^T = P^T*(dP^T - Delta)*scale; both packed to bf16 A fragments");
             let mut p_frag = Vec::new();
             let mut ds_frag = Vec::new();
             for j in 0..8u32 {
-                // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e.
-                let slot = 4 * half + j / 2;
-                let slot_qpos = b.ld::<S32, _>(&shared(base, (r.qpos.offset + 4 * slot) as i64));
-                let mut p_pair = [[None; 2]; 2];
-                let mut ds_pair = [[None; 2]; 2];
-                for e in 0..2u32 {
-                    // Folded row 16·slot + 8(j%2) + col0 + e: −lse·log2e (−∞ for an empty
-                    // slot) and delta, gathered into shared memory.
-                    let n4 = b.shl(col0, 2u32);
-                    let at = b.add(base, n4);
-                    let n = 16 * slot + 8 * (j % 2) + e;
-                    let nl = b.ld::<F32, _>(&shared(at, (r.lse.offset + 4 * n) as i64));
-                    let dl = b.ld::<F32, _>(&shared(at, (r.delta.offset + 4 * n) as i64));
-                    for rr in 0..2usize {
-                        let i = (4 * j) as usize + 2 * rr + e as usize;
-                        let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
-                        let v = b.fma(s_acc[i], scale_log2e, nl);
-                        let seen = b.setp(Cmp::Ge, slot_qpos, kp);
-                        let v = b.selp(v, neg_inf, seen);
-                        let pv = b.ex2_approx(v);
-                        let dd = b.sub(dp_acc[i], dl);
-                        let ds = b.fmul(pv, dd);
-                        let ds = b.fmul(ds, common::SCALE);
-                        p_pair[rr][e as usize] = Some(pv);
-                        ds_pair[rr][e as usize] = Some(ds);
+                let dl: Vec<Reg<F32>> = (0..2u32)
+                    .map(|e| b.ld::<F32, _>(&r.delta.at(at, 0).offset(4 * folded(j, e) as i64)))
+                    .collect();
+                for rr in 0..2usize {
+                    let mut ds_pair = Vec::new();
+                    for e in 0..2usize {
+                        let i = (4 * j) as usize + 2 * rr + e;
+                        let dd = b.sub(dp_acc[i], dl[e]);
+                        let ds = b.fmul(p_val[i], dd);
+                        ds_pair.push(b.fmul(ds, common::SCALE));
                     }
-                }
-                for rr in 0..2 {
-                    let [lo, hi] = p_pair[rr].map(|v| v.expect("filled above"));
-                    p_frag.push(b.cvt_bf16x2(hi, lo));
-                    let [lo, hi] = ds_pair[rr].map(|v| v.expect("filled above"));
-                    ds_frag.push(b.cvt_bf16x2(hi, lo));
+                    let i = (4 * j) as usize + 2 * rr;
+                    p_frag.push(b.cvt_bf16x2(p_val[i + 1], p_val[i]));
+                    ds_frag.push(b.cvt_bf16x2(ds_pair[1], ds_pair[0]));
                 }
             }
 
@@ -419,6 +450,12 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 rows.consumer_release(b, &bars, rst);
             }
 
+            if half == 0 {
+                b.comment("wait until the other consumer's last dQ^T has read these dS^T rows");
+                b.unless(first_task, "ds_free_wait", |b| {
+                    b.bar_sync_reg(ds_mine, 2 * WarpgroupBarrier::THREADS);
+                });
+            }
             b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded]");
             for j in 0..8u32 {
                 for rr in 0..2u32 {
@@ -471,22 +508,32 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let a0 = mn_major().emit(b, a_addr);
         let d_row = b.mad_lo(c, 64u32, row0);
         let policy = b.policy_evict_last(1.0);
-        for nh in 0..2u32 {
-            let dq_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
-            let b_addr = b.add(base, r.ds.offset + nh * PANEL_BYTES);
+        // Both 64-column halves of dQ^T in flight (64 accumulator registers next to dK/dV):
+        // the reductions of the first half run while the tensor cores compute the second.
+        let dq_accs: Vec<Vec<Reg<F32>>> =
+            (0..2).map(|_| (0..32).map(|_| b.reg()).collect()).collect();
+        b.wgmma_fence();
+        for (nh, dq_acc) in dq_accs.iter().enumerate() {
+            let b_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
             let b0 = mn_major().emit(b, b_addr);
-            b.wgmma_fence();
             for k in 0..8u32 {
                 let a_desc = mn_major().emit_step(b, a0, k);
                 let b_desc = mn_major().emit_step(b, b0, k);
                 let acc_p = if k == 0 { never } else { always };
-                b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
+                b.wgmma_ss(dq_acc, a_desc, b_desc, acc_p, true, true);
             }
             b.wgmma_commit();
-            b.wgmma_wait(0);
+        }
+        for nh in 0..2u32 {
+            let dq_acc = &dq_accs[nh as usize];
+            b.wgmma_wait(1 - nh);
             if nh == 1 {
-                // Both consumers must finish reading sdS before the next task overwrites it.
-                r.consumers.sync(b);
+                b.comment(
+                    "this consumer's reads of sdS are done: the other may overwrite its rows",
+                );
+                b.unless(last_task, "ds_free_arrive", |b| {
+                    b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
+                });
             }
 
             b.comment("dQ: head pairs to the bf16x2 pool");

@@ -196,12 +196,20 @@ pub fn design_barriers() -> Vec<NamedBarrier> {
 }
 
 /// The per-warpgroup barriers: `consumer_wg` (ids 2, 3) orders one warpgroup's wgmma reads
-/// before its single elected release of a stage.
+/// before its single elected release of a stage; `ds_free` (ids 4, 5), instance `c`, tells
+/// consumer `c` that the other consumer's dQ^T has read `c`'s rows of the shared dS^T (the
+/// reader `bar.arrive`s with 256, consumer `c` `bar.sync`s with 256 before its next store).
 pub fn design_warpgroup_barriers() -> Vec<WarpgroupBarrier> {
-    vec![WarpgroupBarrier {
-        name: "consumer_wg",
-        first: 2,
-    }]
+    vec![
+        WarpgroupBarrier {
+            name: "consumer_wg",
+            first: 2,
+        },
+        WarpgroupBarrier {
+            name: "ds_free",
+            first: 4,
+        },
+    ]
 }
 
 impl Sm90Plan {
@@ -314,6 +322,7 @@ mod tests {
         assert_eq!(plan.warps().threads(Role::Compute), 256);
         assert_eq!(plan.warps().threads(Role::Idle), 64);
         assert_eq!(plan.warpgroup_barrier("consumer_wg").unwrap().ids(), 2..4);
+        assert_eq!(plan.warpgroup_barrier("ds_free").unwrap().ids(), 4..6);
     }
 
     #[test]
