@@ -414,9 +414,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 for rr in 0..2usize {
                     let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
                     let seen = b.setp(Cmp::Ge, slot_qpos, kp);
-                    for e in 0..2usize {
+                    for (e, &nl) in nl.iter().enumerate() {
                         let i = (4 * j) as usize + 2 * rr + e;
-                        let v = b.fma(s_acc[i], scale_log2e, nl[e]);
+                        let v = b.fma(s_acc[i], scale_log2e, nl);
                         let v = b.selp(v, neg_inf, seen);
                         p_val.push(b.ex2_approx(v));
                     }
@@ -432,9 +432,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     .collect();
                 for rr in 0..2usize {
                     let mut ds_pair = Vec::new();
-                    for e in 0..2usize {
+                    for (e, &dl) in dl.iter().enumerate() {
                         let i = (4 * j) as usize + 2 * rr + e;
-                        let dd = b.sub(dp_acc[i], dl[e]);
+                        let dd = b.sub(dp_acc[i], dl);
                         let ds = b.fmul(p_val[i], dd);
                         ds_pair.push(b.fmul(ds, common::SCALE));
                     }
