@@ -42,7 +42,7 @@
 //! any base offset up to 700 B, and a base needing more traps instead of corrupting memory
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
-use super::common::{self, elem_bytes, MainParams};
+use super::common::{self, MainParams, Walk};
 use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
@@ -230,12 +230,6 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
     })
 }
 
-/// The CTA's task-row interval.
-struct Walk {
-    lo: Reg<U32>,
-    hi: Reg<U32>,
-}
-
 /// How the MMA warp orders `tcgen05.mma`s on different accumulators whose TMEM columns
 /// overlap.
 ///
@@ -301,7 +295,7 @@ fn describe(b: &mut KernelBuilder) {
     let (raw, base) = common::swizzle_aligned_base(b, &smem);
     let pad = b.sub(base, raw);
     let short = b.setp(Cmp::Gt, pad, SMEM_BYTES - total);
-    b.if_then(short, "smem_guard", |b| b.inst("trap".into(), vec![]));
+    b.if_then(short, "smem_guard", |b| b.trap());
     let tid = b.sreg(SReg::TidX);
     let warp = b.shr(tid, 5u32);
     let bars = Barriers {
@@ -316,7 +310,7 @@ fn describe(b: &mut KernelBuilder) {
 
     b.comment("the CTA walk: this CTA's interval of task rows");
     let desc = b.ld_param_ptr(&p.desc);
-    let walk = cta_interval(b, desc);
+    let walk = common::cta_walk(b, desc);
     let ctx = Ctx {
         resolved: &resolved,
         p: &p,
@@ -391,44 +385,6 @@ fn role(b: &mut KernelBuilder, name: &str, body: impl FnOnce(&mut KernelBuilder)
     b.comment(&format!("role {name}: end"));
 }
 
-/// CTA `b`'s rows `[lo, hi)` from the descriptor.
-fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
-    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
-    let [n, r, full, tail] = words;
-    let grid = b.ld::<U32, _>(&global(desc, 16));
-    let cta = b.sreg(SReg::CtaidX);
-    let (lo, hi) = common::cta_interval(b, cta, n, r, full, tail, grid);
-    Walk { lo, hi }
-}
-
-/// `(batch, index_head, kblock, valid)` of task row `row`.
-fn task_meta(b: &mut KernelBuilder, p: &MainParams, row: Reg<U32>) -> [Reg<U32>; 4] {
-    let meta = b.ld_param_ptr(&p.meta);
-    let a = elem_bytes(b, meta, row, 16);
-    b.ld_v(&a)
-}
-
-/// A row's bucket `(index_head, kblock)` in one word (kblock < 2^24).
-fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
-    let h = b.shl(m[1], 24u32);
-    b.or(h, m[2])
-}
-
-/// Whether the segment ends at `row`: the interval ends, or the next row is another bucket.
-fn segment_ends(b: &mut KernelBuilder, ctx: &Ctx, row: Reg<U32>, cur: Reg<U32>) -> Reg<Pred> {
-    let next_row = b.add(row, 1u32);
-    let last = b.setp(Cmp::Ge, next_row, ctx.walk.hi);
-    let end = b.mov::<U32>(1u32);
-    b.unless(last, "next_bucket", |b| {
-        let nm = task_meta(b, ctx.p, next_row);
-        let next = bucket(b, &nm);
-        let cont = b.setp(Cmp::Eq, next, cur);
-        let v = b.selp(0u32, 1u32, cont);
-        b.set(end, v);
-    });
-    b.setp(Cmp::Ne, end, 0u32)
-}
-
 /// `n += 1`.
 fn bump(b: &mut KernelBuilder, n: Reg<U32>) {
     let next = b.add(n, 1u32);
@@ -483,7 +439,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
     let t = b.mov::<U32>(0u32);
 
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "compute_task", |b, row| {
-        let m = task_meta(b, ctx.p, row);
+        let m = common::task_meta(b, ctx.p, row);
         let key_pos = b.shl(m[2], 7u32);
         let key_pos = b.add(key_pos, key);
         let key_pos = b.bitcast::<S32, U32>(key_pos);
@@ -667,11 +623,11 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let pds_addr = b.add(ctx.base, resolved.pds.offset);
 
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "mma_task", |b, row| {
-        let m = task_meta(b, ctx.p, row);
-        let cur = bucket(b, &m);
+        let m = common::task_meta(b, ctx.p, row);
+        let cur = common::bucket(b, &m);
         // `same` is false at a segment's first task, whose dV/dK MMAs overwrite.
         let same = b.setp(Cmp::Eq, cur, prev);
-        let seg_end = segment_ends(b, ctx, row, cur);
+        let seg_end = common::segment_ends(b, ctx.p, &ctx.walk, row, cur);
         b.unless(same, "kv_wait", |b| {
             resolved.kv.consumer_wait(b, bars, seg);
             b.set(prev, cur);
@@ -811,8 +767,8 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
         let seg = b.mov::<U32>(0u32);
         let t = b.mov::<U32>(0u32);
         b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "load_task", |b, row| {
-            let m = task_meta(b, p, row);
-            let cur = bucket(b, &m);
+            let m = common::task_meta(b, p, row);
+            let cur = common::bucket(b, &m);
             let same = b.setp(Cmp::Eq, cur, prev);
             b.unless(same, "kv_load", |b| {
                 let st = resolved.kv.producer_acquire(b, bars, seg);
@@ -845,7 +801,7 @@ fn scalar(b: &mut KernelBuilder, ctx: &Ctx) {
     let t = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "scalar_task", |b, row| {
         let st = resolved.rows.producer_acquire(b, bars, t);
-        let m = task_meta(b, p, row);
+        let m = common::task_meta(b, p, row);
         let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
         let lse_a = resolved.lse.emit_stage_addr(b, ctx.base, st.index);
@@ -913,12 +869,12 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
     let t = b.mov::<U32>(0u32);
 
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "reduce_task", |b, row| {
-        let m = task_meta(b, p, row);
+        let m = common::task_meta(b, p, row);
         let head = m[1];
         let kb = m[2];
-        let cur = bucket(b, &m);
+        let cur = common::bucket(b, &m);
         let same = b.setp(Cmp::Eq, cur, prev);
-        let seg_end = segment_ends(b, ctx, row, cur);
+        let seg_end = common::segment_ends(b, ctx.p, &ctx.walk, row, cur);
         b.unless(same, "new_segment", |b| b.set(prev, cur));
         let st = resolved.rows.consumer_wait(b, bars, t);
         let qr_a = resolved.qrows.emit_stage_addr(b, ctx.base, st.index);

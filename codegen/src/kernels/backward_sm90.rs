@@ -17,108 +17,58 @@
 //!   hand-off through `bar.sync` and one elected arrival is just as ordered by the PTX memory
 //!   model, but racecheck reports it as a hazard. Warpgroups 1 and 2 are
 //!   consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
-//! - **Pipelines** are the typed [`Pipeline`] values the SM100 plan uses: K/V one stage
-//!   (full: 1 arrival + the tx bytes of its four TMA boxes; empty: one arrival per consumer
-//!   warpgroup), Q/dO two stages (32 boxes), row scalars one stage (full: the gather warp's
-//!   32 lanes; empty: all 256 consumer threads). Stage indices and parities come from
-//!   [`Pipe`] over running counters, never written by hand; the operand descriptors are the
-//!   plan's [`SmemDesc`] SW128 views (Hopper encoding).
+//! - **Plan.** Every resource comes from the typed [`Sm90Plan`] (`crate::plan::sm90`), checked
+//!   at codegen time as the SM100 kernel's plan is: the `setmaxnreg` budgets, the
+//!   shared-memory offsets ([`SmemPlan`](crate::plan::smem::SmemPlan)), the pipelines with
+//!   their barrier slots ([`PipelinePlan`](crate::plan::pipeline::PipelinePlan)) and the
+//!   named barriers. Pipelines: K/V one stage (full: 1 arrival + the tx bytes of its four TMA
+//!   boxes; empty: one arrival per consumer warpgroup), Q/dO two stages (32 boxes), row
+//!   scalars one stage (full: the gather warp's 32 lanes; empty: all 256 consumer threads).
+//!   Stage indices and parities come from [`Pipe`] over running counters, never written by
+//!   hand; the operand descriptors are the plan's [`SmemDesc`] SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
 //!   halves of the folded rows:
-//!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128.
-//!   - `P^T = exp2(S^T·scale·log2e − lse·log2e)` with the causal predicate
-//!     `qpos ≥ key_pos` in workspace coordinates; invalid slots have −lse·log2e = −∞.
-//!   - `dS^T = bf16(P^T ∘ (dP^T − Delta) · scale)`: the softmax scale is folded into dS.
+//!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128,
+//!     committed as two groups: after `wgmma.wait_group 1` (S^T done, dP^T still running)
+//!     the thread computes `P^T = exp2(S^T·scale·log2e − lse·log2e)` with the causal
+//!     predicate `qpos ≥ key_pos` in workspace coordinates (invalid slots have
+//!     −lse·log2e = −∞), so the exponentials overlap the dP^T GEMM.
+//!   - After `wait_group 0`: `dS^T = bf16(P^T ∘ (dP^T − Delta) · scale)` (the softmax scale
+//!     is folded into dS).
 //!   - `dV_c += P^T·dO_h` and `dK_c += dS^T·Q_h`: m64n128k16 with A from registers (the
 //!     accumulator layout of S^T is the wgmma A-fragment layout) and B an MN-major
 //!     descriptor over the same Q/dO bytes. dK/dV stay in registers across a segment.
 //!   - dS^T is also stored to shared memory (SW128, MN-major panels); after both consumers
-//!     have written it, `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves,
-//!     both operands MN-major, to keep the accumulator small next to dK/dV; consumer
-//!     `c` owns head dims `64c .. 64c+64`).
+//!     have written it (`bar.sync` over both, the one consumer-wide wait of a task),
+//!     `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves, both operands
+//!     MN-major, 32 accumulator registers each; consumer `c` owns head dims `64c .. 64c+64`).
+//!     Both passes are issued before the first `wait_group`, so the reductions of the first
+//!     half run under the second's GEMM.
+//!   - The write-after-read order on the shared dS^T (the next task's stores after the other
+//!     consumer's dQ^T reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
+//!     other's instance once its dQ^T GEMMs have completed (not after the walk's last task),
+//!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
+//!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ^T.
 //! - **Writes.** dQ^T columns come in head pairs (2m, 2m+1) in one thread, so each pair is
 //!   one `red.global.add.noftz.bf16x2` into the head-pair-interleaved pool, with an L2
 //!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
 //!   after a lane-pair exchange that gives each lane four consecutive head dims.
 
-use super::common::{self, elem_bytes, MainParams};
+use super::common::{self, elem_bytes, MainParams, Walk};
 use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
-use crate::plan::roles::Role;
-use crate::plan::smem::Major;
+use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe};
+use crate::plan::sm90::{Sm90Plan, Sm90Warps, WarpgroupBarrier};
+use crate::plan::smem::{Buf, Major, Placed, PANEL_BYTES};
 use crate::ptx::*;
 use crate::target::Target;
 
 /// Threads per CTA: one producer warpgroup and two consumer warpgroups.
-pub const THREADS: u32 = 384;
-/// Registers of the producer warpgroup after `setmaxnreg.dec`.
-pub const PRODUCER_REGS: u32 = 24;
-/// Registers of each consumer warpgroup after `setmaxnreg.inc`.
-pub const CONSUMER_REGS: u32 = 240;
-
-const TILE_BYTES: u32 = 128 * 128 * 2;
-const PANEL_BYTES: u32 = 128 * 128;
-const SK: u32 = 0;
-const SV: u32 = TILE_BYTES;
-const SQ: u32 = 2 * TILE_BYTES;
-const SDO: u32 = 4 * TILE_BYTES;
-const SDS: u32 = 6 * TILE_BYTES;
-const BARS: u32 = 7 * TILE_BYTES;
-/// The task's row scalars (one stage): `−lse·log2e` (−∞ for an empty slot) and delta per
-/// folded row, then the 8 slots' query positions.
-const SCALARS: u32 = BARS + 128;
-const S_LSE: u32 = SCALARS;
-const S_DELTA: u32 = SCALARS + 4 * 128;
-const S_QPOS: u32 = SCALARS + 8 * 128;
-/// Dynamic shared memory: sK, sV, sQ×2, sdO×2, sdS (32 KiB each), the barriers and the row
-/// scalars, and 1 KiB of slack to align the tiles to the 1024-B swizzle atom at run time.
-pub const SMEM_BYTES: u32 = S_QPOS + 4 * 8 + 96 + 1024;
-
-/// The K/V pipeline: one stage per segment, two 128-key × 64-d boxes each of K and V; each
-/// consumer warpgroup releases it once.
-pub fn kv_pipeline() -> Pipeline {
-    let mut p = Pipeline::new("kv", 1, Role::Load, &[Role::Compute], 1, 2);
-    p.tx = vec![
-        TmaBox {
-            dims: vec![64, 1, 128],
-            elem_bytes: 2
-        };
-        4
-    ];
-    p
-}
-
-/// The Q/dO pipeline: two stages, 8 slots × 2 d-halves × 2 tensors of 16 heads × 64 d.
-pub fn qdo_pipeline() -> Pipeline {
-    let mut p = Pipeline::new("q_do", 2, Role::Load, &[Role::Compute], 1, 2);
-    p.tx = vec![
-        TmaBox {
-            dims: vec![64, 16, 1],
-            elem_bytes: 2
-        };
-        32
-    ];
-    p
-}
-
-/// The row-scalar pipeline: one stage filled by the gather warp's 32 lanes (each arrives
-/// after its stores) and released by every consumer thread after its own last read, so that
-/// each read is ordered before the next fill by that thread's own release-arrive (no
-/// hand-off through a warpgroup barrier and one elected thread).
-pub fn rows_pipeline() -> Pipeline {
-    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 2 * 128)
-}
-
-/// Barrier slots: K/V full/empty at 0/1, Q/dO full at 2-3 and empty at 4-5, rows full/empty
-/// at 6/7.
-const KV_SLOT: u32 = 0;
-const QDO_SLOT: u32 = 2;
-const ROWS_SLOT: u32 = 6;
-
-fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
-    common::sm90_barriers(b, base, BARS)
-}
+pub const THREADS: u32 = crate::plan::sm90::THREADS;
+/// Dynamic shared memory requested: the per-CTA maximum, which leaves the slack above the
+/// plan's layout for aligning the base to the 1024-B swizzle atom at run time (a base that
+/// needs more traps instead of corrupting memory).
+pub const SMEM_BYTES: u32 = MAX_SHARED_BYTES;
 
 /// The Hopper main kernel.
 pub const DESC: KernelDesc = KernelDesc {
@@ -130,111 +80,174 @@ pub const DESC: KernelDesc = KernelDesc {
     describe,
 };
 
-/// The CTA's task-row interval and a row's bucket.
-struct Walk {
-    lo: Reg<U32>,
-    hi: Reg<U32>,
+/// The plan resolved for the roles: every buffer, pipeline and barrier the code names,
+/// looked up and checked once by [`resolve`].
+struct Resolved<'a> {
+    warps: &'a Sm90Warps,
+    k: Placed,
+    v: Placed,
+    q: Placed,
+    d_o: Placed,
+    ds: Placed,
+    lse: Placed,
+    delta: Placed,
+    qpos: Placed,
+    barriers: u32,
+    kv: Pipe<'a>,
+    q_do: Pipe<'a>,
+    rows: Pipe<'a>,
+    consumers: &'a NamedBarrier,
+    consumer_wg: &'a WarpgroupBarrier,
+    ds_free: &'a WarpgroupBarrier,
+}
+
+/// Looks up everything [`Resolved`] holds; the error names what is missing or the rule the
+/// code relies on that the plan breaks.
+fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
+    let smem = plan.smem();
+    let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
+    let pipe = |name| plan.pipelines().get(name).map_err(|e| e.to_string());
+    let r = Resolved {
+        warps: plan.warps(),
+        k: buf(Buf::K)?,
+        v: buf(Buf::V)?,
+        q: buf(Buf::Q)?,
+        d_o: buf(Buf::DO)?,
+        ds: buf(Buf::PdS)?,
+        lse: buf(Buf::Lse)?,
+        delta: buf(Buf::Delta)?,
+        qpos: buf(Buf::QPos)?,
+        barriers: buf(Buf::Barriers)?.offset,
+        kv: pipe("kv")?,
+        q_do: pipe("q_do")?,
+        rows: pipe("rows")?,
+        consumers: plan
+            .barrier("consumers")
+            .ok_or("the plan has no named barrier `consumers`")?,
+        consumer_wg: plan
+            .warpgroup_barrier("consumer_wg")
+            .ok_or("the plan has no warpgroup barrier `consumer_wg`")?,
+        ds_free: plan
+            .warpgroup_barrier("ds_free")
+            .ok_or("the plan has no warpgroup barrier `ds_free`")?,
+    };
+    // The code addresses K/V and the row scalars at stage 0 and releases K/V and Q/dO with
+    // one elected arrival per consumer warpgroup.
+    for pipe in [r.kv, r.rows] {
+        if pipe.pipeline.stages != 1 {
+            return Err(format!(
+                "pipeline `{}` has {} stages; the kernel addresses its buffers as one stage",
+                pipe.pipeline.name, pipe.pipeline.stages
+            ));
+        }
+    }
+    for pipe in [r.kv, r.q_do] {
+        if pipe.pipeline.consumer_arrivals != crate::plan::sm90::CONSUMERS {
+            return Err(format!(
+                "pipeline `{}` expects {} consumer arrivals; the kernel releases it once per \
+                 consumer warpgroup",
+                pipe.pipeline.name, pipe.pipeline.consumer_arrivals
+            ));
+        }
+    }
+    Ok(r)
+}
+
+/// What every role reads.
+struct Ctx<'a> {
+    r: &'a Resolved<'a>,
+    p: &'a MainParams,
+    base: Reg<U32>,
+    bars: Barriers,
+    walk: Walk,
 }
 
 fn describe(b: &mut KernelBuilder) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
     let p = common::main_params(b);
+    let plan = match Sm90Plan::design() {
+        Ok(plan) => plan,
+        Err(e) => return b.error(format!("SM90 plan: {e}")),
+    };
+    let r = match resolve(&plan) {
+        Ok(r) => r,
+        Err(e) => return b.error(format!("SM90 plan: {e}")),
+    };
+    let total = plan.smem().total();
+    if total > SMEM_BYTES {
+        return b.error(format!(
+            "the shared-memory plan needs {total} B, above {SMEM_BYTES} B"
+        ));
+    }
     let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
-    let (_, base) = common::swizzle_aligned_base(b, &smem);
+    b.comment("align the dynamic base to the 1024-B SW128 atom; trap if the slack is short");
+    let (raw, base) = common::swizzle_aligned_base(b, &smem);
+    let pad = b.sub(base, raw);
+    let short = b.setp(Cmp::Gt, pad, SMEM_BYTES - total);
+    b.if_then(short, "smem_guard", |b| b.trap());
     let tid = b.sreg(SReg::TidX);
-    let leader = common::sm90_init_pipelines(
-        b,
-        tid,
-        base,
-        BARS,
-        &[
-            (kv_pipeline(), KV_SLOT),
-            (qdo_pipeline(), QDO_SLOT),
-            (rows_pipeline(), ROWS_SLOT),
-        ],
-    );
+    let bars = common::sm90_barriers(b, base, r.barriers);
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
+    b.bar_sync(0, None);
 
     b.comment("the CTA walk: this CTA's interval of task rows");
     let desc = b.ld_param_ptr(&p.desc);
-    let walk = cta_interval(b, desc);
+    let walk = common::cta_walk(b, desc);
+    let ctx = Ctx {
+        r: &r,
+        p: &p,
+        base,
+        bars,
+        walk,
+    };
 
     let wg = b.shr(tid, 7u32);
     let is_producer = b.setp(Cmp::Eq, wg, 0u32);
     let consumers = b.label("consumers");
     b.bra_unless(is_producer, &consumers);
-    b.setmaxnreg(false, PRODUCER_REGS);
-    b.if_then(leader, "producer", |b| producer(b, &p, base, &walk));
+    r.warps.emit_producer_setmaxnreg(b);
+    b.if_then(leader, "producer", |b| producer(b, &ctx));
     let warp = b.shr(tid, 5u32);
     let is_gather = b.setp(Cmp::Eq, warp, 1u32);
-    b.if_then(is_gather, "gather", |b| gather(b, &p, base, tid, &walk));
+    b.if_then(is_gather, "gather", |b| gather(b, &ctx, tid));
     b.ret();
 
     b.place(&consumers);
-    b.setmaxnreg(true, CONSUMER_REGS);
-    consumer(b, &p, base, tid, &walk);
+    r.warps.emit_consumer_setmaxnreg(b);
+    consumer(b, &ctx, tid);
     b.ret();
 }
 
-/// CTA `b`'s rows `[lo, hi)` from the descriptor (the device mirror of `cta_interval`).
-fn cta_interval(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
-    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
-    let [n, r, full, tail] = words;
-    let grid = b.ld::<U32, _>(&global(desc, 16));
-    let cta = b.sreg(SReg::CtaidX);
-    let (lo, hi) = common::cta_interval(b, cta, n, r, full, tail, grid);
-    Walk { lo, hi }
-}
-
-/// Reads `(index_head, kblock, valid)` of task row `row`.
-fn task_meta(b: &mut KernelBuilder, meta: Reg<U64>, row: Reg<U32>) -> [Reg<U32>; 4] {
-    let a = elem_bytes(b, meta, row, 16);
-    b.ld_v(&a)
-}
-
-/// A row's bucket `(index_head, kblock)` packed in one word (kblock < 2^24).
-fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
-    let h = b.shl(m[1], 24u32);
-    b.or(h, m[2])
-}
-
-fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) {
-    let meta = b.ld_param_ptr(&p.meta);
+fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
+    let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
     let qrows = b.ld_param_ptr(&p.qrows);
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tdo = b.tensor_map_addr(&p.tmap_do);
     let tk = b.tensor_map_addr(&p.tmap_k);
     let tv = b.tensor_map_addr(&p.tmap_v);
-    let (kv, qdo) = (kv_pipeline(), qdo_pipeline());
-    let kv = Pipe {
-        pipeline: &kv,
-        slot: KV_SLOT,
-    };
-    let qdo = Pipe {
-        pipeline: &qdo,
-        slot: QDO_SLOT,
-    };
-    let bars = barriers(b, base);
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
-    b.for_range(walk.lo, walk.hi, 1, "producer_row", |b, row| {
-        let m = task_meta(b, meta, row);
-        let cur = bucket(b, &m);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
+        let m = common::task_meta(b, p, row);
+        let cur = common::bucket(b, &m);
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_load", |b| {
             // A new segment: wait until both consumers released the previous K/V.
-            let st = kv.producer_acquire(b, &bars, segments);
-            let tiles = [shared(base, SK as i64), shared(base, SV as i64)];
+            let st = r.kv.producer_acquire(b, bars, segments);
+            let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
             common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
             let next = b.add(segments, 1u32);
             b.set(segments, next);
             b.set(prev, cur);
         });
-        let st = qdo.producer_acquire(b, &bars, tasks);
-        let stage_off = b.mul_lo(st.index, TILE_BYTES);
-        let q_tile = b.add(base, stage_off);
-        let tiles = [shared(q_tile, SQ as i64), shared(q_tile, SDO as i64)];
+        let st = r.q_do.producer_acquire(b, bars, tasks);
+        let q_tile = r.q.emit_stage_addr(b, base, st.index);
+        let do_tile = r.d_o.emit_stage_addr(b, base, st.index);
+        let tiles = [shared(q_tile, 0), shared(do_tile, 0)];
         common::load_qdo_tiles(b, [tq, tdo], tiles, qrows, row, &m, &st.full);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
@@ -244,24 +257,18 @@ fn producer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, walk: &Walk) 
 /// The gather warp (warp 1 of the producer warpgroup): per task, the row scalars of its 128
 /// folded rows into shared memory, ahead of the consumers' softmax. Lane `4·slot + part`
 /// fills folded rows `4·lane .. 4·lane+4` (slot `lane/4`, heads `4·part ..`).
-fn gather(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
-    let rows = rows_pipeline();
-    let rows = Pipe {
-        pipeline: &rows,
-        slot: ROWS_SLOT,
-    };
-    let bars = barriers(b, base);
+fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+    let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
     let g = common::gather_lane(b, tid);
     let tasks = b.mov::<U32>(0u32);
-    b.for_range(walk.lo, walk.hi, 1, "gather_row", |b, row| {
-        let st = rows.producer_acquire(b, &bars, tasks);
-        let meta = b.ld_param_ptr(&p.meta);
-        let m = task_meta(b, meta, row);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "gather_row", |b, row| {
+        let st = r.rows.producer_acquire(b, bars, tasks);
+        let m = common::task_meta(b, p, row);
         let (l4, d4) = common::gather_row_scalars(b, p, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
         let at = b.add(base, g.lane16);
-        b.st_v(&shared(at, S_LSE as i64), l4);
-        b.st_v(&shared(at, S_DELTA as i64), d4);
+        b.st_v(&r.lse.at(at, 0), l4);
+        b.st_v(&r.delta.at(at, 0), d4);
         b.if_then(g.word_lane, "gather_qpos", |b| {
             let idx = b.add(row8, g.lane);
             let qpos = b.ld_param_ptr(&p.qpos);
@@ -269,9 +276,9 @@ fn gather(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, 
             let v = b.ld::<S32, _>(&a);
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
-            b.st(&shared(at, S_QPOS as i64), v);
+            b.st(&r.qpos.at(at, 0), v);
         });
-        rows.producer_commit(b, &bars, &st);
+        r.rows.producer_commit(b, bars, &st);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
@@ -287,7 +294,9 @@ fn mn_major() -> SmemDesc {
 }
 
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>, walk: &Walk) {
+fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+    let (p, r, base, walk) = (ctx.p, ctx.r, ctx.base, &ctx.walk);
+    let bars = ctx.bars;
     let t = b.sub(tid, 128u32);
     let c = b.shr(t, 7u32); // consumer index 0/1: keys 64c.., head dims 64c..
     let tw = b.and(t, 127u32);
@@ -299,7 +308,11 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     let row0 = b.mad_lo(warp, 16u32, quad); // accumulator row (and row + 8)
     let key_local = b.mad_lo(c, 64u32, row0); // key inside the block (and + 8)
     let elected = b.setp(Cmp::Eq, tw, 0u32);
-    let wg_bar = b.add(c, 2u32); // named barrier 2 + c: one consumer warpgroup
+    let wg_bar = b.add(c, r.consumer_wg.first); // one consumer warpgroup
+                                                // ds_free: this consumer's instance (it waits there) and the other's (it arrives there).
+    let ds_mine = b.add(c, r.ds_free.first);
+    let other = b.xor(c, 1u32);
+    let ds_other = b.add(other, r.ds_free.first);
     let zero = b.mov::<U32>(0u32);
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
@@ -309,20 +322,7 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     // Pointers are re-read from the parameter bank where used: holding all eight across the
     // loop costs 16 registers the accumulators need.
 
-    let (kv, qdo, rows) = (kv_pipeline(), qdo_pipeline(), rows_pipeline());
-    let kv = Pipe {
-        pipeline: &kv,
-        slot: KV_SLOT,
-    };
-    let qdo = Pipe {
-        pipeline: &qdo,
-        slot: QDO_SLOT,
-    };
-    let rows = Pipe {
-        pipeline: &rows,
-        slot: ROWS_SLOT,
-    };
-    let bars = barriers(b, base);
+    let (kv, qdo, rows) = (r.kv, r.q_do, r.rows);
     let c_panel = b.mul_lo(c, PANEL_BYTES);
     let c_rows = b.mul_lo(c, 64 * 128);
     let dv_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
@@ -332,35 +332,24 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
     let tasks = b.mov::<U32>(0u32);
 
     b.for_range(walk.lo, walk.hi, 1, "task", |b, row| {
-        let meta = b.ld_param_ptr(&p.meta);
-        let m = task_meta(b, meta, row);
+        let m = common::task_meta(b, p, row);
         let head = m[1];
         let kb = m[2];
-        let cur = bucket(b, &m);
+        let cur = common::bucket(b, &m);
         // `same` also marks the segment's first task, whose first dV/dK MMA overwrites.
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_wait", |b| {
             kv.consumer_wait(b, &bars, segments);
             b.set(prev, cur);
         });
-        // The segment ends at the interval's end or where the next row changes bucket.
+        let is_end = common::segment_ends(b, p, walk, row, cur);
+        let first_task = b.setp(Cmp::Eq, row, walk.lo);
         let next_row = b.add(row, 1u32);
-        let last = b.setp(Cmp::Ge, next_row, walk.hi);
-        let seg_end = b.mov::<U32>(1u32);
-        b.unless(last, "next_bucket", |b| {
-            let meta = b.ld_param_ptr(&p.meta);
-            let nm = task_meta(b, meta, next_row);
-            let next = bucket(b, &nm);
-            let cont = b.setp(Cmp::Eq, next, prev);
-            let v = b.selp(0u32, 1u32, cont);
-            b.set(seg_end, v);
-        });
+        let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
 
         let qst = qdo.consumer_wait(b, &bars, tasks);
-        let stage_off = b.mul_lo(qst.index, TILE_BYTES);
-        let q_tile = b.add(base, stage_off);
-        let q_base = b.add(q_tile, SQ);
-        let do_base = b.add(q_tile, SDO);
+        let q_base = r.q.emit_stage_addr(b, base, qst.index);
+        let do_base = r.d_o.emit_stage_addr(b, base, qst.index);
 
         let key_pos = b.shl(kb, 7u32);
         let key_pos = b.add(key_pos, key_local);
@@ -384,7 +373,11 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             let s_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
             let dp_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
             b.wgmma_fence();
-            for (acc, a_tile, b_tile) in [(&s_acc, SK, q_base), (&dp_acc, SV, do_base)] {
+            // S^T and dP^T in two commit groups: the exponentials of P^T run while the
+            // tensor cores still compute dP^T.
+            for (acc, a_tile, b_tile) in
+                [(&s_acc, r.k.offset, q_base), (&dp_acc, r.v.offset, do_base)]
+            {
                 let a_addr = b.add(base, a_tile);
                 let a_addr = b.add(a_addr, c_rows);
                 let a0 = k_major().emit(b, a_addr);
@@ -396,50 +389,58 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
                     let acc_p = if k == 0 { never } else { always };
                     b.wgmma_ss(acc, a_desc, b_desc, acc_p, false, false);
                 }
+                b.wgmma_commit();
             }
-            b.wgmma_commit();
-            b.wgmma_wait(0);
+            b.wgmma_wait(1);
             if half == 0 {
                 b.comment("the gather warp's row scalars for this task");
                 rows_stage = Some(rows.consumer_wait(b, &bars, tasks));
             }
 
-            b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate; dS^T");
+            // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e;
+            // accumulator element 4j + 2rr + e, folded row 16·slot + 8(j%2) + col0 + e.
+            let n4 = b.shl(col0, 2u32);
+            let at = b.add(base, n4);
+            let folded = |j: u32, e: u32| 16 * (4 * half + j / 2) + 8 * (j % 2) + e;
+            b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate");
+            let mut p_val = Vec::new();
+            for j in 0..8u32 {
+                let slot = 4 * half + j / 2;
+                let slot_qpos = b.ld::<S32, _>(&r.qpos.at(base, 0).offset(4 * slot as i64));
+                // −lse·log2e (−∞ for an empty slot), gathered into shared memory.
+                let nl: Vec<Reg<F32>> = (0..2u32)
+                    .map(|e| b.ld::<F32, _>(&r.lse.at(at, 0).offset(4 * folded(j, e) as i64)))
+                    .collect();
+                for rr in 0..2usize {
+                    let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
+                    let seen = b.setp(Cmp::Ge, slot_qpos, kp);
+                    for (e, &nl) in nl.iter().enumerate() {
+                        let i = (4 * j) as usize + 2 * rr + e;
+                        let v = b.fma(s_acc[i], scale_log2e, nl);
+                        let v = b.selp(v, neg_inf, seen);
+                        p_val.push(b.ex2_approx(v));
+                    }
+                }
+            }
+            b.wgmma_wait(0);
+            b.comment("dS^T = P^T*(dP^T - Delta)*scale; both packed to bf16 A fragments");
             let mut p_frag = Vec::new();
             let mut ds_frag = Vec::new();
             for j in 0..8u32 {
-                // Columns 64·half + 8j + col0 + e: slot 4·half + j/2, head 8(j%2) + col0 + e.
-                let slot = 4 * half + j / 2;
-                let slot_qpos = b.ld::<S32, _>(&shared(base, (S_QPOS + 4 * slot) as i64));
-                let mut p_pair = [[None; 2]; 2];
-                let mut ds_pair = [[None; 2]; 2];
-                for e in 0..2u32 {
-                    // Folded row 16·slot + 8(j%2) + col0 + e: −lse·log2e (−∞ for an empty
-                    // slot) and delta, gathered into shared memory.
-                    let n4 = b.shl(col0, 2u32);
-                    let at = b.add(base, n4);
-                    let n = 16 * slot + 8 * (j % 2) + e;
-                    let nl = b.ld::<F32, _>(&shared(at, (S_LSE + 4 * n) as i64));
-                    let dl = b.ld::<F32, _>(&shared(at, (S_DELTA + 4 * n) as i64));
-                    for rr in 0..2usize {
-                        let i = (4 * j) as usize + 2 * rr + e as usize;
-                        let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
-                        let v = b.fma(s_acc[i], scale_log2e, nl);
-                        let seen = b.setp(Cmp::Ge, slot_qpos, kp);
-                        let v = b.selp(v, neg_inf, seen);
-                        let pv = b.ex2_approx(v);
+                let dl: Vec<Reg<F32>> = (0..2u32)
+                    .map(|e| b.ld::<F32, _>(&r.delta.at(at, 0).offset(4 * folded(j, e) as i64)))
+                    .collect();
+                for rr in 0..2usize {
+                    let mut ds_pair = Vec::new();
+                    for (e, &dl) in dl.iter().enumerate() {
+                        let i = (4 * j) as usize + 2 * rr + e;
                         let dd = b.sub(dp_acc[i], dl);
-                        let ds = b.fmul(pv, dd);
-                        let ds = b.fmul(ds, common::SCALE);
-                        p_pair[rr][e as usize] = Some(pv);
-                        ds_pair[rr][e as usize] = Some(ds);
+                        let ds = b.fmul(p_val[i], dd);
+                        ds_pair.push(b.fmul(ds, common::SCALE));
                     }
-                }
-                for rr in 0..2 {
-                    let [lo, hi] = p_pair[rr].map(|v| v.expect("filled above"));
-                    p_frag.push(b.cvt_bf16x2(hi, lo));
-                    let [lo, hi] = ds_pair[rr].map(|v| v.expect("filled above"));
-                    ds_frag.push(b.cvt_bf16x2(hi, lo));
+                    let i = (4 * j) as usize + 2 * rr;
+                    p_frag.push(b.cvt_bf16x2(p_val[i + 1], p_val[i]));
+                    ds_frag.push(b.cvt_bf16x2(ds_pair[1], ds_pair[0]));
                 }
             }
 
@@ -449,6 +450,12 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
                 rows.consumer_release(b, &bars, rst);
             }
 
+            if half == 0 {
+                b.comment("wait until the other consumer's last dQ^T has read these dS^T rows");
+                b.unless(first_task, "ds_free_wait", |b| {
+                    b.bar_sync_reg(ds_mine, 2 * WarpgroupBarrier::THREADS);
+                });
+            }
             b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded]");
             for j in 0..8u32 {
                 for rr in 0..2u32 {
@@ -461,7 +468,7 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
                     let within = b.shl(col0, 1u32);
                     let off = b.add(row_off, chunk);
                     let off = b.add(off, within);
-                    let off = b.add(off, SDS + half * PANEL_BYTES);
+                    let off = b.add(off, r.ds.offset + half * PANEL_BYTES);
                     let addr = b.add(base, off);
                     b.st(&shared(addr, 0), ds_frag[(2 * j + rr) as usize]);
                 }
@@ -494,29 +501,39 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
 
         b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
         b.fence_proxy_async_shared();
-        b.bar_sync(1, Some(256));
+        r.consumers.sync(b);
         // Two 64-column halves of dQ^T keep the accumulator at 32 registers next to dK/dV.
-        let a_addr = b.add(base, SK);
+        let a_addr = b.add(base, r.k.offset);
         let a_addr = b.add(a_addr, c_panel);
         let a0 = mn_major().emit(b, a_addr);
         let d_row = b.mad_lo(c, 64u32, row0);
         let policy = b.policy_evict_last(1.0);
-        for nh in 0..2u32 {
-            let dq_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
-            let b_addr = b.add(base, SDS + nh * PANEL_BYTES);
+        // Both 64-column halves of dQ^T in flight (64 accumulator registers next to dK/dV):
+        // the reductions of the first half run while the tensor cores compute the second.
+        let dq_accs: Vec<Vec<Reg<F32>>> =
+            (0..2).map(|_| (0..32).map(|_| b.reg()).collect()).collect();
+        b.wgmma_fence();
+        for (nh, dq_acc) in dq_accs.iter().enumerate() {
+            let b_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
             let b0 = mn_major().emit(b, b_addr);
-            b.wgmma_fence();
             for k in 0..8u32 {
                 let a_desc = mn_major().emit_step(b, a0, k);
                 let b_desc = mn_major().emit_step(b, b0, k);
                 let acc_p = if k == 0 { never } else { always };
-                b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
+                b.wgmma_ss(dq_acc, a_desc, b_desc, acc_p, true, true);
             }
             b.wgmma_commit();
-            b.wgmma_wait(0);
+        }
+        for nh in 0..2u32 {
+            let dq_acc = &dq_accs[nh as usize];
+            b.wgmma_wait(1 - nh);
             if nh == 1 {
-                // Both consumers must finish reading sdS before the next task overwrites it.
-                b.bar_sync(1, Some(256));
+                b.comment(
+                    "this consumer's reads of sdS are done: the other may overwrite its rows",
+                );
+                b.unless(last_task, "ds_free_arrive", |b| {
+                    b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
+                });
             }
 
             b.comment("dQ: head pairs to the bf16x2 pool");
@@ -542,7 +559,6 @@ fn consumer(b: &mut KernelBuilder, p: &MainParams, base: Reg<U32>, tid: Reg<U32>
             }
         }
 
-        let is_end = b.setp(Cmp::Ne, seg_end, 0u32);
         b.if_then(is_end, "flush", |b| {
             b.comment("segment end: dK/dV to the fp32 pools, four head dims per lane");
             let odd = b.and(lane, 1u32);

@@ -239,6 +239,62 @@ pub fn cta_interval(
     (b.selp(n, lo, outside), b.selp(n, hi, outside))
 }
 
+/// A CTA's interval `[lo, hi)` of task rows in the walk (`docs/design.md` §2.4).
+pub struct Walk {
+    /// First row.
+    pub lo: Reg<U32>,
+    /// One past the last row.
+    pub hi: Reg<U32>,
+}
+
+/// This CTA's [`Walk`], read from the CTA-walk descriptor at `desc` (words `n, r, full,
+/// tail, grid`). Shared by both main kernels.
+pub fn cta_walk(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
+    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
+    let [n, r, full, tail] = words;
+    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let cta = b.sreg(SReg::CtaidX);
+    let (lo, hi) = cta_interval(b, cta, n, r, full, tail, grid);
+    Walk { lo, hi }
+}
+
+/// `(batch, index_head, kblock, valid)` of task row `row`, with the table's pointer re-read
+/// from the parameter bank (holding it across a loop costs a register pair).
+pub fn task_meta(b: &mut KernelBuilder, p: &MainParams, row: Reg<U32>) -> [Reg<U32>; 4] {
+    let meta = b.ld_param_ptr(&p.meta);
+    let a = elem_bytes(b, meta, row, 16);
+    b.ld_v(&a)
+}
+
+/// A row's bucket `(index_head, kblock)` in one word (kblock < 2^24): consecutive rows of one
+/// bucket form a segment, which shares one K/V tile and one dK/dV accumulation.
+pub fn bucket(b: &mut KernelBuilder, m: &[Reg<U32>; 4]) -> Reg<U32> {
+    let h = b.shl(m[1], 24u32);
+    b.or(h, m[2])
+}
+
+/// Whether the segment ends at `row` of bucket `cur`: the walk ends, or the next row is
+/// another bucket.
+pub fn segment_ends(
+    b: &mut KernelBuilder,
+    p: &MainParams,
+    walk: &Walk,
+    row: Reg<U32>,
+    cur: Reg<U32>,
+) -> Reg<Pred> {
+    let next_row = b.add(row, 1u32);
+    let last = b.setp(Cmp::Ge, next_row, walk.hi);
+    let end = b.mov::<U32>(1u32);
+    b.unless(last, "next_bucket", |b| {
+        let nm = task_meta(b, p, next_row);
+        let next = bucket(b, &nm);
+        let cont = b.setp(Cmp::Eq, next, cur);
+        let v = b.selp(0u32, 1u32, cont);
+        b.set(end, v);
+    });
+    b.setp(Cmp::Ne, end, 0u32)
+}
+
 /// The parameters both main backward kernels take, in their shared order: the runtime
 /// launches either with the same arguments.
 pub struct MainParams {

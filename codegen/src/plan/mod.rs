@@ -16,6 +16,7 @@
 pub mod gemm;
 pub mod pipeline;
 pub mod roles;
+pub mod sm90;
 pub mod smem;
 pub mod tmem;
 
@@ -98,6 +99,20 @@ pub enum PlanError {
         role: Role,
         /// The uncovered quadrant.
         quadrant: u32,
+    },
+
+    /// A Hopper budget whose `setmaxnreg` would go the wrong way from the launch value.
+    #[error(
+        "Hopper registers: producer {producer} must be at most and consumer {consumer} at least \
+         the launch value {launch} (setmaxnreg.dec for the producer, .inc for the consumers)"
+    )]
+    Sm90RegDirection {
+        /// The producer warpgroup's count.
+        producer: u32,
+        /// Each consumer warpgroup's count.
+        consumer: u32,
+        /// Registers per thread at launch.
+        launch: u32,
     },
 
     // ---- tensor memory --------------------------------------------------------------

@@ -23,7 +23,7 @@
 //!   its first slot, handed out by [`PipelinePlan::get`]. It is what kernel code holds: it
 //!   emits the `mbarrier` instructions (`producer_acquire` … `consumer_release`).
 
-use super::roles::{Role, WarpPlan};
+use super::roles::{Role, RoleThreads};
 use super::smem::{Buf, SmemPlan, BARRIER_BYTES};
 use super::PlanError;
 use crate::ptx::{shared, KernelBuilder, Reg, SharedAddr, U32};
@@ -185,7 +185,7 @@ impl Pipeline {
         }
     }
 
-    fn check(&self, warps: &WarpPlan) -> Result<(), PlanError> {
+    fn check(&self, warps: &impl RoleThreads) -> Result<(), PlanError> {
         let pipeline = self.name;
         if self.stages == 0 {
             return Err(PlanError::Stages {
@@ -260,6 +260,12 @@ impl Pipeline {
             let (signal, allowed) = match self.signal(side) {
                 Signal::Tma => ("with TMA (one arrive.expect_tx)", vec![1]),
                 Signal::UmmaCommit => ("with tcgen05.commit", vec![1]),
+                // One elected thread per warpgroup after a warpgroup barrier, one elected
+                // lane per warp, or every thread.
+                Signal::Arrive if threads >= 128 && threads.is_multiple_of(128) => (
+                    "arriving per warpgroup, per warp or per thread,",
+                    vec![threads / 128, threads / 32, threads],
+                ),
                 Signal::Arrive => (
                     "arriving per warp or per thread,",
                     vec![threads / 32, threads],
@@ -312,7 +318,7 @@ impl PipelinePlan {
     /// that differs from the boxes' bytes; tx above the mbarrier's limit; arrival counts
     /// inconsistent with the side's signal and threads; chunk groups that do not split the
     /// chunks into the stages; a name used twice.
-    pub fn new(pipelines: Vec<Pipeline>, warps: &WarpPlan) -> Result<Self, PlanError> {
+    pub fn new(pipelines: Vec<Pipeline>, warps: &impl RoleThreads) -> Result<Self, PlanError> {
         let mut pipes = Vec::new();
         let mut slots = 0;
         for p in pipelines {
@@ -601,7 +607,10 @@ impl NamedBarrier {
 
 /// Checks named barriers: ids in 1..=15 and unique; thread counts equal to their roles'
 /// threads in `warps`.
-pub fn check_named_barriers(barriers: &[NamedBarrier], warps: &WarpPlan) -> Result<(), PlanError> {
+pub fn check_named_barriers(
+    barriers: &[NamedBarrier],
+    warps: &impl RoleThreads,
+) -> Result<(), PlanError> {
     for (i, nb) in barriers.iter().enumerate() {
         if !(1..=15).contains(&nb.id) {
             return Err(PlanError::BarrierId {
@@ -630,9 +639,9 @@ pub fn check_named_barriers(barriers: &[NamedBarrier], warps: &WarpPlan) -> Resu
 }
 
 /// One K or V box: 64 d (one d-half) × 1 head × 128 keys of a key block.
-const KV_BOX: [u32; 3] = [64, 1, 128];
+pub(crate) const KV_BOX: [u32; 3] = [64, 1, 128];
 /// One query row's 16 heads × 64 d (one d-half) of Q or dO.
-const QDO_BOX: [u32; 3] = [64, 16, 1];
+pub(crate) const QDO_BOX: [u32; 3] = [64, 16, 1];
 
 /// The design's pipelines (`docs/design.md` §3.4), in barrier-slot order.
 pub fn design_pipelines() -> Vec<Pipeline> {
@@ -696,6 +705,7 @@ pub fn design_barriers() -> Vec<NamedBarrier> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::roles::WarpPlan;
     use crate::plan::smem::SmemPlan;
     use crate::ptx::print;
     use crate::target::Target;
@@ -854,11 +864,11 @@ mod tests {
                 pipeline: "rows",
                 side: Side::Consumer,
                 arrivals: 128,
-                signal: "arriving per warp or per thread,",
-                allowed: vec![8, 256]
+                signal: "arriving per warpgroup, per warp or per thread,",
+                allowed: vec![2, 8, 256]
             }
         );
-        assert!(e.to_string().contains("arrives 8 or 256 times"), "{e}");
+        assert!(e.to_string().contains("arrives 2 or 8 or 256 times"), "{e}");
         assert!(with("rows", |p| p.consumer_arrivals = 8).is_ok());
         assert!(with("rows", |p| p.producer_arrivals = 1).is_ok());
         let e = with("rows", |p| p.producer_arrivals = 16).unwrap_err();

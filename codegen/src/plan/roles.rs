@@ -29,6 +29,19 @@ pub const LAUNCH_REGS: u32 = REGS_PER_SM / THREADS;
 /// Per-thread registers one SMSP can hold over its four warps: 64K / 4 SMSPs / 32 lanes.
 pub const SMSP_REG_LIMIT: u32 = REGS_PER_SM / 128;
 
+/// A warp plan's thread count per role, which the pipeline and named-barrier checks read
+/// (the SM100 [`WarpPlan`] and the Hopper [`Sm90Warps`](super::sm90::Sm90Warps)).
+pub trait RoleThreads {
+    /// Threads of `role`.
+    fn threads(&self, role: Role) -> u32;
+}
+
+impl RoleThreads for WarpPlan {
+    fn threads(&self, role: Role) -> u32 {
+        WarpPlan::threads(self, role)
+    }
+}
+
 /// What a warp does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {

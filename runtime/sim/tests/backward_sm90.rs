@@ -360,3 +360,58 @@ fn releasing_the_row_scalars_before_the_last_read_is_caught_with_the_consumers_s
         }
     }
 }
+
+/// Consumer 1 (warps 8-11) runs only when no other warp can: consumer 0 then runs ahead to the
+/// next task's dS^T stores while consumer 1's dQ^T of the task before has still to read them.
+fn consumer1_last() -> Limits {
+    Limits {
+        starved_warps: 0xf00,
+        ..Limits::default()
+    }
+}
+
+#[test]
+fn the_tiny_case_passes_with_one_consumer_starved() {
+    let c = tiny();
+    let g = run(&c, main_ptx(), consumer1_last(), 1).unwrap_or_else(|e| panic!("{e}"));
+    check(&c, &g, "tiny, consumer 1 last");
+}
+
+/// The main kernel without the consumers' `ds_free` wait: the first `bar.sync` after the
+/// comment that introduces it.
+fn without_ds_free_wait() -> String {
+    let lines: Vec<&str> = main_ptx().lines().collect();
+    let note = lines
+        .iter()
+        .position(|l| l.contains("has read these dS^T rows"))
+        .expect("the ds_free wait exists");
+    let at = (note..lines.len())
+        .find(|&i| lines[i].contains("bar.sync"))
+        .expect("its bar.sync follows");
+    assert!(
+        at < note + 4,
+        "the bar.sync is not the wait's: {}",
+        lines[at]
+    );
+    let kept: Vec<&str> = lines[..at]
+        .iter()
+        .chain(&lines[at + 1..])
+        .copied()
+        .collect();
+    kept.join("\n") + "\n"
+}
+
+#[test]
+fn overwriting_ds_before_the_other_consumer_read_it_is_caught_with_one_consumer_starved() {
+    // The write-after-read order on the shared dS^T: without the ds_free wait, consumer 0
+    // stores the next task's dS^T rows before the starved consumer 1's dQ^T has read them.
+    let c = tiny();
+    match run(&c, &without_ds_free_wait(), consumer1_last(), 1) {
+        Err(e) => println!("reported: {e}"),
+        Ok(g) => {
+            let m =
+                msa_sim::backward::check(&c, &g).expect_err("the early overwrite went unnoticed");
+            println!("wrong gradients: {m}");
+        }
+    }
+}

@@ -112,6 +112,12 @@ impl KernelBuilder {
         self.inst("ret".into(), vec![]);
     }
 
+    /// `trap`: aborts the launch with an error the host sees (for a run-time condition the
+    /// kernel cannot continue past, such as too little shared-memory slack).
+    pub fn trap(&mut self) {
+        self.inst("trap".into(), vec![]);
+    }
+
     /// `setmaxnreg`: every warp of a warpgroup must execute the same value.
     pub fn setmaxnreg(&mut self, increase: bool, regs: u32) {
         if !(24..=256).contains(&regs) || !regs.is_multiple_of(8) {

@@ -81,6 +81,15 @@ impl KernelBuilder {
         );
     }
 
+    /// `bar.arrive id, threads` with the barrier id in a register (a role-dependent barrier).
+    pub fn bar_arrive_reg(&mut self, id: Reg<U32>, threads: u32) {
+        self.check_barrier(0, Some(threads));
+        self.inst(
+            "bar.arrive".into(),
+            vec![id.operand(), Operand::Int(threads as i64)],
+        );
+    }
+
     /// `bar.arrive id, threads`: signals without waiting.
     pub fn bar_arrive(&mut self, id: u32, threads: u32) {
         self.check_barrier(id, Some(threads));
