@@ -59,6 +59,7 @@ fn rank_run<C: Collective<CudaBackend>>(
     let mut dk = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
     let mut dv = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
     {
+        let (nq, nkv) = (dq.len(), dk.len());
         let sp = |x: u64, n: usize| Span::<bf16>::new(x, n);
         let io = CpBuffers {
             q: sp(q.device_ptr(stream).0, q.len()),
@@ -67,9 +68,9 @@ fn rank_run<C: Collective<CudaBackend>>(
             lse: Span::new(lse.device_ptr(stream).0, lse.len()),
             k_slice: sp(k.device_ptr(stream).0, k.len()),
             v_slice: sp(v.device_ptr(stream).0, v.len()),
-            dq: sp(dq.device_ptr_mut(stream).0, dq.len()),
-            dk_slice: sp(dk.device_ptr_mut(stream).0, dk.len()),
-            dv_slice: sp(dv.device_ptr_mut(stream).0, dv.len()),
+            dq: sp(dq.device_ptr_mut(stream).0, nq),
+            dk_slice: sp(dk.device_ptr_mut(stream).0, nkv),
+            dv_slice: sp(dv.device_ptr_mut(stream).0, nkv),
         };
         let mut backend = CudaBackend::new(stream)?;
         CpBackward::new().run_on(&mut backend, comm, layout, &io, &schedule)?;

@@ -249,7 +249,7 @@ fn the_layout_tiles_tokens_and_rows_and_names_its_limits() {
         // Each rank starts at one of its document's 128-token block boundaries.
         for i in 0..r {
             let start = l.token_rows(i).start as i32;
-            let doc_start = *cu.iter().filter(|&&c| c <= start).next_back().unwrap();
+            let doc_start = *cu.iter().rfind(|&&c| c <= start).unwrap();
             assert_eq!(
                 (start - doc_start) % BLOCK_SIZE as i32,
                 0,
