@@ -10,9 +10,10 @@ layers, bottom up, as the crate documentation of `msa_runtime` states them:
     the CPU reference)
   2 backend: the `Backend` trait and its value types (backend, buffers)
   3 flow: the host flow, generic over `Backend` (ops, tasks, backward, schedule_build,
-    aligned)
+    aligned, forward, cp)
   4 cuda: the CUDA backend on cudarc (cuda, device)
-  5 api: the cudarc convenience API (views, and each flow module's `stream` child)
+  5 api: the cudarc convenience API (views, each flow module's `stream` child, cp's NCCL
+    binding)
 
 Two kinds of upward edge are allowed, each named below with its reason. A file with no layer
 is an error: add it to LAYERS.
@@ -36,6 +37,7 @@ LAYERS = {
     "schedule_build.rs": 3,
     "aligned.rs": 3,
     "forward.rs": 3,
+    "cp.rs": 3,
     "cuda.rs": 4,
     "device.rs": 4,
     "views.rs": 5,
@@ -45,6 +47,7 @@ LAYERS = {
     "schedule_build/stream.rs": 5,
     "aligned/stream.rs": 5,
     "forward/stream.rs": 5,
+    "cp/nccl.rs": 5,
 }
 
 ALLOWED = {

@@ -280,6 +280,15 @@ impl<'a, B: Backend> From<&'a ResidentSchedule<B>> for BackwardSchedule<'a, B> {
 }
 
 impl<B: Backend> BackwardSchedule<'_, B> {
+    /// Tokens of the query-side buffers: the host schedule's [`Schedule::query_rows`], all of
+    /// `T` for a resident one.
+    fn query_row_count(&self) -> usize {
+        match self {
+            BackwardSchedule::Host(s) => s.query_rows().len(),
+            BackwardSchedule::Device(s) => s.sizes().num_tokens,
+        }
+    }
+
     /// The shape the task build is sized from, and `W`.
     fn shape(&self) -> (ScheduleShape, usize) {
         match self {
@@ -544,9 +553,54 @@ impl<B: Backend> MsaBackward<B> {
     where
         B: 's,
     {
-        let schedule = schedule.into();
+        self.run_inner(backend, io, schedule.into(), KvOut::Aligned)
+            .map(|_| ())
+    }
+
+    /// [`MsaBackward::run_on`] up to the dK/dV postprocess (`crate::cp`): the query side as
+    /// usual (dQ into `io.dq`, `rows()` of [`Schedule::query_rows`]); dK/dV are left in the
+    /// fp32 pools, which are sized and zeroed for `kv_rows >= W` rows and returned as
+    /// `(dk_pool, dv_pool)` spans of `[kv_rows, 4, 128]` f32 (rows past `W` stay zero).
+    /// `io.dk_aligned`/`io.dv_aligned` are only checked against the other buffers for overlap:
+    /// the caller writes them with [`crate::ops::postprocess`] once the pools are final.
+    pub(crate) fn run_to_pools(
+        &mut self,
+        backend: &mut B,
+        io: &BackwardBuffers,
+        schedule: &Schedule,
+        kv_rows: usize,
+    ) -> Result<KvPools, RuntimeError> {
+        let pools = self.run_inner(
+            backend,
+            io,
+            BackwardSchedule::Host(schedule),
+            KvOut::Pools { rows: kv_rows },
+        )?;
+        pools.ok_or_else(|| RuntimeError::input("kv_rows", kv_rows, "pools to return"))
+    }
+
+    fn run_inner(
+        &mut self,
+        backend: &mut B,
+        io: &BackwardBuffers,
+        schedule: BackwardSchedule<'_, B>,
+        kv_out: KvOut,
+    ) -> Result<Option<KvPools>, RuntimeError> {
         let (shape, w) = schedule.shape();
         let t = shape.num_tokens;
+        // The query-side buffers hold the schedule's query rows (all of T unless restricted).
+        let tq = schedule.query_row_count();
+        let pool_rows = match kv_out {
+            KvOut::Aligned => w,
+            KvOut::Pools { rows } if rows >= w && rows.is_multiple_of(BLOCK_SIZE) => rows,
+            KvOut::Pools { rows } => {
+                return Err(RuntimeError::input(
+                    "kv_rows",
+                    rows,
+                    format!("a multiple of 128 of at least W = {w}"),
+                ))
+            }
+        };
 
         // 1. Shapes and alignment: pure host checks.
         if t > MAX_TOKENS {
@@ -559,7 +613,7 @@ impl<B: Backend> MsaBackward<B> {
                 ),
             ));
         }
-        let q_len = t.checked_mul(Q_ROW);
+        let q_len = tq.checked_mul(Q_ROW);
         let kv_len = w.checked_mul(KV_ROW);
         let (Some(q_len), Some(kv_len)) = (q_len, kv_len) else {
             return Err(RuntimeError::input(
@@ -572,11 +626,13 @@ impl<B: Backend> MsaBackward<B> {
         check_len("k_aligned", io.k_aligned.len, kv_len, "[W, 4, 128] bf16")?;
         check_len("v_aligned", io.v_aligned.len, kv_len, "[W, 4, 128] bf16")?;
         check_len("grad_out", io.grad_out.len, q_len, "[T, 64, 128] bf16")?;
-        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        check_len("lse", io.lse.len, tq * NUM_Q_HEADS, "[T, 64] f32")?;
         check_len("out", io.out.len, q_len, "[T, 64, 128] bf16")?;
         check_len("dq", io.dq.len, q_len, "[T, 64, 128] bf16")?;
-        check_len("dk_aligned", io.dk_aligned.len, kv_len, "[W, 4, 128] bf16")?;
-        check_len("dv_aligned", io.dv_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        if let KvOut::Aligned = kv_out {
+            check_len("dk_aligned", io.dk_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+            check_len("dv_aligned", io.dv_aligned.len, kv_len, "[W, 4, 128] bf16")?;
+        }
         if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
             return Err(RuntimeError::input(
                 "schedule.workspace_rows",
@@ -602,7 +658,8 @@ impl<B: Backend> MsaBackward<B> {
         if t == 0 {
             // No tokens: no kernel to run (a validated Schedule always has T >= 1).
             backend.zero("dk_aligned", io.dk_aligned.addr, 2 * kv_len)?;
-            return backend.zero("dv_aligned", io.dv_aligned.addr, 2 * kv_len);
+            backend.zero("dv_aligned", io.dv_aligned.addr, 2 * kv_len)?;
+            return Ok(None);
         }
         for k in BACKWARD_KERNELS.iter().copied().chain([main]) {
             backend.load(k)?;
@@ -620,9 +677,9 @@ impl<B: Backend> MsaBackward<B> {
             })?;
 
         // 3. Tensor maps.
-        let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
+        let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", tq)?, io.q.addr)?;
         let tmap_do =
-            backend.tensor_map(&TileMapSpec::query_rows("grad_out", t)?, io.grad_out.addr)?;
+            backend.tensor_map(&TileMapSpec::query_rows("grad_out", tq)?, io.grad_out.addr)?;
         let tmap_k =
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
         let tmap_v =
@@ -634,8 +691,8 @@ impl<B: Backend> MsaBackward<B> {
             &mut self.pools,
             &mut self.allocations,
             backend,
-            t,
-            w,
+            tq,
+            pool_rows,
             separate_dq,
         )?;
         // The main kernel reduces dQ into `io.dq` itself (interleaved; the postprocess
@@ -644,10 +701,11 @@ impl<B: Backend> MsaBackward<B> {
             Some(at) if separate_dq => pools.span::<bf16>(at, q_len),
             _ => io.dq,
         };
+        let pool_len = pool_rows * KV_ROW;
         let (dk_pool, dv_pool, delta) = (
-            pools.span::<f32>(pools.layout.dk_pool, kv_len),
-            pools.span::<f32>(pools.layout.dv_pool, kv_len),
-            pools.span::<f32>(pools.layout.delta, t * NUM_Q_HEADS),
+            pools.span::<f32>(pools.layout.dk_pool, pool_len),
+            pools.span::<f32>(pools.layout.dv_pool, pool_len),
+            pools.span::<f32>(pools.layout.delta, tq * NUM_Q_HEADS),
         );
         let tasks = ensure_tasks(
             &mut self.tasks,
@@ -663,11 +721,11 @@ impl<B: Backend> MsaBackward<B> {
 
         // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
-        preprocess(backend, io.out, io.grad_out, delta, t)?;
+        preprocess(backend, io.out, io.grad_out, delta, tq)?;
         // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
         backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
-        backend.zero("dk pool", dk_pool.addr, 4 * kv_len)?;
-        backend.zero("dv pool", dv_pool.addr, 4 * kv_len)?;
+        backend.zero("dk pool", dk_pool.addr, 4 * pool_len)?;
+        backend.zero("dv pool", dv_pool.addr, 4 * pool_len)?;
         let refs: ScheduleRefs = match (&upload, &schedule) {
             (Some((s, d)), _) => {
                 d.write(backend, s)?;
@@ -700,24 +758,51 @@ impl<B: Backend> MsaBackward<B> {
             // workspace built for `sizes`, whose grid bound is `grid`.
             unsafe { backend.launch(main, (grid, 1, 1), &args) }?;
         }
-        postprocess(
-            backend,
-            dq_pool,
-            dk_pool.prefix(kv_len),
-            dv_pool.prefix(kv_len),
-            io.dq,
-            io.dk_aligned,
-            io.dv_aligned,
-            t,
-            w,
-        )?;
+        let returned = match kv_out {
+            KvOut::Aligned => {
+                postprocess(
+                    backend,
+                    dq_pool,
+                    dk_pool.prefix(kv_len),
+                    dv_pool.prefix(kv_len),
+                    io.dq,
+                    io.dk_aligned,
+                    io.dv_aligned,
+                    tq,
+                    w,
+                )?;
+                None
+            }
+            KvOut::Pools { .. } => {
+                let (none_f32, none) = (
+                    Span::<f32>::new(dk_pool.addr, 0),
+                    Span::<bf16>::new(io.dk_aligned.addr, 0),
+                );
+                postprocess(
+                    backend, dq_pool, none_f32, none_f32, io.dq, none, none, tq, 0,
+                )?;
+                Some((dk_pool, dv_pool))
+            }
+        };
         // Replacing the previous upload frees it stream-ordered behind that call's kernels.
         // A resident schedule leaves it alone: dropping it there would free inside a capture.
         if let Some((_, d)) = upload {
             self.schedule = Some(d);
         }
-        Ok(())
+        Ok(returned)
     }
+}
+
+/// The fp32 dK and dV pools `[rows, 4, 128]` a context-parallel rank's backward leaves.
+type KvPools = (Span<f32>, Span<f32>);
+
+/// Where [`MsaBackward::run_inner`] leaves dK/dV.
+#[derive(Debug, Clone, Copy)]
+enum KvOut {
+    /// Postprocessed into `io.dk_aligned`/`io.dv_aligned` (the public backward).
+    Aligned,
+    /// Left in the fp32 pools of `rows >= W` rows (a context-parallel rank's partial sums).
+    Pools { rows: usize },
 }
 
 /// The gradient pools, grown (never shrunk) to hold `(t, w)`, and a dQ pool when `dq_pool`

@@ -93,6 +93,15 @@ pub enum RuntimeError {
         /// What is required.
         expected: String,
     },
+    /// A collective of the context-parallel flow failed (`crate::cp`): NCCL missing or
+    /// returning an error, or a logical rank of a `HostGroup` gone.
+    #[error("collective `{call}` failed: {message}")]
+    Collective {
+        /// The call, e.g. `ncclAllGather`.
+        call: &'static str,
+        /// What went wrong.
+        message: String,
+    },
     /// A buffer of the backward has a null base address.
     #[error("input `{field}`: found a null base address (0x0), expected a device address")]
     NullBuffer {

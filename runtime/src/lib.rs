@@ -147,6 +147,7 @@ pub mod backend;
 pub mod backward;
 mod buffers;
 pub mod contract;
+pub mod cp;
 pub mod cuda;
 pub mod device;
 pub mod error;
@@ -203,6 +204,7 @@ pub use backward::{
     BackwardSchedule, Gradients, MsaBackward,
 };
 pub use contract::*;
+pub use cp::{Collective, CpBackward, CpBuffers, CpLayout, HostGroup};
 pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;
@@ -210,8 +212,8 @@ pub use forward::{run_forward, ForwardBuffers, ForwardOutput, MsaAttention, MsaF
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{
-    build_schedule, causal_support, check_capacity, check_shape_capacity, workspace_layout,
-    Schedule, SelectionFault, WorkItem, METADATA_COLUMNS,
+    build_schedule, build_schedule_for_rows, causal_support, check_capacity, check_shape_capacity,
+    workspace_layout, Schedule, SelectionFault, WorkItem, METADATA_COLUMNS,
 };
 pub use schedule_build::{
     max_workspace_rows, ResidentSchedule, ScheduleBuildSizes, MAX_BUILD_TOKENS,

@@ -397,6 +397,9 @@ pub struct Schedule {
     document_workspace_starts: Vec<i32>,
     num_tokens: usize,
     workspace_rows: usize,
+    /// The compact query rows whose edges the schedule holds, `0..T` unless restricted
+    /// ([`Schedule::restrict_queries`]).
+    query_rows: Range<usize>,
 }
 
 impl Schedule {
@@ -475,9 +478,62 @@ impl Schedule {
             document_workspace_starts,
             num_tokens: docs.num_tokens,
             workspace_rows,
+            query_rows: 0..docs.num_tokens,
         };
         schedule.check_work_items(&docs)?;
         Ok(schedule)
+    }
+
+    /// The same schedule, declared to hold edges of the compact query rows `rows` only: the
+    /// backward then takes query-side buffers (q, dO, O, LSE, dQ) of `rows.len()` tokens, whose
+    /// token 0 is compact row `rows.start`, against the K/V of every document. This is the
+    /// local schedule of a context-parallel rank (`crate::cp`); [`build_schedule_for_rows`]
+    /// builds one directly.
+    ///
+    /// # Errors
+    /// [`ScheduleError::Invalid`] when `rows` is not inside `0..T`, or when some edge of a
+    /// CSR row names a query outside `rows` (field `q_indices[head, edge]`).
+    pub fn restrict_queries(mut self, rows: Range<usize>) -> Result<Schedule, ScheduleError> {
+        if rows.start > rows.end || rows.end > self.num_tokens {
+            return Err(ScheduleError::invalid(
+                "query_rows",
+                format!("{rows:?}"),
+                format!("a range inside 0..{} (T)", self.num_tokens),
+            ));
+        }
+        for (row, &(doc, _)) in self.block_of_rows().iter().enumerate() {
+            let start = self.cu_seqlens[doc] as usize;
+            for h in 0..NUM_INDEX_HEADS {
+                // Validated by `new`: the row's range lies inside `q_indices`.
+                let range = self.row_range(h, row).unwrap_or(0..0);
+                for e in range {
+                    let q = self.q_indices[h * self.edge_capacity() + e] as usize;
+                    if !rows.contains(&(start + q)) {
+                        return Err(ScheduleError::invalid(
+                            format!("q_indices[{h},{e}]"),
+                            format!("document-local query {q} (compact row {})", start + q),
+                            format!("a query in the restricted rows {rows:?}"),
+                        ));
+                    }
+                }
+            }
+        }
+        self.query_rows = rows;
+        Ok(self)
+    }
+
+    /// The compact query rows the schedule's edges lie in: `0..T`, or the range given to
+    /// [`Schedule::restrict_queries`]. The backward's query-side buffers hold these rows.
+    pub fn query_rows(&self) -> Range<usize> {
+        self.query_rows.clone()
+    }
+
+    /// `(document, document-local block)` of each CSR row.
+    fn block_of_rows(&self) -> Vec<(usize, usize)> {
+        // Validated by `new`.
+        Documents::new(&self.cu_seqlens)
+            .map(|d| d.block_of_row)
+            .unwrap_or_default()
     }
 
     /// `row_ptr [4, rows+1]`, row-major.
@@ -828,6 +884,25 @@ pub fn build_schedule(
     cu_seqlens: &[i32],
     queries_per_work: usize,
 ) -> Result<Schedule, ScheduleError> {
+    let t = cu_seqlens.last().map_or(0, |&t| t.max(0) as usize);
+    build_schedule_for_rows(q2k, cu_seqlens, 0..t, queries_per_work)
+}
+
+/// [`build_schedule`] for the queries of the compact rows `rows` only, against every
+/// document's key blocks: the local schedule of a context-parallel rank (`crate::cp`).
+///
+/// `q2k [4, rows.len(), 16]` holds the selections of those rows (its row `i` is compact row
+/// `rows.start + i`); the CSR rows and work items are those of the whole `cu_seqlens`, with
+/// edges from `rows` only, and [`Schedule::query_rows`] is `rows`. The result equals
+/// `build_schedule` of a `q2k [4, T, 16]` whose other rows are all `-1`, except that the edge
+/// capacity is `rows.len()·16`. Errors name the compact row `t` of a faulty entry (index
+/// `t − rows.start` of this `q2k`).
+pub fn build_schedule_for_rows(
+    q2k: &[i32],
+    cu_seqlens: &[i32],
+    rows: Range<usize>,
+    queries_per_work: usize,
+) -> Result<Schedule, ScheduleError> {
     if !positive_multiple(queries_per_work, QUERY_CHUNK) {
         return Err(ScheduleError::invalid(
             "queries_per_work",
@@ -838,18 +913,27 @@ pub fn build_schedule(
     let (ws_starts, _) = workspace_layout(cu_seqlens)?;
     // Validated: starts at 0, non-decreasing.
     let t_total = cu_seqlens[cu_seqlens.len() - 1] as usize;
-    let per_query = TOPK_BLOCKS;
-    let expected_len = t_total * NUM_INDEX_HEADS * per_query;
-    if q2k.len() != expected_len {
+    if rows.start > rows.end || rows.end > t_total {
         return Err(ScheduleError::invalid(
-            "q2k.len()",
-            q2k.len(),
-            format!("4·T·16 = {expected_len} (T = {t_total})"),
+            "query_rows",
+            format!("{rows:?}"),
+            format!("a range inside 0..{t_total} (T)"),
         ));
+    }
+    let n_rows = rows.len();
+    let per_query = TOPK_BLOCKS;
+    let expected_len = n_rows * NUM_INDEX_HEADS * per_query;
+    if q2k.len() != expected_len {
+        let expected = if n_rows == t_total {
+            format!("4·T·16 = {expected_len} (T = {t_total})")
+        } else {
+            format!("4·rows·16 = {expected_len} ({n_rows} query rows of T = {t_total})")
+        };
+        return Err(ScheduleError::invalid("q2k.len()", q2k.len(), expected));
     }
     // Sized after the q2k check, so the row tables never outgrow the input.
     let docs = Documents::new(cu_seqlens)?;
-    let edge_capacity = (t_total * per_query).max(1);
+    let edge_capacity = (n_rows * per_query).max(1);
     if i32::try_from(edge_capacity).is_err() {
         return Err(ScheduleError::invalid(
             format!("cu_seqlens[{}]", docs.count()),
@@ -861,14 +945,20 @@ pub fn build_schedule(
     // work capacity is known (and checked by Schedule::new) once the items are cut.
     let (_, w) = workspace_layout(cu_seqlens)?;
     check_shape_capacity(t_total, w, edge_capacity, 1)?;
+    let list = |h: usize, t: usize| &q2k[(h * n_rows + t - rows.start) * per_query..][..per_query];
+    // The document-local queries of document `d` inside `rows`.
+    let local = |d: usize| {
+        let s = docs.starts[d];
+        rows.start.clamp(s, s + docs.lens[d]) - s..rows.end.clamp(s, s + docs.lens[d]) - s
+    };
+    let query_rows = rows.clone();
     let rows = docs.rows();
-    let list = |h: usize, t: usize| &q2k[(h * t_total + t) * per_query..][..per_query];
 
     // Pass 1: validate every id and count the edges of each (head, row).
     let mut counts = vec![0usize; NUM_INDEX_HEADS * rows];
     for h in 0..NUM_INDEX_HEADS {
         for d in 0..docs.count() {
-            for q in 0..docs.lens[d] {
+            for q in local(d) {
                 let t = docs.starts[d] + q;
                 let ids = list(h, t);
                 for (slot, &id) in ids.iter().enumerate() {
@@ -919,7 +1009,7 @@ pub fn build_schedule(
     let mut q_indices = vec![-1i32; NUM_INDEX_HEADS * edge_capacity];
     for h in 0..NUM_INDEX_HEADS {
         for d in 0..docs.count() {
-            for q in 0..docs.lens[d] {
+            for q in local(d) {
                 for &id in list(h, docs.starts[d] + q) {
                     if id < 0 {
                         continue;
@@ -948,14 +1038,19 @@ pub fn build_schedule(
     if num_items == 0 {
         metadata.resize(METADATA_COLUMNS.len(), 0);
     }
-    Schedule::new(
+    let schedule = Schedule::new(
         row_ptr,
         q_indices,
         metadata,
         num_items as i32,
         cu_seqlens.to_vec(),
         ws_starts,
-    )
+    )?;
+    if query_rows == (0..t_total) {
+        Ok(schedule)
+    } else {
+        schedule.restrict_queries(query_rows)
+    }
 }
 
 /// The causal support: every query selects every block of its document at or before its own

@@ -322,7 +322,21 @@ impl<B: Backend> DeviceSchedule<B> {
             ));
         }
         let work_count = [s.work_count()];
-        let (arrays, _, _) = Self::regions(s, &work_count);
+        let (mut arrays, _, _) = Self::regions(s, &work_count);
+        // A schedule restricted to the query rows `r0..` (a context-parallel rank) addresses
+        // query-side buffers whose token 0 is row `r0`: the task build computes a task's row as
+        // `cu_seqlens[doc] + q` and uses `cu_seqlens` otherwise only in differences (document
+        // lengths), so it gets `cu_seqlens − r0`, wrapping as its 32-bit adds do.
+        let shifted: Vec<i32>;
+        let r0 = s.query_rows().start;
+        if r0 != 0 {
+            shifted = s
+                .cu_seqlens()
+                .iter()
+                .map(|&c| c.wrapping_sub(r0 as i32))
+                .collect();
+            arrays[4] = &shifted;
+        }
         let dst = [
             self.row_ptr,
             self.q_indices,

@@ -1,0 +1,365 @@
+//! Context parallelism (`msa_runtime::cp`) on the simulator: `R` logical ranks, each a thread
+//! with its own simulated device, exchange through `HostGroup`; their gradients, reassembled,
+//! are checked against the f32 CPU reference at the seed's tolerances and against the
+//! single-device backward of the whole sequence. Covers packed documents straddling a rank
+//! boundary, one document split over two and three ranks, a rank holding a document's
+//! single short block, and the layout's and the flow's input checks.
+
+use half::bf16;
+use msa_runtime::contract::BLOCK_SIZE;
+use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::{
+    build_schedule, CpBackward, CpBuffers, CpLayout, HostGroup, MsaBackward, RuntimeError, Span,
+};
+use msa_sim::backward::{cu_of, random_q2k, to_bf16, to_f32, Rng};
+use msa_sim::device::{Arch, SimDevice};
+use msa_sim::Element;
+
+/// `data` on `dev`, as a span.
+fn up<T: Element>(dev: &mut SimDevice, name: &str, data: &[T]) -> Span<T> {
+    Span::new(dev.upload_new(name, data).ptr.0, data.len())
+}
+
+const Q_ROW: usize = 64 * 128;
+const KV_ROW: usize = 4 * 128;
+
+struct Problem {
+    cu: Vec<i32>,
+    q2k: Vec<i32>,
+    q: Vec<bf16>,
+    k_aligned: Vec<bf16>,
+    v_aligned: Vec<bf16>,
+    dout: Vec<bf16>,
+    out: Vec<bf16>,
+    lse: Vec<f32>,
+    expected: reference::Gradients,
+}
+
+fn problem(lengths: &[i32], seed: u64) -> Problem {
+    let cu = cu_of(lengths);
+    let t = *cu.last().unwrap() as usize;
+    let mut rng = Rng(seed);
+    let q2k = random_q2k(&cu, &mut rng, &[]);
+    let (q, q32) = rng.bf16s(t * Q_ROW);
+    let (_, k32) = rng.bf16s(t * KV_ROW);
+    let (_, v32) = rng.bf16s(t * KV_ROW);
+    let (dout, do32) = rng.bf16s(t * Q_ROW);
+    let fwd = reference::forward(&q32, &k32, &v32, &q2k, &cu).expect("forward");
+    let out = to_bf16(&fwd.out);
+    let expected = reference::backward(&q32, &k32, &v32, &q2k, &cu, &to_f32(&out), &fwd.lse, &do32)
+        .expect("backward");
+    let aligned = |x: &[f32]| to_bf16(&reference::to_aligned(x, &cu, 4).expect("aligned"));
+    Problem {
+        k_aligned: aligned(&k32),
+        v_aligned: aligned(&v32),
+        cu,
+        q2k,
+        q,
+        dout,
+        out,
+        lse: fwd.lse,
+        expected,
+    }
+}
+
+/// The rows `rows` of each of the 4 heads of `q2k [4, T, 16]`.
+fn q2k_rows(q2k: &[i32], t: usize, rows: std::ops::Range<usize>) -> Vec<i32> {
+    (0..4)
+        .flat_map(|h| q2k[(h * t + rows.start) * 16..(h * t + rows.end) * 16].to_vec())
+        .collect()
+}
+
+/// One rank's gradients: dq of its tokens, dk/dv of its slice.
+type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
+
+/// Runs the context-parallel backward of `p` over `ranks` logical ranks.
+fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
+    let layout = CpLayout::new(&p.cu, ranks).expect("layout");
+    let t = *p.cu.last().unwrap() as usize;
+    let s = layout.slice_rows();
+    let groups = HostGroup::new(ranks);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let layout = &layout;
+                scope.spawn(move || {
+                    let rows = layout.token_rows(rank);
+                    let schedule = layout
+                        .local_schedule(rank, &q2k_rows(&p.q2k, t, rows.clone()), 64)
+                        .expect("local schedule");
+                    assert_eq!(schedule.query_rows(), rows);
+                    let mut dev = SimDevice::new(Arch::Sm90, 3);
+                    // The rank's slice of the aligned K/V: rows [r·S, (r+1)·S), zero past W.
+                    let slice = |x: &[bf16]| {
+                        let mut v = vec![bf16::ZERO; s * KV_ROW];
+                        let b = layout.block_rows(rank);
+                        v[..b.len() * KV_ROW].copy_from_slice(&x[b.start * KV_ROW..b.end * KV_ROW]);
+                        v
+                    };
+                    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+                    let io = CpBuffers {
+                        q: up(&mut dev, "q", &p.q[qr.clone()]),
+                        grad_out: up(&mut dev, "grad_out", &p.dout[qr.clone()]),
+                        out: up(&mut dev, "out", &p.out[qr.clone()]),
+                        lse: up(&mut dev, "lse", &p.lse[rows.start * 64..rows.end * 64]),
+                        k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
+                        v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
+                        dq: up(&mut dev, "dq", &vec![bf16::ZERO; rows.len() * Q_ROW]),
+                        dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+                        dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+                    };
+                    CpBackward::<SimDevice>::new()
+                        .run_on(&mut dev, &mut comm, layout, &io, &schedule)
+                        .expect("cp backward");
+                    let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
+                    (read(io.dq), read(io.dk_slice), read(io.dv_slice))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    })
+}
+
+/// The single-device backward of the whole sequence on the simulator.
+fn run_single(p: &Problem) -> RankGrads {
+    let schedule = build_schedule(&p.q2k, &p.cu, 64).expect("schedule");
+    let mut dev = SimDevice::new(Arch::Sm90, 3);
+    let (t, w) = (schedule.num_tokens(), schedule.workspace_rows());
+    let d = &mut dev;
+    let io = msa_runtime::BackwardBuffers {
+        q: up(d, "q", &p.q),
+        k_aligned: up(d, "k_aligned", &p.k_aligned),
+        v_aligned: up(d, "v_aligned", &p.v_aligned),
+        grad_out: up(d, "grad_out", &p.dout),
+        out: up(d, "out", &p.out),
+        dq: up(d, "dq", &vec![bf16::ZERO; t * Q_ROW]),
+        dk_aligned: up(d, "dk_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        dv_aligned: up(d, "dv_aligned", &vec![bf16::ZERO; w * KV_ROW]),
+        lse: up(d, "lse", &p.lse),
+    };
+    MsaBackward::<SimDevice>::new()
+        .run_on(&mut dev, &io, &schedule)
+        .expect("backward");
+    let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
+    (read(io.dq), read(io.dk_aligned), read(io.dv_aligned))
+}
+
+fn check(lengths: &[i32], ranks: usize, seed: u64) {
+    let p = problem(lengths, seed);
+    let layout = CpLayout::new(&p.cu, ranks).expect("layout");
+    let w = layout.workspace_rows();
+    let per_rank = run_cp(&p, ranks);
+    let dq: Vec<bf16> = per_rank.iter().flat_map(|g| g.0.clone()).collect();
+    let dk: Vec<bf16> = per_rank.iter().flat_map(|g| g.1.clone()).collect();
+    let dv: Vec<bf16> = per_rank.iter().flat_map(|g| g.2.clone()).collect();
+    // Rows past W (the last slice's tail) hold no key: exactly zero.
+    assert!(dk[w * KV_ROW..]
+        .iter()
+        .chain(&dv[w * KV_ROW..])
+        .all(|x| x.to_bits() == 0));
+    let (dk, dv) = (&dk[..w * KV_ROW], &dv[..w * KV_ROW]);
+    let e = &p.expected;
+    let stats = [
+        DQ_TOLERANCE.check("dq", &to_f32(&dq), &e.dq),
+        DK_TOLERANCE.check("dk", &to_f32(dk), &e.dk_aligned),
+        DV_TOLERANCE.check("dv", &to_f32(dv), &e.dv_aligned),
+    ];
+    for s in &stats {
+        if let Err(m) = s {
+            panic!("{lengths:?} over {ranks} ranks against the reference: {m}");
+        }
+    }
+    // Against one device: dQ has the same contributions (summed in another order by the
+    // atomics), dK/dV one more fp32 rounding per rank.
+    let single = run_single(&p);
+    for (name, got, one) in [
+        ("dq", &dq[..], &single.0),
+        ("dk", dk, &single.1),
+        ("dv", dv, &single.2),
+    ] {
+        DQ_TOLERANCE
+            .check(name, &to_f32(got), &to_f32(one))
+            .unwrap_or_else(|m| panic!("{lengths:?}, {ranks} ranks against one device: {m}"));
+    }
+    println!(
+        "{lengths:?} over {ranks} ranks (token rows {:?}): {:?}",
+        (0..ranks).map(|r| layout.token_rows(r)).collect::<Vec<_>>(),
+        stats.map(|s| s.map(|s| (s.max_abs, s.l2_rel)).ok())
+    );
+}
+
+// Small shapes: the simulator runs every rank's backward and the single-device one.
+
+#[test]
+fn packed_documents_straddling_the_rank_boundary() {
+    // 2 + 2 + 1 blocks in slices of 3: the second document is cut after its block 0, and
+    // the last slice ends in a zero block.
+    check(&[130, 250, 20], 2, 31);
+}
+
+#[test]
+fn one_document_over_three_ranks() {
+    // 3 blocks, one per rank: both boundaries inside the document.
+    check(&[384], 3, 32);
+}
+
+#[test]
+fn tiny_documents_over_two_ranks() {
+    check(&[1, 5, 127, 3, 9, 130], 2, 34);
+}
+
+#[test]
+fn the_layout_tiles_tokens_and_rows_and_names_its_limits() {
+    let cu = cu_of(&[200, 500, 70]);
+    let l = CpLayout::new(&cu, 2).unwrap();
+    assert_eq!(
+        (l.workspace_rows(), l.slice_rows(), l.gathered_rows()),
+        (896, 512, 1024)
+    );
+    assert_eq!((l.token_rows(0), l.token_rows(1)), (0..456, 456..770));
+    assert_eq!((l.block_rows(0), l.block_rows(1)), (0..512, 512..896));
+    // Rank 0: document 0 whole, the first 256 tokens of document 1; rank 1: the rest.
+    assert_eq!(l.local_cu_seqlens(0), vec![0, 200, 456]);
+    assert_eq!(l.local_cu_seqlens(1), vec![0, 244, 314]);
+    for r in 0..2 {
+        let pieces = l.local_cu_seqlens(r);
+        let (_, w) = msa_runtime::workspace_layout(&pieces).unwrap();
+        assert_eq!(
+            w,
+            l.block_rows(r).len(),
+            "rank {r}: pieces pack into its block rows"
+        );
+    }
+    // 7 blocks cannot be split into 5 non-empty slices of ceil(7/5) = 2.
+    // 7 blocks split into 1-4 or 7 ranks, not 5 or 6.
+    for r in [1, 2, 3, 4, 7] {
+        let l = CpLayout::new(&cu, r).unwrap();
+        let tiled: Vec<usize> = (0..r).flat_map(|i| l.token_rows(i)).collect();
+        assert_eq!(
+            tiled,
+            (0..770).collect::<Vec<_>>(),
+            "{r} ranks tile the tokens"
+        );
+        assert!((0..r).all(|i| !l.block_rows(i).is_empty()));
+        // Each rank starts at one of its document's 128-token block boundaries.
+        for i in 0..r {
+            let start = l.token_rows(i).start as i32;
+            let doc_start = *cu.iter().rfind(|&&c| c <= start).unwrap();
+            assert_eq!(
+                (start - doc_start) % BLOCK_SIZE as i32,
+                0,
+                "{r} ranks, rank {i}"
+            );
+        }
+    }
+    let e = CpLayout::new(&cu, 5).unwrap_err();
+    assert!(e.to_string().contains("nearest: 4 or 7"), "{e}");
+    assert!(CpLayout::new(&cu, 6).is_err());
+    assert!(CpLayout::new(&cu, 0).is_err());
+}
+
+#[test]
+fn mismatched_inputs_are_typed_errors_before_anything_runs() {
+    let p = problem(&[200, 500, 70], 35);
+    let layout = CpLayout::new(&p.cu, 2).unwrap();
+    let t = 770;
+    let rows = layout.token_rows(1);
+    let local = q2k_rows(&p.q2k, t, rows.clone());
+    // A schedule of rank 1 given to rank 0.
+    let wrong = layout.local_schedule(1, &local, 64).unwrap();
+    let mut groups = HostGroup::new(2);
+    let mut dev = SimDevice::new(Arch::Sm90, 3);
+    let n0 = layout.token_rows(0).len();
+    let s = layout.slice_rows();
+    let zeros = |n: usize| vec![bf16::ZERO; n];
+    let d = &mut dev;
+    let io = CpBuffers {
+        q: up(d, "q", &zeros(n0 * Q_ROW)),
+        grad_out: up(d, "grad_out", &zeros(n0 * Q_ROW)),
+        out: up(d, "out", &zeros(n0 * Q_ROW)),
+        lse: up(d, "lse", &vec![0f32; n0 * 64]),
+        k_slice: up(d, "k", &zeros(s * KV_ROW)),
+        v_slice: up(d, "v", &zeros(s * KV_ROW)),
+        dq: up(d, "dq", &zeros(n0 * Q_ROW)),
+        dk_slice: up(d, "dk", &zeros(s * KV_ROW)),
+        dv_slice: up(d, "dv", &zeros(s * KV_ROW)),
+    };
+    let launches = dev.launches().len();
+    let mut cp = CpBackward::<SimDevice>::new();
+    let e = cp
+        .run_on(&mut dev, &mut groups[0], &layout, &io, &wrong)
+        .unwrap_err();
+    assert!(
+        matches!(&e, RuntimeError::Input { field, .. } if *field == "schedule"),
+        "{e}"
+    );
+    // A whole-sequence schedule is not a rank's.
+    let whole = build_schedule(&p.q2k, &p.cu, 64).unwrap();
+    assert!(cp
+        .run_on(&mut dev, &mut groups[0], &layout, &io, &whole)
+        .is_err());
+    // A K slice of the wrong length.
+    let right = layout
+        .local_schedule(0, &q2k_rows(&p.q2k, t, layout.token_rows(0)), 64)
+        .unwrap();
+    let short = CpBuffers {
+        k_slice: Span::new(io.k_slice.addr, s * KV_ROW - 1),
+        ..io
+    };
+    let e = cp
+        .run_on(&mut dev, &mut groups[0], &layout, &short, &right)
+        .unwrap_err();
+    assert!(e.to_string().contains("k_slice"), "{e}");
+    assert_eq!(dev.launches().len(), launches, "nothing was launched");
+    // A local q2k with an out-of-range id names the compact row.
+    let mut bad = local;
+    bad[3] = 99;
+    let e = layout.local_schedule(1, &bad, 64).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains(&format!("compact query row {}", rows.start)),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_rank_schedule_is_the_whole_build_with_the_other_rows_silent() {
+    let cu = cu_of(&[300, 1, 700, 129]);
+    let t = 1130;
+    let q2k = random_q2k(&cu, &mut Rng(36), &[2]);
+    let layout = CpLayout::new(&cu, 3).unwrap();
+    for r in 0..3 {
+        let rows = layout.token_rows(r);
+        let local = layout
+            .local_schedule(r, &q2k_rows(&q2k, t, rows.clone()), 64)
+            .unwrap();
+        // The whole-sequence build of a selection in which the other ranks' queries pick
+        // nothing has the same CSR rows, edges and work items.
+        let mut silent = vec![-1; q2k.len()];
+        for h in 0..4 {
+            let at = (h * t + rows.start) * 16..(h * t + rows.end) * 16;
+            silent[at.clone()].copy_from_slice(&q2k[at]);
+        }
+        let whole = build_schedule(&silent, &cu, 64).unwrap();
+        assert_eq!(local.query_rows(), rows);
+        assert_eq!(local.row_ptr(), whole.row_ptr(), "rank {r}");
+        assert_eq!(local.scheduler_metadata(), whole.scheduler_metadata());
+        for h in 0..4 {
+            for row in 0..local.rows() {
+                assert_eq!(local.row_queries(h, row), whole.row_queries(h, row));
+            }
+        }
+        assert_eq!(local.edge_capacity(), rows.len() * 16);
+        // Restricting the silent whole build to the rank's rows is accepted; to other rows not
+        // (unless the rank's queries selected nothing there).
+        assert!(whole.clone().restrict_queries(rows.clone()).is_ok());
+        let other = layout.token_rows((r + 1) % 3);
+        let e = whole.restrict_queries(other).unwrap_err();
+        assert!(e.to_string().contains("q_indices["), "{e}");
+    }
+}

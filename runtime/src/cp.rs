@@ -1,0 +1,515 @@
+//! Context parallelism: one packed sequence split across `R` ranks (GPUs), each running the
+//! backward for its own queries against the key blocks of every rank.
+//!
+//! # Rank layout
+//! The split is made in the aligned workspace layout (`docs/design.md` §1.5), so that every
+//! 128-key block, and every collective, is whole. With `B = W/128` key blocks of the dense
+//! layout of `cu_seqlens`, every rank holds a *slice* of `S = ceil(B/R)·128` workspace rows:
+//! rank `r` holds rows `[r·S, (r+1)·S)` (the last rank's slice ends in zero rows past `W`),
+//! and the tokens whose aligned rows lie there, a contiguous range of compact rows
+//! ([`CpLayout::token_rows`]). A document may straddle ranks; it is cut at one of its own
+//! 128-token block boundaries. Per rank:
+//! - its query-side tensors: `q`, `grad_out`, `out` `[T_r, 64, 128]`, `lse [T_r, 64]`, its
+//!   rows of `q2k` (`[4, T_r, 16]`), and the output `dq [T_r, 64, 128]`;
+//! - its K/V slice `[S, 4, 128]` (the rank's rows of the aligned layout: the
+//!   documents' pieces of [`CpLayout::local_cu_seqlens`], packed as `to_aligned` packs
+//!   documents, then zeros), and the outputs `dk_slice`/`dv_slice` of the same shape.
+//!
+//! # The flow ([`CpBackward::run_on`])
+//! 1. All-gather K and V (bf16): every rank then holds the whole aligned K/V, `R·S` rows.
+//! 2. The local backward: the local schedule ([`CpLayout::local_schedule`], the rank's
+//!    queries against the CSR rows of every document, [`Schedule::restrict_queries`]) runs
+//!    the usual preprocess, task build and main kernel; dQ is local and final. dK/dV stay in
+//!    the fp32 pools, `R·S` rows, holding this rank's queries' share of every key block.
+//! 3. Reduce-scatter the fp32 pools (a sum over ranks): rank `r` gets rows `[r·S, (r+1)·S)`
+//!    summed, and the postprocess rounds them to bf16 into its `dk_slice`/`dv_slice`. The sum
+//!    is exact fp32, so the precision is that of the single-device backward (one more fp32
+//!    rounding per element).
+//!
+//! Communication is `2·(R−1)/R·S·R·1 KiB` per gather (K and V, bf16) and the same in fp32 ×2
+//! per reduce-scatter, per rank. All steps are ordered on one stream; the gather is issued
+//! before the preprocess and the task build but does not overlap them yet (that needs a
+//! second stream in [`Backend`]).
+//!
+//! The collectives are behind [`Collective`]: [`HostGroup`] runs `R` logical ranks in one
+//! process (threads, each with its own backend) through host memory, for tests on one device
+//! or on the simulator; `cp::nccl::NcclCollective` (feature `nccl`) calls NCCL through
+//! cudarc on the backend's stream.
+//!
+//! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding is layer 5.
+
+use crate::backend::{Backend, Span};
+use crate::backward::{BackwardBuffers, MsaBackward};
+use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::error::RuntimeError;
+use crate::ops::{check_len, postprocess};
+use crate::schedule::{build_schedule_for_rows, workspace_layout, Schedule, ScheduleError};
+use half::bf16;
+use std::mem::size_of;
+use std::ops::Range;
+use std::sync::{Arc, Barrier, Mutex};
+
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+/// Elements of one workspace row `[4, 128]`.
+const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
+/// Elements of one token's query-side row `[64, 128]`.
+const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
+
+/// How a packed sequence is split across ranks (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpLayout {
+    ranks: usize,
+    cu_seqlens: Vec<i32>,
+    workspace_starts: Vec<i32>,
+    workspace_rows: usize,
+    slice_blocks: usize,
+    token_bounds: Vec<usize>,
+}
+
+impl CpLayout {
+    /// The layout of the documents `cu_seqlens` over `ranks` ranks.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Schedule`] for an invalid `cu_seqlens`; [`RuntimeError::Input`] when
+    /// `ranks` is 0, or such that some rank would hold no key block (each rank holds
+    /// `ceil(B/R)` of the `B` blocks, so `R` must satisfy `(R−1)·ceil(B/R) < B`); the
+    /// message names the nearest counts that do.
+    pub fn new(cu_seqlens: &[i32], ranks: usize) -> Result<CpLayout, RuntimeError> {
+        let (workspace_starts, workspace_rows) = workspace_layout(cu_seqlens)?;
+        let blocks = workspace_rows / BLOCK_SIZE;
+        if ranks == 0 {
+            return Err(RuntimeError::input("ranks", 0, "at least 1"));
+        }
+        let slice_blocks = blocks.div_ceil(ranks);
+        let fits = |r: usize| r >= 1 && (r - 1) * blocks.div_ceil(r) < blocks;
+        if !fits(ranks) {
+            // The valid counts are not every count up to B (7 blocks: 1-4 and 7), so name the
+            // nearest ones.
+            let below = (1..ranks.min(blocks + 1)).rev().find(|&r| fits(r));
+            let above = (ranks + 1..=blocks).find(|&r| fits(r));
+            let nearest = match (below, above) {
+                (Some(b), Some(a)) => format!("{b} or {a}"),
+                (Some(b), None) => b.to_string(),
+                (None, Some(a)) => a.to_string(),
+                (None, None) => "none".into(),
+            };
+            return Err(RuntimeError::input(
+                "ranks",
+                ranks,
+                format!(
+                    "a count R with (R−1)·ceil(B/R) < B = {blocks} key blocks, so that no \
+                     rank's slice is empty (nearest: {nearest})"
+                ),
+            ));
+        }
+        // The compact row of each key block's first token; block B ends at T.
+        let mut first_token = Vec::with_capacity(blocks + 1);
+        for (d, &ws) in workspace_starts.iter().enumerate() {
+            let len = (cu_seqlens[d + 1] - cu_seqlens[d]) as usize;
+            debug_assert_eq!(ws as usize / BLOCK_SIZE, first_token.len());
+            for j in 0..len.div_ceil(BLOCK_SIZE) {
+                first_token.push(cu_seqlens[d] as usize + j * BLOCK_SIZE);
+            }
+        }
+        let t = cu_seqlens[cu_seqlens.len() - 1] as usize;
+        first_token.push(t);
+        let token_bounds = (0..=ranks)
+            .map(|r| first_token[(r * slice_blocks).min(blocks)])
+            .collect();
+        Ok(CpLayout {
+            ranks,
+            cu_seqlens: cu_seqlens.to_vec(),
+            workspace_starts,
+            workspace_rows,
+            slice_blocks,
+            token_bounds,
+        })
+    }
+
+    /// Ranks `R`.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// The whole sequence's `cu_seqlens`.
+    pub fn cu_seqlens(&self) -> &[i32] {
+        &self.cu_seqlens
+    }
+
+    /// Workspace rows `W` of the whole sequence (dense layout).
+    pub fn workspace_rows(&self) -> usize {
+        self.workspace_rows
+    }
+
+    /// Rows `S` of every rank's K/V slice, `ceil(B/R)·128`.
+    pub fn slice_rows(&self) -> usize {
+        self.slice_blocks * BLOCK_SIZE
+    }
+
+    /// Rows of the gathered K/V and of the dK/dV pools, `R·S >= W`.
+    pub fn gathered_rows(&self) -> usize {
+        self.ranks * self.slice_rows()
+    }
+
+    /// The compact rows of rank `rank`'s tokens (its queries); the ranges of all ranks tile
+    /// `0..T` in order. Empty past the last rank.
+    pub fn token_rows(&self, rank: usize) -> Range<usize> {
+        match self.token_bounds.get(rank..rank + 2) {
+            Some(b) => b[0]..b[1],
+            None => 0..0,
+        }
+    }
+
+    /// The workspace rows of rank `rank`'s slice that hold key blocks, inside
+    /// `[rank·S, (rank+1)·S)`.
+    pub fn block_rows(&self, rank: usize) -> Range<usize> {
+        let s = self.slice_rows();
+        let start = (rank * s).min(self.workspace_rows);
+        start..((rank + 1) * s).min(self.workspace_rows)
+    }
+
+    /// The pieces of documents in rank `rank`'s token range, as `cu_seqlens` of its compact
+    /// rows: the dense aligned layout of these pieces is exactly the rank's
+    /// [`CpLayout::block_rows`], so `to_aligned` of the rank's compact K/V over them gives its
+    /// slice (then pad it with zero rows up to [`CpLayout::slice_rows`]).
+    pub fn local_cu_seqlens(&self, rank: usize) -> Vec<i32> {
+        let rows = self.token_rows(rank);
+        let mut cu = vec![0i32];
+        for w in self.cu_seqlens.windows(2) {
+            let (s, e) = (w[0] as usize, w[1] as usize);
+            let (a, b) = (s.max(rows.start), e.min(rows.end));
+            if a < b {
+                cu.push(cu[cu.len() - 1] + (b - a) as i32);
+            }
+        }
+        cu
+    }
+
+    /// Rank `rank`'s schedule from its rows of the selection, `q2k_local [4, T_r, 16]`: the
+    /// CSR rows and work items of every document, with the rank's queries only
+    /// ([`build_schedule_for_rows`]).
+    ///
+    /// # Errors
+    /// As [`build_schedule_for_rows`]; a selection error names the compact row.
+    pub fn local_schedule(
+        &self,
+        rank: usize,
+        q2k_local: &[i32],
+        queries_per_work: usize,
+    ) -> Result<Schedule, ScheduleError> {
+        if rank >= self.ranks {
+            return Err(ScheduleError::Invalid {
+                field: "rank".into(),
+                found: rank.to_string(),
+                expected: format!("below {} (the layout's ranks)", self.ranks),
+            });
+        }
+        build_schedule_for_rows(
+            q2k_local,
+            &self.cu_seqlens,
+            self.token_rows(rank),
+            queries_per_work,
+        )
+    }
+}
+
+/// The collectives of one rank of a context-parallel group, issued on the backend's stream
+/// (stream-ordered: a collective starts after the work issued before it, and work issued
+/// after it sees its result). Every rank of the group calls the same collectives in the same
+/// order, as with NCCL.
+pub trait Collective<B: Backend> {
+    /// Ranks of the group.
+    fn ranks(&self) -> usize;
+    /// This rank, `0..ranks`.
+    fn rank(&self) -> usize;
+    /// `recv[r·n .. (r+1)·n]` = rank `r`'s `send` (`n = send.len`) on every rank;
+    /// `recv.len == ranks·n`.
+    fn all_gather_bf16(
+        &mut self,
+        backend: &mut B,
+        send: Span<bf16>,
+        recv: Span<bf16>,
+    ) -> Result<(), RuntimeError>;
+    /// In place: with `n = buf.len / ranks`, `buf[rank·n .. (rank+1)·n]` becomes the sum over
+    /// ranks `r` of rank `r`'s `buf[rank·n ..]` (f32); the rest of `buf` is left undefined.
+    fn reduce_scatter_f32_in_place(
+        &mut self,
+        backend: &mut B,
+        buf: Span<f32>,
+    ) -> Result<(), RuntimeError>;
+}
+
+/// The buffers of one rank's context-parallel backward (see the module docs for the shapes).
+#[derive(Debug, Clone, Copy)]
+pub struct CpBuffers {
+    /// `q [T_r, 64, 128]` bf16, the rank's queries.
+    pub q: Span<bf16>,
+    /// `grad_out [T_r, 64, 128]` bf16.
+    pub grad_out: Span<bf16>,
+    /// `out [T_r, 64, 128]` bf16.
+    pub out: Span<bf16>,
+    /// `lse [T_r, 64]` f32.
+    pub lse: Span<f32>,
+    /// The rank's K slice `[S, 4, 128]` bf16 (padding and tail rows zero).
+    pub k_slice: Span<bf16>,
+    /// The rank's V slice `[S, 4, 128]` bf16 (padding and tail rows zero).
+    pub v_slice: Span<bf16>,
+    /// Output `dq [T_r, 64, 128]` bf16.
+    pub dq: Span<bf16>,
+    /// Output: dK of the rank's slice `[S, 4, 128]` bf16, summed over all ranks' queries.
+    pub dk_slice: Span<bf16>,
+    /// Output: dV of the rank's slice `[S, 4, 128]` bf16.
+    pub dv_slice: Span<bf16>,
+}
+
+/// One rank's context-parallel backward, with its cached workspaces (the backward's, and the
+/// gathered K/V of `2·R·S` rows).
+pub struct CpBackward<B: Backend> {
+    backward: MsaBackward<B>,
+    gathered: Option<(B::Buffer, usize)>,
+}
+
+impl<B: Backend> Default for CpBackward<B> {
+    fn default() -> Self {
+        CpBackward {
+            backward: MsaBackward::new(),
+            gathered: None,
+        }
+    }
+}
+
+impl<B: Backend> CpBackward<B> {
+    /// An empty cache; nothing is allocated until the first call.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The rank `comm.rank()`'s backward of `layout` on `schedule` (its
+    /// [`CpLayout::local_schedule`]): all-gather K/V, the local backward, reduce-scatter of
+    /// the fp32 dK/dV, postprocess (see the module docs). Every rank of the group must call it
+    /// with the same layout.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when the group, the layout, the schedule and the buffers do not
+    /// match (checked before anything is issued), and the backend's and the collective's
+    /// errors.
+    pub fn run_on<C: Collective<B>>(
+        &mut self,
+        backend: &mut B,
+        comm: &mut C,
+        layout: &CpLayout,
+        io: &CpBuffers,
+        schedule: &Schedule,
+    ) -> Result<(), RuntimeError> {
+        let (ranks, rank) = (comm.ranks(), comm.rank());
+        if ranks != layout.ranks() || rank >= ranks {
+            return Err(RuntimeError::input(
+                "comm",
+                format!("rank {rank} of {ranks}"),
+                format!(
+                    "a rank of a group of {} (the layout's ranks)",
+                    layout.ranks()
+                ),
+            ));
+        }
+        if schedule.cu_seqlens() != layout.cu_seqlens()
+            || schedule.document_workspace_starts() != layout.workspace_starts.as_slice()
+        {
+            return Err(RuntimeError::input(
+                "schedule",
+                "a schedule of other documents or another workspace layout",
+                "the layout's cu_seqlens in the dense workspace layout (CpLayout::local_schedule)",
+            ));
+        }
+        if schedule.query_rows() != layout.token_rows(rank) {
+            return Err(RuntimeError::input(
+                "schedule",
+                format!("query rows {:?}", schedule.query_rows()),
+                format!("rank {rank}'s token rows {:?}", layout.token_rows(rank)),
+            ));
+        }
+        let s = layout.slice_rows();
+        let g = layout.gathered_rows();
+        for (field, span) in [
+            ("k_slice", io.k_slice),
+            ("v_slice", io.v_slice),
+            ("dk_slice", io.dk_slice),
+            ("dv_slice", io.dv_slice),
+        ] {
+            check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
+        }
+        let tq = schedule.query_rows().len();
+        check_len("q", io.q.len, tq * Q_ROW, "[T_r, 64, 128] bf16")?;
+
+        // The gathered K/V, `2·R·S` rows, reused while it fits.
+        let bytes = 2 * g * KV_ROW * size_of::<bf16>();
+        let base = match &self.gathered {
+            Some((buf, have)) if *have >= bytes => backend.address(buf),
+            _ => {
+                self.gathered = None;
+                let buf = backend.alloc("gathered K/V", bytes)?;
+                let at = backend.address(&buf);
+                self.gathered = Some((buf, bytes));
+                at
+            }
+        };
+        let k_all = Span::<bf16>::new(base, g * KV_ROW);
+        let v_all = Span::<bf16>::new(base + (g * KV_ROW * size_of::<bf16>()) as u64, g * KV_ROW);
+
+        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
+        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
+        let w = layout.workspace_rows();
+        let bio = BackwardBuffers {
+            q: io.q,
+            k_aligned: k_all.prefix(w * KV_ROW),
+            v_aligned: v_all.prefix(w * KV_ROW),
+            grad_out: io.grad_out,
+            lse: io.lse,
+            out: io.out,
+            dq: io.dq,
+            dk_aligned: io.dk_slice,
+            dv_aligned: io.dv_slice,
+        };
+        let (dk_pool, dv_pool) = self.backward.run_to_pools(backend, &bio, schedule, g)?;
+        comm.reduce_scatter_f32_in_place(backend, dk_pool)?;
+        comm.reduce_scatter_f32_in_place(backend, dv_pool)?;
+        let chunk = |p: Span<f32>| {
+            Span::<f32>::new(
+                p.addr + (rank * s * KV_ROW * size_of::<f32>()) as u64,
+                s * KV_ROW,
+            )
+        };
+        postprocess(
+            backend,
+            Span::new(io.dq.addr, 0),
+            chunk(dk_pool),
+            chunk(dv_pool),
+            Span::new(io.dq.addr, 0),
+            io.dk_slice,
+            io.dv_slice,
+            0,
+            s,
+        )
+    }
+}
+
+/// `R` logical ranks in one process, each on its own thread and backend, exchanging through
+/// host memory: the collectives download, meet at a barrier, and upload. For tests of the
+/// context-parallel flow on one GPU or on the simulator; not fast.
+///
+/// Every rank must call every collective (as with NCCL): a rank that stops early (an error)
+/// leaves the others waiting at the barrier.
+pub struct HostGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    barrier: Barrier,
+    slots: Mutex<Vec<Vec<u8>>>,
+}
+
+impl HostGroup {
+    /// The `ranks` members of one group, rank `r` at index `r`.
+    pub fn new(ranks: usize) -> Vec<HostGroup> {
+        let shared = Arc::new(Shared {
+            barrier: Barrier::new(ranks),
+            slots: Mutex::new(vec![Vec::new(); ranks]),
+        });
+        (0..ranks)
+            .map(|rank| HostGroup {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
+    }
+
+    fn ranks_(&self) -> usize {
+        self.shared.slots.lock().map_or(0, |s| s.len())
+    }
+
+    /// Puts this rank's bytes in its slot, waits for every rank, applies `read` to all slots,
+    /// then waits again so that no slot is overwritten before every rank has read it.
+    fn exchange<T>(
+        &self,
+        mine: Vec<u8>,
+        read: impl FnOnce(&[Vec<u8>]) -> T,
+    ) -> Result<T, RuntimeError> {
+        let poisoned = |_| RuntimeError::Collective {
+            call: "HostGroup",
+            message: "another logical rank panicked".into(),
+        };
+        self.shared.slots.lock().map_err(poisoned)?[self.rank] = mine;
+        self.shared.barrier.wait();
+        let out = read(&self.shared.slots.lock().map_err(poisoned)?);
+        self.shared.barrier.wait();
+        Ok(out)
+    }
+}
+
+impl<B: Backend> Collective<B> for HostGroup {
+    fn ranks(&self) -> usize {
+        self.ranks_()
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn all_gather_bf16(
+        &mut self,
+        backend: &mut B,
+        send: Span<bf16>,
+        recv: Span<bf16>,
+    ) -> Result<(), RuntimeError> {
+        let ranks = self.ranks_();
+        check_len("recv", recv.len, ranks * send.len, "ranks·send.len")?;
+        let mine = backend.download("all_gather send", send.addr, 2 * send.len)?;
+        let all = self.exchange(mine, |slots| slots.concat())?;
+        if all.len() != 2 * recv.len {
+            return Err(RuntimeError::input(
+                "send",
+                "buffers of different lengths on the ranks",
+                "the same length on every rank",
+            ));
+        }
+        backend.upload("all_gather recv", recv.addr, &all)
+    }
+
+    fn reduce_scatter_f32_in_place(
+        &mut self,
+        backend: &mut B,
+        buf: Span<f32>,
+    ) -> Result<(), RuntimeError> {
+        let ranks = self.ranks_();
+        if !buf.len.is_multiple_of(ranks) {
+            return Err(RuntimeError::input(
+                "buf",
+                buf.len,
+                "a multiple of the ranks",
+            ));
+        }
+        let n = buf.len / ranks;
+        let rank = self.rank;
+        let mine = backend.download("reduce_scatter buf", buf.addr, 4 * buf.len)?;
+        // Summed in rank order, so every run gives the same bits.
+        let sum = self.exchange(mine, |slots| {
+            let mut acc = vec![0f32; n];
+            for s in slots {
+                let part = &s[4 * rank * n..4 * (rank + 1) * n];
+                for (a, b) in acc.iter_mut().zip(part.chunks_exact(4)) {
+                    *a += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            acc
+        })?;
+        let bytes: Vec<u8> = sum.iter().flat_map(|x| x.to_le_bytes()).collect();
+        backend.upload(
+            "reduce_scatter recv",
+            buf.addr + (4 * rank * n) as u64,
+            &bytes,
+        )
+    }
+}

@@ -1,0 +1,188 @@
+//! Context parallelism on one GPU (`msa_runtime::cp`): `R` logical ranks, each a thread with
+//! its own stream, exchanging through `HostGroup`. The reassembled gradients are checked
+//! against the f32 CPU reference (seed tolerances) and against the single-device backward of
+//! the whole sequence. With the `nccl` feature, one rank runs the same flow through NCCL on a
+//! communicator of one (two ranks need two GPUs).
+//!
+//! GPU tests skip without a GPU and fail with `REQUIRE_GPU=1`. Run with `--release`.
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::{
+    Collective, CpBackward, CpBuffers, CpLayout, CudaBackend, HostGroup, RuntimeError, Span,
+};
+use msa_tests::cases::{docs, random_top16, to_f32, DeviceInputs, Problem, KV_ROW, Q_ROW};
+use msa_tests::{gpu_stream, Rng};
+use std::sync::Arc;
+
+/// The rows `rows` of each of the 4 heads of `q2k [4, T, 16]`.
+fn q2k_rows(q2k: &[i32], t: usize, rows: std::ops::Range<usize>) -> Vec<i32> {
+    (0..4)
+        .flat_map(|h| q2k[(h * t + rows.start) * 16..(h * t + rows.end) * 16].to_vec())
+        .collect()
+}
+
+type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
+
+/// Rank `rank`'s backward on `stream` with the collective `comm`.
+fn rank_run<C: Collective<CudaBackend>>(
+    stream: &Arc<CudaStream>,
+    comm: &mut C,
+    layout: &CpLayout,
+    p: &Problem,
+    q2k: &[i32],
+    rank: usize,
+) -> Result<RankGrads, RuntimeError> {
+    let t = *layout.cu_seqlens().last().unwrap() as usize;
+    let rows = layout.token_rows(rank);
+    let schedule = layout.local_schedule(rank, &q2k_rows(q2k, t, rows.clone()), 64)?;
+    let s = layout.slice_rows();
+    let slice = |x: &[bf16]| {
+        let mut v = vec![bf16::ZERO; s * KV_ROW];
+        let b = layout.block_rows(rank);
+        v[..b.len() * KV_ROW].copy_from_slice(&x[b.start * KV_ROW..b.end * KV_ROW]);
+        v
+    };
+    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
+    let (q, grad_out, out) = (
+        up(&p.q[qr.clone()]),
+        up(&p.grad_out[qr.clone()]),
+        up(&p.out[qr]),
+    );
+    let lse = stream
+        .clone_htod(&p.lse[rows.start * 64..rows.end * 64])
+        .unwrap();
+    let (k, v) = (up(&slice(&p.k_aligned)), up(&slice(&p.v_aligned)));
+    let mut dq = stream.alloc_zeros::<bf16>(rows.len() * Q_ROW).unwrap();
+    let mut dk = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
+    let mut dv = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
+    {
+        let (nq, nkv) = (dq.len(), dk.len());
+        let sp = |x: u64, n: usize| Span::<bf16>::new(x, n);
+        let io = CpBuffers {
+            q: sp(q.device_ptr(stream).0, q.len()),
+            grad_out: sp(grad_out.device_ptr(stream).0, grad_out.len()),
+            out: sp(out.device_ptr(stream).0, out.len()),
+            lse: Span::new(lse.device_ptr(stream).0, lse.len()),
+            k_slice: sp(k.device_ptr(stream).0, k.len()),
+            v_slice: sp(v.device_ptr(stream).0, v.len()),
+            dq: sp(dq.device_ptr_mut(stream).0, nq),
+            dk_slice: sp(dk.device_ptr_mut(stream).0, nkv),
+            dv_slice: sp(dv.device_ptr_mut(stream).0, nkv),
+        };
+        let mut backend = CudaBackend::new(stream)?;
+        CpBackward::new().run_on(&mut backend, comm, layout, &io, &schedule)?;
+    }
+    let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).unwrap();
+    Ok((down(&dq), down(&dk), down(&dv)))
+}
+
+/// Checks the ranks' reassembled gradients against the reference and the single-device run.
+fn check(stream: &Arc<CudaStream>, p: &Problem, layout: &CpLayout, per_rank: &[RankGrads]) {
+    let w = layout.workspace_rows();
+    let dq: Vec<bf16> = per_rank.iter().flat_map(|g| g.0.clone()).collect();
+    let dk: Vec<bf16> = per_rank.iter().flat_map(|g| g.1.clone()).collect();
+    let dv: Vec<bf16> = per_rank.iter().flat_map(|g| g.2.clone()).collect();
+    assert!(dk[w * KV_ROW..]
+        .iter()
+        .chain(&dv[w * KV_ROW..])
+        .all(|x| x.to_bits() == 0));
+    let (dk, dv) = (&dk[..w * KV_ROW], &dv[..w * KV_ROW]);
+    let e = &p.expected;
+    for (tol, name, got, want) in [
+        (DQ_TOLERANCE, "dq", &dq[..], &e.dq),
+        (DK_TOLERANCE, "dk", dk, &e.dk_aligned),
+        (DV_TOLERANCE, "dv", dv, &e.dv_aligned),
+    ] {
+        let stats = tol
+            .check(name, &to_f32(got), want)
+            .unwrap_or_else(|m| panic!("{} over {} ranks: {m}", p.name, layout.ranks()));
+        println!(
+            "{} over {} ranks, {name} vs reference: {stats}",
+            p.name,
+            layout.ranks()
+        );
+    }
+    let single = DeviceInputs::upload(stream, p)
+        .run(stream, &p.schedule, None)
+        .unwrap();
+    let one = |x: &cudarc::driver::CudaSlice<bf16>| to_f32(&stream.clone_dtoh(x).unwrap());
+    for (name, got, want) in [
+        ("dq", &dq[..], one(&single.dq)),
+        ("dk", dk, one(&single.dk_aligned)),
+        ("dv", dv, one(&single.dv_aligned)),
+    ] {
+        let stats = DQ_TOLERANCE
+            .check(name, &to_f32(got), &want)
+            .unwrap_or_else(|m| panic!("{} over {} ranks vs one GPU: {m}", p.name, layout.ranks()));
+        println!(
+            "{} over {} ranks, {name} vs one GPU: {stats}",
+            p.name,
+            layout.ranks()
+        );
+    }
+}
+
+fn logical_ranks(name: &'static str, lengths: &[i32], ranks: usize, seed: u64) {
+    let Some(stream) = gpu_stream() else { return };
+    let cu = docs(lengths);
+    let t = *cu.last().unwrap() as usize;
+    let q2k = random_top16(&cu, &mut Rng::new(seed));
+    let p = Problem::new(name, cu.clone(), q2k.clone(), seed + 1);
+    let layout = CpLayout::new(&cu, ranks).unwrap();
+    println!(
+        "{name}: T = {t}, token rows {:?}",
+        (0..ranks).map(|r| layout.token_rows(r)).collect::<Vec<_>>()
+    );
+    let ctx = stream.context().clone();
+    let per_rank: Vec<RankGrads> = std::thread::scope(|scope| {
+        let hs: Vec<_> = HostGroup::new(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let (ctx, layout, p, q2k) = (&ctx, &layout, &p, &q2k);
+                scope.spawn(move || {
+                    let stream = ctx.new_stream().unwrap();
+                    rank_run(&stream, &mut comm, layout, p, q2k, rank).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    check(&stream, &p, &layout, &per_rank);
+}
+
+#[test]
+fn packed_documents_over_two_logical_ranks() {
+    // Four documents; the boundary falls inside the second.
+    logical_ranks("packed 4 docs", &[1000, 3000, 2500, 1692], 2, 51);
+}
+
+#[test]
+fn one_document_over_three_logical_ranks() {
+    logical_ranks("one document of 6000", &[6000], 3, 52);
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn one_rank_through_nccl() {
+    use msa_runtime::cp::nccl::{nccl_present, NcclCollective};
+    let Some(stream) = gpu_stream() else { return };
+    if !nccl_present() {
+        assert!(
+            std::env::var("REQUIRE_GPU").is_err(),
+            "REQUIRE_GPU=1 but libnccl.so cannot be loaded"
+        );
+        return;
+    }
+    let cu = docs(&[700, 1348]);
+    let q2k = random_top16(&cu, &mut Rng::new(53));
+    let p = Problem::new("nccl world of 1", cu.clone(), q2k.clone(), 54);
+    let layout = CpLayout::new(&cu, 1).unwrap();
+    let id = cudarc::nccl::result::get_uniqueid().unwrap();
+    let mut comm = NcclCollective::init_rank(id, 0, 1).unwrap();
+    let g = rank_run(&stream, &mut comm, &layout, &p, &q2k, 0).unwrap();
+    check(&stream, &p, &layout, &[g]);
+}
