@@ -33,10 +33,11 @@
 //!
 //! The collectives are behind [`Collective`]: [`HostGroup`] runs `R` logical ranks in one
 //! process (threads, each with its own backend) through host memory, for tests on one device
-//! or on the simulator; `cp::nccl::NcclCollective` (feature `nccl`) calls NCCL through
+//! or on the simulator; [`NcclCollective`] (feature `nccl`; in the `stream` child) calls NCCL through
 //! cudarc on the backend's stream.
 //!
-//! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding is layer 5.
+//! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding, its
+//! `stream` child, is layer 5.
 
 use crate::backend::{Backend, Span};
 use crate::backward::{BackwardBuffers, MsaBackward};
@@ -49,8 +50,11 @@ use std::mem::size_of;
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
 
+// The NCCL binding (layer 5), re-exported so its path is `msa_runtime::cp::NcclCollective`.
 #[cfg(feature = "nccl")]
-pub mod nccl;
+mod stream;
+#[cfg(feature = "nccl")]
+pub use stream::{nccl_present, NcclCollective};
 
 /// Elements of one workspace row `[4, 128]`.
 const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;

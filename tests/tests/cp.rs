@@ -168,7 +168,7 @@ fn one_document_over_three_logical_ranks() {
 #[cfg(feature = "nccl")]
 #[test]
 fn one_rank_through_nccl() {
-    use msa_runtime::cp::nccl::{nccl_present, NcclCollective};
+    use msa_runtime::cp::{nccl_present, NcclCollective};
     let Some(stream) = gpu_stream() else { return };
     if !nccl_present() {
         assert!(
