@@ -79,6 +79,8 @@ RUST
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The context-parallel NCCL binding (feature `nccl`, off by default) and its H200 test.
+cargo clippy -p msa-runtime -p msa-tests --all-targets --features msa-tests/nccl -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 python3 scripts/runtime-layers.py runtime/src
 downstream_check
