@@ -33,7 +33,7 @@
 //!
 //! The collectives are behind [`Collective`]: [`HostGroup`] runs `R` logical ranks in one
 //! process (threads, each with its own backend) through host memory, for tests on one device
-//! or on the simulator; [`NcclCollective`] (feature `nccl`; in the `stream` child) calls NCCL through
+//! or on the simulator; `NcclCollective` (feature `nccl`; in the `stream` child) calls NCCL through
 //! cudarc on the backend's stream.
 //!
 //! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding, its
