@@ -16,9 +16,9 @@
 //!   are zero.
 //! - Entries (one per `(head, key block, query block)` with an edge, see
 //!   `codegen::kernels::schedule_build`): at most `16·T` per head, since each has an edge. The
-//!   entry lists, the row buckets and the per-edge places take `2·16·T`, `2·16·T` and `16·T`
-//!   words per head; the row counters and starts `4·R` words per head. Nothing is quadratic:
-//!   the scratch is about 5 times `q_indices`.
+//!   entry lists, the row buckets and the entries' 128-bit query masks take `2·16·T`,
+//!   `2·16·T` and `4·16·T` words per head; the row counters and starts `4·R` words per head.
+//!   Nothing is quadratic: the scratch is about 8 times `q_indices` (2 GiB at `T = 2^20`).
 //! - A row's bucket holds at most one entry per query block of its document, at most
 //!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the size the bucket sort works in.
 //!
@@ -42,7 +42,7 @@
 use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
 use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 use crate::error::RuntimeError;
-use crate::kernels::{schedule_count, schedule_fill, schedule_order, schedule_scatter};
+use crate::kernels::{schedule_count, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
 
@@ -218,7 +218,7 @@ struct Layout {
     block_entries: usize,
     entries: usize,
     buckets: usize,
-    edge_places: usize,
+    masks: usize,
     words: usize,
 }
 
@@ -253,7 +253,8 @@ impl Layout {
             block_entries: take(2 * h * r),
             entries: take(2 * h * z.edge_capacity),
             buckets: take(2 * h * z.edge_capacity),
-            edge_places: take(h * z.edge_capacity),
+            // 128-bit query mask per entry, at the entry's list index.
+            masks: take(4 * h * z.edge_capacity),
             words: at,
         }
     }
@@ -396,16 +397,15 @@ impl<B: Backend> ResidentSchedule<B> {
     }
 
     /// The kernels of the build, for loading ahead of a capture.
-    pub fn kernels() -> [&'static crate::KernelSpec; 4] {
+    pub fn kernels() -> [&'static crate::KernelSpec; 3] {
         [
             &schedule_count::KERNEL,
             &schedule_scatter::KERNEL,
             &schedule_order::KERNEL,
-            &schedule_fill::KERNEL,
         ]
     }
 
-    /// Issues the four build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// Issues the three build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
     /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
     /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
     ///
@@ -497,7 +497,7 @@ impl<B: Backend> ResidentSchedule<B> {
                     q2k.ptr(),
                     self.w(l.entries),
                     self.w(l.block_entries),
-                    self.w(l.edge_places),
+                    self.w(l.masks),
                     self.w(l.row_ptr),
                     self.w(l.bucket_starts),
                     self.w(l.item_offsets),
@@ -537,21 +537,10 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.r(l.bucket_starts),
                     self.r(l.buckets),
                     self.r(l.row_ptr),
-                    self.w(l.entries),
-                    tokens,
-                    rows_cap,
-                ),
-            ),
-            (
-                &schedule_fill::KERNEL,
-                block_grid,
-                schedule_fill::args(
-                    self.r(l.status),
-                    self.r(l.block_doc),
-                    self.r(l.entries),
-                    self.r(l.edge_places),
+                    self.r(l.masks),
                     self.w(l.q_indices),
                     tokens,
+                    rows_cap,
                 ),
             ),
         ];

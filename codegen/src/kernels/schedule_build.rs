@@ -152,15 +152,6 @@ pub const ORDER: KernelDesc = KernelDesc {
     describe: order,
 };
 
-/// `schedule_fill`.
-pub const FILL: KernelDesc = KernelDesc {
-    name: "schedule_fill",
-    about: "writes every CSR edge at its entry's start plus its rank in the query block",
-    targets: TARGETS,
-    threads: (BLOCK_THREADS, 1, 1),
-    describe: fill,
-};
-
 /// `status[word]`.
 fn status_addr(status: Reg<U64>, word: u32) -> GlobalAddr {
     global(status, 4 * i64::from(word))
@@ -537,7 +528,6 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
 
 /// The block a per-block CTA `(f, head)` works on, from its record.
 struct Block {
-    head: Reg<U32>,
     qb: Reg<U32>,
     first_block: Reg<U32>,
     /// Compact start of the block's document.
@@ -549,67 +539,17 @@ struct Block {
 
 fn block_of_cta(b: &mut KernelBuilder, blk_doc: Reg<U64>) -> Block {
     let f = b.sreg(SReg::CtaidX);
-    let head = b.sreg(SReg::CtaidY);
     let tid = b.sreg(SReg::TidX);
     let rec = common_elem16(b, blk_doc, f);
     let [_, first_block, start, len]: [Reg<U32>; 4] = b.ld_v(&rec);
     let qb = b.sub(f, first_block);
     Block {
-        head,
         qb,
         first_block,
         start,
         len,
         tid,
     }
-}
-
-/// Bitonic sort, ascending, of the `m` (a power of two) words at shared `keys`, by a CTA of
-/// `threads` threads. Ends with a barrier.
-fn bitonic_sort(b: &mut KernelBuilder, keys: Reg<U32>, m: Reg<U32>, tid: Reg<U32>, threads: u32) {
-    let half = b.shr(m, 1u32);
-    let k = b.mov::<U32>(2u32);
-    let k_top = b.label("sort_k");
-    let k_done = b.label("sort_k_done");
-    b.place(&k_top);
-    let over = b.setp(Cmp::Gt, k, m);
-    b.bra_if(over, &k_done);
-    let j = b.shr(k, 1u32);
-    let j_top = b.label("sort_j");
-    let j_done = b.label("sort_j_done");
-    b.place(&j_top);
-    let none = b.setp(Cmp::Eq, j, 0u32);
-    b.bra_if(none, &j_done);
-    b.for_range(tid, half, threads, "sort_pairs", |b, i| {
-        // The i-th pair (lo, lo + j) with bit j of lo clear.
-        let jm1 = b.sub(j, 1u32);
-        let low = b.and(i, jm1);
-        let i2 = b.shl(i, 1u32);
-        let lo = b.sub(i2, low);
-        let lo4 = b.shl(lo, 2u32);
-        let a_lo = b.add(keys, lo4);
-        let j4 = b.shl(j, 2u32);
-        let a_hi = b.add(a_lo, j4);
-        let x = b.ld::<U32, _>(&shared(a_lo, 0));
-        let y = b.ld::<U32, _>(&shared(a_hi, 0));
-        let dir = b.and(lo, k);
-        let up = b.setp(Cmp::Eq, dir, 0u32);
-        let mn = b.min(x, y);
-        let mx = b.max(x, y);
-        let first = b.selp(mn, mx, up);
-        let second = b.selp(mx, mn, up);
-        b.st::<U32, _>(&shared(a_lo, 0), first);
-        b.st::<U32, _>(&shared(a_hi, 0), second);
-    });
-    b.bar_sync(0, None);
-    let j2 = b.shr(j, 1u32);
-    b.set(j, j2);
-    b.bra(&j_top);
-    b.place(&j_done);
-    let k2 = b.shl(k, 1u32);
-    b.set(k, k2);
-    b.bra(&k_top);
-    b.place(&k_done);
 }
 
 /// Thread 0 of the last [`COUNT`] CTA: the first fault, decoded into the status block.
@@ -703,7 +643,7 @@ fn count(b: &mut KernelBuilder) {
     let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
     let entries_p = b.param_ptr("entries", HostElem::I32, true);
     let info_p = b.param_ptr("block_entries", HostElem::I32, true);
-    let aux_p = b.param_ptr("edge_places", HostElem::I32, true);
+    let masks_p = b.param_ptr("entry_masks", HostElem::I32, true);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, true);
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, true);
     let item_off_p = b.param_ptr("item_offsets", HostElem::I32, true);
@@ -712,7 +652,6 @@ fn count(b: &mut KernelBuilder) {
     let qpw_p = b.param_u32("queries_per_work");
     let window_bits_p = b.param_u32("window_bits");
     let mask_var = b.shared_array("mask", WINDOW * 16, 16);
-    let jtab_var = b.shared_array("entry_of", WINDOW * 4, 16);
     let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
     // [entries of the block, their list base, last CTA]
     let misc_var = b.shared_array("misc", 16, 16);
@@ -777,7 +716,6 @@ fn count(b: &mut KernelBuilder) {
     let q = b.mad_lo(blk.qb, 128u32, tid);
     let live = b.setp(Cmp::Lt, q, blk.len);
     let mask = b.shared_base(&mask_var);
-    let jtab = b.shared_base(&jtab_var);
     let elist = b.shared_base(&elist_var);
 
     b.comment("clear the mask window and the entry counter");
@@ -842,15 +780,22 @@ fn count(b: &mut KernelBuilder) {
     });
     b.bar_sync(0, None);
 
-    b.comment("per window of key blocks: mask[id] |= bit of this query, then every edge's rank");
-    b.comment("among the block's queries with the same id; the rank-0 edge creates the entry");
+    b.comment("per window of key blocks: mask[id] |= bit of this query; the edge of the lowest");
+    b.comment("query with that id creates the entry: its id and count in the shared list, its");
+    b.comment("128-bit query mask at the same list index in entry_masks");
+    // The block's list: its queries' own 16 slots of the head's 16·T, [16·t0, 16·(t0 + 128)),
+    // so no allocation is needed (a block has at most one entry per valid edge).
+    let t_first = b.mad_lo(blk.qb, 128u32, blk.start);
+    let eb = b.mul_lo(t_first, TOPK);
+    let head_entries = b.mul_lo(head, edge_cap);
+    let list_base = b.add(head_entries, eb);
+    let masks = b.ld_param_ptr(&masks_p);
     let word = b.shr(tid, 5u32);
     let word4 = b.shl(word, 2u32);
     let lane = b.and(tid, 31u32);
     let one = b.mov::<U32>(1u32);
     let bit = b.shl(one, lane);
     let below_bit = b.sub(bit, 1u32);
-    let places: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
     let ranks: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
     let window_bits = b.ld_param(&window_bits_p);
     let window = b.shl(one, window_bits);
@@ -899,58 +844,40 @@ fn count(b: &mut KernelBuilder) {
                 let leader = b.setp(Cmp::Eq, rank, 0u32);
                 b.if_then(leader, "entry", |b| {
                     let j = b.atom::<U32, _>(AtomOp::Add, &shared(misc, 0), 1u32);
-                    let local = b.and(id, local_mask);
-                    let l4 = b.shl(local, 2u32);
-                    let at = b.add(jtab, l4);
-                    b.st::<U32, _>(&shared(at, 0), j);
                     let c = b.shl(total, 16u32);
                     let e = b.or(id, c);
                     let j4 = b.shl(j, 2u32);
                     let at = b.add(elist, j4);
                     b.st::<U32, _>(&shared(at, 0), e);
+                    let gi = b.add(list_base, j);
+                    let ma = common_elem16(b, masks, gi);
+                    b.st_v(&ma, m);
                 });
             });
         }
         b.bar_sync(0, None);
-        for (s, (&(p, a), &(id, _))) in in_window.iter().zip(&ids).enumerate() {
-            b.if_then(p, "place", |b| {
-                let local = b.and(id, local_mask);
-                let l4 = b.shl(local, 2u32);
-                let at = b.add(jtab, l4);
-                let j = b.ld::<U32, _>(&shared(at, 0));
-                let j7 = b.shl(j, 7u32);
-                let v = b.or(j7, ranks[s]);
-                b.set(places[s], v);
-                // Every read of this window's mask is behind the barrier above.
-                let leader = b.setp(Cmp::Eq, ranks[s], 0u32);
-                b.if_then(leader, "unmask", |b| {
-                    let z = b.mov::<U32>(0u32);
-                    b.st_v(&shared(a, 0), [z, z, z, z]);
-                });
+        for (&(p, a), &rank) in in_window.iter().zip(&ranks) {
+            // Every read of this window's mask is behind the barrier above.
+            let leader = b.setp(Cmp::Eq, rank, 0u32);
+            let clear = b.and_pred(p, leader);
+            b.if_then(clear, "unmask", |b| {
+                let z = b.mov::<U32>(0u32);
+                b.st_v(&shared(a, 0), [z, z, z, z]);
             });
         }
         b.bar_sync(0, None);
     });
 
-    b.comment("the block's entries: a place in the head's list, a slot in their row");
+    b.comment("the block's entries: a slot in their row");
     let n = b.ld::<U32, _>(&shared(misc, 0));
     let info = b.ld_param_ptr(&info_p);
-    b.if_then(t0, "allocate", |b| {
-        let word = b.add(head, ST_ENTRIES);
-        let a = b.mul_wide(word, 4u32);
-        let a = b.add(status, a);
-        let eb = b.atom::<U32, _>(AtomOp::Add, &global(a, 0), n);
-        b.st::<U32, _>(&shared(misc, 4), eb);
+    b.if_then(t0, "list", |b| {
         let i = b.mad_lo(head, rows_cap, f);
         let at = super::common::elem_bytes(b, info, i, 8);
         b.st_v(&at, [eb, n]);
     });
-    b.bar_sync(0, None);
-    let eb = b.ld::<U32, _>(&shared(misc, 4));
     let row_of = b.ld_param_ptr(row_of_p);
     let entries = b.ld_param_ptr(&entries_p);
-    let head_entries = b.mul_lo(head, edge_cap);
-    let list_base = b.add(head_entries, eb);
     // ENTRY_BATCH entries per thread and pass, each step for all of them before the next
     // (row lookups, then the atomics), so their round trips overlap.
     let n1 = b.max(n, 1u32);
@@ -992,24 +919,6 @@ fn count(b: &mut KernelBuilder) {
                 let ea = super::common::elem_bytes(b, entries, gi, 8);
                 b.st_v(&ea, [row, sc]);
             });
-        }
-    });
-    b.comment("edge_places[head, t, slot] = (list index << 7) | rank, or -1 for no edge");
-    let eb7 = b.shl(eb, 7u32);
-    let aux = b.ld_param_ptr(&aux_p);
-    b.if_then(live, "places", |b| {
-        let mut v = Vec::new();
-        for (s, &(_, valid)) in ids.iter().enumerate() {
-            let p = b.add(places[s], eb7);
-            v.push(b.selp(p, u32::MAX, valid));
-        }
-        let base = b.mul_wide(lin0, 4u32);
-        let base = b.add(aux, base);
-        for c in 0..4 {
-            b.st_v(
-                &global(base, 16 * c as i64),
-                [v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]],
-            );
         }
     });
 
@@ -1275,16 +1184,20 @@ fn scatter(b: &mut KernelBuilder) {
 }
 
 fn order(b: &mut KernelBuilder) {
+    const _: () = assert!(ORDER_THREADS * 32 == MAX_BUCKET, "one bitmap word per thread");
     b.grid("[rows capacity, 4, 1]");
     let status_p = b.param_ptr("status", HostElem::I32, false);
     let ctr_p = b.param_ptr("row_counters", HostElem::I32, false);
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, false);
     let buckets_p = b.param_ptr("buckets", HostElem::I32, false);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
-    let entries_p = b.param_ptr("entries", HostElem::I32, true);
+    let masks_p = b.param_ptr("entry_masks", HostElem::I32, false);
+    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
     let tokens_p = b.param_u32("num_tokens");
     let rows_cap_p = b.param_u32("rows_capacity");
-    let keys_var = b.shared_array("keys", MAX_BUCKET * 4, 16);
+    let keys_var = b.shared_array("sorted", MAX_BUCKET * 4, 16);
+    let bits_var = b.shared_array("qb_bits", MAX_BUCKET / 8, 16);
+    let below_var = b.shared_array("qb_below", MAX_BUCKET / 8, 16);
     let warp_totals = b.shared_array("warp_totals", 128, 16);
 
     let status = b.ld_param_ptr(&status_p);
@@ -1314,48 +1227,71 @@ fn order(b: &mut KernelBuilder) {
     let rp = b.mad_lo(head, stride, row);
     let row_ptr = b.ld_param_ptr(&row_ptr_p);
     let row_start = load_u32(b, row_ptr, rp);
-
-    b.comment("keys (qb << 13 | slot), padded with u32::MAX to a power of two, sorted");
-    let m = b.mov::<U32>(1u32);
-    let grow = b.label("grow");
-    let grown = b.label("grown");
-    b.place(&grow);
-    let enough = b.setp(Cmp::Ge, m, n);
-    b.bra_if(enough, &grown);
-    let m2 = b.shl(m, 1u32);
-    b.set(m, m2);
-    b.bra(&grow);
-    b.place(&grown);
     let keys = b.shared_base(&keys_var);
-    b.for_range(tid, m, ORDER_THREADS, "keys", |b, i| {
-        let key = b.mov::<U32>(u32::MAX);
-        let inside = b.setp(Cmp::Lt, i, n);
-        b.if_then(inside, "key", |b| {
-            let di = b.add(first, i);
-            let da = super::common::elem_bytes(b, buckets, di, 8);
-            let w = b.ld::<U32, _>(&da);
-            let qb = b.and(w, 0xffffu32);
-            let k = b.shl(qb, SLOT_BITS);
-            let k = b.or(k, i);
-            b.set(key, k);
-        });
-        let i4 = b.shl(i, 2u32);
-        let a = b.add(keys, i4);
-        b.st::<U32, _>(&shared(a, 0), key);
+    let bits = b.shared_base(&bits_var);
+    let below = b.shared_base(&below_var);
+    let qb_of = |b: &mut KernelBuilder, i: Reg<U32>| {
+        let di = b.add(first, i);
+        let da = super::common::elem_bytes(b, buckets, di, 8);
+        let w = b.ld::<U32, _>(&da);
+        b.and(w, 0xffffu32)
+    };
+
+    b.comment("the bucket's query blocks are distinct: a bitmap of them, and each entry's place");
+    b.comment("in qb order is the number of set bits below its own (no comparison sort)");
+    let tid4 = b.shl(tid, 2u32);
+    let my_bits = b.add(bits, tid4);
+    b.st::<U32, _>(&shared(my_bits, 0), 0u32);
+    b.bar_sync(0, None);
+    b.for_range(tid, n, ORDER_THREADS, "mark", |b, i| {
+        let qb = qb_of(b, i);
+        let w = b.shr(qb, 5u32);
+        let w4 = b.shl(w, 2u32);
+        let a = b.add(bits, w4);
+        let sh = b.and(qb, 31u32);
+        let one = b.mov::<U32>(1u32);
+        let bit = b.shl(one, sh);
+        b.red::<U32, _>(AtomOp::Or, &shared(a, 0), bit);
     });
     b.bar_sync(0, None);
-    bitonic_sort(b, keys, m, tid, ORDER_THREADS);
+    let word = b.ld::<U32, _>(&shared(my_bits, 0));
+    let c = b.popc(word);
+    let ([before], _) = cta_exclusive_scan_n::<1>(b, [c], tid, &warp_totals);
+    let my_below = b.add(below, tid4);
+    b.st::<U32, _>(&shared(my_below, 0), before);
+    b.bar_sync(0, None);
+    b.for_range(tid, n, ORDER_THREADS, "place", |b, i| {
+        let qb = qb_of(b, i);
+        let w = b.shr(qb, 5u32);
+        let w4 = b.shl(w, 2u32);
+        let a = b.add(bits, w4);
+        let x = b.ld::<U32, _>(&shared(a, 0));
+        let a = b.add(below, w4);
+        let p = b.ld::<U32, _>(&shared(a, 0));
+        let sh = b.and(qb, 31u32);
+        let one = b.mov::<U32>(1u32);
+        let bit = b.shl(one, sh);
+        let lower = b.sub(bit, 1u32);
+        let x = b.and(x, lower);
+        let r = b.popc(x);
+        let r = b.add(p, r);
+        let r4 = b.shl(r, 2u32);
+        let a = b.add(keys, r4);
+        b.st::<U32, _>(&shared(a, 0), i);
+    });
+    b.bar_sync(0, None);
 
-    b.comment("entry start = row_ptr + edges of the row's earlier query blocks");
+    b.comment("entry start = row_ptr + edges of the row's earlier query blocks; the entry's");
+    b.comment("queries (the set bits of its mask, ascending) go there");
     // n >= 1: the row has a CTA only if rows > row, and an empty row scans nothing.
     let n1 = b.max(n, 1u32);
     let last = b.sub(n1, 1u32);
-    let entries = b.ld_param_ptr(&entries_p);
+    let masks = b.ld_param_ptr(&masks_p);
+    let q_indices = b.ld_param_ptr(&q_indices_p);
     let record = |b: &mut KernelBuilder, i: Reg<U32>| {
         let i4 = b.shl(i, 2u32);
         let a = b.add(keys, i4);
-        let key = b.ld::<U32, _>(&shared(a, 0));
-        let slot = b.and(key, (1u32 << SLOT_BITS) - 1);
+        let slot = b.ld::<U32, _>(&shared(a, 0));
         let di = b.add(first, slot);
         super::common::elem_bytes(b, buckets, di, 8)
     };
@@ -1377,75 +1313,41 @@ fn order(b: &mut KernelBuilder) {
         |b, i, live, before, _| {
             let ic = b.min(i, last);
             let da = record(b, ic);
-            let li = b.ld::<U32, _>(&da.offset(4));
-            b.if_then(live, "entry_start", |b| {
-                let gi = b.add(head_base, li);
-                let ea = super::common::elem_bytes(b, entries, gi, 8);
-                let s = b.add(row_start, before[0]);
-                b.st::<U32, _>(&ea, s);
+            let [w, li]: [Reg<U32>; 2] = b.ld_v(&da);
+            let gi = b.add(head_base, li);
+            let ma = common_elem16(b, masks, gi);
+            let m: [Reg<U32>; 4] = b.ld_v(&ma);
+            b.if_then(live, "entry_queries", |b| {
+                let qb = b.and(w, 0xffffu32);
+                let q0 = b.shl(qb, 7u32);
+                let at = b.add(head_base, row_start);
+                let at = b.add(at, before[0]);
+                let pos = b.mov::<U32>(at);
+                for (k, &word) in m.iter().enumerate() {
+                    let x = b.mov::<U32>(word);
+                    let top = b.label("query_bits");
+                    let out = b.label("query_bits_done");
+                    b.place(&top);
+                    let empty = b.setp(Cmp::Eq, x, 0u32);
+                    b.bra_if(empty, &out);
+                    // The lowest set bit and its index.
+                    let zero = b.mov::<U32>(0u32);
+                    let neg = b.sub(zero, x);
+                    let low = b.and(x, neg);
+                    let low1 = b.sub(low, 1u32);
+                    let bit = b.popc(low1);
+                    let q = b.add(q0, bit);
+                    let q = b.add(q, 32 * k as u32);
+                    store_u32(b, q_indices, pos, q);
+                    let p1 = b.add(pos, 1u32);
+                    b.set(pos, p1);
+                    let rest = b.xor(x, low);
+                    b.set(x, rest);
+                    b.bra(&top);
+                    b.place(&out);
+                }
             });
         },
     );
-    b.ret();
-}
-
-fn fill(b: &mut KernelBuilder) {
-    b.grid("[rows capacity, 4, 1]");
-    let status_p = b.param_ptr("status", HostElem::I32, false);
-    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
-    let entries_p = b.param_ptr("entries", HostElem::I32, false);
-    let aux_p = b.param_ptr("edge_places", HostElem::I32, false);
-    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
-    let tokens_p = b.param_u32("num_tokens");
-
-    let status = b.ld_param_ptr(&status_p);
-    let f = b.sreg(SReg::CtaidX);
-    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
-    let flagged = b.setp(Cmp::Ne, flags, 0u32);
-    let past = b.setp(Cmp::Ge, f, rows);
-    let done = b.or_pred(flagged, past);
-    b.if_then(done, "block_done", |b| b.ret());
-
-    let blk_doc = b.ld_param_ptr(&blk_doc_p);
-    let blk = block_of_cta(b, blk_doc);
-    let q = b.mad_lo(blk.qb, 128u32, blk.tid);
-    let live = b.setp(Cmp::Lt, q, blk.len);
-    b.unless(live, "dead", |b| b.ret());
-    let tokens = b.ld_param(&tokens_p);
-    let edge_cap = b.mul_lo(tokens, TOPK);
-    let head_base = b.mul_lo(blk.head, edge_cap);
-    let t = b.add(blk.start, q);
-    let ht = b.mad_lo(blk.head, tokens, t);
-    let lin0 = b.mul_lo(ht, TOPK);
-    let aux = b.ld_param_ptr(&aux_p);
-    let base = b.mul_wide(lin0, 4u32);
-    let base = b.add(aux, base);
-    let entries = b.ld_param_ptr(&entries_p);
-    let q_indices = b.ld_param_ptr(&q_indices_p);
-    b.comment("q_indices[head, start of the entry + rank] = q");
-    // All 16 loads first, unpredicated (a slot with no edge reads the head's entry 0, which
-    // is in bounds), so they overlap; only the stores are predicated.
-    let mut places = Vec::new();
-    for c in 0..4 {
-        let v: [Reg<U32>; 4] = b.ld_v(&global(base, 16 * c as i64));
-        places.extend(v);
-    }
-    let mut starts = Vec::new();
-    for &a in &places {
-        let edge = b.setp(Cmp::Ne, a, u32::MAX);
-        let li = b.shr(a, 7u32);
-        let li = b.selp(li, 0u32, edge);
-        let gi = b.add(head_base, li);
-        let ea = super::common::elem_bytes(b, entries, gi, 8);
-        starts.push((edge, b.ld::<U32, _>(&ea)));
-    }
-    for (&a, &(edge, start)) in places.iter().zip(&starts) {
-        b.if_then(edge, "edge", |b| {
-            let r = b.and(a, 127u32);
-            let e = b.add(start, r);
-            let e = b.add(head_base, e);
-            store_u32(b, q_indices, e, q);
-        });
-    }
     b.ret();
 }
