@@ -225,7 +225,6 @@ pub mod schedule_count {
         doc_long_index: PtrMut<i32>,
         long_blocks: PtrMut<i32>,
         block_record: PtrMut<i32>,
-        row_of_block: PtrMut<i32>,
         block_of_row: PtrMut<i32>,
         row_counters: PtrMut<i32>,
         num_docs: u32,
@@ -249,16 +248,15 @@ pub mod schedule_count {
             KernelArg::from(document_workspace_starts), KernelArg::from(status),
             KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
             KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
-            KernelArg::from(block_record), KernelArg::from(row_of_block),
-            KernelArg::from(block_of_row), KernelArg::from(row_counters),
-            KernelArg::from(num_docs), KernelArg::from(num_tokens),
-            KernelArg::from(workspace_blocks), KernelArg::from(row_counter_count),
-            KernelArg::from(q2k), KernelArg::from(entries),
-            KernelArg::from(block_entries), KernelArg::from(entry_masks),
-            KernelArg::from(row_ptr), KernelArg::from(bucket_starts),
-            KernelArg::from(item_offsets), KernelArg::from(work_count),
-            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work),
-            KernelArg::from(window_bits)
+            KernelArg::from(block_record), KernelArg::from(block_of_row),
+            KernelArg::from(row_counters), KernelArg::from(num_docs),
+            KernelArg::from(num_tokens), KernelArg::from(workspace_blocks),
+            KernelArg::from(row_counter_count), KernelArg::from(q2k),
+            KernelArg::from(entries), KernelArg::from(block_entries),
+            KernelArg::from(entry_masks), KernelArg::from(row_ptr),
+            KernelArg::from(bucket_starts), KernelArg::from(item_offsets),
+            KernelArg::from(work_count), KernelArg::from(rows_capacity),
+            KernelArg::from(queries_per_work), KernelArg::from(window_bits)
         ]
     }
 }
@@ -357,6 +355,7 @@ pub mod schedule_order {
         bucket_starts: Ptr<i32>,
         buckets: Ptr<i32>,
         row_ptr: Ptr<i32>,
+        block_of_row: Ptr<i32>,
         entry_masks: Ptr<i32>,
         q_indices: PtrMut<i32>,
         num_tokens: u32,
@@ -365,9 +364,9 @@ pub mod schedule_order {
         vec![
             KernelArg::from(status), KernelArg::from(row_counters),
             KernelArg::from(bucket_starts), KernelArg::from(buckets),
-            KernelArg::from(row_ptr), KernelArg::from(entry_masks),
-            KernelArg::from(q_indices), KernelArg::from(num_tokens),
-            KernelArg::from(rows_capacity)
+            KernelArg::from(row_ptr), KernelArg::from(block_of_row),
+            KernelArg::from(entry_masks), KernelArg::from(q_indices),
+            KernelArg::from(num_tokens), KernelArg::from(rows_capacity)
         ]
     }
 }

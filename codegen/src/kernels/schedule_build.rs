@@ -315,7 +315,6 @@ struct DocParams {
     long_idx: ParamRef<U64>,
     long_nb: ParamRef<U64>,
     blk_doc: ParamRef<U64>,
-    row_of: ParamRef<U64>,
     block_of: ParamRef<U64>,
     ctr: ParamRef<U64>,
     docs: ParamRef<U32>,
@@ -335,7 +334,6 @@ fn doc_params(b: &mut KernelBuilder) -> DocParams {
         long_idx: b.param_ptr("doc_long_index", HostElem::I32, true),
         long_nb: b.param_ptr("long_blocks", HostElem::I32, true),
         blk_doc: b.param_ptr("block_record", HostElem::I32, true),
-        row_of: b.param_ptr("row_of_block", HostElem::I32, true),
         block_of: b.param_ptr("block_of_row", HostElem::I32, true),
         ctr: b.param_ptr("row_counters", HostElem::I32, true),
         docs: b.param_u32("num_docs"),
@@ -352,7 +350,7 @@ fn doc_params(b: &mut KernelBuilder) -> DocParams {
 fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Label) {
     let (cu_in_p, cu_p, ws_p, status_p, nb_p) = (&p.cu_in, &p.cu, &p.ws, &p.status, &p.nb);
     let (rank0_p, long_idx_p, long_nb_p) = (&p.rank0, &p.long_idx, &p.long_nb);
-    let (blk_doc_p, row_of_p, block_of_p, ctr_p) = (&p.blk_doc, &p.row_of, &p.block_of, &p.ctr);
+    let ctr_p = &p.ctr;
     let (docs_p, tokens_p, kblocks_p, counters_p) = (&p.docs, &p.tokens, &p.kblocks, &p.counters);
     let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
     // [first cu_seqlens fault, flags]: the step is one CTA, so its own fault bookkeeping
@@ -482,48 +480,6 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     let flags = b.ld::<U32, _>(&shared(verdict, 4));
     let bad = b.setp(Cmp::Ne, flags, 0u32);
     b.bra_if(bad, exit);
-
-    b.comment("rows: document d's block k is row rank0(d) at level 0, else");
-    b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
-    let blk_doc = b.ld_param_ptr(blk_doc_p);
-    let row_of = b.ld_param_ptr(row_of_p);
-    let block_of = b.ld_param_ptr(block_of_p);
-    b.for_range(tid, rows, threads, "rows", |b, f| {
-        let start = b.shl(f, 7u32);
-        let d = last_le(b, ws, docs, start);
-        let ws_d = load_u32(b, ws, d);
-        let first = b.shr(ws_d, 7u32);
-        let k = b.sub(f, first);
-        let row = load_u32(b, rank0_a, d);
-        let upper = b.setp(Cmp::Gt, k, 0u32);
-        b.if_then(upper, "upper_level", |b| {
-            let mine = load_u32(b, long_idx_a, d);
-            let acc = b.mov::<U32>(nonempty);
-            b.for_range(0u32, long, 1, "long_docs", |b, j| {
-                let nbj = load_u32(b, long_nb_a, j);
-                let m = b.min(nbj, k);
-                let m = b.sub(m, 1u32);
-                let before = b.setp(Cmp::Lt, j, mine);
-                let above = b.setp(Cmp::Gt, nbj, k);
-                let both = b.and_pred(before, above);
-                let extra = b.selp(1u32, 0u32, both);
-                let a = b.add(acc, m);
-                let a = b.add(a, extra);
-                b.set(acc, a);
-            });
-            b.set(row, acc);
-        });
-        // The block's record (document, its first block, its start and length): the
-        // per-block kernels get their document in one vector load.
-        let cs = load_u32(b, cu, d);
-        let d1 = b.add(d, 1u32);
-        let ce = load_u32(b, cu, d1);
-        let len = b.sub(ce, cs);
-        let rec = common_elem16(b, blk_doc, f);
-        b.st_v(&rec, [d, first, cs, len]);
-        store_u32(b, row_of, f, row);
-        store_u32(b, block_of, row, f);
-    });
 }
 
 /// The block a per-block CTA `(f, head)` works on, from its record.
@@ -634,11 +590,83 @@ fn halves(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<U32>, Reg<U32>) {
     (lo, hi)
 }
 
+/// [`COUNT`]'s CTA `(f, head)` after the documents step: block `f`'s document by a search of
+/// the workspace starts (the blocks are spread over all CTAs, none does them serially); the
+/// CTAs of head 0 also number the block's row and record both for the later kernels. Uniform
+/// per CTA (the row's sum over long documents is a CTA reduction).
+fn own_block(
+    b: &mut KernelBuilder,
+    p: &DocParams,
+    status: Reg<U64>,
+    f: Reg<U32>,
+    head: Reg<U32>,
+) -> Block {
+    let tid = b.sreg(SReg::TidX);
+    let ws = b.ld_param_ptr(&p.ws);
+    let cu = b.ld_param_ptr(&p.cu);
+    let docs = b.ld_param(&p.docs);
+    let start = b.shl(f, 7u32);
+    let d = last_le(b, ws, docs, start);
+    let ws_d = load_u32(b, ws, d);
+    let first = b.shr(ws_d, 7u32);
+    let k = b.sub(f, first);
+    let cs = load_u32(b, cu, d);
+    let d1 = b.add(d, 1u32);
+    let ce = load_u32(b, cu, d1);
+    let len = b.sub(ce, cs);
+    let head0 = b.setp(Cmp::Eq, head, 0u32);
+    b.if_then(head0, "number_row", |b| {
+        b.comment("document d's block k is row rank0(d) at level 0, else");
+        b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
+        let rank0 = b.ld_param_ptr(&p.rank0);
+        let long_idx = b.ld_param_ptr(&p.long_idx);
+        let long_nb = b.ld_param_ptr(&p.long_nb);
+        let [nonempty, long]: [Reg<U32>; 2] = b.ld_v(&status_addr(status, ST_NONEMPTY));
+        let mine = load_u32(b, long_idx, d);
+        let acc = b.mov::<U32>(0u32);
+        b.for_range(tid, long, BLOCK_THREADS, "long_docs", |b, j| {
+            let nbj = load_u32(b, long_nb, j);
+            let m = b.min(nbj, k);
+            let m = b.sub(m, 1u32);
+            let before = b.setp(Cmp::Lt, j, mine);
+            let above = b.setp(Cmp::Gt, nbj, k);
+            let both = b.and_pred(before, above);
+            let extra = b.selp(1u32, 0u32, both);
+            let a = b.add(acc, m);
+            let a = b.add(a, extra);
+            b.set(acc, a);
+        });
+        let warp_totals = b.shared_array("row_sum", 128, 16);
+        let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [acc], tid, &warp_totals);
+        let upper = b.add(nonempty, sum);
+        let level0 = load_u32(b, rank0, d);
+        let at0 = b.setp(Cmp::Eq, k, 0u32);
+        let row = b.selp(level0, upper, at0);
+        let t0 = b.setp(Cmp::Eq, tid, 0u32);
+        b.if_then(t0, "record", |b| {
+            // The block's record (document, its first block, its start and length): the
+            // later per-block kernels get their document in one vector load.
+            let blk_doc = b.ld_param_ptr(&p.blk_doc);
+            let rec = common_elem16(b, blk_doc, f);
+            b.st_v(&rec, [d, first, cs, len]);
+            let block_of = b.ld_param_ptr(&p.block_of);
+            store_u32(b, block_of, row, f);
+        });
+    });
+    Block {
+        qb: k,
+        first_block: first,
+        start: cs,
+        len,
+        tid,
+    }
+}
+
 fn count(b: &mut KernelBuilder) {
     b.grid("[rows capacity, 4, 1]");
     let dp = doc_params(b);
     let (cu_p, status_p, nb_p) = (&dp.cu, &dp.status, &dp.nb);
-    let (blk_doc_p, row_of_p, ctr_p) = (&dp.blk_doc, &dp.row_of, &dp.ctr);
+    let (block_of_p, ctr_p) = (&dp.block_of, &dp.ctr);
     let (docs_p, tokens_p) = (&dp.docs, &dp.tokens);
     let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
     let entries_p = b.param_ptr("entries", HostElem::I32, true);
@@ -658,7 +686,6 @@ fn count(b: &mut KernelBuilder) {
     let warp_totals = b.shared_array("warp_totals", 12 * 128, 16);
 
     let status = b.ld_param_ptr(status_p);
-    let blk_doc = b.ld_param_ptr(blk_doc_p);
     let tokens = b.ld_param(tokens_p);
     let rows_cap = b.ld_param(&rows_cap_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
@@ -710,7 +737,7 @@ fn count(b: &mut KernelBuilder) {
     let finish = b.label("finish");
     b.bra_if(skip, &finish);
 
-    let blk = block_of_cta(b, blk_doc);
+    let blk = own_block(b, &dp, status, f, head);
     let nb = b.add(blk.len, 127u32);
     let nb = b.shr(nb, 7u32);
     let q = b.mad_lo(blk.qb, 128u32, tid);
@@ -876,7 +903,6 @@ fn count(b: &mut KernelBuilder) {
         let at = super::common::elem_bytes(b, info, i, 8);
         b.st_v(&at, [eb, n]);
     });
-    let row_of = b.ld_param_ptr(row_of_p);
     let entries = b.ld_param_ptr(&entries_p);
     // ENTRY_BATCH entries per thread and pass, each step for all of them before the next
     // (row lookups, then the atomics), so their round trips overlap.
@@ -893,13 +919,14 @@ fn count(b: &mut KernelBuilder) {
             let e = b.ld::<U32, _>(&shared(at, 0));
             let id = b.and(e, 0xffffu32);
             let c = b.shr(e, 16u32);
+            // Counters, bucket starts and entries go by key block (its row is numbered by
+            // another CTA of this launch).
             let fk = b.add(blk.first_block, id);
-            let row = load_u32(b, row_of, fk);
-            batch.push((j, live, c, row));
+            batch.push((j, live, c, fk));
         }
         let mut slots = Vec::new();
-        for &(_, live, c, row) in &batch {
-            let bi = b.mad_lo(head, rows_cap, row);
+        for &(_, live, c, fk) in &batch {
+            let bi = b.mad_lo(head, rows_cap, fk);
             let c64 = b.cvt::<U64, U32>(c);
             let inc = b.add(c64, 1u64 << 32);
             let ca = super::common::elem_bytes(b, ctr, bi, 8);
@@ -910,14 +937,14 @@ fn count(b: &mut KernelBuilder) {
             });
             slots.push(old);
         }
-        for (&(j, live, c, row), &old) in batch.iter().zip(&slots) {
+        for (&(j, live, c, fk), &old) in batch.iter().zip(&slots) {
             let (_, slot) = halves(b, old);
             let c13 = b.shl(c, SLOT_BITS);
             let sc = b.or(slot, c13);
             let gi = b.add(list_base, j);
             b.predicated(live, false, |b| {
                 let ea = super::common::elem_bytes(b, entries, gi, 8);
-                b.st_v(&ea, [row, sc]);
+                b.st_v(&ea, [fk, sc]);
             });
         }
     });
@@ -970,7 +997,9 @@ fn count(b: &mut KernelBuilder) {
     let stride = b.add(rows_cap, 1u32);
     let rows1 = b.max(rows, 1u32);
     let last_row = b.sub(rows1, 1u32);
-    // Two rows per thread and tile: the 12 values per row stay in registers.
+    let block_of = b.ld_param_ptr(block_of_p);
+    // Two rows per thread and tile: the 12 values per row stay in registers. The counters
+    // and bucket starts go by key block, row_ptr and the item offsets by row.
     let totals = tiled_scan_n::<12>(
         b,
         (BLOCK_THREADS, 2),
@@ -980,9 +1009,10 @@ fn count(b: &mut KernelBuilder) {
         // Unpredicated loads at a clamped row (rows >= 1 here), zero when not live.
         |b, r, live| {
             let rc = b.min(r, last_row);
+            let fb = load_u32(b, block_of, rc);
             let mut out = Vec::new();
             for h in 0..4u32 {
-                let i = b.mad_lo(rows_cap, h, rc);
+                let i = b.mad_lo(rows_cap, h, fb);
                 let a = super::common::elem_bytes(b, ctr, i, 8);
                 let v = b.ld::<U64, _>(&a);
                 let (e, n) = halves(b, v);
@@ -995,12 +1025,14 @@ fn count(b: &mut KernelBuilder) {
         },
         |b, r, live, before, _| {
             b.if_then(live, "row_store", |b| {
+                let fb = load_u32(b, block_of, r);
                 for h in 0..4u32 {
                     let i = b.mad_lo(stride, h, r);
                     let k = 3 * h as usize;
                     store_u32(b, row_ptr, i, before[k]);
-                    let i = b.mad_lo(rows_cap, h, r);
+                    let i = b.mad_lo(rows_cap, h, fb);
                     store_u32(b, bstart, i, before[k + 1]);
+                    let i = b.mad_lo(rows_cap, h, r);
                     store_u32(b, item_off, i, before[k + 2]);
                 }
             });
@@ -1167,10 +1199,10 @@ fn scatter(b: &mut KernelBuilder) {
     b.for_range(blk.tid, n, BLOCK_THREADS, "entries", |b, j| {
         let gi = b.add(list_base, j);
         let ea = super::common::elem_bytes(b, entries, gi, 8);
-        let [row, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
+        let [fk, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
         let slot = b.and(sc, (1u32 << SLOT_BITS) - 1);
         let c = b.shr(sc, SLOT_BITS);
-        let bi = b.mad_lo(head, rows_cap, row);
+        let bi = b.mad_lo(head, rows_cap, fk);
         let bs = load_u32(b, bstart, bi);
         let di = b.add(head_base, bs);
         let di = b.add(di, slot);
@@ -1191,6 +1223,7 @@ fn order(b: &mut KernelBuilder) {
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, false);
     let buckets_p = b.param_ptr("buckets", HostElem::I32, false);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
+    let block_of_p = b.param_ptr("block_of_row", HostElem::I32, false);
     let masks_p = b.param_ptr("entry_masks", HostElem::I32, false);
     let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
     let tokens_p = b.param_u32("num_tokens");
@@ -1213,7 +1246,9 @@ fn order(b: &mut KernelBuilder) {
     let tokens = b.ld_param(&tokens_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
     let rows_cap = b.ld_param(&rows_cap_p);
-    let bi = b.mad_lo(head, rows_cap, row);
+    let block_of = b.ld_param_ptr(&block_of_p);
+    let fb = load_u32(b, block_of, row);
+    let bi = b.mad_lo(head, rows_cap, fb);
     let ctr = b.ld_param_ptr(&ctr_p);
     let ca = super::common::elem_bytes(b, ctr, bi, 8);
     let cv = b.ld::<U64, _>(&ca);
