@@ -381,6 +381,8 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     });
 
     b.comment("reset the status block; a bad cu_seqlens[0] is fault index 0");
+    // cu_seqlens[D], read once by the leader (it checks it against T after the scan).
+    let c_last = b.mov::<U32>(0u32);
     b.if_then(leader, "reset", |b| {
         for w in (0..STATUS_WORDS).filter(|&w| w != ST_READY) {
             let v = if w == ST_CU_FAULT {
@@ -392,15 +394,16 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
             };
             b.st::<U32, _>(&status_addr(status, w), v);
         }
+        let last = b.mul_wide(docs, 4u32);
+        let last_in = b.add(cu_in, last);
         let c0 = b.ld::<U32, _>(&global(cu_in, 0));
+        let c = b.ld::<U32, _>(&global(last_in, 0));
+        b.set(c_last, c);
         let bad = b.setp(Cmp::Ne, c0, 0u32);
         let first = b.selp::<U32>(0u32, i32::MAX as u32, bad);
         b.st::<U32, _>(&shared(verdict, 0), first);
-        let last = b.mul_wide(docs, 4u32);
-        let last_in = b.add(cu_in, last);
-        let c_last = b.ld::<U32, _>(&global(last_in, 0));
         let last_out = b.add(cu, last);
-        b.st::<U32, _>(&global(last_out, 0), c_last);
+        b.st::<U32, _>(&global(last_out, 0), c);
     });
     b.bar_sync(0, None);
 
@@ -456,9 +459,6 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     );
     b.bar_sync(0, None);
     b.if_then(leader, "totals", |b| {
-        let last = b.mul_wide(docs, 4u32);
-        let last = b.add(cu_in, last);
-        let c_last = b.ld::<U32, _>(&global(last, 0));
         let wrong_t = b.setp(Cmp::Ne, c_last, tokens);
         let fault = b.ld::<U32, _>(&shared(verdict, 0));
         let at_end = b.min(fault, docs);
@@ -1237,6 +1237,15 @@ fn order(b: &mut KernelBuilder) {
     let tid = b.sreg(SReg::TidX);
     let row = b.sreg(SReg::CtaidX);
     let head = b.sreg(SReg::CtaidY);
+    let rows_cap = b.ld_param(&rows_cap_p);
+    // The row's block and start are loaded with the status (in bounds for every row of the
+    // grid; used only when the row is live), so the round trips overlap.
+    let block_of = b.ld_param_ptr(&block_of_p);
+    let fb = load_u32(b, block_of, row);
+    let stride = b.add(rows_cap, 1u32);
+    let rp = b.mad_lo(head, stride, row);
+    let row_ptr = b.ld_param_ptr(&row_ptr_p);
+    let row_start = load_u32(b, row_ptr, rp);
     let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
     let flagged = b.setp(Cmp::Ne, flags, 0u32);
     let past = b.setp(Cmp::Ge, row, rows);
@@ -1245,9 +1254,6 @@ fn order(b: &mut KernelBuilder) {
 
     let tokens = b.ld_param(&tokens_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
-    let rows_cap = b.ld_param(&rows_cap_p);
-    let block_of = b.ld_param_ptr(&block_of_p);
-    let fb = load_u32(b, block_of, row);
     let bi = b.mad_lo(head, rows_cap, fb);
     let ctr = b.ld_param_ptr(&ctr_p);
     let ca = super::common::elem_bytes(b, ctr, bi, 8);
@@ -1258,10 +1264,6 @@ fn order(b: &mut KernelBuilder) {
     let head_base = b.mul_lo(head, edge_cap);
     let first = b.add(head_base, bs);
     let buckets = b.ld_param_ptr(&buckets_p);
-    let stride = b.add(rows_cap, 1u32);
-    let rp = b.mad_lo(head, stride, row);
-    let row_ptr = b.ld_param_ptr(&row_ptr_p);
-    let row_start = load_u32(b, row_ptr, rp);
     let keys = b.shared_base(&keys_var);
     let bits = b.shared_base(&bits_var);
     let below = b.shared_base(&below_var);
