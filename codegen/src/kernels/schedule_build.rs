@@ -65,8 +65,10 @@ pub const WINDOW: u32 = 1024;
 pub const MAX_BUCKET: u32 = 8192;
 /// Entries a [`COUNT`] thread handles per pass of its entry loop.
 const ENTRY_BATCH: u32 = 4;
-/// Bits of a bucket sort key holding the slot (the rest holds `qb`).
+/// Bits of an entry's second word holding its slot in the row; the count (1..=128) follows.
 const SLOT_BITS: u32 = 13;
+/// Shift of the entry's lowest query (0..128) in its second word, after the slot and count.
+const QUERY_SHIFT: u32 = 21;
 
 /// Words of the status block (the host reads it back; layout mirrored by the runtime).
 pub const STATUS_WORDS: u32 = 32;
@@ -242,12 +244,28 @@ fn cta_exclusive_scan_n<const N: usize>(
 /// entry's `N` values (zeros when not live), `store` gets the sums before it.
 fn tiled_scan_n<const N: usize>(
     b: &mut KernelBuilder,
+    shape: (u32, u32),
+    n: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> [Reg<U32>; N],
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
+) -> [Reg<U32>; N] {
+    tiled_scan_then(b, shape, n, tid, warp_totals, value, store, |_, _| {})
+}
+
+/// [`tiled_scan_n`] that runs `tile_done(tile_base)` after each tile's stores (uniformly, by
+/// every thread).
+#[allow(clippy::too_many_arguments)]
+fn tiled_scan_then<const N: usize>(
+    b: &mut KernelBuilder,
     (threads, per_thread): (u32, u32),
     n: Reg<U32>,
     tid: Reg<U32>,
     warp_totals: &SharedVar,
     value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> [Reg<U32>; N],
     store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
+    tile_done: impl Fn(&mut KernelBuilder, Reg<U32>),
 ) -> [Reg<U32>; N] {
     let carry: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
     let tile = threads * per_thread;
@@ -274,6 +292,7 @@ fn tiled_scan_n<const N: usize>(
             let next = b.add(carry[c], total[c]);
             b.set(carry[c], next);
         }
+        tile_done(b, tile_base);
     });
     carry
 }
@@ -823,6 +842,7 @@ fn count(b: &mut KernelBuilder) {
     let one = b.mov::<U32>(1u32);
     let bit = b.shl(one, lane);
     let below_bit = b.sub(bit, 1u32);
+    let tid24 = b.shl(tid, 24u32);
     let ranks: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
     let window_bits = b.ld_param(&window_bits_p);
     let window = b.shl(one, window_bits);
@@ -870,15 +890,20 @@ fn count(b: &mut KernelBuilder) {
                 b.set(ranks[s], rank);
                 let leader = b.setp(Cmp::Eq, rank, 0u32);
                 b.if_then(leader, "entry", |b| {
+                    // (id, count, this lowest query): a single edge needs nothing more.
                     let j = b.atom::<U32, _>(AtomOp::Add, &shared(misc, 0), 1u32);
                     let c = b.shl(total, 16u32);
                     let e = b.or(id, c);
+                    let e = b.or(e, tid24);
                     let j4 = b.shl(j, 2u32);
                     let at = b.add(elist, j4);
                     b.st::<U32, _>(&shared(at, 0), e);
-                    let gi = b.add(list_base, j);
-                    let ma = common_elem16(b, masks, gi);
-                    b.st_v(&ma, m);
+                    let several = b.setp(Cmp::Gt, total, 1u32);
+                    b.if_then(several, "entry_mask", |b| {
+                        let gi = b.add(list_base, j);
+                        let ma = common_elem16(b, masks, gi);
+                        b.st_v(&ma, m);
+                    });
                 });
             });
         }
@@ -919,13 +944,15 @@ fn count(b: &mut KernelBuilder) {
             let e = b.ld::<U32, _>(&shared(at, 0));
             let id = b.and(e, 0xffffu32);
             let c = b.shr(e, 16u32);
+            let c = b.and(c, 0xffu32);
+            let q = b.shr(e, 24u32);
             // Counters, bucket starts and entries go by key block (its row is numbered by
             // another CTA of this launch).
             let fk = b.add(blk.first_block, id);
-            batch.push((j, live, c, fk));
+            batch.push((j, live, c, fk, q));
         }
         let mut slots = Vec::new();
-        for &(_, live, c, fk) in &batch {
+        for &(_, live, c, fk, _) in &batch {
             let bi = b.mad_lo(head, rows_cap, fk);
             let c64 = b.cvt::<U64, U32>(c);
             let inc = b.add(c64, 1u64 << 32);
@@ -937,10 +964,12 @@ fn count(b: &mut KernelBuilder) {
             });
             slots.push(old);
         }
-        for (&(j, live, c, fk), &old) in batch.iter().zip(&slots) {
+        for (&(j, live, c, fk, q), &old) in batch.iter().zip(&slots) {
             let (_, slot) = halves(b, old);
             let c13 = b.shl(c, SLOT_BITS);
             let sc = b.or(slot, c13);
+            let q21 = b.shl(q, QUERY_SHIFT);
+            let sc = b.or(sc, q21);
             let gi = b.add(list_base, j);
             b.predicated(live, false, |b| {
                 let ea = super::common::elem_bytes(b, entries, gi, 8);
@@ -1181,7 +1210,7 @@ fn scatter(b: &mut KernelBuilder) {
         }
     });
 
-    b.comment("the block's entries into their rows' buckets: (qb | count << 16, list index)");
+    b.comment("the block's entries into their rows' buckets: (qb | count << 16, query or list index)");
     let past = b.setp(Cmp::Ge, f, rows);
     b.unless(clean, "flagged", |b| b.ret());
     b.if_then(past, "past", |b| b.ret());
@@ -1202,15 +1231,20 @@ fn scatter(b: &mut KernelBuilder) {
         let [fk, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
         let slot = b.and(sc, (1u32 << SLOT_BITS) - 1);
         let c = b.shr(sc, SLOT_BITS);
+        let c = b.and(c, 0xffu32);
+        let q = b.shr(sc, QUERY_SHIFT);
         let bi = b.mad_lo(head, rows_cap, fk);
         let bs = load_u32(b, bstart, bi);
         let di = b.add(head_base, bs);
         let di = b.add(di, slot);
         let c16 = b.shl(c, 16u32);
         let key = b.or(blk.qb, c16);
+        // A single edge carries its query, more carry the list index of their mask.
         let li = b.add(eb, j);
+        let single = b.setp(Cmp::Eq, c, 1u32);
+        let x = b.selp(q, li, single);
         let da = super::common::elem_bytes(b, buckets, di, 8);
-        b.st_v(&da, [key, li]);
+        b.st_v(&da, [key, x]);
     });
     b.ret();
 }
@@ -1231,6 +1265,11 @@ fn order(b: &mut KernelBuilder) {
     let keys_var = b.shared_array("sorted", MAX_BUCKET * 4, 16);
     let bits_var = b.shared_array("qb_bits", MAX_BUCKET / 8, 16);
     let below_var = b.shared_array("qb_below", MAX_BUCKET / 8, 16);
+    let starts_var = b.shared_array(
+        "entry_starts",
+        ORDER_THREADS * SCAN_PER_THREAD * 4,
+        16,
+    );
     let warp_totals = b.shared_array("warp_totals", 128, 16);
 
     let status = b.ld_param_ptr(&status_p);
@@ -1318,13 +1357,14 @@ fn order(b: &mut KernelBuilder) {
     });
     b.bar_sync(0, None);
 
-    b.comment("entry start = row_ptr + edges of the row's earlier query blocks; the entry's");
-    b.comment("queries (the set bits of its mask, ascending) go there");
+    b.comment("entry start = row_ptr + edges of the row's earlier query blocks (a scan in qb");
+    b.comment("order); then per tile, one entry per thread, the entry's queries go there");
     // n >= 1: the row has a CTA only if rows > row, and an empty row scans nothing.
     let n1 = b.max(n, 1u32);
     let last = b.sub(n1, 1u32);
     let masks = b.ld_param_ptr(&masks_p);
     let q_indices = b.ld_param_ptr(&q_indices_p);
+    let starts = b.shared_base(&starts_var);
     let record = |b: &mut KernelBuilder, i: Reg<U32>| {
         let i4 = b.shl(i, 2u32);
         let a = b.add(keys, i4);
@@ -1332,14 +1372,17 @@ fn order(b: &mut KernelBuilder) {
         let di = b.add(first, slot);
         super::common::elem_bytes(b, buckets, di, 8)
     };
-    tiled_scan_n::<1>(
+    let tile = ORDER_THREADS * SCAN_PER_THREAD;
+    const _: () = assert!((ORDER_THREADS * SCAN_PER_THREAD).is_power_of_two());
+    let at_row = b.add(head_base, row_start);
+    tiled_scan_then::<1>(
         b,
         (ORDER_THREADS, SCAN_PER_THREAD),
         n,
         tid,
         &warp_totals,
         // Unpredicated loads at a clamped index (so a thread's loads overlap); dead entries
-        // count 0 and store nothing.
+        // count 0.
         |b, i, live| {
             let ic = b.min(i, last);
             let da = record(b, ic);
@@ -1348,41 +1391,65 @@ fn order(b: &mut KernelBuilder) {
             [b.selp(c, 0u32, live)]
         },
         |b, i, live, before, _| {
-            let ic = b.min(i, last);
-            let da = record(b, ic);
-            let [w, li]: [Reg<U32>; 2] = b.ld_v(&da);
-            let gi = b.add(head_base, li);
-            let ma = common_elem16(b, masks, gi);
-            let m: [Reg<U32>; 4] = b.ld_v(&ma);
-            b.if_then(live, "entry_queries", |b| {
-                let qb = b.and(w, 0xffffu32);
-                let q0 = b.shl(qb, 7u32);
-                let at = b.add(head_base, row_start);
-                let at = b.add(at, before[0]);
-                let pos = b.mov::<U32>(at);
-                for (k, &word) in m.iter().enumerate() {
-                    let x = b.mov::<U32>(word);
-                    let top = b.label("query_bits");
-                    let out = b.label("query_bits_done");
-                    b.place(&top);
-                    let empty = b.setp(Cmp::Eq, x, 0u32);
-                    b.bra_if(empty, &out);
-                    // The lowest set bit and its index.
-                    let zero = b.mov::<U32>(0u32);
-                    let neg = b.sub(zero, x);
-                    let low = b.and(x, neg);
-                    let low1 = b.sub(low, 1u32);
-                    let bit = b.popc(low1);
-                    let q = b.add(q0, bit);
-                    let q = b.add(q, 32 * k as u32);
-                    store_u32(b, q_indices, pos, q);
-                    let p1 = b.add(pos, 1u32);
-                    b.set(pos, p1);
-                    let rest = b.xor(x, low);
-                    b.set(x, rest);
-                    b.bra(&top);
-                    b.place(&out);
-                }
+            b.if_then(live, "entry_start", |b| {
+                let e = b.and(i, tile - 1);
+                let e4 = b.shl(e, 2u32);
+                let a = b.add(starts, e4);
+                let s = b.add(at_row, before[0]);
+                b.st::<U32, _>(&shared(a, 0), s);
+            });
+        },
+        // The tile's entries round-robin over the threads (a thread's own entries of the scan
+        // are consecutive: their queries would be written by one thread).
+        |b, tile_base| {
+            b.bar_sync(0, None);
+            b.for_range(tid, tile, ORDER_THREADS, "entry_queries", |b, e| {
+                let i = b.add(tile_base, e);
+                let live = b.setp(Cmp::Lt, i, n);
+                b.if_then(live, "entry_live", |b| {
+                    let da = record(b, i);
+                    let [w, x]: [Reg<U32>; 2] = b.ld_v(&da);
+                    let e4 = b.shl(e, 2u32);
+                    let a = b.add(starts, e4);
+                    let pos = b.ld::<U32, _>(&shared(a, 0));
+                    let qb = b.and(w, 0xffffu32);
+                    let q0 = b.shl(qb, 7u32);
+                    let c = b.shr(w, 16u32);
+                    let single = b.setp(Cmp::Eq, c, 1u32);
+                    b.if_then(single, "single_edge", |b| {
+                        let q = b.add(q0, x);
+                        store_u32(b, q_indices, pos, q);
+                    });
+                    b.unless(single, "several_edges", |b| {
+                        let gi = b.add(head_base, x);
+                        let ma = common_elem16(b, masks, gi);
+                        let m: [Reg<U32>; 4] = b.ld_v(&ma);
+                        let pos = b.mov::<U32>(pos);
+                        for (k, &word) in m.iter().enumerate() {
+                            let x = b.mov::<U32>(word);
+                            let top = b.label("query_bits");
+                            let out = b.label("query_bits_done");
+                            b.place(&top);
+                            let empty = b.setp(Cmp::Eq, x, 0u32);
+                            b.bra_if(empty, &out);
+                            // The lowest set bit and its index.
+                            let zero = b.mov::<U32>(0u32);
+                            let neg = b.sub(zero, x);
+                            let low = b.and(x, neg);
+                            let low1 = b.sub(low, 1u32);
+                            let bit = b.popc(low1);
+                            let q = b.add(q0, bit);
+                            let q = b.add(q, 32 * k as u32);
+                            store_u32(b, q_indices, pos, q);
+                            let p1 = b.add(pos, 1u32);
+                            b.set(pos, p1);
+                            let rest = b.xor(x, low);
+                            b.set(x, rest);
+                            b.bra(&top);
+                            b.place(&out);
+                        }
+                    });
+                });
             });
         },
     );
