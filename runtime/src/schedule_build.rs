@@ -58,7 +58,7 @@ pub const MAX_BUILD_TOKENS: usize = MAX_TOKENS;
 pub const COUNT_WINDOW: usize = 1024;
 
 /// Words of the status block the kernels write (mirrors `codegen::kernels::schedule_build`).
-pub const STATUS_WORDS: usize = 32;
+pub const STATUS_WORDS: usize = 64;
 /// Status flag: `cu_seqlens` is malformed.
 pub const FLAG_CU_SEQLENS: i32 = 1;
 /// Status flag: the dense workspace exceeds the `W` given.
@@ -371,7 +371,7 @@ impl<B: Backend> ResidentSchedule<B> {
         PtrMut::new(self.at(words))
     }
 
-    /// The status block `int32[32]` on the device (word 0: the flags).
+    /// The status block `int32[64]` ([`STATUS_WORDS`]) on the device (word 0: the flags).
     pub fn status_ptr(&self) -> Ptr<i32> {
         self.r(self.layout.status)
     }
@@ -553,7 +553,7 @@ impl<B: Backend> ResidentSchedule<B> {
     /// Waits for the build and returns its verdict: `Ok` for a valid input, else
     /// [`RuntimeError::ScheduleFlagged`] naming the first fault. Synchronizes.
     pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
-        let bytes = backend.download("schedule status", self.at(self.layout.status), 4 * 32)?;
+        let bytes = backend.download("schedule status", self.at(self.layout.status), 4 * STATUS_WORDS)?;
         let words: Vec<i32> = from_bytes(&bytes);
         decode_status(&words, &self.sizes)
     }

@@ -1,46 +1,52 @@
 //! The device schedule build: from a device block selection `q2k [4, T, 16]` and device
-//! `cu_seqlens`, four launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
+//! `cu_seqlens`, three launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
 //! `q_indices`, `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables
 //! the host `build_schedule` gives, and validate the selection on the way, with no host sync.
 //! Work and memory are linear in `T` for every `T <= MAX_TOKENS = 2^20`, one document or packed.
 //!
 //! An *entry* is one `(head, key block k, query block qb)` with at least one edge: the `c >= 1`
-//! queries of block `qb` that selected `k`. A query block names at most 2048 entries, so a head
-//! has at most `16·T`. The CSR row of `k` lists its edges by ascending query, i.e. its entries
-//! by ascending `qb`, each entry's queries ascending. The build is a counting sort of the
-//! entries by row that restores the `qb` order inside each row:
+//! queries of block `qb` that selected `k`, as a 128-bit query mask. A query block names at
+//! most 2048 entries, so a head has at most `16·T`. The CSR row of `k` lists its edges by
+//! ascending query, i.e. its entries by ascending `qb`, each entry's queries ascending. The
+//! build is a counting sort of the entries by row that restores the `qb` order inside each row:
 //!
 //! 1. [`COUNT`] (one CTA per (document block, head)). CTA (0, 0) first does the documents step
 //!    (validates `cu_seqlens`, resets the status block, clears the row counters, lays out the
-//!    aligned workspace, numbers the CSR rows level-major and round-robin across documents) and
-//!    publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched first, so the wait
-//!    always ends; the simulator runs CTAs in order). Then every CTA validates the 16 ids of
-//!    its 128 queries and finds the block's entries with a shared selection mask over windows
-//!    of [`WINDOW`] key blocks (at most 8 passes at `T = 2^20`), which also gives each edge its
-//!    rank among the block's queries that selected the same block. The entries go to a
-//!    per-head list (a bump allocation); one 64-bit atomic per entry adds `(1 entry, c edges)`
-//!    to its row's counter and returns the entry's slot in the row. The CTA that finishes last
-//!    (an atomic counter of finished CTAs, no waiting) scans the counters of all four heads
-//!    into `row_ptr`, the row starts of the entry buckets and the work items per row, decodes
-//!    the first fault and writes `work_count` (0 when anything was flagged).
+//!    aligned workspace, scans the documents for their level-0 rows and the list of long
+//!    documents) and publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched
+//!    first, so the wait always ends; the simulator runs CTAs in order). Then every CTA finds
+//!    its block's document (a binary search of the workspace starts); the CTAs of head 0 also
+//!    number its row (below) and record it. Every CTA validates the 16 ids of its 128 queries
+//!    and finds the block's entries with a shared selection mask over windows of [`WINDOW`]
+//!    key blocks (at most 8 passes at `T = 2^20`). The lowest query of an entry writes it to
+//!    the block's list, which is the block's own `16·128` slots of the head's `16·T` (no
+//!    allocation), with its 128-bit mask beside it unless it has a single edge (then the
+//!    entry carries that query: with random top-16 at large `T` almost every entry is one
+//!    edge, and moves 2 words instead of 6). One 64-bit atomic per entry adds
+//!    `(1 entry, c edges)` to its key block's counter and returns the entry's slot in the row.
+//!    The CTA that finishes last (an atomic counter of finished CTAs, no waiting) scans the
+//!    counters of all four heads in row order into `row_ptr`, the row starts of the entry
+//!    buckets and the work items per row, decodes the first fault and writes `work_count` (0
+//!    when anything was flagged).
 //! 2. [`SCATTER`]: puts every entry into its row's bucket at its slot (any order), and writes
 //!    the work items (head-major, then row, then `q_begin`), the `-1` tail of `q_indices` and
 //!    the zero tail of `scheduler_metadata`.
-//! 3. [`ORDER`] (one CTA per (row, head)): sorts the row's bucket by `qb` (a bitonic sort in
-//!    shared memory; a bucket holds at most one entry per query block of one document, so at
-//!    most [`MAX_BUCKET`]) and scans the edge counts: entry `(k, qb)` starts at
-//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`.
-//! 4. [`FILL`] (as 1): writes every edge at its entry's start plus its rank.
+//! 3. [`ORDER`] (one CTA per (row, head)): a row's bucket holds at most one entry per query
+//!    block of one document, so at most [`MAX_BUCKET`] distinct `qb`: a bitmap of them gives
+//!    each entry its place in `qb` order (the set bits below its own), no comparison sort.
+//!    A scan of the edge counts in that order gives entry `(k, qb)` its start
+//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`, and the entry's queries (the set bits of its mask,
+//!    ascending, or its one query) are written there, one entry per thread.
 //!
-//! The slots the atomics hand out and the places of the entry lists vary from run to run; the
+//! The slots the atomics hand out and the order of the entry lists vary from run to run; the
 //! tables do not: every position in them comes from a count or a sort by a unique key.
 //!
 //! Rows are numbered without a level loop: document `d`'s block `k` is row `rank0(d)` at
 //! level 0, and `N0 + Σ_long (min(nb_j, k) − 1) + #{long j before d : nb_j > k}` at level
 //! `k >= 1`, where `N0` counts the non-empty documents and "long" ones have two or more blocks.
-//! (That sum is over the long documents for each row: linear in `T` for a bounded number of
-//! long documents, as in every benchmark case; `T/129` long documents of two blocks would make
-//! it quadratic in the worst case.)
+//! (That sum is a reduction over the long documents by the block's CTA of head 0: linear in
+//! `T` for a bounded number of long documents, as in every benchmark case; `T/129` long
+//! documents of two blocks would make it quadratic in the worst case.)
 //! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
 //! `W` alone and rejects shapes whose indices would not fit.
 
@@ -70,8 +76,9 @@ const SLOT_BITS: u32 = 13;
 /// Shift of the entry's lowest query (0..128) in its second word, after the slot and count.
 const QUERY_SHIFT: u32 = 21;
 
-/// Words of the status block (the host reads it back; layout mirrored by the runtime).
-pub const STATUS_WORDS: u32 = 32;
+/// Words of the status block (the host reads it back; layout mirrored by the runtime): two
+/// 128-byte lines, the second for the two handoff words every CTA hits.
+pub const STATUS_WORDS: u32 = 64;
 /// Status word: fault flags (`FLAG_*`).
 pub const ST_FLAGS: u32 = 0;
 /// Status word: the first malformed `cu_seqlens` index (atomic min; `i32::MAX` when none).
@@ -101,13 +108,12 @@ pub const ST_SLOT: u32 = 12;
 pub const ST_EDGES: u32 = 16;
 /// Status words 20..24: work items per head.
 pub const ST_ITEMS: u32 = 20;
-/// Status words 24..28: entries per head (the bump allocator of the entry lists).
-pub const ST_ENTRIES: u32 = 24;
 /// Status word: [`COUNT`] CTAs finished (the last one scans the rows).
-pub const ST_DONE: u32 = 28;
-/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs wait
-/// for it); its last CTA sets it back to 0, so it is 0 between builds.
-pub const ST_READY: u32 = 29;
+pub const ST_DONE: u32 = 40;
+/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs poll
+/// it; it has a line of its own, so the polling does not queue CTA (0, 0)'s stores to the status
+/// words); its last CTA sets it back to 0, so it is 0 between builds.
+pub const ST_READY: u32 = 32;
 
 /// Flag: `cu_seqlens` does not start at 0, decreases, or does not end at `T`.
 pub const FLAG_CU_SEQLENS: u32 = 1;
@@ -702,7 +708,7 @@ fn count(b: &mut KernelBuilder) {
     let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
     // [entries of the block, their list base, last CTA]
     let misc_var = b.shared_array("misc", 16, 16);
-    let warp_totals = b.shared_array("warp_totals", 12 * 128, 16);
+    let warp_totals = b.shared_array("warp_totals", 13 * 128, 16);
 
     let status = b.ld_param_ptr(status_p);
     let tokens = b.ld_param(tokens_p);
@@ -1029,7 +1035,7 @@ fn count(b: &mut KernelBuilder) {
     let block_of = b.ld_param_ptr(block_of_p);
     // Two rows per thread and tile: the 12 values per row stay in registers. The counters
     // and bucket starts go by key block, row_ptr and the item offsets by row.
-    let totals = tiled_scan_n::<12>(
+    let totals = tiled_scan_n::<13>(
         b,
         (BLOCK_THREADS, 2),
         rows,
@@ -1050,11 +1056,13 @@ fn count(b: &mut KernelBuilder) {
                     out.push(b.selp(x, 0u32, live));
                 }
             }
+            // The 13th value only carries the row's block to the store (its sums are unused).
+            out.push(fb);
             std::array::from_fn(|k| out[k])
         },
-        |b, r, live, before, _| {
+        |b, r, live, before, v| {
             b.if_then(live, "row_store", |b| {
-                let fb = load_u32(b, block_of, r);
+                let fb = v[12];
                 for h in 0..4u32 {
                     let i = b.mad_lo(stride, h, r);
                     let k = 3 * h as usize;
@@ -1306,11 +1314,11 @@ fn order(b: &mut KernelBuilder) {
     let keys = b.shared_base(&keys_var);
     let bits = b.shared_base(&bits_var);
     let below = b.shared_base(&below_var);
-    let qb_of = |b: &mut KernelBuilder, i: Reg<U32>| {
+    // The bucket record's first word, (qb | count << 16).
+    let key_of = |b: &mut KernelBuilder, i: Reg<U32>| {
         let di = b.add(first, i);
         let da = super::common::elem_bytes(b, buckets, di, 8);
-        let w = b.ld::<U32, _>(&da);
-        b.and(w, 0xffffu32)
+        b.ld::<U32, _>(&da)
     };
 
     b.comment("the bucket's query blocks are distinct: a bitmap of them, and each entry's place");
@@ -1320,7 +1328,8 @@ fn order(b: &mut KernelBuilder) {
     b.st::<U32, _>(&shared(my_bits, 0), 0u32);
     b.bar_sync(0, None);
     b.for_range(tid, n, ORDER_THREADS, "mark", |b, i| {
-        let qb = qb_of(b, i);
+        let w = key_of(b, i);
+        let qb = b.and(w, 0xffffu32);
         let w = b.shr(qb, 5u32);
         let w4 = b.shl(w, 2u32);
         let a = b.add(bits, w4);
@@ -1337,7 +1346,8 @@ fn order(b: &mut KernelBuilder) {
     b.st::<U32, _>(&shared(my_below, 0), before);
     b.bar_sync(0, None);
     b.for_range(tid, n, ORDER_THREADS, "place", |b, i| {
-        let qb = qb_of(b, i);
+        let wq = key_of(b, i);
+        let qb = b.and(wq, 0xffffu32);
         let w = b.shr(qb, 5u32);
         let w4 = b.shl(w, 2u32);
         let a = b.add(bits, w4);
@@ -1351,9 +1361,13 @@ fn order(b: &mut KernelBuilder) {
         let x = b.and(x, lower);
         let r = b.popc(x);
         let r = b.add(p, r);
+        // The sorted list holds (slot, count): the scan needs no global load.
+        let cnt = b.shr(wq, 16u32);
+        let cnt = b.shl(cnt, SLOT_BITS);
+        let key = b.or(i, cnt);
         let r4 = b.shl(r, 2u32);
         let a = b.add(keys, r4);
-        b.st::<U32, _>(&shared(a, 0), i);
+        b.st::<U32, _>(&shared(a, 0), key);
     });
     b.bar_sync(0, None);
 
@@ -1368,7 +1382,8 @@ fn order(b: &mut KernelBuilder) {
     let record = |b: &mut KernelBuilder, i: Reg<U32>| {
         let i4 = b.shl(i, 2u32);
         let a = b.add(keys, i4);
-        let slot = b.ld::<U32, _>(&shared(a, 0));
+        let key = b.ld::<U32, _>(&shared(a, 0));
+        let slot = b.and(key, (1u32 << SLOT_BITS) - 1);
         let di = b.add(first, slot);
         super::common::elem_bytes(b, buckets, di, 8)
     };
@@ -1381,13 +1396,13 @@ fn order(b: &mut KernelBuilder) {
         n,
         tid,
         &warp_totals,
-        // Unpredicated loads at a clamped index (so a thread's loads overlap); dead entries
-        // count 0.
+        // Counts from the sorted list at a clamped index; dead entries count 0.
         |b, i, live| {
             let ic = b.min(i, last);
-            let da = record(b, ic);
-            let w = b.ld::<U32, _>(&da);
-            let c = b.shr(w, 16u32);
+            let i4 = b.shl(ic, 2u32);
+            let a = b.add(keys, i4);
+            let key = b.ld::<U32, _>(&shared(a, 0));
+            let c = b.shr(key, SLOT_BITS);
             [b.selp(c, 0u32, live)]
         },
         |b, i, live, before, _| {
