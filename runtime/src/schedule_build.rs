@@ -553,7 +553,11 @@ impl<B: Backend> ResidentSchedule<B> {
     /// Waits for the build and returns its verdict: `Ok` for a valid input, else
     /// [`RuntimeError::ScheduleFlagged`] naming the first fault. Synchronizes.
     pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
-        let bytes = backend.download("schedule status", self.at(self.layout.status), 4 * STATUS_WORDS)?;
+        let bytes = backend.download(
+            "schedule status",
+            self.at(self.layout.status),
+            4 * STATUS_WORDS,
+        )?;
         let words: Vec<i32> = from_bytes(&bytes);
         decode_status(&words, &self.sizes)
     }

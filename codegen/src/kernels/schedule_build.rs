@@ -1218,7 +1218,9 @@ fn scatter(b: &mut KernelBuilder) {
         }
     });
 
-    b.comment("the block's entries into their rows' buckets: (qb | count << 16, query or list index)");
+    b.comment(
+        "the block's entries into their rows' buckets: (qb | count << 16, query or list index)",
+    );
     let past = b.setp(Cmp::Ge, f, rows);
     b.unless(clean, "flagged", |b| b.ret());
     b.if_then(past, "past", |b| b.ret());
@@ -1258,7 +1260,10 @@ fn scatter(b: &mut KernelBuilder) {
 }
 
 fn order(b: &mut KernelBuilder) {
-    const _: () = assert!(ORDER_THREADS * 32 == MAX_BUCKET, "one bitmap word per thread");
+    const _: () = assert!(
+        ORDER_THREADS * 32 == MAX_BUCKET,
+        "one bitmap word per thread"
+    );
     b.grid("[rows capacity, 4, 1]");
     let status_p = b.param_ptr("status", HostElem::I32, false);
     let ctr_p = b.param_ptr("row_counters", HostElem::I32, false);
@@ -1273,11 +1278,7 @@ fn order(b: &mut KernelBuilder) {
     let keys_var = b.shared_array("sorted", MAX_BUCKET * 4, 16);
     let bits_var = b.shared_array("qb_bits", MAX_BUCKET / 8, 16);
     let below_var = b.shared_array("qb_below", MAX_BUCKET / 8, 16);
-    let starts_var = b.shared_array(
-        "entry_starts",
-        ORDER_THREADS * SCAN_PER_THREAD * 4,
-        16,
-    );
+    let starts_var = b.shared_array("entry_starts", ORDER_THREADS * SCAN_PER_THREAD * 4, 16);
     let warp_totals = b.shared_array("warp_totals", 128, 16);
 
     let status = b.ld_param_ptr(&status_p);
