@@ -319,7 +319,7 @@ pub mod schedule_scatter {
         ]
     }
 }
-/// `schedule_order`: sorts each row's entries by query block and scans their edge counts into starts.
+/// `schedule_order`: orders each row's entries by query block, scans their edge counts and writes their queries.
 pub mod schedule_order {
     use super::*;
     /// Entry name in the PTX module.

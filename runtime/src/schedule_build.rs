@@ -20,7 +20,7 @@
 //!   `2·16·T` and `4·16·T` words per head; the row counters and starts `4·R` words per head.
 //!   Nothing is quadratic: the scratch is about 8 times `q_indices` (2 GiB at `T = 2^20`).
 //! - A row's bucket holds at most one entry per query block of its document, at most
-//!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the size the bucket sort works in.
+//!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the bits of the bitmap that orders it.
 //!
 //! `W` must be at least the dense layout `Σ ceil(len_d/128)·128` (checked on the device,
 //! [`ScheduleError`] naming `workspace_rows` otherwise); rows past it are padding that no key

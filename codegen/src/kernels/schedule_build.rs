@@ -66,8 +66,8 @@ pub const TOPK: u32 = 16;
 /// `window_bits` parameter may ask for (`2^window_bits` blocks). The runtime passes 10; tests
 /// pass less to run several windows at sizes the simulator affords.
 pub const WINDOW: u32 = 1024;
-/// Largest bucket [`ORDER`] sorts: a row's entries come from distinct query blocks of one
-/// document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
+/// Largest bucket [`ORDER`] orders (the bits of its query-block bitmap): a row's entries come
+/// from distinct query blocks of one document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
 pub const MAX_BUCKET: u32 = 8192;
 /// Entries a [`COUNT`] thread handles per pass of its entry loop.
 const ENTRY_BATCH: u32 = 4;
@@ -154,7 +154,7 @@ pub const SCATTER: KernelDesc = KernelDesc {
 /// `schedule_order`.
 pub const ORDER: KernelDesc = KernelDesc {
     name: "schedule_order",
-    about: "sorts each row's entries by query block and scans their edge counts into starts",
+    about: "orders each row's entries by query block, scans their edge counts and writes their queries",
     targets: TARGETS,
     threads: (ORDER_THREADS, 1, 1),
     describe: order,
