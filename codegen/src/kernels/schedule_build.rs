@@ -154,7 +154,8 @@ pub const SCATTER: KernelDesc = KernelDesc {
 /// `schedule_order`.
 pub const ORDER: KernelDesc = KernelDesc {
     name: "schedule_order",
-    about: "orders each row's entries by query block, scans their edge counts and writes their queries",
+    about:
+        "orders each row's entries by query block, scans their edge counts and writes their queries",
     targets: TARGETS,
     threads: (ORDER_THREADS, 1, 1),
     describe: order,
