@@ -225,7 +225,6 @@ pub mod schedule_count {
         doc_long_index: PtrMut<i32>,
         long_blocks: PtrMut<i32>,
         block_record: PtrMut<i32>,
-        row_of_block: PtrMut<i32>,
         block_of_row: PtrMut<i32>,
         row_counters: PtrMut<i32>,
         num_docs: u32,
@@ -235,7 +234,7 @@ pub mod schedule_count {
         q2k: Ptr<i32>,
         entries: PtrMut<i32>,
         block_entries: PtrMut<i32>,
-        edge_places: PtrMut<i32>,
+        entry_masks: PtrMut<i32>,
         row_ptr: PtrMut<i32>,
         bucket_starts: PtrMut<i32>,
         item_offsets: PtrMut<i32>,
@@ -249,16 +248,15 @@ pub mod schedule_count {
             KernelArg::from(document_workspace_starts), KernelArg::from(status),
             KernelArg::from(doc_blocks), KernelArg::from(doc_rank0),
             KernelArg::from(doc_long_index), KernelArg::from(long_blocks),
-            KernelArg::from(block_record), KernelArg::from(row_of_block),
-            KernelArg::from(block_of_row), KernelArg::from(row_counters),
-            KernelArg::from(num_docs), KernelArg::from(num_tokens),
-            KernelArg::from(workspace_blocks), KernelArg::from(row_counter_count),
-            KernelArg::from(q2k), KernelArg::from(entries),
-            KernelArg::from(block_entries), KernelArg::from(edge_places),
-            KernelArg::from(row_ptr), KernelArg::from(bucket_starts),
-            KernelArg::from(item_offsets), KernelArg::from(work_count),
-            KernelArg::from(rows_capacity), KernelArg::from(queries_per_work),
-            KernelArg::from(window_bits)
+            KernelArg::from(block_record), KernelArg::from(block_of_row),
+            KernelArg::from(row_counters), KernelArg::from(num_docs),
+            KernelArg::from(num_tokens), KernelArg::from(workspace_blocks),
+            KernelArg::from(row_counter_count), KernelArg::from(q2k),
+            KernelArg::from(entries), KernelArg::from(block_entries),
+            KernelArg::from(entry_masks), KernelArg::from(row_ptr),
+            KernelArg::from(bucket_starts), KernelArg::from(item_offsets),
+            KernelArg::from(work_count), KernelArg::from(rows_capacity),
+            KernelArg::from(queries_per_work), KernelArg::from(window_bits)
         ]
     }
 }
@@ -321,7 +319,7 @@ pub mod schedule_scatter {
         ]
     }
 }
-/// `schedule_order`: sorts each row's entries by query block and scans their edge counts into starts.
+/// `schedule_order`: orders each row's entries by query block, scans their edge counts and writes their queries.
 pub mod schedule_order {
     use super::*;
     /// Entry name in the PTX module.
@@ -357,60 +355,18 @@ pub mod schedule_order {
         bucket_starts: Ptr<i32>,
         buckets: Ptr<i32>,
         row_ptr: Ptr<i32>,
-        entries: PtrMut<i32>,
+        block_of_row: Ptr<i32>,
+        entry_masks: Ptr<i32>,
+        q_indices: PtrMut<i32>,
         num_tokens: u32,
         rows_capacity: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(status), KernelArg::from(row_counters),
             KernelArg::from(bucket_starts), KernelArg::from(buckets),
-            KernelArg::from(row_ptr), KernelArg::from(entries),
+            KernelArg::from(row_ptr), KernelArg::from(block_of_row),
+            KernelArg::from(entry_masks), KernelArg::from(q_indices),
             KernelArg::from(num_tokens), KernelArg::from(rows_capacity)
-        ]
-    }
-}
-/// `schedule_fill`: writes every CSR edge at its entry's start plus its rank in the query block.
-pub mod schedule_fill {
-    use super::*;
-    /// Entry name in the PTX module.
-    pub const NAME: &str = "schedule_fill";
-    /// Threads per CTA.
-    pub const THREADS: (u32, u32, u32) = (128, 1, 1);
-    /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
-    /// PTX of `schedule_fill` for `sm_90a`.
-    pub const PTX_SM_90A: &str = include_str!("schedule_fill.sm_90a.ptx");
-    /// PTX of `schedule_fill` for `sm_100a`.
-    pub const PTX_SM_100A: &str = include_str!("schedule_fill.sm_100a.ptx");
-    /// PTX per compute capability.
-    pub const VARIANTS: &[((i32, i32), &str)] = &[
-        ((9, 0), PTX_SM_90A),
-        ((10, 0), PTX_SM_100A),
-    ];
-    /// The kernel for [`crate::backend::Backend::launch`].
-    pub const KERNEL: KernelSpec = KernelSpec {
-        name: NAME,
-        threads: THREADS,
-        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
-        variants: VARIANTS,
-    };
-    /// The launch arguments in declaration order, typed so that a call site cannot
-    /// swap or mistype them; every buffer must hold the elements the kernel addresses
-    /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [rows capacity, 4, 1].
-    #[allow(clippy::too_many_arguments)]
-    pub fn args(
-        status: Ptr<i32>,
-        block_record: Ptr<i32>,
-        entries: Ptr<i32>,
-        edge_places: Ptr<i32>,
-        q_indices: PtrMut<i32>,
-        num_tokens: u32,
-    ) -> Vec<KernelArg> {
-        vec![
-            KernelArg::from(status), KernelArg::from(block_record),
-            KernelArg::from(entries), KernelArg::from(edge_places),
-            KernelArg::from(q_indices), KernelArg::from(num_tokens)
         ]
     }
 }

@@ -16,11 +16,11 @@
 //!   are zero.
 //! - Entries (one per `(head, key block, query block)` with an edge, see
 //!   `codegen::kernels::schedule_build`): at most `16·T` per head, since each has an edge. The
-//!   entry lists, the row buckets and the per-edge places take `2·16·T`, `2·16·T` and `16·T`
-//!   words per head; the row counters and starts `4·R` words per head. Nothing is quadratic:
-//!   the scratch is about 5 times `q_indices`.
+//!   entry lists, the row buckets and the entries' 128-bit query masks take `2·16·T`,
+//!   `2·16·T` and `4·16·T` words per head; the row counters and starts `4·R` words per head.
+//!   Nothing is quadratic: the scratch is about 8 times `q_indices` (2 GiB at `T = 2^20`).
 //! - A row's bucket holds at most one entry per query block of its document, at most
-//!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the size the bucket sort works in.
+//!   `ceil(T/128) <= 8192` for `T <= MAX_TOKENS`: the bits of the bitmap that orders it.
 //!
 //! `W` must be at least the dense layout `Σ ceil(len_d/128)·128` (checked on the device,
 //! [`ScheduleError`] naming `workspace_rows` otherwise); rows past it are padding that no key
@@ -42,7 +42,7 @@
 use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
 use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 use crate::error::RuntimeError;
-use crate::kernels::{schedule_count, schedule_fill, schedule_order, schedule_scatter};
+use crate::kernels::{schedule_count, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
 
@@ -58,7 +58,7 @@ pub const MAX_BUILD_TOKENS: usize = MAX_TOKENS;
 pub const COUNT_WINDOW: usize = 1024;
 
 /// Words of the status block the kernels write (mirrors `codegen::kernels::schedule_build`).
-pub const STATUS_WORDS: usize = 32;
+pub const STATUS_WORDS: usize = 64;
 /// Status flag: `cu_seqlens` is malformed.
 pub const FLAG_CU_SEQLENS: i32 = 1;
 /// Status flag: the dense workspace exceeds the `W` given.
@@ -210,7 +210,6 @@ struct Layout {
     doc_long: usize,
     long_blocks: usize,
     block_doc: usize,
-    row_of_block: usize,
     block_of_row: usize,
     counters: usize,
     bucket_starts: usize,
@@ -218,7 +217,7 @@ struct Layout {
     block_entries: usize,
     entries: usize,
     buckets: usize,
-    edge_places: usize,
+    masks: usize,
     words: usize,
 }
 
@@ -244,7 +243,6 @@ impl Layout {
             doc_long: take(d),
             long_blocks: take(d),
             block_doc: take(4 * r),
-            row_of_block: take(r),
             block_of_row: take(r),
             // u64 (entries << 32 | edges) per (head, row).
             counters: take(2 * h * r),
@@ -253,7 +251,8 @@ impl Layout {
             block_entries: take(2 * h * r),
             entries: take(2 * h * z.edge_capacity),
             buckets: take(2 * h * z.edge_capacity),
-            edge_places: take(h * z.edge_capacity),
+            // 128-bit query mask per entry, at the entry's list index.
+            masks: take(4 * h * z.edge_capacity),
             words: at,
         }
     }
@@ -372,7 +371,7 @@ impl<B: Backend> ResidentSchedule<B> {
         PtrMut::new(self.at(words))
     }
 
-    /// The status block `int32[32]` on the device (word 0: the flags).
+    /// The status block `int32[64]` ([`STATUS_WORDS`]) on the device (word 0: the flags).
     pub fn status_ptr(&self) -> Ptr<i32> {
         self.r(self.layout.status)
     }
@@ -396,16 +395,15 @@ impl<B: Backend> ResidentSchedule<B> {
     }
 
     /// The kernels of the build, for loading ahead of a capture.
-    pub fn kernels() -> [&'static crate::KernelSpec; 4] {
+    pub fn kernels() -> [&'static crate::KernelSpec; 3] {
         [
             &schedule_count::KERNEL,
             &schedule_scatter::KERNEL,
             &schedule_order::KERNEL,
-            &schedule_fill::KERNEL,
         ]
     }
 
-    /// Issues the four build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// Issues the three build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
     /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
     /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
     ///
@@ -487,7 +485,6 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.w(l.doc_long),
                     self.w(l.long_blocks),
                     self.w(l.block_doc),
-                    self.w(l.row_of_block),
                     self.w(l.block_of_row),
                     self.w(l.counters),
                     u(z.num_documents),
@@ -497,7 +494,7 @@ impl<B: Backend> ResidentSchedule<B> {
                     q2k.ptr(),
                     self.w(l.entries),
                     self.w(l.block_entries),
-                    self.w(l.edge_places),
+                    self.w(l.masks),
                     self.w(l.row_ptr),
                     self.w(l.bucket_starts),
                     self.w(l.item_offsets),
@@ -537,21 +534,11 @@ impl<B: Backend> ResidentSchedule<B> {
                     self.r(l.bucket_starts),
                     self.r(l.buckets),
                     self.r(l.row_ptr),
-                    self.w(l.entries),
-                    tokens,
-                    rows_cap,
-                ),
-            ),
-            (
-                &schedule_fill::KERNEL,
-                block_grid,
-                schedule_fill::args(
-                    self.r(l.status),
-                    self.r(l.block_doc),
-                    self.r(l.entries),
-                    self.r(l.edge_places),
+                    self.r(l.block_of_row),
+                    self.r(l.masks),
                     self.w(l.q_indices),
                     tokens,
+                    rows_cap,
                 ),
             ),
         ];
@@ -566,7 +553,11 @@ impl<B: Backend> ResidentSchedule<B> {
     /// Waits for the build and returns its verdict: `Ok` for a valid input, else
     /// [`RuntimeError::ScheduleFlagged`] naming the first fault. Synchronizes.
     pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
-        let bytes = backend.download("schedule status", self.at(self.layout.status), 4 * 32)?;
+        let bytes = backend.download(
+            "schedule status",
+            self.at(self.layout.status),
+            4 * STATUS_WORDS,
+        )?;
         let words: Vec<i32> = from_bytes(&bytes);
         decode_status(&words, &self.sizes)
     }

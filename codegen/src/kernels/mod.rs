@@ -51,7 +51,6 @@ pub fn all() -> &'static [KernelDesc] {
         schedule_build::COUNT,
         schedule_build::SCATTER,
         schedule_build::ORDER,
-        schedule_build::FILL,
         task_build::SCAN_WORK,
         task_build::ASSIGN_SEGMENTS,
         task_build::SCAN_BINS,

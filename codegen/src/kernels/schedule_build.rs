@@ -1,46 +1,52 @@
 //! The device schedule build: from a device block selection `q2k [4, T, 16]` and device
-//! `cu_seqlens`, four launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
+//! `cu_seqlens`, three launches write the schedule of `docs/design.md` §2.1 (`row_ptr`,
 //! `q_indices`, `scheduler_metadata`, `work_count`, `document_workspace_starts`) with the tables
 //! the host `build_schedule` gives, and validate the selection on the way, with no host sync.
 //! Work and memory are linear in `T` for every `T <= MAX_TOKENS = 2^20`, one document or packed.
 //!
 //! An *entry* is one `(head, key block k, query block qb)` with at least one edge: the `c >= 1`
-//! queries of block `qb` that selected `k`. A query block names at most 2048 entries, so a head
-//! has at most `16·T`. The CSR row of `k` lists its edges by ascending query, i.e. its entries
-//! by ascending `qb`, each entry's queries ascending. The build is a counting sort of the
-//! entries by row that restores the `qb` order inside each row:
+//! queries of block `qb` that selected `k`, as a 128-bit query mask. A query block names at
+//! most 2048 entries, so a head has at most `16·T`. The CSR row of `k` lists its edges by
+//! ascending query, i.e. its entries by ascending `qb`, each entry's queries ascending. The
+//! build is a counting sort of the entries by row that restores the `qb` order inside each row:
 //!
 //! 1. [`COUNT`] (one CTA per (document block, head)). CTA (0, 0) first does the documents step
 //!    (validates `cu_seqlens`, resets the status block, clears the row counters, lays out the
-//!    aligned workspace, numbers the CSR rows level-major and round-robin across documents) and
-//!    publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched first, so the wait
-//!    always ends; the simulator runs CTAs in order). Then every CTA validates the 16 ids of
-//!    its 128 queries and finds the block's entries with a shared selection mask over windows
-//!    of [`WINDOW`] key blocks (at most 8 passes at `T = 2^20`), which also gives each edge its
-//!    rank among the block's queries that selected the same block. The entries go to a
-//!    per-head list (a bump allocation); one 64-bit atomic per entry adds `(1 entry, c edges)`
-//!    to its row's counter and returns the entry's slot in the row. The CTA that finishes last
-//!    (an atomic counter of finished CTAs, no waiting) scans the counters of all four heads
-//!    into `row_ptr`, the row starts of the entry buckets and the work items per row, decodes
-//!    the first fault and writes `work_count` (0 when anything was flagged).
+//!    aligned workspace, scans the documents for their level-0 rows and the list of long
+//!    documents) and publishes `ST_READY`; the other CTAs wait for it (CTA 0 is dispatched
+//!    first, so the wait always ends; the simulator runs CTAs in order). Then every CTA finds
+//!    its block's document (a binary search of the workspace starts); the CTAs of head 0 also
+//!    number its row (below) and record it. Every CTA validates the 16 ids of its 128 queries
+//!    and finds the block's entries with a shared selection mask over windows of [`WINDOW`]
+//!    key blocks (at most 8 passes at `T = 2^20`). The lowest query of an entry writes it to
+//!    the block's list, which is the block's own `16·128` slots of the head's `16·T` (no
+//!    allocation), with its 128-bit mask beside it unless it has a single edge (then the
+//!    entry carries that query: with random top-16 at large `T` almost every entry is one
+//!    edge, and moves 2 words instead of 6). One 64-bit atomic per entry adds
+//!    `(1 entry, c edges)` to its key block's counter and returns the entry's slot in the row.
+//!    The CTA that finishes last (an atomic counter of finished CTAs, no waiting) scans the
+//!    counters of all four heads in row order into `row_ptr`, the row starts of the entry
+//!    buckets and the work items per row, decodes the first fault and writes `work_count` (0
+//!    when anything was flagged).
 //! 2. [`SCATTER`]: puts every entry into its row's bucket at its slot (any order), and writes
 //!    the work items (head-major, then row, then `q_begin`), the `-1` tail of `q_indices` and
 //!    the zero tail of `scheduler_metadata`.
-//! 3. [`ORDER`] (one CTA per (row, head)): sorts the row's bucket by `qb` (a bitonic sort in
-//!    shared memory; a bucket holds at most one entry per query block of one document, so at
-//!    most [`MAX_BUCKET`]) and scans the edge counts: entry `(k, qb)` starts at
-//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`.
-//! 4. [`FILL`] (as 1): writes every edge at its entry's start plus its rank.
+//! 3. [`ORDER`] (one CTA per (row, head)): a row's bucket holds at most one entry per query
+//!    block of one document, so at most [`MAX_BUCKET`] distinct `qb`: a bitmap of them gives
+//!    each entry its place in `qb` order (the set bits below its own), no comparison sort.
+//!    A scan of the edge counts in that order gives entry `(k, qb)` its start
+//!    `row_ptr + Σ_{qb' < qb} c(k, qb')`, and the entry's queries (the set bits of its mask,
+//!    ascending, or its one query) are written there, one entry per thread.
 //!
-//! The slots the atomics hand out and the places of the entry lists vary from run to run; the
+//! The slots the atomics hand out and the order of the entry lists vary from run to run; the
 //! tables do not: every position in them comes from a count or a sort by a unique key.
 //!
 //! Rows are numbered without a level loop: document `d`'s block `k` is row `rank0(d)` at
 //! level 0, and `N0 + Σ_long (min(nb_j, k) − 1) + #{long j before d : nb_j > k}` at level
 //! `k >= 1`, where `N0` counts the non-empty documents and "long" ones have two or more blocks.
-//! (That sum is over the long documents for each row: linear in `T` for a bounded number of
-//! long documents, as in every benchmark case; `T/129` long documents of two blocks would make
-//! it quadratic in the worst case.)
+//! (That sum is a reduction over the long documents by the block's CTA of head 0: linear in
+//! `T` for a bounded number of long documents, as in every benchmark case; `T/129` long
+//! documents of two blocks would make it quadratic in the worst case.)
 //! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
 //! `W` alone and rejects shapes whose indices would not fit.
 
@@ -60,16 +66,19 @@ pub const TOPK: u32 = 16;
 /// `window_bits` parameter may ask for (`2^window_bits` blocks). The runtime passes 10; tests
 /// pass less to run several windows at sizes the simulator affords.
 pub const WINDOW: u32 = 1024;
-/// Largest bucket [`ORDER`] sorts: a row's entries come from distinct query blocks of one
-/// document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
+/// Largest bucket [`ORDER`] orders (the bits of its query-block bitmap): a row's entries come
+/// from distinct query blocks of one document, at most `ceil(T/128) <= 8192` for `T <= 2^20`.
 pub const MAX_BUCKET: u32 = 8192;
 /// Entries a [`COUNT`] thread handles per pass of its entry loop.
 const ENTRY_BATCH: u32 = 4;
-/// Bits of a bucket sort key holding the slot (the rest holds `qb`).
+/// Bits of an entry's second word holding its slot in the row; the count (1..=128) follows.
 const SLOT_BITS: u32 = 13;
+/// Shift of the entry's lowest query (0..128) in its second word, after the slot and count.
+const QUERY_SHIFT: u32 = 21;
 
-/// Words of the status block (the host reads it back; layout mirrored by the runtime).
-pub const STATUS_WORDS: u32 = 32;
+/// Words of the status block (the host reads it back; layout mirrored by the runtime): two
+/// 128-byte lines, the second for the two handoff words every CTA hits.
+pub const STATUS_WORDS: u32 = 64;
 /// Status word: fault flags (`FLAG_*`).
 pub const ST_FLAGS: u32 = 0;
 /// Status word: the first malformed `cu_seqlens` index (atomic min; `i32::MAX` when none).
@@ -99,13 +108,12 @@ pub const ST_SLOT: u32 = 12;
 pub const ST_EDGES: u32 = 16;
 /// Status words 20..24: work items per head.
 pub const ST_ITEMS: u32 = 20;
-/// Status words 24..28: entries per head (the bump allocator of the entry lists).
-pub const ST_ENTRIES: u32 = 24;
 /// Status word: [`COUNT`] CTAs finished (the last one scans the rows).
-pub const ST_DONE: u32 = 28;
-/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs wait
-/// for it); its last CTA sets it back to 0, so it is 0 between builds.
-pub const ST_READY: u32 = 29;
+pub const ST_DONE: u32 = 40;
+/// Status word: 1 once [`COUNT`]'s CTA (0, 0) has done the documents step (the other CTAs poll
+/// it; it has a line of its own, so the polling does not queue CTA (0, 0)'s stores to the status
+/// words); its last CTA sets it back to 0, so it is 0 between builds.
+pub const ST_READY: u32 = 32;
 
 /// Flag: `cu_seqlens` does not start at 0, decreases, or does not end at `T`.
 pub const FLAG_CU_SEQLENS: u32 = 1;
@@ -146,19 +154,11 @@ pub const SCATTER: KernelDesc = KernelDesc {
 /// `schedule_order`.
 pub const ORDER: KernelDesc = KernelDesc {
     name: "schedule_order",
-    about: "sorts each row's entries by query block and scans their edge counts into starts",
+    about:
+        "orders each row's entries by query block, scans their edge counts and writes their queries",
     targets: TARGETS,
     threads: (ORDER_THREADS, 1, 1),
     describe: order,
-};
-
-/// `schedule_fill`.
-pub const FILL: KernelDesc = KernelDesc {
-    name: "schedule_fill",
-    about: "writes every CSR edge at its entry's start plus its rank in the query block",
-    targets: TARGETS,
-    threads: (BLOCK_THREADS, 1, 1),
-    describe: fill,
 };
 
 /// `status[word]`.
@@ -251,12 +251,28 @@ fn cta_exclusive_scan_n<const N: usize>(
 /// entry's `N` values (zeros when not live), `store` gets the sums before it.
 fn tiled_scan_n<const N: usize>(
     b: &mut KernelBuilder,
+    shape: (u32, u32),
+    n: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> [Reg<U32>; N],
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
+) -> [Reg<U32>; N] {
+    tiled_scan_then(b, shape, n, tid, warp_totals, value, store, |_, _| {})
+}
+
+/// [`tiled_scan_n`] that runs `tile_done(tile_base)` after each tile's stores (uniformly, by
+/// every thread).
+#[allow(clippy::too_many_arguments)]
+fn tiled_scan_then<const N: usize>(
+    b: &mut KernelBuilder,
     (threads, per_thread): (u32, u32),
     n: Reg<U32>,
     tid: Reg<U32>,
     warp_totals: &SharedVar,
     value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> [Reg<U32>; N],
     store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, [Reg<U32>; N], [Reg<U32>; N]),
+    tile_done: impl Fn(&mut KernelBuilder, Reg<U32>),
 ) -> [Reg<U32>; N] {
     let carry: [Reg<U32>; N] = std::array::from_fn(|_| b.mov::<U32>(0u32));
     let tile = threads * per_thread;
@@ -283,6 +299,7 @@ fn tiled_scan_n<const N: usize>(
             let next = b.add(carry[c], total[c]);
             b.set(carry[c], next);
         }
+        tile_done(b, tile_base);
     });
     carry
 }
@@ -324,7 +341,6 @@ struct DocParams {
     long_idx: ParamRef<U64>,
     long_nb: ParamRef<U64>,
     blk_doc: ParamRef<U64>,
-    row_of: ParamRef<U64>,
     block_of: ParamRef<U64>,
     ctr: ParamRef<U64>,
     docs: ParamRef<U32>,
@@ -344,7 +360,6 @@ fn doc_params(b: &mut KernelBuilder) -> DocParams {
         long_idx: b.param_ptr("doc_long_index", HostElem::I32, true),
         long_nb: b.param_ptr("long_blocks", HostElem::I32, true),
         blk_doc: b.param_ptr("block_record", HostElem::I32, true),
-        row_of: b.param_ptr("row_of_block", HostElem::I32, true),
         block_of: b.param_ptr("block_of_row", HostElem::I32, true),
         ctr: b.param_ptr("row_counters", HostElem::I32, true),
         docs: b.param_u32("num_docs"),
@@ -361,7 +376,7 @@ fn doc_params(b: &mut KernelBuilder) -> DocParams {
 fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Label) {
     let (cu_in_p, cu_p, ws_p, status_p, nb_p) = (&p.cu_in, &p.cu, &p.ws, &p.status, &p.nb);
     let (rank0_p, long_idx_p, long_nb_p) = (&p.rank0, &p.long_idx, &p.long_nb);
-    let (blk_doc_p, row_of_p, block_of_p, ctr_p) = (&p.blk_doc, &p.row_of, &p.block_of, &p.ctr);
+    let ctr_p = &p.ctr;
     let (docs_p, tokens_p, kblocks_p, counters_p) = (&p.docs, &p.tokens, &p.kblocks, &p.counters);
     let doc_totals = b.shared_array("doc_totals", 3 * 128, 16);
     // [first cu_seqlens fault, flags]: the step is one CTA, so its own fault bookkeeping
@@ -392,6 +407,8 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     });
 
     b.comment("reset the status block; a bad cu_seqlens[0] is fault index 0");
+    // cu_seqlens[D], read once by the leader (it checks it against T after the scan).
+    let c_last = b.mov::<U32>(0u32);
     b.if_then(leader, "reset", |b| {
         for w in (0..STATUS_WORDS).filter(|&w| w != ST_READY) {
             let v = if w == ST_CU_FAULT {
@@ -403,15 +420,16 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
             };
             b.st::<U32, _>(&status_addr(status, w), v);
         }
+        let last = b.mul_wide(docs, 4u32);
+        let last_in = b.add(cu_in, last);
         let c0 = b.ld::<U32, _>(&global(cu_in, 0));
+        let c = b.ld::<U32, _>(&global(last_in, 0));
+        b.set(c_last, c);
         let bad = b.setp(Cmp::Ne, c0, 0u32);
         let first = b.selp::<U32>(0u32, i32::MAX as u32, bad);
         b.st::<U32, _>(&shared(verdict, 0), first);
-        let last = b.mul_wide(docs, 4u32);
-        let last_in = b.add(cu_in, last);
-        let c_last = b.ld::<U32, _>(&global(last_in, 0));
         let last_out = b.add(cu, last);
-        b.st::<U32, _>(&global(last_out, 0), c_last);
+        b.st::<U32, _>(&global(last_out, 0), c);
     });
     b.bar_sync(0, None);
 
@@ -467,9 +485,6 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     );
     b.bar_sync(0, None);
     b.if_then(leader, "totals", |b| {
-        let last = b.mul_wide(docs, 4u32);
-        let last = b.add(cu_in, last);
-        let c_last = b.ld::<U32, _>(&global(last, 0));
         let wrong_t = b.setp(Cmp::Ne, c_last, tokens);
         let fault = b.ld::<U32, _>(&shared(verdict, 0));
         let at_end = b.min(fault, docs);
@@ -491,53 +506,10 @@ fn documents_step(b: &mut KernelBuilder, p: &DocParams, threads: u32, exit: &Lab
     let flags = b.ld::<U32, _>(&shared(verdict, 4));
     let bad = b.setp(Cmp::Ne, flags, 0u32);
     b.bra_if(bad, exit);
-
-    b.comment("rows: document d's block k is row rank0(d) at level 0, else");
-    b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
-    let blk_doc = b.ld_param_ptr(blk_doc_p);
-    let row_of = b.ld_param_ptr(row_of_p);
-    let block_of = b.ld_param_ptr(block_of_p);
-    b.for_range(tid, rows, threads, "rows", |b, f| {
-        let start = b.shl(f, 7u32);
-        let d = last_le(b, ws, docs, start);
-        let ws_d = load_u32(b, ws, d);
-        let first = b.shr(ws_d, 7u32);
-        let k = b.sub(f, first);
-        let row = load_u32(b, rank0_a, d);
-        let upper = b.setp(Cmp::Gt, k, 0u32);
-        b.if_then(upper, "upper_level", |b| {
-            let mine = load_u32(b, long_idx_a, d);
-            let acc = b.mov::<U32>(nonempty);
-            b.for_range(0u32, long, 1, "long_docs", |b, j| {
-                let nbj = load_u32(b, long_nb_a, j);
-                let m = b.min(nbj, k);
-                let m = b.sub(m, 1u32);
-                let before = b.setp(Cmp::Lt, j, mine);
-                let above = b.setp(Cmp::Gt, nbj, k);
-                let both = b.and_pred(before, above);
-                let extra = b.selp(1u32, 0u32, both);
-                let a = b.add(acc, m);
-                let a = b.add(a, extra);
-                b.set(acc, a);
-            });
-            b.set(row, acc);
-        });
-        // The block's record (document, its first block, its start and length): the
-        // per-block kernels get their document in one vector load.
-        let cs = load_u32(b, cu, d);
-        let d1 = b.add(d, 1u32);
-        let ce = load_u32(b, cu, d1);
-        let len = b.sub(ce, cs);
-        let rec = common_elem16(b, blk_doc, f);
-        b.st_v(&rec, [d, first, cs, len]);
-        store_u32(b, row_of, f, row);
-        store_u32(b, block_of, row, f);
-    });
 }
 
 /// The block a per-block CTA `(f, head)` works on, from its record.
 struct Block {
-    head: Reg<U32>,
     qb: Reg<U32>,
     first_block: Reg<U32>,
     /// Compact start of the block's document.
@@ -549,67 +521,17 @@ struct Block {
 
 fn block_of_cta(b: &mut KernelBuilder, blk_doc: Reg<U64>) -> Block {
     let f = b.sreg(SReg::CtaidX);
-    let head = b.sreg(SReg::CtaidY);
     let tid = b.sreg(SReg::TidX);
     let rec = common_elem16(b, blk_doc, f);
     let [_, first_block, start, len]: [Reg<U32>; 4] = b.ld_v(&rec);
     let qb = b.sub(f, first_block);
     Block {
-        head,
         qb,
         first_block,
         start,
         len,
         tid,
     }
-}
-
-/// Bitonic sort, ascending, of the `m` (a power of two) words at shared `keys`, by a CTA of
-/// `threads` threads. Ends with a barrier.
-fn bitonic_sort(b: &mut KernelBuilder, keys: Reg<U32>, m: Reg<U32>, tid: Reg<U32>, threads: u32) {
-    let half = b.shr(m, 1u32);
-    let k = b.mov::<U32>(2u32);
-    let k_top = b.label("sort_k");
-    let k_done = b.label("sort_k_done");
-    b.place(&k_top);
-    let over = b.setp(Cmp::Gt, k, m);
-    b.bra_if(over, &k_done);
-    let j = b.shr(k, 1u32);
-    let j_top = b.label("sort_j");
-    let j_done = b.label("sort_j_done");
-    b.place(&j_top);
-    let none = b.setp(Cmp::Eq, j, 0u32);
-    b.bra_if(none, &j_done);
-    b.for_range(tid, half, threads, "sort_pairs", |b, i| {
-        // The i-th pair (lo, lo + j) with bit j of lo clear.
-        let jm1 = b.sub(j, 1u32);
-        let low = b.and(i, jm1);
-        let i2 = b.shl(i, 1u32);
-        let lo = b.sub(i2, low);
-        let lo4 = b.shl(lo, 2u32);
-        let a_lo = b.add(keys, lo4);
-        let j4 = b.shl(j, 2u32);
-        let a_hi = b.add(a_lo, j4);
-        let x = b.ld::<U32, _>(&shared(a_lo, 0));
-        let y = b.ld::<U32, _>(&shared(a_hi, 0));
-        let dir = b.and(lo, k);
-        let up = b.setp(Cmp::Eq, dir, 0u32);
-        let mn = b.min(x, y);
-        let mx = b.max(x, y);
-        let first = b.selp(mn, mx, up);
-        let second = b.selp(mx, mn, up);
-        b.st::<U32, _>(&shared(a_lo, 0), first);
-        b.st::<U32, _>(&shared(a_hi, 0), second);
-    });
-    b.bar_sync(0, None);
-    let j2 = b.shr(j, 1u32);
-    b.set(j, j2);
-    b.bra(&j_top);
-    b.place(&j_done);
-    let k2 = b.shl(k, 1u32);
-    b.set(k, k2);
-    b.bra(&k_top);
-    b.place(&k_done);
 }
 
 /// Thread 0 of the last [`COUNT`] CTA: the first fault, decoded into the status block.
@@ -694,16 +616,88 @@ fn halves(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<U32>, Reg<U32>) {
     (lo, hi)
 }
 
+/// [`COUNT`]'s CTA `(f, head)` after the documents step: block `f`'s document by a search of
+/// the workspace starts (the blocks are spread over all CTAs, none does them serially); the
+/// CTAs of head 0 also number the block's row and record both for the later kernels. Uniform
+/// per CTA (the row's sum over long documents is a CTA reduction).
+fn own_block(
+    b: &mut KernelBuilder,
+    p: &DocParams,
+    status: Reg<U64>,
+    f: Reg<U32>,
+    head: Reg<U32>,
+) -> Block {
+    let tid = b.sreg(SReg::TidX);
+    let ws = b.ld_param_ptr(&p.ws);
+    let cu = b.ld_param_ptr(&p.cu);
+    let docs = b.ld_param(&p.docs);
+    let start = b.shl(f, 7u32);
+    let d = last_le(b, ws, docs, start);
+    let ws_d = load_u32(b, ws, d);
+    let first = b.shr(ws_d, 7u32);
+    let k = b.sub(f, first);
+    let cs = load_u32(b, cu, d);
+    let d1 = b.add(d, 1u32);
+    let ce = load_u32(b, cu, d1);
+    let len = b.sub(ce, cs);
+    let head0 = b.setp(Cmp::Eq, head, 0u32);
+    b.if_then(head0, "number_row", |b| {
+        b.comment("document d's block k is row rank0(d) at level 0, else");
+        b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
+        let rank0 = b.ld_param_ptr(&p.rank0);
+        let long_idx = b.ld_param_ptr(&p.long_idx);
+        let long_nb = b.ld_param_ptr(&p.long_nb);
+        let [nonempty, long]: [Reg<U32>; 2] = b.ld_v(&status_addr(status, ST_NONEMPTY));
+        let mine = load_u32(b, long_idx, d);
+        let acc = b.mov::<U32>(0u32);
+        b.for_range(tid, long, BLOCK_THREADS, "long_docs", |b, j| {
+            let nbj = load_u32(b, long_nb, j);
+            let m = b.min(nbj, k);
+            let m = b.sub(m, 1u32);
+            let before = b.setp(Cmp::Lt, j, mine);
+            let above = b.setp(Cmp::Gt, nbj, k);
+            let both = b.and_pred(before, above);
+            let extra = b.selp(1u32, 0u32, both);
+            let a = b.add(acc, m);
+            let a = b.add(a, extra);
+            b.set(acc, a);
+        });
+        let warp_totals = b.shared_array("row_sum", 128, 16);
+        let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [acc], tid, &warp_totals);
+        let upper = b.add(nonempty, sum);
+        let level0 = load_u32(b, rank0, d);
+        let at0 = b.setp(Cmp::Eq, k, 0u32);
+        let row = b.selp(level0, upper, at0);
+        let t0 = b.setp(Cmp::Eq, tid, 0u32);
+        b.if_then(t0, "record", |b| {
+            // The block's record (document, its first block, its start and length): the
+            // later per-block kernels get their document in one vector load.
+            let blk_doc = b.ld_param_ptr(&p.blk_doc);
+            let rec = common_elem16(b, blk_doc, f);
+            b.st_v(&rec, [d, first, cs, len]);
+            let block_of = b.ld_param_ptr(&p.block_of);
+            store_u32(b, block_of, row, f);
+        });
+    });
+    Block {
+        qb: k,
+        first_block: first,
+        start: cs,
+        len,
+        tid,
+    }
+}
+
 fn count(b: &mut KernelBuilder) {
     b.grid("[rows capacity, 4, 1]");
     let dp = doc_params(b);
     let (cu_p, status_p, nb_p) = (&dp.cu, &dp.status, &dp.nb);
-    let (blk_doc_p, row_of_p, ctr_p) = (&dp.blk_doc, &dp.row_of, &dp.ctr);
+    let (block_of_p, ctr_p) = (&dp.block_of, &dp.ctr);
     let (docs_p, tokens_p) = (&dp.docs, &dp.tokens);
     let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
     let entries_p = b.param_ptr("entries", HostElem::I32, true);
     let info_p = b.param_ptr("block_entries", HostElem::I32, true);
-    let aux_p = b.param_ptr("edge_places", HostElem::I32, true);
+    let masks_p = b.param_ptr("entry_masks", HostElem::I32, true);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, true);
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, true);
     let item_off_p = b.param_ptr("item_offsets", HostElem::I32, true);
@@ -712,14 +706,12 @@ fn count(b: &mut KernelBuilder) {
     let qpw_p = b.param_u32("queries_per_work");
     let window_bits_p = b.param_u32("window_bits");
     let mask_var = b.shared_array("mask", WINDOW * 16, 16);
-    let jtab_var = b.shared_array("entry_of", WINDOW * 4, 16);
     let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
     // [entries of the block, their list base, last CTA]
     let misc_var = b.shared_array("misc", 16, 16);
-    let warp_totals = b.shared_array("warp_totals", 12 * 128, 16);
+    let warp_totals = b.shared_array("warp_totals", 13 * 128, 16);
 
     let status = b.ld_param_ptr(status_p);
-    let blk_doc = b.ld_param_ptr(blk_doc_p);
     let tokens = b.ld_param(tokens_p);
     let rows_cap = b.ld_param(&rows_cap_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
@@ -771,13 +763,12 @@ fn count(b: &mut KernelBuilder) {
     let finish = b.label("finish");
     b.bra_if(skip, &finish);
 
-    let blk = block_of_cta(b, blk_doc);
+    let blk = own_block(b, &dp, status, f, head);
     let nb = b.add(blk.len, 127u32);
     let nb = b.shr(nb, 7u32);
     let q = b.mad_lo(blk.qb, 128u32, tid);
     let live = b.setp(Cmp::Lt, q, blk.len);
     let mask = b.shared_base(&mask_var);
-    let jtab = b.shared_base(&jtab_var);
     let elist = b.shared_base(&elist_var);
 
     b.comment("clear the mask window and the entry counter");
@@ -842,15 +833,23 @@ fn count(b: &mut KernelBuilder) {
     });
     b.bar_sync(0, None);
 
-    b.comment("per window of key blocks: mask[id] |= bit of this query, then every edge's rank");
-    b.comment("among the block's queries with the same id; the rank-0 edge creates the entry");
+    b.comment("per window of key blocks: mask[id] |= bit of this query; the edge of the lowest");
+    b.comment("query with that id creates the entry: its id and count in the shared list, its");
+    b.comment("128-bit query mask at the same list index in entry_masks");
+    // The block's list: its queries' own 16 slots of the head's 16·T, [16·t0, 16·(t0 + 128)),
+    // so no allocation is needed (a block has at most one entry per valid edge).
+    let t_first = b.mad_lo(blk.qb, 128u32, blk.start);
+    let eb = b.mul_lo(t_first, TOPK);
+    let head_entries = b.mul_lo(head, edge_cap);
+    let list_base = b.add(head_entries, eb);
+    let masks = b.ld_param_ptr(&masks_p);
     let word = b.shr(tid, 5u32);
     let word4 = b.shl(word, 2u32);
     let lane = b.and(tid, 31u32);
     let one = b.mov::<U32>(1u32);
     let bit = b.shl(one, lane);
     let below_bit = b.sub(bit, 1u32);
-    let places: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
+    let tid24 = b.shl(tid, 24u32);
     let ranks: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(0u32)).collect();
     let window_bits = b.ld_param(&window_bits_p);
     let window = b.shl(one, window_bits);
@@ -898,59 +897,45 @@ fn count(b: &mut KernelBuilder) {
                 b.set(ranks[s], rank);
                 let leader = b.setp(Cmp::Eq, rank, 0u32);
                 b.if_then(leader, "entry", |b| {
+                    // (id, count, this lowest query): a single edge needs nothing more.
                     let j = b.atom::<U32, _>(AtomOp::Add, &shared(misc, 0), 1u32);
-                    let local = b.and(id, local_mask);
-                    let l4 = b.shl(local, 2u32);
-                    let at = b.add(jtab, l4);
-                    b.st::<U32, _>(&shared(at, 0), j);
                     let c = b.shl(total, 16u32);
                     let e = b.or(id, c);
+                    let e = b.or(e, tid24);
                     let j4 = b.shl(j, 2u32);
                     let at = b.add(elist, j4);
                     b.st::<U32, _>(&shared(at, 0), e);
+                    let several = b.setp(Cmp::Gt, total, 1u32);
+                    b.if_then(several, "entry_mask", |b| {
+                        let gi = b.add(list_base, j);
+                        let ma = common_elem16(b, masks, gi);
+                        b.st_v(&ma, m);
+                    });
                 });
             });
         }
         b.bar_sync(0, None);
-        for (s, (&(p, a), &(id, _))) in in_window.iter().zip(&ids).enumerate() {
-            b.if_then(p, "place", |b| {
-                let local = b.and(id, local_mask);
-                let l4 = b.shl(local, 2u32);
-                let at = b.add(jtab, l4);
-                let j = b.ld::<U32, _>(&shared(at, 0));
-                let j7 = b.shl(j, 7u32);
-                let v = b.or(j7, ranks[s]);
-                b.set(places[s], v);
-                // Every read of this window's mask is behind the barrier above.
-                let leader = b.setp(Cmp::Eq, ranks[s], 0u32);
-                b.if_then(leader, "unmask", |b| {
-                    let z = b.mov::<U32>(0u32);
-                    b.st_v(&shared(a, 0), [z, z, z, z]);
-                });
+        for (&(p, a), &rank) in in_window.iter().zip(&ranks) {
+            // Every read of this window's mask is behind the barrier above.
+            let leader = b.setp(Cmp::Eq, rank, 0u32);
+            let clear = b.and_pred(p, leader);
+            b.if_then(clear, "unmask", |b| {
+                let z = b.mov::<U32>(0u32);
+                b.st_v(&shared(a, 0), [z, z, z, z]);
             });
         }
         b.bar_sync(0, None);
     });
 
-    b.comment("the block's entries: a place in the head's list, a slot in their row");
+    b.comment("the block's entries: a slot in their row");
     let n = b.ld::<U32, _>(&shared(misc, 0));
     let info = b.ld_param_ptr(&info_p);
-    b.if_then(t0, "allocate", |b| {
-        let word = b.add(head, ST_ENTRIES);
-        let a = b.mul_wide(word, 4u32);
-        let a = b.add(status, a);
-        let eb = b.atom::<U32, _>(AtomOp::Add, &global(a, 0), n);
-        b.st::<U32, _>(&shared(misc, 4), eb);
+    b.if_then(t0, "list", |b| {
         let i = b.mad_lo(head, rows_cap, f);
         let at = super::common::elem_bytes(b, info, i, 8);
         b.st_v(&at, [eb, n]);
     });
-    b.bar_sync(0, None);
-    let eb = b.ld::<U32, _>(&shared(misc, 4));
-    let row_of = b.ld_param_ptr(row_of_p);
     let entries = b.ld_param_ptr(&entries_p);
-    let head_entries = b.mul_lo(head, edge_cap);
-    let list_base = b.add(head_entries, eb);
     // ENTRY_BATCH entries per thread and pass, each step for all of them before the next
     // (row lookups, then the atomics), so their round trips overlap.
     let n1 = b.max(n, 1u32);
@@ -966,13 +951,16 @@ fn count(b: &mut KernelBuilder) {
             let e = b.ld::<U32, _>(&shared(at, 0));
             let id = b.and(e, 0xffffu32);
             let c = b.shr(e, 16u32);
+            let c = b.and(c, 0xffu32);
+            let q = b.shr(e, 24u32);
+            // Counters, bucket starts and entries go by key block (its row is numbered by
+            // another CTA of this launch).
             let fk = b.add(blk.first_block, id);
-            let row = load_u32(b, row_of, fk);
-            batch.push((j, live, c, row));
+            batch.push((j, live, c, fk, q));
         }
         let mut slots = Vec::new();
-        for &(_, live, c, row) in &batch {
-            let bi = b.mad_lo(head, rows_cap, row);
+        for &(_, live, c, fk, _) in &batch {
+            let bi = b.mad_lo(head, rows_cap, fk);
             let c64 = b.cvt::<U64, U32>(c);
             let inc = b.add(c64, 1u64 << 32);
             let ca = super::common::elem_bytes(b, ctr, bi, 8);
@@ -983,33 +971,17 @@ fn count(b: &mut KernelBuilder) {
             });
             slots.push(old);
         }
-        for (&(j, live, c, row), &old) in batch.iter().zip(&slots) {
+        for (&(j, live, c, fk, q), &old) in batch.iter().zip(&slots) {
             let (_, slot) = halves(b, old);
             let c13 = b.shl(c, SLOT_BITS);
             let sc = b.or(slot, c13);
+            let q21 = b.shl(q, QUERY_SHIFT);
+            let sc = b.or(sc, q21);
             let gi = b.add(list_base, j);
             b.predicated(live, false, |b| {
                 let ea = super::common::elem_bytes(b, entries, gi, 8);
-                b.st_v(&ea, [row, sc]);
+                b.st_v(&ea, [fk, sc]);
             });
-        }
-    });
-    b.comment("edge_places[head, t, slot] = (list index << 7) | rank, or -1 for no edge");
-    let eb7 = b.shl(eb, 7u32);
-    let aux = b.ld_param_ptr(&aux_p);
-    b.if_then(live, "places", |b| {
-        let mut v = Vec::new();
-        for (s, &(_, valid)) in ids.iter().enumerate() {
-            let p = b.add(places[s], eb7);
-            v.push(b.selp(p, u32::MAX, valid));
-        }
-        let base = b.mul_wide(lin0, 4u32);
-        let base = b.add(aux, base);
-        for c in 0..4 {
-            b.st_v(
-                &global(base, 16 * c as i64),
-                [v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]],
-            );
         }
     });
 
@@ -1061,8 +1033,10 @@ fn count(b: &mut KernelBuilder) {
     let stride = b.add(rows_cap, 1u32);
     let rows1 = b.max(rows, 1u32);
     let last_row = b.sub(rows1, 1u32);
-    // Two rows per thread and tile: the 12 values per row stay in registers.
-    let totals = tiled_scan_n::<12>(
+    let block_of = b.ld_param_ptr(block_of_p);
+    // Two rows per thread and tile: the 12 values per row stay in registers. The counters
+    // and bucket starts go by key block, row_ptr and the item offsets by row.
+    let totals = tiled_scan_n::<13>(
         b,
         (BLOCK_THREADS, 2),
         rows,
@@ -1071,9 +1045,10 @@ fn count(b: &mut KernelBuilder) {
         // Unpredicated loads at a clamped row (rows >= 1 here), zero when not live.
         |b, r, live| {
             let rc = b.min(r, last_row);
+            let fb = load_u32(b, block_of, rc);
             let mut out = Vec::new();
             for h in 0..4u32 {
-                let i = b.mad_lo(rows_cap, h, rc);
+                let i = b.mad_lo(rows_cap, h, fb);
                 let a = super::common::elem_bytes(b, ctr, i, 8);
                 let v = b.ld::<U64, _>(&a);
                 let (e, n) = halves(b, v);
@@ -1082,16 +1057,20 @@ fn count(b: &mut KernelBuilder) {
                     out.push(b.selp(x, 0u32, live));
                 }
             }
+            // The 13th value only carries the row's block to the store (its sums are unused).
+            out.push(fb);
             std::array::from_fn(|k| out[k])
         },
-        |b, r, live, before, _| {
+        |b, r, live, before, v| {
             b.if_then(live, "row_store", |b| {
+                let fb = v[12];
                 for h in 0..4u32 {
                     let i = b.mad_lo(stride, h, r);
                     let k = 3 * h as usize;
                     store_u32(b, row_ptr, i, before[k]);
-                    let i = b.mad_lo(rows_cap, h, r);
+                    let i = b.mad_lo(rows_cap, h, fb);
                     store_u32(b, bstart, i, before[k + 1]);
+                    let i = b.mad_lo(rows_cap, h, r);
                     store_u32(b, item_off, i, before[k + 2]);
                 }
             });
@@ -1240,7 +1219,9 @@ fn scatter(b: &mut KernelBuilder) {
         }
     });
 
-    b.comment("the block's entries into their rows' buckets: (qb | count << 16, list index)");
+    b.comment(
+        "the block's entries into their rows' buckets: (qb | count << 16, query or list index)",
+    );
     let past = b.setp(Cmp::Ge, f, rows);
     b.unless(clean, "flagged", |b| b.ret());
     b.if_then(past, "past", |b| b.ret());
@@ -1258,39 +1239,62 @@ fn scatter(b: &mut KernelBuilder) {
     b.for_range(blk.tid, n, BLOCK_THREADS, "entries", |b, j| {
         let gi = b.add(list_base, j);
         let ea = super::common::elem_bytes(b, entries, gi, 8);
-        let [row, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
+        let [fk, sc]: [Reg<U32>; 2] = b.ld_v(&ea);
         let slot = b.and(sc, (1u32 << SLOT_BITS) - 1);
         let c = b.shr(sc, SLOT_BITS);
-        let bi = b.mad_lo(head, rows_cap, row);
+        let c = b.and(c, 0xffu32);
+        let q = b.shr(sc, QUERY_SHIFT);
+        let bi = b.mad_lo(head, rows_cap, fk);
         let bs = load_u32(b, bstart, bi);
         let di = b.add(head_base, bs);
         let di = b.add(di, slot);
         let c16 = b.shl(c, 16u32);
         let key = b.or(blk.qb, c16);
+        // A single edge carries its query, more carry the list index of their mask.
         let li = b.add(eb, j);
+        let single = b.setp(Cmp::Eq, c, 1u32);
+        let x = b.selp(q, li, single);
         let da = super::common::elem_bytes(b, buckets, di, 8);
-        b.st_v(&da, [key, li]);
+        b.st_v(&da, [key, x]);
     });
     b.ret();
 }
 
 fn order(b: &mut KernelBuilder) {
+    const _: () = assert!(
+        ORDER_THREADS * 32 == MAX_BUCKET,
+        "one bitmap word per thread"
+    );
     b.grid("[rows capacity, 4, 1]");
     let status_p = b.param_ptr("status", HostElem::I32, false);
     let ctr_p = b.param_ptr("row_counters", HostElem::I32, false);
     let bstart_p = b.param_ptr("bucket_starts", HostElem::I32, false);
     let buckets_p = b.param_ptr("buckets", HostElem::I32, false);
     let row_ptr_p = b.param_ptr("row_ptr", HostElem::I32, false);
-    let entries_p = b.param_ptr("entries", HostElem::I32, true);
+    let block_of_p = b.param_ptr("block_of_row", HostElem::I32, false);
+    let masks_p = b.param_ptr("entry_masks", HostElem::I32, false);
+    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
     let tokens_p = b.param_u32("num_tokens");
     let rows_cap_p = b.param_u32("rows_capacity");
-    let keys_var = b.shared_array("keys", MAX_BUCKET * 4, 16);
+    let keys_var = b.shared_array("sorted", MAX_BUCKET * 4, 16);
+    let bits_var = b.shared_array("qb_bits", MAX_BUCKET / 8, 16);
+    let below_var = b.shared_array("qb_below", MAX_BUCKET / 8, 16);
+    let starts_var = b.shared_array("entry_starts", ORDER_THREADS * SCAN_PER_THREAD * 4, 16);
     let warp_totals = b.shared_array("warp_totals", 128, 16);
 
     let status = b.ld_param_ptr(&status_p);
     let tid = b.sreg(SReg::TidX);
     let row = b.sreg(SReg::CtaidX);
     let head = b.sreg(SReg::CtaidY);
+    let rows_cap = b.ld_param(&rows_cap_p);
+    // The row's block and start are loaded with the status (in bounds for every row of the
+    // grid; used only when the row is live), so the round trips overlap.
+    let block_of = b.ld_param_ptr(&block_of_p);
+    let fb = load_u32(b, block_of, row);
+    let stride = b.add(rows_cap, 1u32);
+    let rp = b.mad_lo(head, stride, row);
+    let row_ptr = b.ld_param_ptr(&row_ptr_p);
+    let row_start = load_u32(b, row_ptr, rp);
     let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
     let flagged = b.setp(Cmp::Ne, flags, 0u32);
     let past = b.setp(Cmp::Ge, row, rows);
@@ -1299,8 +1303,7 @@ fn order(b: &mut KernelBuilder) {
 
     let tokens = b.ld_param(&tokens_p);
     let edge_cap = b.mul_lo(tokens, TOPK);
-    let rows_cap = b.ld_param(&rows_cap_p);
-    let bi = b.mad_lo(head, rows_cap, row);
+    let bi = b.mad_lo(head, rows_cap, fb);
     let ctr = b.ld_param_ptr(&ctr_p);
     let ca = super::common::elem_bytes(b, ctr, bi, 8);
     let cv = b.ld::<U64, _>(&ca);
@@ -1310,47 +1313,74 @@ fn order(b: &mut KernelBuilder) {
     let head_base = b.mul_lo(head, edge_cap);
     let first = b.add(head_base, bs);
     let buckets = b.ld_param_ptr(&buckets_p);
-    let stride = b.add(rows_cap, 1u32);
-    let rp = b.mad_lo(head, stride, row);
-    let row_ptr = b.ld_param_ptr(&row_ptr_p);
-    let row_start = load_u32(b, row_ptr, rp);
-
-    b.comment("keys (qb << 13 | slot), padded with u32::MAX to a power of two, sorted");
-    let m = b.mov::<U32>(1u32);
-    let grow = b.label("grow");
-    let grown = b.label("grown");
-    b.place(&grow);
-    let enough = b.setp(Cmp::Ge, m, n);
-    b.bra_if(enough, &grown);
-    let m2 = b.shl(m, 1u32);
-    b.set(m, m2);
-    b.bra(&grow);
-    b.place(&grown);
     let keys = b.shared_base(&keys_var);
-    b.for_range(tid, m, ORDER_THREADS, "keys", |b, i| {
-        let key = b.mov::<U32>(u32::MAX);
-        let inside = b.setp(Cmp::Lt, i, n);
-        b.if_then(inside, "key", |b| {
-            let di = b.add(first, i);
-            let da = super::common::elem_bytes(b, buckets, di, 8);
-            let w = b.ld::<U32, _>(&da);
-            let qb = b.and(w, 0xffffu32);
-            let k = b.shl(qb, SLOT_BITS);
-            let k = b.or(k, i);
-            b.set(key, k);
-        });
-        let i4 = b.shl(i, 2u32);
-        let a = b.add(keys, i4);
+    let bits = b.shared_base(&bits_var);
+    let below = b.shared_base(&below_var);
+    // The bucket record's first word, (qb | count << 16).
+    let key_of = |b: &mut KernelBuilder, i: Reg<U32>| {
+        let di = b.add(first, i);
+        let da = super::common::elem_bytes(b, buckets, di, 8);
+        b.ld::<U32, _>(&da)
+    };
+
+    b.comment("the bucket's query blocks are distinct: a bitmap of them, and each entry's place");
+    b.comment("in qb order is the number of set bits below its own (no comparison sort)");
+    let tid4 = b.shl(tid, 2u32);
+    let my_bits = b.add(bits, tid4);
+    b.st::<U32, _>(&shared(my_bits, 0), 0u32);
+    b.bar_sync(0, None);
+    b.for_range(tid, n, ORDER_THREADS, "mark", |b, i| {
+        let w = key_of(b, i);
+        let qb = b.and(w, 0xffffu32);
+        let w = b.shr(qb, 5u32);
+        let w4 = b.shl(w, 2u32);
+        let a = b.add(bits, w4);
+        let sh = b.and(qb, 31u32);
+        let one = b.mov::<U32>(1u32);
+        let bit = b.shl(one, sh);
+        b.red::<U32, _>(AtomOp::Or, &shared(a, 0), bit);
+    });
+    b.bar_sync(0, None);
+    let word = b.ld::<U32, _>(&shared(my_bits, 0));
+    let c = b.popc(word);
+    let ([before], _) = cta_exclusive_scan_n::<1>(b, [c], tid, &warp_totals);
+    let my_below = b.add(below, tid4);
+    b.st::<U32, _>(&shared(my_below, 0), before);
+    b.bar_sync(0, None);
+    b.for_range(tid, n, ORDER_THREADS, "place", |b, i| {
+        let wq = key_of(b, i);
+        let qb = b.and(wq, 0xffffu32);
+        let w = b.shr(qb, 5u32);
+        let w4 = b.shl(w, 2u32);
+        let a = b.add(bits, w4);
+        let x = b.ld::<U32, _>(&shared(a, 0));
+        let a = b.add(below, w4);
+        let p = b.ld::<U32, _>(&shared(a, 0));
+        let sh = b.and(qb, 31u32);
+        let one = b.mov::<U32>(1u32);
+        let bit = b.shl(one, sh);
+        let lower = b.sub(bit, 1u32);
+        let x = b.and(x, lower);
+        let r = b.popc(x);
+        let r = b.add(p, r);
+        // The sorted list holds (slot, count): the scan needs no global load.
+        let cnt = b.shr(wq, 16u32);
+        let cnt = b.shl(cnt, SLOT_BITS);
+        let key = b.or(i, cnt);
+        let r4 = b.shl(r, 2u32);
+        let a = b.add(keys, r4);
         b.st::<U32, _>(&shared(a, 0), key);
     });
     b.bar_sync(0, None);
-    bitonic_sort(b, keys, m, tid, ORDER_THREADS);
 
-    b.comment("entry start = row_ptr + edges of the row's earlier query blocks");
+    b.comment("entry start = row_ptr + edges of the row's earlier query blocks (a scan in qb");
+    b.comment("order); then per tile, one entry per thread, the entry's queries go there");
     // n >= 1: the row has a CTA only if rows > row, and an empty row scans nothing.
     let n1 = b.max(n, 1u32);
     let last = b.sub(n1, 1u32);
-    let entries = b.ld_param_ptr(&entries_p);
+    let masks = b.ld_param_ptr(&masks_p);
+    let q_indices = b.ld_param_ptr(&q_indices_p);
+    let starts = b.shared_base(&starts_var);
     let record = |b: &mut KernelBuilder, i: Reg<U32>| {
         let i4 = b.shl(i, 2u32);
         let a = b.add(keys, i4);
@@ -1359,93 +1389,86 @@ fn order(b: &mut KernelBuilder) {
         let di = b.add(first, slot);
         super::common::elem_bytes(b, buckets, di, 8)
     };
-    tiled_scan_n::<1>(
+    let tile = ORDER_THREADS * SCAN_PER_THREAD;
+    const _: () = assert!((ORDER_THREADS * SCAN_PER_THREAD).is_power_of_two());
+    let at_row = b.add(head_base, row_start);
+    tiled_scan_then::<1>(
         b,
         (ORDER_THREADS, SCAN_PER_THREAD),
         n,
         tid,
         &warp_totals,
-        // Unpredicated loads at a clamped index (so a thread's loads overlap); dead entries
-        // count 0 and store nothing.
+        // Counts from the sorted list at a clamped index; dead entries count 0.
         |b, i, live| {
             let ic = b.min(i, last);
-            let da = record(b, ic);
-            let w = b.ld::<U32, _>(&da);
-            let c = b.shr(w, 16u32);
+            let i4 = b.shl(ic, 2u32);
+            let a = b.add(keys, i4);
+            let key = b.ld::<U32, _>(&shared(a, 0));
+            let c = b.shr(key, SLOT_BITS);
             [b.selp(c, 0u32, live)]
         },
         |b, i, live, before, _| {
-            let ic = b.min(i, last);
-            let da = record(b, ic);
-            let li = b.ld::<U32, _>(&da.offset(4));
             b.if_then(live, "entry_start", |b| {
-                let gi = b.add(head_base, li);
-                let ea = super::common::elem_bytes(b, entries, gi, 8);
-                let s = b.add(row_start, before[0]);
-                b.st::<U32, _>(&ea, s);
+                let e = b.and(i, tile - 1);
+                let e4 = b.shl(e, 2u32);
+                let a = b.add(starts, e4);
+                let s = b.add(at_row, before[0]);
+                b.st::<U32, _>(&shared(a, 0), s);
+            });
+        },
+        // The tile's entries round-robin over the threads (a thread's own entries of the scan
+        // are consecutive: their queries would be written by one thread).
+        |b, tile_base| {
+            b.bar_sync(0, None);
+            b.for_range(tid, tile, ORDER_THREADS, "entry_queries", |b, e| {
+                let i = b.add(tile_base, e);
+                let live = b.setp(Cmp::Lt, i, n);
+                b.if_then(live, "entry_live", |b| {
+                    let da = record(b, i);
+                    let [w, x]: [Reg<U32>; 2] = b.ld_v(&da);
+                    let e4 = b.shl(e, 2u32);
+                    let a = b.add(starts, e4);
+                    let pos = b.ld::<U32, _>(&shared(a, 0));
+                    let qb = b.and(w, 0xffffu32);
+                    let q0 = b.shl(qb, 7u32);
+                    let c = b.shr(w, 16u32);
+                    let single = b.setp(Cmp::Eq, c, 1u32);
+                    b.if_then(single, "single_edge", |b| {
+                        let q = b.add(q0, x);
+                        store_u32(b, q_indices, pos, q);
+                    });
+                    b.unless(single, "several_edges", |b| {
+                        let gi = b.add(head_base, x);
+                        let ma = common_elem16(b, masks, gi);
+                        let m: [Reg<U32>; 4] = b.ld_v(&ma);
+                        let pos = b.mov::<U32>(pos);
+                        for (k, &word) in m.iter().enumerate() {
+                            let x = b.mov::<U32>(word);
+                            let top = b.label("query_bits");
+                            let out = b.label("query_bits_done");
+                            b.place(&top);
+                            let empty = b.setp(Cmp::Eq, x, 0u32);
+                            b.bra_if(empty, &out);
+                            // The lowest set bit and its index.
+                            let zero = b.mov::<U32>(0u32);
+                            let neg = b.sub(zero, x);
+                            let low = b.and(x, neg);
+                            let low1 = b.sub(low, 1u32);
+                            let bit = b.popc(low1);
+                            let q = b.add(q0, bit);
+                            let q = b.add(q, 32 * k as u32);
+                            store_u32(b, q_indices, pos, q);
+                            let p1 = b.add(pos, 1u32);
+                            b.set(pos, p1);
+                            let rest = b.xor(x, low);
+                            b.set(x, rest);
+                            b.bra(&top);
+                            b.place(&out);
+                        }
+                    });
+                });
             });
         },
     );
-    b.ret();
-}
-
-fn fill(b: &mut KernelBuilder) {
-    b.grid("[rows capacity, 4, 1]");
-    let status_p = b.param_ptr("status", HostElem::I32, false);
-    let blk_doc_p = b.param_ptr("block_record", HostElem::I32, false);
-    let entries_p = b.param_ptr("entries", HostElem::I32, false);
-    let aux_p = b.param_ptr("edge_places", HostElem::I32, false);
-    let q_indices_p = b.param_ptr("q_indices", HostElem::I32, true);
-    let tokens_p = b.param_u32("num_tokens");
-
-    let status = b.ld_param_ptr(&status_p);
-    let f = b.sreg(SReg::CtaidX);
-    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
-    let flagged = b.setp(Cmp::Ne, flags, 0u32);
-    let past = b.setp(Cmp::Ge, f, rows);
-    let done = b.or_pred(flagged, past);
-    b.if_then(done, "block_done", |b| b.ret());
-
-    let blk_doc = b.ld_param_ptr(&blk_doc_p);
-    let blk = block_of_cta(b, blk_doc);
-    let q = b.mad_lo(blk.qb, 128u32, blk.tid);
-    let live = b.setp(Cmp::Lt, q, blk.len);
-    b.unless(live, "dead", |b| b.ret());
-    let tokens = b.ld_param(&tokens_p);
-    let edge_cap = b.mul_lo(tokens, TOPK);
-    let head_base = b.mul_lo(blk.head, edge_cap);
-    let t = b.add(blk.start, q);
-    let ht = b.mad_lo(blk.head, tokens, t);
-    let lin0 = b.mul_lo(ht, TOPK);
-    let aux = b.ld_param_ptr(&aux_p);
-    let base = b.mul_wide(lin0, 4u32);
-    let base = b.add(aux, base);
-    let entries = b.ld_param_ptr(&entries_p);
-    let q_indices = b.ld_param_ptr(&q_indices_p);
-    b.comment("q_indices[head, start of the entry + rank] = q");
-    // All 16 loads first, unpredicated (a slot with no edge reads the head's entry 0, which
-    // is in bounds), so they overlap; only the stores are predicated.
-    let mut places = Vec::new();
-    for c in 0..4 {
-        let v: [Reg<U32>; 4] = b.ld_v(&global(base, 16 * c as i64));
-        places.extend(v);
-    }
-    let mut starts = Vec::new();
-    for &a in &places {
-        let edge = b.setp(Cmp::Ne, a, u32::MAX);
-        let li = b.shr(a, 7u32);
-        let li = b.selp(li, 0u32, edge);
-        let gi = b.add(head_base, li);
-        let ea = super::common::elem_bytes(b, entries, gi, 8);
-        starts.push((edge, b.ld::<U32, _>(&ea)));
-    }
-    for (&a, &(edge, start)) in places.iter().zip(&starts) {
-        b.if_then(edge, "edge", |b| {
-            let r = b.and(a, 127u32);
-            let e = b.add(start, r);
-            let e = b.add(head_base, e);
-            store_u32(b, q_indices, e, q);
-        });
-    }
     b.ret();
 }

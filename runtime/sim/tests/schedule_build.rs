@@ -225,6 +225,20 @@ fn more_documents_than_one_scan_tile() {
     check_tables("9003 documents", &q2k, &cu, dense_w(&cu), 8);
 }
 
+#[test]
+fn more_long_documents_than_count_threads() {
+    // 150 documents of two or three blocks among short and empty ones: the sum over long
+    // documents that numbers a row takes two strides of schedule_count's 128 threads, and
+    // rows of the same level interleave across documents of different lengths. Heads 1..4
+    // select nothing (their rows are numbered by head 0's CTAs all the same).
+    let pattern = [129, 300, 140, 1, 257, 0, 383];
+    let lengths: Vec<i32> = (0..210).map(|i| pattern[i % pattern.len()]).collect();
+    assert!(lengths.iter().filter(|&&l| l > 128).count() > 128);
+    let cu = cu_of(&lengths);
+    let q2k = random_q2k(&cu, &mut Rng(11), &[1, 2, 3]);
+    check_tables("150 long documents", &q2k, &cu, dense_w(&cu), 16);
+}
+
 /// Builds `q2k`/`cu` on both targets and expects a flagged status whose error equals
 /// `expected` and a build with no work.
 fn expect_fault(
