@@ -258,7 +258,8 @@ pub fn collect_within(
             }
             Err(RecvTimeoutError::Timeout) => {
                 eprintln!(
-                    "HANG ({label}): the concurrent calls did not finish within {} s",
+                    "HANG ({label}): the concurrent calls did not finish within {} s (or a thread \
+                     stopped on a panic reported above)",
                     bound.as_secs()
                 );
                 std::process::exit(1);
