@@ -37,7 +37,7 @@ const CALLS: usize = 24;
 const TIME_BOUND: Duration = Duration::from_secs(40);
 
 #[test]
-fn same_shape_calls_on_two_streams_overlap_and_match_single_stream_runs() {
+fn same_shape_calls_on_two_streams_match_single_stream_runs() {
     let Some(main) = gpu_stream() else {
         return;
     };
@@ -116,6 +116,8 @@ fn phase(ctx: &Arc<CudaContext>, sets: &[Arc<Vec<Case>>], label: &'static str) {
             last.record(&stream).unwrap();
             let _ = span_tx.send((thread, first, last));
             let report = check_all(&stream, &results, &format!("{label}, thread {thread}"));
+            // The stream's cached workspace stays until the process ends: `release_workspace`
+            // is newer than the code this file also builds against.
             drop((results, schedules));
             let _ = tx.send((thread, report));
         });
