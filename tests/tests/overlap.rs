@@ -1,7 +1,7 @@
 //! A stress test of two streams whose calls share nothing but the GPU (issue 17): two
 //! threads, each on its own stream, enqueue [`CALLS`] backward calls each through
 //! `run_backward`, all of one shape, then check every result against a single-stream run;
-//! a hang fails after [`TIME_BOUND`]. Nothing in the enqueue waits for the other stream:
+//! a hang fails after [`TIME_BOUND`]. No call waits for the other stream's GPU work:
 //! - every call of a phase has the same shape (the same `T`, documents and `W`, so the same
 //!   task sizes), with its own selection and values: the workspaces fit, nothing regrows
 //!   (on the code before per-stream workspaces a regrown task workspace reused memory freed
@@ -16,8 +16,8 @@
 //!
 //! **It does not catch the old failure**: built against the code before per-stream
 //! workspaces (commit 5252e57; this file uses only API that code had) it passed too on the
-//! H200, and the spans show why: that code's cache lock, held while a call is enqueued, let
-//! one thread enqueue all its calls before the other's first, so the two streams ran in
+//! H200. Its spans fit this reading: that code's cache lock, held while a call is enqueued,
+//! let one thread enqueue all its calls before the other's first, so the two streams ran in
 //! turns. The README ("Concurrency") and `docs/h200-concurrency-2026-12-01.md` have the
 //! figures, and what was tried to make both streams' calls run at once.
 //!
