@@ -2,6 +2,7 @@
 //! GPU (or skipping cleanly without one).
 
 pub mod cases;
+pub mod streams;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
