@@ -36,6 +36,8 @@ pub enum TmemRegion {
     DV,
     /// dK accumulator, kept across a segment.
     DK,
+    /// O accumulator of the forward (fp32, lane = folded query row, column = head dim).
+    O,
 }
 
 impl fmt::Display for TmemRegion {
@@ -48,6 +50,7 @@ impl fmt::Display for TmemRegion {
             TmemRegion::DQ => "dQ",
             TmemRegion::DV => "dV",
             TmemRegion::DK => "dK",
+            TmemRegion::O => "O",
         })
     }
 }
