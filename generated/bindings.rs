@@ -788,7 +788,7 @@ pub mod msa_forward_sm100 {
     /// Threads per CTA.
     pub const THREADS: (u32, u32, u32) = (512, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 201572;
+    pub const DYNAMIC_SHARED_BYTES: u32 = 201588;
     /// PTX of `msa_forward_sm100` for `sm_100a`.
     pub const PTX_SM_100A: &str = include_str!("msa_forward_sm100.sm_100a.ptx");
     /// PTX per compute capability.

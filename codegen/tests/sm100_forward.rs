@@ -57,7 +57,9 @@ fn region(id: TmemRegion) -> Range<u32> {
 }
 
 /// Every `tcgen05.ld`/`st` of the compute and epilogue roles inside the regions the role may
-/// touch (a 32-column load or 16-column packed store starting at its operand's column).
+/// touch (a 32-column load or 16-column packed store starting at its operand's column). S and
+/// P are addressed from their stage's base (stage 1 is stage 0 shifted by the plan's stride,
+/// which the kernel's plan check enforces), so their offsets are checked against stage 0.
 fn check_tmem_regions(ptx: &str) -> Result<(), String> {
     let lines: Vec<&str> = ptx.lines().collect();
     let (s, p, o) = (
@@ -67,7 +69,11 @@ fn check_tmem_regions(ptx: &str) -> Result<(), String> {
     );
     let inside = |c: Range<u32>, r: &Range<u32>| c.start >= r.start && c.end <= r.end;
     for (role, loads, stores) in [
-        ("compute", vec![s.clone(), o.clone()], vec![p.clone(), o.clone()]),
+        (
+            "compute",
+            vec![s.clone(), o.clone()],
+            vec![p.clone(), o.clone()],
+        ),
         ("epilogue", vec![o.clone()], vec![]),
     ] {
         for i in role_lines(ptx, role) {
@@ -159,7 +165,7 @@ fn kernel_shape_registers_and_tmem_allocation() {
         assert!(ptx.contains(&inst), "{inst} ({role})");
     }
     let cols = plan.tmem().alloc_cols();
-    assert_eq!(cols, 256);
+    assert_eq!(cols, 512);
     let count = |needle: &str| ptx.lines().filter(|l| l.contains(needle)).count();
     assert_eq!(count("tcgen05.alloc."), 1);
     assert_eq!(count("tcgen05.relinquish_alloc_permit"), 1);
@@ -238,16 +244,16 @@ fn mutate(text: &str, pick: impl Fn(&str) -> bool, with: impl Fn(&str) -> String
 #[test]
 fn mutated_tmem_accesses_fail_the_region_check() {
     let ptx = built();
-    // The first P store moved past P's 64 columns.
+    // The first packed P store (16 columns) moved past P's 64 columns.
     let bad = mutate(
         &ptx,
-        |l| l.trim().starts_with("tcgen05.st"),
-        |l| {
-            let c = tmem_col(l);
-            l.replacen(&format!("[%b0+{c}]"), "[%b0+64]", 1)
-                .replacen("[%b0]", "[%b0+64]", 1)
+        |l| l.trim().starts_with("tcgen05.st.sync.aligned.32x32b.x16"),
+        |l| match l.find("]") {
+            Some(end) if tmem_col(l) == 0 => format!("{}+64{}", &l[..end], &l[end..]),
+            _ => l.replacen(&format!("+{}]", tmem_col(l)), "+64]", 1),
         },
     );
+    assert_ne!(bad, ptx);
     assert!(check_tmem_regions(&bad).is_err());
     // An epilogue load of S: its first O load moved to column 0.
     let first = role_lines(&ptx, "epilogue")
@@ -258,7 +264,7 @@ fn mutated_tmem_accesses_fail_the_region_check() {
         .enumerate()
         .map(|(i, l)| {
             let l = if i == first {
-                l.replace("+128]", "]")
+                l.replace(&format!("+{}]", tmem_col(l)), "]")
             } else {
                 l.to_string()
             };

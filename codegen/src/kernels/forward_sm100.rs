@@ -12,37 +12,44 @@
 //!
 //! - **Warps** (512 threads, one CTA per SM; the backward's [`WarpPlan`]). Warpgroup 0 idles.
 //!   Warps 4–7 *compute* the softmax, thread = TMEM lane = folded row; warp 4 allocates the
-//!   256 TMEM columns and frees them after the dealloc barrier. Warps 8–11 are the *epilogue*
+//!   512 TMEM columns and frees them after the dealloc barrier. Warps 8–11 are the *epilogue*
 //!   (the plan's reduce role), thread = folded row. Warp 12 issues every MMA, warp 13 every TMA
 //!   load, warp 14 builds the lists (the plan's scalar role); warp 15 idles.
-//! - **TMEM**: S (fp32, 128 columns) at 0 with P (packed bf16, 64 columns) over it; O (fp32,
-//!   128 columns) at 128.
-//! - **Per block** (MMA warp, one `elect.sync` lane): wait for K/V; wait until the previous
-//!   block's `O += P·V` completed (it reads the P columns S overwrites: the ISA orders MMAs only
-//!   on one accumulator, so the order is explicit, as the backward's `MmaOrder::Explicit`);
-//!   `S = Q·Kᵀ` (SS, M128 N128 K128, both K-major) and commit S; wait for P; at an item's first
-//!   block wait until the epilogue has drained O; `O (+)= P·V` (TS: P from TMEM, V MN-major;
-//!   overwriting at the first block) and commit the P and K/V releases. After an item's blocks
-//!   it commits O (also for an empty list, so the epilogue never waits for nothing) and
-//!   releases Q.
-//! - **Compute** per block: two passes over S in 32-column chunks (`tcgen05.ld.32x32b.x32`):
-//!   the row max of `S·scale·log2e` under the mask `selected(slot) ∧ qpos ≥ kblock·128 + key`
-//!   (aligned coordinates: document-local causality, padding keys excluded), then, once the
-//!   previous `P·V` completed, `O *= exp2(m_old − m_new)` in TMEM (not at an item's first
-//!   block, whose MMA overwrites O) and `P = exp2(x − m_new)` packed to bf16 over S; a row
-//!   whose max is still −∞ uses 0 as its reference, so an empty row never makes NaN. The row
-//!   sum `l` and max `m` stay in registers; at an item's end they go to the stats stage.
+//! - **TMEM**: two S stages (fp32, 128 columns each, S at 0 and S1 at 128) with P (packed
+//!   bf16, 64 columns) over each; O (fp32, 128 columns) at 256. Block `i` of the CTA's walk
+//!   uses S stage `i % 2`.
+//! - **MMA warp** (one `elect.sync` lane issues every MMA and commit), per block `i` of an
+//!   item: first `S_{i+1} = Q·Kᵀ` of the item's next block into the other stage (SS, M128
+//!   N128 K128, both K-major; the item's first S is issued before its loop), so it overlaps
+//!   the softmax of block `i`; then wait for `P_i`, at the item's first block wait until the
+//!   epilogue has drained O, and `O (+)= P_i·V` (TS: P from TMEM, V MN-major; overwriting at
+//!   the first block), committing the P and K/V releases. An S stage is refilled only after
+//!   compute released it, which it does once the P·V that read its P completed (the ISA
+//!   orders MMAs only on one accumulator, so this order is explicit, as the backward's
+//!   `MmaOrder::Explicit`). After an item it commits O (also for an empty list, so the
+//!   epilogue never waits for nothing) and releases Q.
+//! - **Compute** per block: two passes over its S stage in 32-column chunks
+//!   (`tcgen05.ld.32x32b.x32`): the row max of `S·scale·log2e` under the mask
+//!   `selected(slot) ∧ qpos ≥ kblock·128 + key` (aligned coordinates: document-local
+//!   causality, padding keys excluded); then it waits for the previous `P·V` (which overlapped
+//!   pass 1), frees that block's S stage, rescales `O *= exp2(m_old − m_new)` in TMEM (not at an
+//!   item's first block, whose MMA overwrites O) and writes `P = exp2(x − m_new)` packed to
+//!   bf16 over S; a row whose max is still −∞ uses 0 as its reference, so an empty row never
+//!   makes NaN. The row sum `l` and max `m` stay in registers; at an item's end they go to the
+//!   stats stage.
 //! - **Epilogue** per item: `out = O/l` (bf16, 256 contiguous bytes per thread) and
 //!   `lse = ln2·(m + log2 l)`; `l = 0` gives `out = 0`, `lse = −∞` (O is not read when the list
 //!   is empty). A −1 row (past `T`) stores nothing.
 //! - **Pipelines** (typed, parity generated): `kv` and `q` (TMA, two stages, released by
 //!   `tcgen05.commit`), `list` (two stages, 32 builder arrivals, one arrival per consumer
-//!   thread: load, compute, MMA, epilogue), `s` (commit → compute), `p` (compute → commit), `o`
-//!   (commit → epilogue), `stats` (compute → epilogue).
+//!   thread: load, compute, MMA, epilogue), `s` (two stages: commit → compute, released by
+//!   compute after the P·V that read it), `p` (compute → commit), `o` (commit → epilogue),
+//!   `stats` (compute → epilogue).
 //!
-//! Not overlapped yet: S of the next block waits for the previous `P·V`, so the tensor pipe
-//! idles during the softmax; a second S/P buffer (TMEM has room) would hide it. It has never
-//! run on a B200 (no hardware); CI runs it on the simulator.
+//! Still serial: the rescale of O and pass 2 wait for the previous P·V, and the epilogue's
+//! drain of O delays an item's first P·V (a second O buffer would not fit next to two S
+//! stages in 512 columns). It has never run on a B200 (no hardware); CI runs it on the
+//! simulator (`runtime/sim/tests/forward.rs`), with planted bugs.
 
 use super::common;
 use super::forward_list as list;
@@ -51,7 +58,7 @@ use super::KernelDesc;
 use crate::plan::gemm::{AOperand, Gemm};
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe, Pipeline, PipelinePlan, TmaBox};
 use crate::plan::roles::{Role, WarpPlan};
-use crate::plan::smem::{Buf, BufferSpec, BufKind, Major, Placed, SmemPlan, PANEL_BYTES};
+use crate::plan::smem::{Buf, BufKind, BufferSpec, Major, Placed, SmemPlan, PANEL_BYTES};
 use crate::plan::smem::{TILE_BYTES, TILE_ROWS};
 use crate::plan::tmem::{Region, TmemPlan, TmemRegion};
 use crate::plan::{KernelPlan, PlanError};
@@ -108,7 +115,7 @@ pub fn pipelines() -> Vec<Pipeline> {
             ..Pipeline::new("q", 2, Load, &[Mma], 1, 1)
         },
         Pipeline::new("list", 2, Scalar, &[Load, Compute, Mma, Reduce], 32, 320),
-        Pipeline::new("s", 1, Mma, &[Compute], 1, 128),
+        Pipeline::new("s", 2, Mma, &[Compute], 1, 128),
         Pipeline::new("p", 1, Compute, &[Mma], 128, 1),
         Pipeline::new("o", 1, Mma, &[Reduce], 1, 128),
         Pipeline::new("stats", 1, Compute, &[Reduce], 128, 128),
@@ -131,14 +138,20 @@ pub fn barriers() -> Vec<NamedBarrier> {
     ]
 }
 
-/// The TMEM plan: S at 0 with P over it, O at 128; 256 columns.
+/// The TMEM plan: two S stages (S at 0, S1 at 128) with P over each, O at 256; 512 columns.
 pub fn tmem_plan() -> Result<TmemPlan, PlanError> {
     use TmemRegion::*;
     let r = |id, col, cols| Region { id, col, cols };
     TmemPlan::new(
-        256,
-        vec![r(S, 0, 128), r(P, 0, 64), r(O, 128, 128)],
-        vec![(P, S)],
+        512,
+        vec![
+            r(S, 0, 128),
+            r(P, 0, 64),
+            r(S1, 128, 128),
+            r(P1, 128, 64),
+            r(O, 256, 128),
+        ],
+        vec![(P, S), (P1, S1)],
     )
 }
 
@@ -163,7 +176,9 @@ pub fn smem_plan(barrier_slots: u32) -> Result<SmemPlan, PlanError> {
     ])
 }
 
-/// The two GEMMs: `s` S = Q·Kᵀ (SS, both K-major) and `pv` O += P·V (TS, V MN-major).
+/// The GEMMs: `s` S = Q·Kᵀ (SS, both K-major) and `pv` O += P·V (TS, V MN-major) on the first
+/// S stage, `s1` and `pv1` the same on the second (the kernel issues `s`/`pv` at the stage's
+/// column offset; the second pair has the plan check the second stage's operands).
 pub fn gemms(smem: &SmemPlan) -> Result<Vec<Gemm>, PlanError> {
     let g = |name, a, b, d| Gemm {
         name,
@@ -184,6 +199,18 @@ pub fn gemms(smem: &SmemPlan) -> Result<Vec<Gemm>, PlanError> {
         g(
             "pv",
             AOperand::Tmem(TmemRegion::P),
+            smem.view(Buf::V, Major::MN)?,
+            TmemRegion::O,
+        ),
+        g(
+            "s1",
+            AOperand::Smem(smem.view(Buf::Q, Major::K)?),
+            smem.view(Buf::K, Major::K)?,
+            TmemRegion::S1,
+        ),
+        g(
+            "pv1",
+            AOperand::Tmem(TmemRegion::P1),
             smem.view(Buf::V, Major::MN)?,
             TmemRegion::O,
         ),
@@ -213,6 +240,8 @@ struct Resolved<'a> {
     col_s: u32,
     col_p: u32,
     col_o: u32,
+    /// Columns from one S/P stage to the next.
+    s_stride: u32,
     plan: &'a KernelPlan,
     g_s: &'a Gemm,
     g_pv: &'a Gemm,
@@ -280,7 +309,40 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
                 .map_err(|e| e.to_string())?;
         }
     }
-    let o = plan.tmem().region(TmemRegion::O).map_err(|e| e.to_string())?;
+    let (s0, s1) = (col(TmemRegion::S)?, col(TmemRegion::S1)?);
+    let (p0, p1) = (col(TmemRegion::P)?, col(TmemRegion::P1)?);
+    if s1 <= s0 || s1 - s0 != p1.wrapping_sub(p0) {
+        return Err(format!(
+            "the second S/P stage (S1 at {s1}, P1 at {p1}) must be the first (S at {s0}, P at \
+             {p0}) shifted by one stride"
+        ));
+    }
+    let stages = plan
+        .pipelines()
+        .get("s")
+        .map_err(|e| e.to_string())?
+        .pipeline
+        .stages;
+    if stages != 2 {
+        return Err(format!(
+            "pipeline `s` has {stages} stages; TMEM holds 2 S/P stages"
+        ));
+    }
+    for (a, b) in [("s", "s1"), ("pv", "pv1")] {
+        let (a, b) = (gemm(a)?, gemm(b)?);
+        if a.instr_desc().map_err(|e| e.to_string())?
+            != b.instr_desc().map_err(|e| e.to_string())?
+        {
+            return Err(format!(
+                "GEMMs `{}` and `{}` differ in shape; one stage's code issues both",
+                a.name, b.name
+            ));
+        }
+    }
+    let o = plan
+        .tmem()
+        .region(TmemRegion::O)
+        .map_err(|e| e.to_string())?;
     if o.cols != TILE_ROWS {
         return Err(format!(
             "TMEM region O has {} columns; the epilogue reads 128 (the head dim)",
@@ -300,6 +362,7 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
         col_s: col(TmemRegion::S)?,
         col_p: col(TmemRegion::P)?,
         col_o: col(TmemRegion::O)?,
+        s_stride: s1 - s0,
         plan,
         g_s: gemm("s")?,
         g_pv: gemm("pv")?,
@@ -464,11 +527,16 @@ fn tmem_base(b: &mut KernelBuilder, ctx: &Ctx) -> Reg<U32> {
     b.ld::<U32, _>(&shared(ctx.base, ctx.r.tmem_word as i64))
 }
 
-/// The TMEM address of this warp's lane quadrant.
-fn quadrant(b: &mut KernelBuilder, tbase: Reg<U32>, warp: Reg<U32>) -> TmemAddr {
+/// The TMEM address (lane in bits 16–31) of this warp's lane quadrant.
+fn quadrant(b: &mut KernelBuilder, tbase: Reg<U32>, warp: Reg<U32>) -> Reg<U32> {
     let q = b.and(warp, 3u32);
     let q = b.shl(q, 21u32);
-    let a = b.add(tbase, q);
+    b.add(tbase, q)
+}
+
+/// `base + stage·stride` columns, as a TMEM address.
+fn staged(b: &mut KernelBuilder, base: Reg<U32>, stage: Reg<U32>, stride: u32) -> TmemAddr {
+    let a = b.mad_lo(stage, stride, base);
     TmemAddr::new(b.bitcast::<B32, U32>(a))
 }
 
@@ -561,13 +629,15 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
 
 // ---- MMA warp ----------------------------------------------------------------------------
 
-/// Issues GEMM `g` from the elected lane: `a_addr` is A's tile (None for a TMEM A), `b_addr`
-/// B's tile; `acc(k)` is the enable-input-D predicate of K step `k`.
+/// Issues GEMM `g` from the elected lane: `a_addr` is A's tile (None for a TMEM A, whose
+/// columns are taken from `a_tm`), `b_addr` B's tile, D at its region's column from `d_tm`;
+/// `acc(k)` is the enable-input-D predicate of K step `k`.
 #[allow(clippy::too_many_arguments)]
 fn issue_gemm(
     b: &mut KernelBuilder,
     ctx: &Ctx,
-    tm: TmemAddr,
+    a_tm: TmemAddr,
+    d_tm: TmemAddr,
     elect: Reg<Pred>,
     g: &Gemm,
     a_addr: Option<Reg<U32>>,
@@ -597,7 +667,7 @@ fn issue_gemm(
             Some((ad, a0)) => {
                 let ak = ad.emit_step(b, a0, k);
                 b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ss(tm.col(d_col), ak, bk, idesc, p)
+                    b.tcgen05_mma_ss(d_tm.col(d_col), ak, bk, idesc, p)
                 });
             }
             None => {
@@ -607,7 +677,7 @@ fn issue_gemm(
                     Err(e) => return b.error(e.to_string()),
                 };
                 b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ts(tm.col(d_col), tm.col(col), bk, idesc, p)
+                    b.tcgen05_mma_ts(d_tm.col(d_col), a_tm.col(col), bk, idesc, p)
                 });
             }
         }
@@ -625,27 +695,45 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
     let it = b.mov::<U32>(0u32);
+    // S = Q·Kᵀ of block `at` (a CTA-wide block count) into its S stage: K/V loaded, the stage
+    // released by compute (which waited for the P·V that read its P), then commit S.
+    let issue_s = |b: &mut KernelBuilder, at: Reg<U32>, q_addr: Reg<U32>| {
+        let kv = r.kv.consumer_wait(b, bars, at);
+        let k_addr = r.k.emit_stage_addr(b, ctx.base, kv.index);
+        let s_st = r.s.producer_acquire(b, bars, at);
+        b.tcgen05_fence_after_thread_sync();
+        let d_tm = staged(b, tbase, s_st.index, r.s_stride);
+        b.comment("S = Q*K^T into the block's S stage");
+        let first_k = |k: u32| if k == 0 { never } else { always };
+        issue_gemm(
+            b,
+            ctx,
+            tm,
+            d_tm,
+            elect,
+            r.g_s,
+            Some(q_addr),
+            k_addr,
+            first_k,
+        );
+        b.predicated(elect, false, |b| r.s.producer_commit(b, bars, &s_st));
+    };
     b.for_range(0u32, ctx.items.count, 1, "mma_item", |b, k| {
         let lst = r.lst.consumer_wait(b, bars, k);
         let (_, count) = list_at(b, ctx, lst.index);
         r.lst.consumer_release(b, bars, &lst);
         let qst = r.qp.consumer_wait(b, bars, k);
         let q_addr = r.q.emit_stage_addr(b, ctx.base, qst.index);
+        let some = b.setp(Cmp::Ne, count, 0u32);
+        b.if_then(some, "s_first", |b| issue_s(b, it, q_addr));
         b.for_range(0u32, count, 1, "mma_block", |b, e| {
-            let kv = r.kv.consumer_wait(b, bars, it);
-            let k_addr = r.k.emit_stage_addr(b, ctx.base, kv.index);
-            let v_addr = r.v.emit_stage_addr(b, ctx.base, kv.index);
-            b.comment("S overwrites the P the previous P*V reads: wait for its release commit");
-            let prev = r.p.locate(b, bars, it.into());
-            let prev_parity = b.xor(prev.parity, 1u32);
-            b.mbarrier_wait(&prev.empty, prev_parity);
-            let s_st = r.s.producer_acquire(b, bars, it);
-            b.tcgen05_fence_after_thread_sync();
-            b.comment("S = Q*K^T");
-            let first_k = |k: u32| if k == 0 { never } else { always };
-            issue_gemm(b, ctx, tm, elect, r.g_s, Some(q_addr), k_addr, first_k);
-            b.predicated(elect, false, |b| r.s.producer_commit(b, bars, &s_st));
-
+            b.comment("the next block's S overlaps this block's softmax");
+            let e1 = b.add(e, 1u32);
+            let more = b.setp(Cmp::Lt, e1, count);
+            b.if_then(more, "s_next", |b| {
+                let next = b.add(it, 1u32);
+                issue_s(b, next, q_addr);
+            });
             let p_st = r.p.consumer_wait(b, bars, it);
             let first = b.setp(Cmp::Eq, e, 0u32);
             b.if_then(first, "o_acquire", |b| {
@@ -653,10 +741,14 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
                 r.o.producer_acquire(b, bars, k);
             });
             b.tcgen05_fence_after_thread_sync();
+            let kv = r.kv.locate(b, bars, it.into());
+            let v_addr = r.v.emit_stage_addr(b, ctx.base, kv.index);
+            let s_st = r.s.locate(b, bars, it.into());
+            let a_tm = staged(b, tbase, s_st.index, r.s_stride);
             b.comment("O (+)= P*V, overwriting at the item's first block");
             let later = b.setp(Cmp::Ne, e, 0u32);
             let acc = |k: u32| if k == 0 { later } else { always };
-            issue_gemm(b, ctx, tm, elect, r.g_pv, None, v_addr, acc);
+            issue_gemm(b, ctx, a_tm, tm, elect, r.g_pv, None, v_addr, acc);
             b.predicated(elect, false, |b| {
                 r.p.consumer_release(b, bars, &p_st);
                 r.kv.consumer_release(b, bars, &kv);
@@ -690,7 +782,8 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
     });
     b.tcgen05_fence_before_thread_sync();
     let tbase = tmem_base(b, ctx);
-    let tm = quadrant(b, tbase, ctx.warp);
+    let qbase = quadrant(b, tbase, ctx.warp);
+    let tm = TmemAddr::new(b.bitcast::<B32, U32>(qbase));
     let row = b.and(ctx.tid, 127u32);
     let slot = b.shr(row, 4u32);
     let slot4 = b.shl(slot, 2u32);
@@ -727,10 +820,11 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
             };
             let s_st = r.s.consumer_wait(b, bars, it);
             b.tcgen05_fence_after_thread_sync();
+            let stm = staged(b, qbase, s_st.index, r.s_stride);
             b.comment("pass 1: the row max of the masked, scaled scores");
             let mut mx: Option<Reg<F32>> = None;
             for c in 0..TILE_ROWS / CHUNK {
-                let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(r.col_s + CHUNK * c));
+                let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(stm.col(r.col_s + CHUNK * c));
                 b.tcgen05_wait_ld();
                 for (i, &si) in s.iter().enumerate() {
                     let x = masked(b, si, CHUNK * c + i as u32);
@@ -749,6 +843,14 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
 
             let p_st = r.p.producer_acquire(b, bars, it);
             b.tcgen05_fence_after_thread_sync();
+            let any = b.setp(Cmp::Ne, it, 0u32);
+            b.if_then(any, "s_release", |b| {
+                b.comment("the previous P*V completed: its S/P stage is free for the S after next");
+                let prev = b.sub(it, 1u32);
+                let st = r.s.locate(b, bars, prev.into());
+                b.tcgen05_fence_before_thread_sync();
+                r.s.consumer_release(b, bars, &st);
+            });
             let later = b.setp(Cmp::Ne, e, 0u32);
             b.if_then(later, "rescale", |b| {
                 b.comment("the previous P*V is complete: O *= exp2(m_old - m_new)");
@@ -762,7 +864,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
             b.comment("pass 2: P = exp2(x - m) as packed bf16 over S (chunk c's S is read first)");
             let mut sum: Option<Reg<F32>> = None;
             for c in 0..TILE_ROWS / CHUNK {
-                let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(r.col_s + CHUNK * c));
+                let s: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(stm.col(r.col_s + CHUNK * c));
                 b.tcgen05_wait_ld();
                 let mut pv = Vec::with_capacity(32);
                 for (i, &si) in s.iter().enumerate() {
@@ -778,13 +880,12 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
                 // Key 2j in the low half, 2j+1 in the high half of packed word j.
                 let packed: [Reg<Bf16x2>; 16] =
                     std::array::from_fn(|j| b.cvt_bf16x2(pv[2 * j + 1], pv[2 * j]));
-                b.tcgen05_st_32x32b(tm.col(r.col_p + CHUNK / 2 * c), packed);
+                b.tcgen05_st_32x32b(stm.col(r.col_p + CHUNK / 2 * c), packed);
             }
             let sum = sum.expect("128 probabilities");
             b.tcgen05_wait_st();
             b.tcgen05_fence_before_thread_sync();
             r.p.producer_commit(b, bars, &p_st);
-            r.s.consumer_release(b, bars, &s_st);
             let nl = b.fma(l, alpha, sum);
             b.set(l, nl);
             b.set(m, m_new);
@@ -817,7 +918,8 @@ fn epilogue(b: &mut KernelBuilder, ctx: &Ctx) {
     let bars = &ctx.bars;
     let p = ctx.p;
     let tbase = tmem_base(b, ctx);
-    let tm = quadrant(b, tbase, ctx.warp);
+    let qbase = quadrant(b, tbase, ctx.warp);
+    let tm = TmemAddr::new(b.bitcast::<B32, U32>(qbase));
     let row = b.and(ctx.tid, 127u32);
     let slot = b.shr(row, 4u32);
     let slot4 = b.shl(slot, 2u32);
@@ -914,7 +1016,10 @@ mod tests {
     #[test]
     fn the_design_plan_builds() {
         let plan = plan().unwrap();
-        assert_eq!(plan.pipelines().barrier_slots(), 2 * (2 + 2 + 2 + 1 + 1 + 1 + 1));
+        assert_eq!(
+            plan.pipelines().barrier_slots(),
+            2 * (2 + 2 + 2 + 2 + 1 + 1 + 1)
+        );
         assert!(plan.smem().total() + ALIGN_SLACK <= MAX_SHARED_BYTES);
         build(Ok(plan)).unwrap();
     }
@@ -924,9 +1029,15 @@ mod tests {
         use TmemRegion::*;
         let r = |id, col, cols| Region { id, col, cols };
         let tmem = TmemPlan::new(
-            256,
-            vec![r(S, 0, 128), r(P, 0, 64), r(O, 128, 64)],
-            vec![(P, S)],
+            512,
+            vec![
+                r(S, 0, 128),
+                r(P, 0, 64),
+                r(S1, 128, 128),
+                r(P1, 128, 64),
+                r(O, 256, 64),
+            ],
+            vec![(P, S), (P1, S1)],
         )
         .unwrap();
         let warps = WarpPlan::design().unwrap();
@@ -943,14 +1054,21 @@ mod tests {
     }
 
     #[test]
-    fn p_over_o_is_rejected() {
-        // P placed over O: the TS MMA would read its A from the accumulator it writes.
+    fn p1_over_o_is_rejected() {
+        // The second stage's P placed over O: its TS MMA would read A from the accumulator it
+        // writes.
         use TmemRegion::*;
         let r = |id, col, cols| Region { id, col, cols };
         let tmem = TmemPlan::new(
-            256,
-            vec![r(S, 0, 128), r(O, 128, 128), r(P, 128, 64)],
-            vec![(P, O)],
+            512,
+            vec![
+                r(S, 0, 128),
+                r(P, 0, 64),
+                r(S1, 128, 128),
+                r(O, 256, 128),
+                r(P1, 256, 64),
+            ],
+            vec![(P, S), (P1, O)],
         )
         .unwrap();
         let warps = WarpPlan::design().unwrap();
@@ -960,7 +1078,7 @@ mod tests {
         let e = KernelPlan::new(warps, tmem, smem, pipes, barriers(), g).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "GEMM `pv` reads A from TMEM region P, which shares columns with its D region O"
+            "GEMM `pv1` reads A from TMEM region P1, which shares columns with its D region O"
         );
     }
 
@@ -981,6 +1099,35 @@ mod tests {
     }
 
     #[test]
+    fn a_second_stage_not_shifted_like_the_first_fails_the_build() {
+        // S1 at 128 but P1 at 192: one stride cannot address both.
+        use TmemRegion::*;
+        let r = |id, col, cols| Region { id, col, cols };
+        let tmem = TmemPlan::new(
+            512,
+            vec![
+                r(S, 0, 128),
+                r(P, 0, 64),
+                r(S1, 128, 128),
+                r(P1, 192, 64),
+                r(O, 256, 128),
+            ],
+            vec![(P, S), (P1, S1)],
+        )
+        .unwrap();
+        let warps = WarpPlan::design().unwrap();
+        let pipes = PipelinePlan::new(pipelines(), &warps).unwrap();
+        let smem = smem_plan(pipes.barrier_slots()).unwrap();
+        let g = gemms(&smem).unwrap();
+        let plan = KernelPlan::new(warps, tmem, smem, pipes, barriers(), g);
+        let e = build(plan).unwrap_err();
+        assert!(
+            e.contains("(S1 at 128, P1 at 192) must be the first"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_list_pipeline_counting_warps_of_other_roles_is_rejected() {
         // 288 consumer arrivals: neither one per consumer warp (10) nor one per thread (320).
         let warps = WarpPlan::design().unwrap();
@@ -991,6 +1138,10 @@ mod tests {
             }
         }
         let e = PipelinePlan::new(ps, &warps).unwrap_err();
-        assert!(e.to_string().contains("pipeline `list`: 288 consumer arrivals"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("pipeline `list`: 288 consumer arrivals"),
+            "{e}"
+        );
     }
 }

@@ -38,6 +38,10 @@ pub enum TmemRegion {
     DK,
     /// O accumulator of the forward (fp32, lane = folded query row, column = head dim).
     O,
+    /// The forward's second S stage (S itself is the first).
+    S1,
+    /// P over [`TmemRegion::S1`].
+    P1,
 }
 
 impl fmt::Display for TmemRegion {
@@ -51,6 +55,8 @@ impl fmt::Display for TmemRegion {
             TmemRegion::DV => "dV",
             TmemRegion::DK => "dK",
             TmemRegion::O => "O",
+            TmemRegion::S1 => "S1",
+            TmemRegion::P1 => "P1",
         })
     }
 }

@@ -348,19 +348,6 @@ fn drop_wait(lines: &[&str], at: usize) -> String {
     kept.join("\n") + "\n"
 }
 
-/// The kernel without the first wait after the first line containing `marker`.
-fn without_wait_after(marker: &str) -> String {
-    let lines: Vec<&str> = sm100_ptx().lines().collect();
-    let from = lines
-        .iter()
-        .position(|l| l.contains(marker))
-        .unwrap_or_else(|| panic!("`{marker}` is in the kernel"));
-    let at = (from..lines.len())
-        .find(|&i| lines[i].contains("mbarrier.try_wait"))
-        .expect("a wait after it");
-    drop_wait(&lines, at)
-}
-
 /// The kernel without the last wait before the first line containing `marker`.
 fn without_wait_before(marker: &str) -> String {
     let lines: Vec<&str> = sm100_ptx().lines().collect();
@@ -382,6 +369,35 @@ fn without_first(needle: &str) -> String {
     let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
     let end = at + text[at..].find('\n').expect("a line end");
     format!("{}{}", &text[..start], &text[end + 1..])
+}
+
+/// The kernel with the `nth` line of role `role` that contains `needle` replaced by `with`.
+fn planted_in_role(role: &str, needle: &str, nth: usize, with: impl Fn(&str) -> String) -> String {
+    let mut inside = false;
+    let mut seen = 0;
+    let mut out = String::new();
+    for l in sm100_ptx().lines() {
+        if l.trim() == format!("// role {role}: begin") {
+            inside = true;
+        } else if l.trim() == format!("// role {role}: end") {
+            inside = false;
+        }
+        if inside && l.contains(needle) {
+            if seen == nth {
+                let new = with(l);
+                assert_ne!(new, l, "the edit of `{l}` must change it");
+                out.push_str(&new);
+                out.push('\n');
+                seen += 1;
+                continue;
+            }
+            seen += 1;
+        }
+        out.push_str(l);
+        out.push('\n');
+    }
+    assert!(seen > nth, "line {nth} with `{needle}` not found in {role}");
+    out
 }
 
 /// Two documents, one of two blocks: items of one and of two blocks (the rescale path), on 2
@@ -464,18 +480,17 @@ fn forward_sm100_loading_s_before_its_commit_is_reported() {
 }
 
 #[test]
-fn forward_sm100_s_without_the_order_wait_on_the_previous_pv_is_reported() {
-    // S = Q·Kᵀ overwrites the P columns an in-flight P·V (another accumulator) reads.
+fn forward_sm100_an_epilogue_not_waiting_for_o_is_reported() {
     reported(
-        without_wait_after("S overwrites the P the previous P*V reads"),
-        "MMAs on different accumulators are not ordered",
+        without_wait_before("out = O/l as bf16"),
+        "reads TMEM lane 0, column 256, never written",
     );
 }
 
 #[test]
-fn forward_sm100_an_epilogue_not_waiting_for_o_is_reported() {
-    reported(
-        without_wait_before("out = O/l as bf16"),
-        "reads TMEM lane 0, column 128, never written",
-    );
+fn forward_sm100_pv_reading_p_of_the_wrong_stage_is_reported() {
+    // The MMA warp's third stage address (P·V's A: s_first's S, s_next's S, then P·V) with
+    // the stage stride 0: every P·V reads stage 0's P, which the next S overwrites.
+    let text = planted_in_role("mma", ", 128, %r", 2, |l| l.replace(", 128, ", ", 0, "));
+    reported(text, "MMAs on different accumulators are not ordered");
 }
