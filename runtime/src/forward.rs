@@ -184,3 +184,24 @@ impl MsaForward {
         unsafe { backend.launch(kernel, (grid, 1, 1), &args) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forward_kernel_picks_the_variant_by_capability() {
+        assert_eq!(forward_kernel((9, 0), 0).unwrap().name, "msa_forward_sm90");
+        assert_eq!(
+            forward_kernel((10, 0), 0).unwrap().name,
+            "msa_forward_sm100"
+        );
+        let e = forward_kernel((8, 9), 3).unwrap_err().to_string();
+        assert!(
+            e.contains("`msa_forward`")
+                && e.contains("8.9 (device 3)")
+                && e.contains("9.0 (msa_forward_sm90), 10.0 (msa_forward_sm100)"),
+            "{e}"
+        );
+    }
+}
