@@ -736,3 +736,50 @@ pub mod msa_forward_sm90 {
         ]
     }
 }
+/// `msa_forward_sm100`: MSA forward for Blackwell: per item the union of its queries' blocks, TMA + mbarrier pipelines, tcgen05 MMAs with TMEM accumulators, online softmax in exp2; out bf16 and lse (natural log).
+pub mod msa_forward_sm100 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_forward_sm100";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (512, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 201588;
+    /// PTX of `msa_forward_sm100` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("msa_forward_sm100.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((10, 0), PTX_SM_100A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [min(4*ceil(T/8), num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        q2k: Ptr<i32>,
+        cu_seqlens: Ptr<i32>,
+        document_workspace_starts: Ptr<i32>,
+        status: Ptr<i32>,
+        out: PtrMut<bf16>,
+        lse: PtrMut<f32>,
+        num_tokens: u32,
+        num_docs: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
+            KernelArg::from(q2k), KernelArg::from(cu_seqlens),
+            KernelArg::from(document_workspace_starts), KernelArg::from(status),
+            KernelArg::from(out), KernelArg::from(lse), KernelArg::from(num_tokens),
+            KernelArg::from(num_docs)
+        ]
+    }
+}

@@ -385,8 +385,8 @@ def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABack
     """The MSA forward: ``(out [T, 64, 128] bf16, lse [T, 64] fp32, natural log)`` of
     ``q``, the aligned ``k``/``v`` and ``q2k`` on ``schedule``, which must have been built on
     the device from this ``q2k`` (``build_schedule`` of a CUDA ``q2k``). Runs
-    ``msa_forward_sm90`` on ``torch.cuda.current_stream(q.device)`` (compute capability 9.0
-    only so far; 10.0 raises ``NotImplementedError``). A row with no key gets ``out = 0`` and
+    ``msa_forward_sm90`` (compute capability 9.0) or ``msa_forward_sm100`` (10.0, never run on
+    hardware, simulated in CI) on ``torch.cuda.current_stream(q.device)``. A row with no key gets ``out = 0`` and
     ``lse = -inf``; so does every row when the schedule build flagged the selection."""
     handle = _schedule_handle(schedule)
     torch = _torch()
@@ -445,7 +445,7 @@ def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any):
     [T, 4, 128]`` (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32); returns
     ``out [T, 64, 128]`` (``loss.backward()`` runs the MSA backward).
 
-    Runs ``msa_forward_sm90`` (compute capability 9.0; the SM100 forward does not exist yet)
-    and, in the backward, ``run_backward``. Not ``torch.compile``-able (see the README)."""
+    Runs ``msa_forward_sm90`` (compute capability 9.0) or ``msa_forward_sm100`` (10.0) and, in
+    the backward, ``run_backward``. Not ``torch.compile``-able (see the README)."""
     out, _lse = _function().apply(q, k, v, q2k, cu_seqlens)
     return out

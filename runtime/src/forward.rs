@@ -3,7 +3,8 @@
 //! the selection `q2k`, on the device schedule the backward then reuses.
 //!
 //! - [`MsaForward::run_on`] is the host flow against any [`Backend`] (the CUDA driver or the
-//!   simulator): checks, kernel dispatch by capability, tensor maps, one launch.
+//!   simulator): checks, kernel dispatch by capability (`msa_forward_sm90` on 9.0,
+//!   `msa_forward_sm100` on 10.0), tensor maps, one launch.
 //! - [`run_forward`] builds the [`ResidentSchedule`] from the device `q2k` and `cu_seqlens`
 //!   and runs the forward on it, all on one stream with no host sync, and returns `out`, `lse`
 //!   and the schedule.
@@ -23,7 +24,7 @@ use crate::backend::{Backend, KernelSpec, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
 use crate::error::RuntimeError;
-use crate::kernels::msa_forward_sm90;
+use crate::kernels::{msa_forward_sm100, msa_forward_sm90};
 use crate::ops::check_len;
 use crate::schedule_build::ResidentSchedule;
 use half::bf16;
@@ -58,15 +59,25 @@ pub struct ForwardBuffers {
     pub lse: Span<f32>,
 }
 
-/// The forward kernel for compute capability `cc`.
+/// The capabilities the forward has a kernel for, for error messages.
+const SUPPORTED: &str = "9.0 (msa_forward_sm90), 10.0 (msa_forward_sm100)";
+
+/// The forward kernel for compute capability `cc`; both variants take the same parameters.
 ///
 /// # Errors
-/// [`RuntimeError::UnsupportedArch`] for a capability without a forward kernel (the Hopper
-/// kernel runs on 9.0; the Blackwell forward is not built yet).
+/// [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
 pub fn forward_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec, RuntimeError> {
-    let k = &msa_forward_sm90::KERNEL;
-    k.ptx(cc, ordinal)?;
-    Ok(k)
+    match cc {
+        (9, 0) => Ok(&msa_forward_sm90::KERNEL),
+        (10, 0) => Ok(&msa_forward_sm100::KERNEL),
+        (major, minor) => Err(RuntimeError::UnsupportedArch {
+            kernel: "msa_forward",
+            ordinal,
+            major,
+            minor,
+            supported: SUPPORTED.into(),
+        }),
+    }
 }
 
 /// Launch grid of the forward: one CTA per SM at most, never more than the items.
@@ -153,6 +164,7 @@ impl MsaForward {
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
         let refs = schedule.refs();
         let grid = forward_grid(t, backend.sm_count());
+        // Both variants take the same parameters (`forward_sm90::forward_params`).
         let args = msa_forward_sm90::args(
             &tmap_q,
             &tmap_k,
@@ -170,5 +182,26 @@ impl MsaForward {
         // q2k is [4,T,16], out [T,64,128], lse [T,64]; cu_seqlens [D+1], the workspace starts
         // [D] and the status block belong to a schedule allocated for (T, D, W).
         unsafe { backend.launch(kernel, (grid, 1, 1), &args) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forward_kernel_picks_the_variant_by_capability() {
+        assert_eq!(forward_kernel((9, 0), 0).unwrap().name, "msa_forward_sm90");
+        assert_eq!(
+            forward_kernel((10, 0), 0).unwrap().name,
+            "msa_forward_sm100"
+        );
+        let e = forward_kernel((8, 9), 3).unwrap_err().to_string();
+        assert!(
+            e.contains("`msa_forward`")
+                && e.contains("8.9 (device 3)")
+                && e.contains("9.0 (msa_forward_sm90), 10.0 (msa_forward_sm100)"),
+            "{e}"
+        );
     }
 }

@@ -4,6 +4,8 @@
 pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
+pub mod forward_list;
+pub mod forward_sm100;
 pub mod forward_sm90;
 pub mod kv_layout;
 pub mod postprocess;
@@ -58,5 +60,6 @@ pub fn all() -> &'static [KernelDesc] {
         backward_sm90::DESC,
         backward_sm100::DESC,
         forward_sm90::DESC,
+        forward_sm100::DESC,
     ]
 }

@@ -47,6 +47,12 @@ pub enum Buf {
     Barriers,
     /// The word `tcgen05.alloc` writes the TMEM base address to.
     TmemAddr,
+    /// The forward's per-item block list (the union of its queries' blocks), per stage.
+    List,
+    /// The forward list builder's scratch (candidates and the slots' first blocks).
+    ListScratch,
+    /// The forward's per-row running max and sum at an item's end (`[m; 128]`, `[l; 128]`).
+    Stats,
 }
 
 impl fmt::Display for Buf {
@@ -63,6 +69,9 @@ impl fmt::Display for Buf {
             Buf::QPos => "sQPos",
             Buf::Barriers => "mbarriers",
             Buf::TmemAddr => "tmem_addr",
+            Buf::List => "sList",
+            Buf::ListScratch => "sListScratch",
+            Buf::Stats => "sStats",
         })
     }
 }

@@ -36,6 +36,12 @@ pub enum TmemRegion {
     DV,
     /// dK accumulator, kept across a segment.
     DK,
+    /// O accumulator of the forward (fp32, lane = folded query row, column = head dim).
+    O,
+    /// The forward's second S stage (S itself is the first).
+    S1,
+    /// P over [`TmemRegion::S1`].
+    P1,
 }
 
 impl fmt::Display for TmemRegion {
@@ -48,6 +54,9 @@ impl fmt::Display for TmemRegion {
             TmemRegion::DQ => "dQ",
             TmemRegion::DV => "dV",
             TmemRegion::DK => "dK",
+            TmemRegion::O => "O",
+            TmemRegion::S1 => "S1",
+            TmemRegion::P1 => "P1",
         })
     }
 }
