@@ -10,7 +10,9 @@
 //! Each case runs twice: with the host schedule (`build_schedule`, uploaded), and on the
 //! device path: compact K/V packed by `to_aligned`, the schedule built on the device from
 //! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
-//! with the reference's compact dK/dV). Every kernel of the runtime runs at least once.
+//! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
+//! inputs; `out` and `lse` against the reference forward). Every sm_90a kernel of the
+//! runtime runs at least once.
 //!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in
@@ -24,9 +26,10 @@
 use cudarc::driver::{CudaStream, DevicePtr};
 use half::bf16;
 use msa_runtime::contract::NUM_KV_HEADS;
-use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
-    from_aligned, run_backward, to_aligned, CudaBackend, ResidentSchedule, ScheduleBuildSizes, Span,
+    from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ResidentSchedule,
+    ScheduleBuildSizes, Span,
 };
 use msa_tests::cases::{compare, docs, random_top16, DeviceInputs, Problem};
 use msa_tests::Rng;
@@ -92,8 +95,8 @@ fn main() -> ExitCode {
 }
 
 /// The device path of one case: `to_aligned` of the compact K/V, the schedule built on the
-/// device, the backward on it, `from_aligned` of dK/dV; dQ and the compact dK/dV against the
-/// reference.
+/// device, the backward on it, `from_aligned` of dK/dV, then the forward on the same inputs;
+/// dQ, the compact dK/dV, `out` and `lse` against the reference.
 fn device_path(
     stream: &Arc<CudaStream>,
     p: &Problem,
@@ -153,6 +156,38 @@ fn device_path(
     let sv = DV_TOLERANCE.check("dv (from_aligned)", &dv, &want_dv)?;
     lines.push(format!(
         "{} (device path) dk compact: {sk}; dv compact: {sv}",
+        p.name
+    ));
+
+    // The forward (its own device schedule build, then `msa_forward_sm90`).
+    let fwd = run_forward(
+        stream,
+        &inputs.q.as_view(),
+        &k_al.as_view(),
+        &v_al.as_view(),
+        &d_q2k.as_view(),
+        &d_cu.as_view(),
+    )
+    .map_err(e)?;
+    let out = f32s(&fwd.out)?;
+    let want: Vec<f32> = p.out.iter().map(|x| x.to_f32()).collect();
+    let so = O_TOLERANCE.check("out (run_forward)", &out, &want)?;
+    let lse = stream.clone_dtoh(&fwd.lse).map_err(|x| x.to_string())?;
+    let mut lse_err = 0f32;
+    for (i, (&g, &r)) in lse.iter().zip(&p.lse).enumerate() {
+        if r == f32::NEG_INFINITY || g == f32::NEG_INFINITY {
+            if g != r {
+                return Err(format!("{}: lse[{i}] = {g}, reference {r}", p.name));
+            }
+        } else {
+            lse_err = lse_err.max((g - r).abs());
+        }
+    }
+    if lse_err > 1e-3 {
+        return Err(format!("{}: lse max-abs {lse_err} > 1e-3", p.name));
+    }
+    lines.push(format!(
+        "{} (run_forward) out: {so}; lse max-abs {lse_err:.2e}",
         p.name
     ));
     Ok(lines)
