@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Runs compute-sanitizer's memcheck, racecheck and synccheck over the whole backward (and the
-# forward) on the
-# cases of tests/examples/sanitize_cases.rs (packed tiny documents with -1 holes, two
+# Runs compute-sanitizer's memcheck, racecheck and synccheck over the whole backward and the
+# forward on the cases of tests/examples/sanitize_cases.rs (packed tiny documents with -1 holes, two
 # documents of 700 + 1348 tokens, one 2048-token document), and prints one summary line per
 # tool and kernel. Needs a GPU and compute-sanitizer (the CUDA toolkit).
 #
