@@ -16,7 +16,7 @@
 
 use crate::backend::{bytes_of, Backend, Ptr, Span};
 use crate::buffers::{check_regions, Region};
-use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS};
+use crate::contract::BLOCK_SIZE;
 use crate::error::RuntimeError;
 use crate::kernels::{kv_from_aligned, kv_to_aligned};
 use crate::ops::check_len;
@@ -26,8 +26,7 @@ use half::bf16;
 mod stream;
 pub use stream::{from_aligned, to_aligned};
 
-/// Elements of one `[4, 128]` row.
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
+pub(crate) use crate::contract::KV_ROW;
 
 /// The table both layout kernels read, `[W/128, 2]` u32: for each workspace key block, the
 /// compact row of its first row and how many of its 128 rows are real (the others are

@@ -16,7 +16,7 @@
 pub use crate::backend::TileMapSpec;
 use crate::backend::{Backend, KernelSpec, Span};
 use crate::buffers::{check_regions, Region};
-use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, MAX_TOKENS, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::contract::{Locality, BLOCK_SIZE, KV_ROW, MAX_TOKENS, NUM_Q_HEADS, Q_ROW};
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{
@@ -35,10 +35,6 @@ pub use stream::{
     release_workspace, release_workspace_raw, run_backward, run_backward_raw, Gradients,
 };
 
-/// Elements of one token's query-side row `[64, 128]` (q, dO, O, dQ).
-const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
-/// Elements of one workspace row `[4, 128]` (K, V, dK, dV).
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
 /// Workspace regions start on 256-byte boundaries (`docs/design.md` §3.1).
 const REGION_ALIGN: usize = 256;
 
@@ -579,13 +575,15 @@ impl<B: Backend> MsaBackward<B> {
         pools.ok_or_else(|| RuntimeError::input("kv_rows", kv_rows, "pools to return"))
     }
 
-    fn run_inner(
-        &mut self,
-        backend: &mut B,
+    /// Step 1 of [`MsaBackward::run_inner`], pure host checks: the shapes, lengths, alignment
+    /// and overlaps of the call, before anything is allocated or issued.
+    fn check_call(
+        &self,
+        backend: &B,
         io: &BackwardBuffers,
-        schedule: BackwardSchedule<'_, B>,
+        schedule: &BackwardSchedule<'_, B>,
         kv_out: KvOut,
-    ) -> Result<Option<KvPools>, RuntimeError> {
+    ) -> Result<CallSizes, RuntimeError> {
         let (shape, w) = schedule.shape();
         let t = shape.num_tokens;
         // The query-side buffers hold the schedule's query rows (all of T unless restricted).
@@ -602,7 +600,6 @@ impl<B: Backend> MsaBackward<B> {
             }
         };
 
-        // 1. Shapes and alignment: pure host checks.
         if t > MAX_TOKENS {
             return Err(RuntimeError::input(
                 "schedule.cu_seqlens",
@@ -642,7 +639,7 @@ impl<B: Backend> MsaBackward<B> {
         }
         check_buffers(io, self.in_place)?;
 
-        if let BackwardSchedule::Device(s) = &schedule {
+        if let BackwardSchedule::Device(s) = schedule {
             if s.memory_space() != backend.memory_space() {
                 return Err(RuntimeError::input(
                     "schedule",
@@ -651,6 +648,52 @@ impl<B: Backend> MsaBackward<B> {
                 ));
             }
         }
+
+        Ok(CallSizes {
+            shape,
+            w,
+            t,
+            tq,
+            pool_rows,
+            q_len,
+            kv_len,
+        })
+    }
+
+    /// The checks of [`MsaBackward::run_to_pools`] alone, so that a caller can validate the
+    /// whole call before it issues work of its own (`crate::cp` gathers K/V first).
+    pub(crate) fn check_to_pools(
+        &self,
+        backend: &B,
+        io: &BackwardBuffers,
+        schedule: &Schedule,
+        kv_rows: usize,
+    ) -> Result<(), RuntimeError> {
+        self.check_call(
+            backend,
+            io,
+            &BackwardSchedule::Host(schedule),
+            KvOut::Pools { rows: kv_rows },
+        )
+        .map(|_| ())
+    }
+
+    fn run_inner(
+        &mut self,
+        backend: &mut B,
+        io: &BackwardBuffers,
+        schedule: BackwardSchedule<'_, B>,
+        kv_out: KvOut,
+    ) -> Result<Option<KvPools>, RuntimeError> {
+        let CallSizes {
+            shape,
+            w,
+            t,
+            tq,
+            pool_rows,
+            q_len,
+            kv_len,
+        } = self.check_call(backend, io, &schedule, kv_out)?;
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         self.adopt(backend);
@@ -791,6 +834,17 @@ impl<B: Backend> MsaBackward<B> {
         }
         Ok(returned)
     }
+}
+
+/// The sizes [`MsaBackward::check_call`] derives from a call.
+struct CallSizes {
+    shape: ScheduleShape,
+    w: usize,
+    t: usize,
+    tq: usize,
+    pool_rows: usize,
+    q_len: usize,
+    kv_len: usize,
 }
 
 /// The fp32 dK and dV pools `[rows, 4, 128]` a context-parallel rank's backward leaves.

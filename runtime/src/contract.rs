@@ -21,6 +21,10 @@ pub const NUM_Q_HEADS: usize = 64;
 
 /// Number of key/value heads (GQA groups); kv head `g` serves q-heads `16g..16g+16`.
 pub const NUM_KV_HEADS: usize = 4;
+/// Elements of one token's query-side row `[64, 128]` (q, dO, O, dQ).
+pub(crate) const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
+/// Elements of one K/V row `[4, 128]` (compact, or aligned in the workspace layout).
+pub(crate) const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
 
 /// Number of index heads; index head `g` selects the blocks of GQA group `g`.
 pub const NUM_INDEX_HEADS: usize = 4;

@@ -41,7 +41,7 @@
 
 use crate::backend::{Backend, Span};
 use crate::backward::{BackwardBuffers, MsaBackward};
-use crate::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
+use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, TOPK_BLOCKS};
 use crate::error::RuntimeError;
 use crate::ops::{check_len, postprocess};
 use crate::schedule::{build_schedule_for_rows, workspace_layout, Schedule, ScheduleError};
@@ -55,11 +55,6 @@ use std::sync::{Arc, Barrier, Mutex};
 mod stream;
 #[cfg(feature = "nccl")]
 pub use stream::{nccl_present, NcclCollective};
-
-/// Elements of one workspace row `[4, 128]`.
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
-/// Elements of one token's query-side row `[64, 128]`.
-const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
 
 /// How a packed sequence is split across ranks (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -189,6 +184,48 @@ impl CpLayout {
             }
         }
         cu
+    }
+
+    /// Rank `rank`'s rows of a whole-sequence selection `q2k [4, T, 16]`, as the
+    /// `q2k_local [4, T_r, 16]` of [`CpLayout::local_schedule`] (for a caller that holds the
+    /// whole selection on the host).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when `q2k` is not `4·T·16` long.
+    pub fn rank_q2k(&self, rank: usize, q2k: &[i32]) -> Result<Vec<i32>, RuntimeError> {
+        let t = self.token_bounds[self.ranks];
+        let per_head = t * TOPK_BLOCKS;
+        check_len(
+            "q2k",
+            q2k.len(),
+            NUM_INDEX_HEADS * per_head,
+            "[4, T, 16] i32",
+        )?;
+        let rows = self.token_rows(rank);
+        Ok(q2k
+            .chunks_exact(per_head)
+            .flat_map(|h| &h[rows.start * TOPK_BLOCKS..rows.end * TOPK_BLOCKS])
+            .copied()
+            .collect())
+    }
+
+    /// Rank `rank`'s K/V slice `[S, 4, 128]` of a whole aligned `[W, 4, 128]` buffer on the
+    /// host: its [`CpLayout::block_rows`], then zero rows.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when `aligned` is not `W·512` long.
+    pub fn rank_slice<T: Copy + Default>(
+        &self,
+        rank: usize,
+        aligned: &[T],
+    ) -> Result<Vec<T>, RuntimeError> {
+        let w = self.workspace_rows;
+        check_len("aligned", aligned.len(), w * KV_ROW, "[W, 4, 128]")?;
+        let rows = self.block_rows(rank);
+        let mut slice = vec![T::default(); self.slice_rows() * KV_ROW];
+        slice[..rows.len() * KV_ROW]
+            .copy_from_slice(&aligned[rows.start * KV_ROW..rows.end * KV_ROW]);
+        Ok(slice)
     }
 
     /// Rank `rank`'s schedule from its rows of the selection, `q2k_local [4, T_r, 16]`: the
@@ -344,9 +381,6 @@ impl<B: Backend> CpBackward<B> {
         ] {
             check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
         }
-        let tq = schedule.query_rows().len();
-        check_len("q", io.q.len, tq * Q_ROW, "[T_r, 64, 128] bf16")?;
-
         // The gathered K/V, `2·R·S` rows, reused while it fits.
         let bytes = 2 * g * KV_ROW * size_of::<bf16>();
         let base = match &self.gathered {
@@ -362,8 +396,6 @@ impl<B: Backend> CpBackward<B> {
         let k_all = Span::<bf16>::new(base, g * KV_ROW);
         let v_all = Span::<bf16>::new(base + (g * KV_ROW * size_of::<bf16>()) as u64, g * KV_ROW);
 
-        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
-        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
         let w = layout.workspace_rows();
         let bio = BackwardBuffers {
             q: io.q,
@@ -376,6 +408,10 @@ impl<B: Backend> CpBackward<B> {
             dk_aligned: io.dk_slice,
             dv_aligned: io.dv_slice,
         };
+        // Every check of the local backward before the gather is issued.
+        self.backward.check_to_pools(backend, &bio, schedule, g)?;
+        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
+        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
         let (dk_pool, dv_pool) = self.backward.run_to_pools(backend, &bio, schedule, g)?;
         comm.reduce_scatter_f32_in_place(backend, dk_pool)?;
         comm.reduce_scatter_f32_in_place(backend, dv_pool)?;
@@ -407,6 +443,7 @@ impl<B: Backend> CpBackward<B> {
 /// leaves the others waiting at the barrier.
 pub struct HostGroup {
     rank: usize,
+    ranks: usize,
     shared: Arc<Shared>,
 }
 
@@ -425,13 +462,10 @@ impl HostGroup {
         (0..ranks)
             .map(|rank| HostGroup {
                 rank,
+                ranks,
                 shared: shared.clone(),
             })
             .collect()
-    }
-
-    fn ranks_(&self) -> usize {
-        self.shared.slots.lock().map_or(0, |s| s.len())
     }
 
     /// Puts this rank's bytes in its slot, waits for every rank, applies `read` to all slots,
@@ -455,7 +489,7 @@ impl HostGroup {
 
 impl<B: Backend> Collective<B> for HostGroup {
     fn ranks(&self) -> usize {
-        self.ranks_()
+        self.ranks
     }
 
     fn rank(&self) -> usize {
@@ -468,7 +502,7 @@ impl<B: Backend> Collective<B> for HostGroup {
         send: Span<bf16>,
         recv: Span<bf16>,
     ) -> Result<(), RuntimeError> {
-        let ranks = self.ranks_();
+        let ranks = self.ranks;
         check_len("recv", recv.len, ranks * send.len, "ranks·send.len")?;
         let mine = backend.download("all_gather send", send.addr, 2 * send.len)?;
         let all = self.exchange(mine, |slots| slots.concat())?;
@@ -487,7 +521,7 @@ impl<B: Backend> Collective<B> for HostGroup {
         backend: &mut B,
         buf: Span<f32>,
     ) -> Result<(), RuntimeError> {
-        let ranks = self.ranks_();
+        let ranks = self.ranks;
         if !buf.len.is_multiple_of(ranks) {
             return Err(RuntimeError::input(
                 "buf",

@@ -32,10 +32,7 @@ use half::bf16;
 mod stream;
 pub use stream::{run_forward, ForwardOutput, MsaAttention, Saved};
 
-/// Elements of one token's Q or O row, `64 × 128`.
-pub(crate) const Q_ROW: usize = NUM_Q_HEADS * crate::contract::HEAD_DIM;
-/// Elements of one aligned K/V row, `4 × 128`.
-pub(crate) const KV_ROW: usize = crate::contract::NUM_KV_HEADS * crate::contract::HEAD_DIM;
+pub(crate) use crate::contract::{KV_ROW, Q_ROW};
 /// Query rows per forward work item (the kernel's `ITEM_QUERIES`).
 pub const FORWARD_ITEM_QUERIES: usize = 8;
 /// Queries per work item of the schedule the forward builds (what the backward measured

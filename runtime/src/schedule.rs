@@ -1046,11 +1046,11 @@ pub fn build_schedule_for_rows(
         cu_seqlens.to_vec(),
         ws_starts,
     )?;
-    if query_rows == (0..t_total) {
-        Ok(schedule)
-    } else {
-        schedule.restrict_queries(query_rows)
-    }
+    // Only the queries of `query_rows` were visited, so every edge lies in them.
+    Ok(Schedule {
+        query_rows,
+        ..schedule
+    })
 }
 
 /// The causal support: every query selects every block of its document at or before its own

@@ -16,13 +16,6 @@ use msa_tests::cases::{docs, random_top16, to_f32, DeviceInputs, Problem, KV_ROW
 use msa_tests::{gpu_stream, Rng};
 use std::sync::Arc;
 
-/// The rows `rows` of each of the 4 heads of `q2k [4, T, 16]`.
-fn q2k_rows(q2k: &[i32], t: usize, rows: std::ops::Range<usize>) -> Vec<i32> {
-    (0..4)
-        .flat_map(|h| q2k[(h * t + rows.start) * 16..(h * t + rows.end) * 16].to_vec())
-        .collect()
-}
-
 type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
 
 /// Rank `rank`'s backward on `stream` with the collective `comm`.
@@ -34,16 +27,11 @@ fn rank_run<C: Collective<CudaBackend>>(
     q2k: &[i32],
     rank: usize,
 ) -> Result<RankGrads, RuntimeError> {
-    let t = *layout.cu_seqlens().last().unwrap() as usize;
     let rows = layout.token_rows(rank);
-    let schedule = layout.local_schedule(rank, &q2k_rows(q2k, t, rows.clone()), 64)?;
+    let schedule = layout.local_schedule(rank, &layout.rank_q2k(rank, q2k)?, 64)?;
     let s = layout.slice_rows();
-    let slice = |x: &[bf16]| {
-        let mut v = vec![bf16::ZERO; s * KV_ROW];
-        let b = layout.block_rows(rank);
-        v[..b.len() * KV_ROW].copy_from_slice(&x[b.start * KV_ROW..b.end * KV_ROW]);
-        v
-    };
+    // The rank's slice of the aligned K/V: rows [r·S, (r+1)·S), zero past W.
+    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
     let qr = rows.start * Q_ROW..rows.end * Q_ROW;
     let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
     let (q, grad_out, out) = (

@@ -62,20 +62,12 @@ fn problem(lengths: &[i32], seed: u64) -> Problem {
     }
 }
 
-/// The rows `rows` of each of the 4 heads of `q2k [4, T, 16]`.
-fn q2k_rows(q2k: &[i32], t: usize, rows: std::ops::Range<usize>) -> Vec<i32> {
-    (0..4)
-        .flat_map(|h| q2k[(h * t + rows.start) * 16..(h * t + rows.end) * 16].to_vec())
-        .collect()
-}
-
 /// One rank's gradients: dq of its tokens, dk/dv of its slice.
 type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
 
 /// Runs the context-parallel backward of `p` over `ranks` logical ranks.
 fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
-    let t = *p.cu.last().unwrap() as usize;
     let s = layout.slice_rows();
     let groups = HostGroup::new(ranks);
     std::thread::scope(|scope| {
@@ -87,17 +79,12 @@ fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
                 scope.spawn(move || {
                     let rows = layout.token_rows(rank);
                     let schedule = layout
-                        .local_schedule(rank, &q2k_rows(&p.q2k, t, rows.clone()), 64)
+                        .local_schedule(rank, &layout.rank_q2k(rank, &p.q2k).unwrap(), 64)
                         .expect("local schedule");
                     assert_eq!(schedule.query_rows(), rows);
                     let mut dev = SimDevice::new(Arch::Sm90, 3);
                     // The rank's slice of the aligned K/V: rows [r·S, (r+1)·S), zero past W.
-                    let slice = |x: &[bf16]| {
-                        let mut v = vec![bf16::ZERO; s * KV_ROW];
-                        let b = layout.block_rows(rank);
-                        v[..b.len() * KV_ROW].copy_from_slice(&x[b.start * KV_ROW..b.end * KV_ROW]);
-                        v
-                    };
+                    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
                     let qr = rows.start * Q_ROW..rows.end * Q_ROW;
                     let io = CpBuffers {
                         q: up(&mut dev, "q", &p.q[qr.clone()]),
@@ -267,9 +254,8 @@ fn the_layout_tiles_tokens_and_rows_and_names_its_limits() {
 fn mismatched_inputs_are_typed_errors_before_anything_runs() {
     let p = problem(&[200, 500, 70], 35);
     let layout = CpLayout::new(&p.cu, 2).unwrap();
-    let t = 770;
     let rows = layout.token_rows(1);
-    let local = q2k_rows(&p.q2k, t, rows.clone());
+    let local = layout.rank_q2k(1, &p.q2k).unwrap();
     // A schedule of rank 1 given to rank 0.
     let wrong = layout.local_schedule(1, &local, 64).unwrap();
     let mut groups = HostGroup::new(2);
@@ -305,7 +291,7 @@ fn mismatched_inputs_are_typed_errors_before_anything_runs() {
         .is_err());
     // A K slice of the wrong length.
     let right = layout
-        .local_schedule(0, &q2k_rows(&p.q2k, t, layout.token_rows(0)), 64)
+        .local_schedule(0, &layout.rank_q2k(0, &p.q2k).unwrap(), 64)
         .unwrap();
     let short = CpBuffers {
         k_slice: Span::new(io.k_slice.addr, s * KV_ROW - 1),
@@ -336,7 +322,7 @@ fn a_rank_schedule_is_the_whole_build_with_the_other_rows_silent() {
     for r in 0..3 {
         let rows = layout.token_rows(r);
         let local = layout
-            .local_schedule(r, &q2k_rows(&q2k, t, rows.clone()), 64)
+            .local_schedule(r, &layout.rank_q2k(r, &q2k).unwrap(), 64)
             .unwrap();
         // The whole-sequence build of a selection in which the other ranks' queries pick
         // nothing has the same CSR rows, edges and work items.

@@ -34,7 +34,6 @@ pub use layout::{
     preprocess_delta, to_aligned,
 };
 
-use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::schedule::ScheduleError;
 
 /// Why the reference rejected its inputs.
@@ -67,10 +66,7 @@ pub enum ReferenceError {
     Schedule(#[from] ScheduleError),
 }
 
-/// Elements per compact query row `[64,128]` (one token, all q heads).
-const Q_ROW: usize = NUM_Q_HEADS * HEAD_DIM;
-/// Elements per compact key/value row `[4,128]`.
-const KV_ROW: usize = NUM_KV_HEADS * HEAD_DIM;
+use crate::contract::{KV_ROW, Q_ROW};
 
 /// Checks that `field` holds `rows` rows of `row` elements.
 fn check_len(
