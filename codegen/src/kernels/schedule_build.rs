@@ -1416,57 +1416,91 @@ fn order(b: &mut KernelBuilder) {
                 b.st::<U32, _>(&shared(a, 0), s);
             });
         },
-        // The tile's entries round-robin over the threads (a thread's own entries of the scan
-        // are consecutive: their queries would be written by one thread).
+        // The tile's entries go round-robin over the warps (thread (w, l) takes entry
+        // 8·l + w; a thread's own entries of the scan are consecutive, and their queries
+        // would be written by one thread). A single edge is one store by its thread; the
+        // queries of an entry with several go out as its warp's coalesced stores, four per
+        // entry (one per mask word), instead of one serial store per query.
         |b, tile_base| {
             b.bar_sync(0, None);
-            b.for_range(tid, tile, ORDER_THREADS, "entry_queries", |b, e| {
+            let warp = b.shr(tid, 5u32);
+            let lane = b.and(tid, 31u32);
+            let one = b.mov::<U32>(1u32);
+            let lane_bit = b.shl(one, lane);
+            let lanes_below = b.sub(lane_bit, 1u32);
+            let spread = b.mad_lo(lane, ORDER_THREADS / 32, warp);
+            // Every thread runs the same SCAN_PER_THREAD passes, so the warp stays converged
+            // for its votes and shuffles.
+            b.for_range(spread, tile, ORDER_THREADS, "entry_queries", |b, e| {
                 let i = b.add(tile_base, e);
                 let live = b.setp(Cmp::Lt, i, n);
+                let pos = b.mov::<U32>(0u32);
+                let q0 = b.mov::<U32>(0u32);
+                let count = b.mov::<U32>(0u32);
+                let m: [Reg<U32>; 4] = std::array::from_fn(|_| b.mov::<U32>(0u32));
                 b.if_then(live, "entry_live", |b| {
                     let da = record(b, i);
                     let [w, x]: [Reg<U32>; 2] = b.ld_v(&da);
                     let e4 = b.shl(e, 2u32);
                     let a = b.add(starts, e4);
-                    let pos = b.ld::<U32, _>(&shared(a, 0));
+                    let p = b.ld::<U32, _>(&shared(a, 0));
+                    b.set(pos, p);
                     let qb = b.and(w, 0xffffu32);
-                    let q0 = b.shl(qb, 7u32);
+                    let q = b.shl(qb, 7u32);
+                    b.set(q0, q);
                     let c = b.shr(w, 16u32);
+                    b.set(count, c);
                     let single = b.setp(Cmp::Eq, c, 1u32);
                     b.if_then(single, "single_edge", |b| {
                         let q = b.add(q0, x);
                         store_u32(b, q_indices, pos, q);
                     });
-                    b.unless(single, "several_edges", |b| {
+                    b.unless(single, "entry_mask", |b| {
                         let gi = b.add(head_base, x);
                         let ma = common_elem16(b, masks, gi);
-                        let m: [Reg<U32>; 4] = b.ld_v(&ma);
-                        let pos = b.mov::<U32>(pos);
-                        for (k, &word) in m.iter().enumerate() {
-                            let x = b.mov::<U32>(word);
-                            let top = b.label("query_bits");
-                            let out = b.label("query_bits_done");
-                            b.place(&top);
-                            let empty = b.setp(Cmp::Eq, x, 0u32);
-                            b.bra_if(empty, &out);
-                            // The lowest set bit and its index.
-                            let zero = b.mov::<U32>(0u32);
-                            let neg = b.sub(zero, x);
-                            let low = b.and(x, neg);
-                            let low1 = b.sub(low, 1u32);
-                            let bit = b.popc(low1);
-                            let q = b.add(q0, bit);
-                            let q = b.add(q, 32 * k as u32);
-                            store_u32(b, q_indices, pos, q);
-                            let p1 = b.add(pos, 1u32);
-                            b.set(pos, p1);
-                            let rest = b.xor(x, low);
-                            b.set(x, rest);
-                            b.bra(&top);
-                            b.place(&out);
+                        let v: [Reg<U32>; 4] = b.ld_v(&ma);
+                        for (r, x) in m.iter().zip(v) {
+                            b.set(*r, x);
                         }
                     });
                 });
+                let several = b.setp(Cmp::Gt, count, 1u32);
+                let pending = b.ballot(several);
+                let top = b.label("warp_entries");
+                let out = b.label("warp_entries_done");
+                b.place(&top);
+                let empty = b.setp(Cmp::Eq, pending, 0u32);
+                b.bra_if(empty, &out);
+                b.comment("the lowest pending lane's entry, by the whole warp");
+                let zero = b.mov::<U32>(0u32);
+                let neg = b.sub(zero, pending);
+                let low = b.and(pending, neg);
+                let low1 = b.sub(low, 1u32);
+                let src = b.popc(low1);
+                let rest = b.xor(pending, low);
+                b.set(pending, rest);
+                let at = b.shfl(Shfl::Idx, pos, src, 31);
+                let base_q = b.shfl(Shfl::Idx, q0, src, 31);
+                for (k, &word) in m.iter().enumerate() {
+                    let x = b.shfl(Shfl::Idx, word, src, 31);
+                    let below = b.and(x, lanes_below);
+                    let rank = b.popc(below);
+                    let mine = b.and(x, lane_bit);
+                    let set = b.setp(Cmp::Ne, mine, 0u32);
+                    b.if_then(set, "query_bit", |b| {
+                        let p = b.add(at, rank);
+                        let q = b.add(base_q, lane);
+                        let q = b.add(q, 32 * k as u32);
+                        store_u32(b, q_indices, p, q);
+                    });
+                    if k + 1 < m.len() {
+                        let c = b.popc(x);
+                        let next = b.add(at, c);
+                        b.set(at, next);
+                    }
+                }
+                b.bra(&top);
+                b.place(&out);
             });
         },
     );

@@ -933,6 +933,22 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 mask: ctx.src(&ops[1], Ty::B(32))?,
             }
         }
+        "vote" => {
+            if !(m.take("sync") && m.take("ballot")) {
+                return unsupported("vote other than vote.sync.ballot");
+            }
+            let ty = m.one_type()?;
+            m.finish()?;
+            if ty != Ty::B(32) {
+                return malformed("vote.sync.ballot is .b32");
+            }
+            arity(ops, 3)?;
+            Op::Ballot {
+                d: ctx.dst(&ops[0])?,
+                a: ctx.pred_src(&ops[1])?,
+                mask: ctx.src(&ops[2], Ty::B(32))?,
+            }
+        }
         "ret" | "exit" => {
             m.take("uni");
             m.finish()?;

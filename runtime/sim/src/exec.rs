@@ -1040,7 +1040,7 @@ impl<'a> Cta<'a> {
             Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
                 self.step_memory(pcu, w, exec, op)?
             }
-            Op::Shfl { .. } | Op::Elect { .. } => self.step_warp(pcu, w, group, exec, op)?,
+            Op::Shfl { .. } | Op::Elect { .. } | Op::Ballot { .. } => self.step_warp(pcu, w, group, exec, op)?,
             Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
             Op::MbarrierInit { .. }
             | Op::MbarrierArrive { .. }

@@ -1011,6 +1011,15 @@ pub enum Op {
         /// The member mask.
         mask: Src,
     },
+    /// `vote.sync.ballot.b32 d, p, membermask`: bit `l` of `d` is `p` of lane `l`.
+    Ballot {
+        /// The ballot.
+        d: Dst,
+        /// The predicate each lane votes.
+        a: PredSrc,
+        /// The member mask.
+        mask: Src,
+    },
     /// A `tcgen05` instruction.
     Tcgen05(Box<Tcgen05>),
     /// `trap`: aborts the launch.
@@ -1176,6 +1185,11 @@ impl Op {
             Op::Elect { d, p, mask } => {
                 dst(out, d);
                 out.extend(p.iter().copied());
+                src(out, mask);
+            }
+            Op::Ballot { d, a, mask } => {
+                dst(out, d);
+                src(out, &a.src);
                 src(out, mask);
             }
             Op::Tcgen05(t) => match &**t {

@@ -1,6 +1,6 @@
 //! Synchronisation and communication: named barriers (`bar`), mbarriers, memory and
-//! proxy fences, and warp shuffles. The ISA lists `shfl.sync` under data movement; it lives
-//! here with the other warp collectives. `elect.sync` stays in [`crate::ptx::tcgen05`], its
+//! proxy fences, warp votes, and warp shuffles. The ISA lists `shfl.sync` under data
+//! movement; it lives here with the other warp collectives. `elect.sync` stays in [`crate::ptx::tcgen05`], its
 //! only user, under that family's target gate and PTX version.
 
 use crate::ptx::builder::KernelBuilder;
@@ -44,6 +44,20 @@ impl KernelBuilder {
                 v.operand(),
                 lane.operand(),
                 Operand::Hex(clamp as u64),
+                Operand::Hex(0xffff_ffff),
+            ],
+        );
+        d
+    }
+
+    /// `vote.sync.ballot.b32` over the full warp: bit `l` is `p` of lane `l`.
+    pub fn ballot(&mut self, p: Reg<Pred>) -> Reg<U32> {
+        let d = self.fresh::<U32>();
+        self.inst(
+            "vote.sync.ballot.b32".into(),
+            vec![
+                Operand::Reg(d.name()),
+                p.operand(),
                 Operand::Hex(0xffff_ffff),
             ],
         );

@@ -1,4 +1,5 @@
-//! The warp collectives `shfl.sync` and `elect.sync`, and their membermask contract.
+//! The warp collectives `shfl.sync`, `elect.sync` and `vote.sync.ballot`, and their membermask
+//! contract.
 
 use super::{lanes, Cta, Flow};
 use crate::error::{FaultKind, SimError};
@@ -6,7 +7,7 @@ use crate::ir::{Dst, Op, Reg, ShflMode, Src};
 use crate::numeric::shfl_source;
 
 impl Cta<'_> {
-    /// Executes the warp collectives `shfl.sync` and `elect.sync`.
+    /// Executes the warp collectives `shfl.sync`, `elect.sync` and `vote.sync.ballot`.
     pub(super) fn step_warp(
         &mut self,
         pcu: usize,
@@ -26,6 +27,16 @@ impl Cta<'_> {
                 mask: mk,
             } => self.shfl(pcu, w, group, exec, *mode, *d, *p, [*a, *b, *c, *mk])?,
             Op::Elect { d, p, mask } => self.elect(pcu, w, group, exec, *d, *p, *mask)?,
+            Op::Ballot { d, a, mask } => {
+                if exec != 0 {
+                    let mk = self.gather(w, *mask);
+                    let member = self.check_membermask(pcu, w, group, exec, &mk, "vote.sync")?;
+                    let votes = self.pred_mask(w, *a) & member;
+                    if let Dst::Reg(r) = d {
+                        self.put(w, *r, exec, &[votes as u64; 32], 32);
+                    }
+                }
+            }
             _ => unreachable!("step dispatches only warp instructions here"),
         }
         Ok(Flow::Advance)
