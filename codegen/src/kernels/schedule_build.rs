@@ -688,6 +688,136 @@ fn own_block(
     }
 }
 
+/// Waits (thread 0 polling) until [`COUNT`]'s CTA (0, 0) has published `ST_READY`; then the
+/// documents step's stores are visible to the whole CTA.
+fn wait_documents(b: &mut KernelBuilder, status: Reg<U64>, t0: Reg<Pred>) {
+    b.if_then(t0, "spin", |b| {
+        let top = b.label("spin");
+        b.place(&top);
+        let v = b.atom::<U32, _>(AtomOp::Or, &status_addr(status, ST_READY), 0u32);
+        let not_yet = b.setp(Cmp::Eq, v, 0u32);
+        b.bra_if(not_yet, &top);
+        b.fence_acq_rel_gpu();
+    });
+    b.bar_sync(0, None);
+    b.fence_acq_rel_gpu();
+}
+
+/// [`own_block`] without waiting, for at most [`BLOCK_THREADS`] documents: the CTA lays them
+/// out itself (thread `d` loads document `d`'s offsets; one scan gives the workspace starts,
+/// the level-0 ranks and the row count) with the documents step's checks, so that no index
+/// it computes leaves its buffers when `cu_seqlens` is malformed. Sets `blk` and `works`
+/// (1 when the inputs are sound and the block is a real one); the CTAs of head 0 also number
+/// the block's row and record both, as in [`own_block`].
+fn local_block(
+    b: &mut KernelBuilder,
+    p: &DocParams,
+    f: Reg<U32>,
+    head: Reg<U32>,
+    blk: &Block,
+    works: Reg<U32>,
+    warp_totals: &SharedVar,
+) {
+    let tid = blk.tid;
+    let cu_in = b.ld_param_ptr(&p.cu_in);
+    let docs = b.ld_param(&p.docs);
+    let tokens = b.ld_param(&p.tokens);
+    let kblocks = b.ld_param(&p.kblocks);
+    let live = b.setp(Cmp::Lt, tid, docs);
+    let c0 = load_if(b, live, |b| load_u32(b, cu_in, tid));
+    let c1 = load_if(b, live, |b| {
+        let d1 = b.add(tid, 1u32);
+        load_u32(b, cu_in, d1)
+    });
+    // The documents step's checks: cu_seqlens[0] = 0, no decrease, cu_seqlens[D] = T.
+    let c0s = b.bitcast::<S32, U32>(c0);
+    let c1s = b.bitcast::<S32, U32>(c1);
+    let len_s = b.sub(c1s, c0s);
+    let decrease = b.setp(Cmp::Lt, len_s, 0i32);
+    let t0 = b.setp(Cmp::Eq, tid, 0u32);
+    let start_bad = b.setp(Cmp::Ne, c0, 0u32);
+    let start_bad = b.and_pred(start_bad, t0);
+    let docs1 = b.max(docs, 1u32);
+    let last_doc = b.sub(docs1, 1u32);
+    let is_last = b.setp(Cmp::Eq, tid, last_doc);
+    let end_bad = b.setp(Cmp::Ne, c1, tokens);
+    let end_bad = b.and_pred(end_bad, is_last);
+    let bad = b.or_pred(decrease, start_bad);
+    let bad = b.or_pred(bad, end_bad);
+    let bad = b.and_pred(bad, live);
+    let len = b.max(len_s, 0i32);
+    let len = b.bitcast::<U32, S32>(len);
+    let nb = b.add(len, 127u32);
+    let nb = b.shr(nb, 7u32);
+    let has = b.setp(Cmp::Gt, nb, 0u32);
+    let is_long = b.setp(Cmp::Gt, nb, 1u32);
+    let v_has = b.selp::<U32>(1u32, 0u32, has);
+    let v_long = b.selp::<U32>(1u32, 0u32, is_long);
+    let v_bad = b.selp::<U32>(1u32, 0u32, bad);
+    let ([first, rank0, _, _], [rows, nonempty, _, faults]) =
+        cta_exclusive_scan_n::<4>(b, [nb, v_has, v_long, v_bad], tid, warp_totals);
+    let sound = b.setp(Cmp::Eq, faults, 0u32);
+    let fits = b.setp(Cmp::Le, rows, kblocks);
+    let real = b.setp(Cmp::Lt, f, rows);
+    let ok = b.and_pred(sound, fits);
+    let ok = b.and_pred(ok, real);
+    let w = b.selp::<U32>(1u32, 0u32, ok);
+    b.set(works, w);
+
+    b.comment("the document holding block f: [first block, rank0, start, length, index]");
+    let rec_var = b.shared_array("local_document", 32, 16);
+    let rec = b.shared_base(&rec_var);
+    let end = b.add(first, nb);
+    let from = b.setp(Cmp::Le, first, f);
+    let until = b.setp(Cmp::Lt, f, end);
+    let mine = b.and_pred(from, until);
+    let mine = b.and_pred(mine, live);
+    b.if_then(mine, "my_document", |b| {
+        b.st_v(&shared(rec, 0), [first, rank0, c0, len]);
+        b.st::<U32, _>(&shared(rec, 16), tid);
+    });
+    b.bar_sync(0, None);
+    b.if_then(ok, "block", |b| {
+        let [first_d, rank0_d, start_d, len_d]: [Reg<U32>; 4] = b.ld_v(&shared(rec, 0));
+        let d = b.ld::<U32, _>(&shared(rec, 16));
+        let k = b.sub(f, first_d);
+        for (r, v) in [
+            (blk.qb, k),
+            (blk.first_block, first_d),
+            (blk.start, start_d),
+            (blk.len, len_d),
+        ] {
+            b.set(r, v);
+        }
+        let head0 = b.setp(Cmp::Eq, head, 0u32);
+        b.if_then(head0, "number_row", |b| {
+            b.comment("as in own_block: rank0(d) at level 0, else");
+            b.comment("N0 + sum_long (min(nb_j, k) - 1) + #{long j before d : nb_j > k}");
+            let m = b.min(nb, k);
+            let m = b.max(m, 1u32);
+            let m = b.sub(m, 1u32);
+            let before = b.setp(Cmp::Lt, tid, d);
+            let above = b.setp(Cmp::Gt, nb, k);
+            let both = b.and_pred(before, above);
+            let extra = b.selp(1u32, 0u32, both);
+            let acc = b.add(m, extra);
+            let long_live = b.and_pred(is_long, live);
+            let acc = b.selp(acc, 0u32, long_live);
+            let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [acc], tid, warp_totals);
+            let upper = b.add(nonempty, sum);
+            let at0 = b.setp(Cmp::Eq, k, 0u32);
+            let row = b.selp(rank0_d, upper, at0);
+            b.if_then(t0, "record", |b| {
+                let blk_doc = b.ld_param_ptr(&p.blk_doc);
+                let rec = common_elem16(b, blk_doc, f);
+                b.st_v(&rec, [d, first_d, start_d, len_d]);
+                let block_of = b.ld_param_ptr(&p.block_of);
+                store_u32(b, block_of, row, f);
+            });
+        });
+    });
+}
+
 fn count(b: &mut KernelBuilder) {
     b.grid("[rows capacity, 4, 1]");
     let dp = doc_params(b);
@@ -724,46 +854,67 @@ fn count(b: &mut KernelBuilder) {
     let q2k = b.ld_param_ptr(&q2k_p);
     let ctr = b.ld_param_ptr(ctr_p);
 
-    b.comment("grid-wide handoff: CTA (0, 0) does the documents step and publishes ST_READY,");
-    b.comment("the others wait for it (CTA 0 is dispatched first, so it always runs)");
+    b.comment("grid-wide handoff: CTA (0, 0) does the documents step and publishes ST_READY;");
+    b.comment("every CTA waits for it before its first atomic (CTA 0 is dispatched first, so");
+    b.comment("the wait always ends)");
     let fh = b.or(f, head);
-    let later = b.setp(Cmp::Ne, fh, 0u32);
-    let wait = b.label("wait_documents");
-    let ready = b.label("documents_ready");
-    b.bra_if(later, &wait);
-    let published = b.label("documents_published");
-    documents_step(b, &dp, BLOCK_THREADS, &published);
-    b.place(&published);
-    b.bar_sync(0, None);
-    b.if_then(t0, "publish", |b| {
-        b.fence_acq_rel_gpu();
-        b.atom::<U32, _>(AtomOp::Exch, &status_addr(status, ST_READY), 1u32);
+    let first_cta = b.setp(Cmp::Eq, fh, 0u32);
+    b.if_then(first_cta, "documents", |b| {
+        let published = b.label("documents_published");
+        documents_step(b, &dp, BLOCK_THREADS, &published);
+        b.place(&published);
+        b.bar_sync(0, None);
+        b.if_then(t0, "publish", |b| {
+            b.fence_acq_rel_gpu();
+            b.atom::<U32, _>(AtomOp::Exch, &status_addr(status, ST_READY), 1u32);
+        });
     });
-    b.bra(&ready);
-    b.place(&wait);
-    b.if_then(t0, "spin", |b| {
-        let top = b.label("spin");
-        b.place(&top);
-        let v = b.atom::<U32, _>(AtomOp::Or, &status_addr(status, ST_READY), 0u32);
-        let not_yet = b.setp(Cmp::Eq, v, 0u32);
-        b.bra_if(not_yet, &top);
-        b.fence_acq_rel_gpu();
-    });
-    b.place(&ready);
-    b.bar_sync(0, None);
-    b.fence_acq_rel_gpu();
-    // Flags (word 0) and rows (word 3) in one load; the skip is uniform per CTA. A selection
-    // fault of another CTA does not stop this one: its entries are still counted, and the
-    // flag zeroes work_count at the end.
-    let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
-    let hit = b.and(flags, FLAG_CU_SEQLENS | FLAG_WORKSPACE);
-    let flagged = b.setp(Cmp::Ne, hit, 0u32);
-    let past = b.setp(Cmp::Ge, f, rows);
-    let skip = b.or_pred(flagged, past);
-    let finish = b.label("finish");
-    b.bra_if(skip, &finish);
 
-    let blk = own_block(b, &dp, status, f, head);
+    // With few documents every CTA lays them out itself and does its whole shared-memory
+    // part (the ids, their checks, the entries) before it waits; with many, it waits first
+    // and reads the documents step's tables.
+    let docs = b.ld_param(&dp.docs);
+    let few = b.setp(Cmp::Le, docs, BLOCK_THREADS);
+    let blk = Block {
+        qb: b.mov::<U32>(0u32),
+        first_block: b.mov::<U32>(0u32),
+        start: b.mov::<U32>(0u32),
+        len: b.mov::<U32>(0u32),
+        tid,
+    };
+    let works = b.mov::<U32>(0u32);
+    b.if_then(few, "local_documents", |b| {
+        local_block(b, &dp, f, head, &blk, works, &warp_totals);
+    });
+    b.unless(few, "shared_documents", |b| {
+        wait_documents(b, status, t0);
+        // Flags (word 0) and rows (word 3) in one load; the skip is uniform per CTA.
+        let [flags, _, _, rows]: [Reg<U32>; 4] = b.ld_v(&status_addr(status, ST_FLAGS));
+        let hit = b.and(flags, FLAG_CU_SEQLENS | FLAG_WORKSPACE);
+        let flagged = b.setp(Cmp::Ne, hit, 0u32);
+        let past = b.setp(Cmp::Ge, f, rows);
+        let skip = b.or_pred(flagged, past);
+        let w = b.selp::<U32>(0u32, 1u32, skip);
+        b.set(works, w);
+        let go = b.setp(Cmp::Ne, w, 0u32);
+        b.if_then(go, "own_block", |b| {
+            let o = own_block(b, &dp, status, f, head);
+            for (r, v) in [
+                (blk.qb, o.qb),
+                (blk.first_block, o.first_block),
+                (blk.start, o.start),
+                (blk.len, o.len),
+            ] {
+                b.set(r, v);
+            }
+        });
+    });
+    // A selection fault of another CTA does not stop this one: its entries are still
+    // counted, and the flag zeroes work_count at the end.
+    let go = b.setp(Cmp::Ne, works, 0u32);
+    let finish = b.label("finish");
+    b.bra_unless(go, &finish);
+
     let nb = b.add(blk.len, 127u32);
     let nb = b.shr(nb, 7u32);
     let q = b.mad_lo(blk.qb, 128u32, tid);
@@ -825,12 +976,6 @@ fn count(b: &mut KernelBuilder) {
         b.set(first_fault, f2);
         ids.push((id, valid));
     }
-    let faulted = b.setp(Cmp::Lt, first_fault, TOPK);
-    b.if_then(faulted, "fault", |b| {
-        let lin = b.add(lin0, first_fault);
-        b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_SEL_FAULT), lin);
-        b.red::<U32, _>(AtomOp::Or, &status_addr(status, ST_FLAGS), FLAG_SELECTION);
-    });
     b.bar_sync(0, None);
 
     b.comment("per window of key blocks: mask[id] |= bit of this query; the edge of the lowest");
@@ -925,6 +1070,15 @@ fn count(b: &mut KernelBuilder) {
             });
         }
         b.bar_sync(0, None);
+    });
+
+    b.if_then(few, "wait_documents", |b| wait_documents(b, status, t0));
+    // The status block is reset by now.
+    let faulted = b.setp(Cmp::Lt, first_fault, TOPK);
+    b.if_then(faulted, "fault", |b| {
+        let lin = b.add(lin0, first_fault);
+        b.red::<U32, _>(AtomOp::Min, &status_addr(status, ST_SEL_FAULT), lin);
+        b.red::<U32, _>(AtomOp::Or, &status_addr(status, ST_FLAGS), FLAG_SELECTION);
     });
 
     b.comment("the block's entries: a slot in their row");
@@ -1416,11 +1570,12 @@ fn order(b: &mut KernelBuilder) {
                 b.st::<U32, _>(&shared(a, 0), s);
             });
         },
-        // The tile's entries go round-robin over the warps (thread (w, l) takes entry
-        // 8·l + w; a thread's own entries of the scan are consecutive, and their queries
-        // would be written by one thread). A single edge is one store by its thread; the
-        // queries of an entry with several go out as its warp's coalesced stores, four per
-        // entry (one per mask word), instead of one serial store per query.
+        // A single edge is one store by its entry's thread; the queries of an entry with
+        // several go out as its warp's coalesced stores, four per entry (one per mask word),
+        // instead of one serial store per query. A row of at most ORDER_THREADS entries (short
+        // documents: few entries, many queries each) spreads them round-robin over the warps
+        // (thread (w, l) takes entry 8·l + w); a longer one (mostly single edges) keeps entry
+        // `tid`, so that neighbouring lanes store to neighbouring places.
         |b, tile_base| {
             b.bar_sync(0, None);
             let warp = b.shr(tid, 5u32);
@@ -1429,6 +1584,8 @@ fn order(b: &mut KernelBuilder) {
             let lane_bit = b.shl(one, lane);
             let lanes_below = b.sub(lane_bit, 1u32);
             let spread = b.mad_lo(lane, ORDER_THREADS / 32, warp);
+            let short_row = b.setp(Cmp::Le, n, ORDER_THREADS);
+            let spread = b.selp(spread, tid, short_row);
             // Every thread runs the same SCAN_PER_THREAD passes, so the warp stays converged
             // for its votes and shuffles.
             b.for_range(spread, tile, ORDER_THREADS, "entry_queries", |b, e| {
