@@ -48,6 +48,56 @@ pub mod bwd_preprocess {
         ]
     }
 }
+/// `bwd_preprocess_det`: delta as bwd_preprocess, and the bounds of the deterministic mode's fixed-point units: per (t, group) a = max(|dO|_1, |delta|), and per group max |K|, |V|, |Q|, |dO|, a.
+pub mod bwd_preprocess_det {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "bwd_preprocess_det";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `bwd_preprocess_det` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("bwd_preprocess_det.sm_90a.ptx");
+    /// PTX of `bwd_preprocess_det` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("bwd_preprocess_det.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(max(num_tokens, workspace_rows) / 128), 68, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        out: Ptr<bf16>,
+        dout: Ptr<bf16>,
+        q: Ptr<bf16>,
+        k_aligned: Ptr<bf16>,
+        v_aligned: Ptr<bf16>,
+        delta: PtrMut<f32>,
+        row_bounds: PtrMut<i32>,
+        bounds: PtrMut<i32>,
+        num_tokens: u32,
+        workspace_rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(out), KernelArg::from(dout), KernelArg::from(q),
+            KernelArg::from(k_aligned), KernelArg::from(v_aligned),
+            KernelArg::from(delta), KernelArg::from(row_bounds), KernelArg::from(bounds),
+            KernelArg::from(num_tokens), KernelArg::from(workspace_rows)
+        ]
+    }
+}
 /// `bwd_postprocess`: de-interleaves the bf16 dQ pool into dq (in place when they are one buffer) and casts the fp32 dK/dV pools to bf16.
 pub mod bwd_postprocess {
     use super::*;
@@ -92,6 +142,56 @@ pub mod bwd_postprocess {
             KernelArg::from(dq_pool), KernelArg::from(dk_pool), KernelArg::from(dv_pool),
             KernelArg::from(dq), KernelArg::from(dk), KernelArg::from(dv),
             KernelArg::from(num_tokens), KernelArg::from(workspace_rows)
+        ]
+    }
+}
+/// `bwd_postprocess_det`: decodes the deterministic mode's fixed-point pools: the 64-bit dQ head-pair pool into dq, the 64-bit dK/dV pools into bf16 dk, dv.
+pub mod bwd_postprocess_det {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "bwd_postprocess_det";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `bwd_postprocess_det` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("bwd_postprocess_det.sm_90a.ptx");
+    /// PTX of `bwd_postprocess_det` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("bwd_postprocess_det.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [max(2 * num_tokens, workspace_rows / 2), 2, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        dq_pool: Ptr<i32>,
+        dk_pool: Ptr<i32>,
+        dv_pool: Ptr<i32>,
+        row_bounds: Ptr<i32>,
+        bounds: Ptr<i32>,
+        dq: PtrMut<bf16>,
+        dk: PtrMut<bf16>,
+        dv: PtrMut<bf16>,
+        num_tokens: u32,
+        workspace_rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(dq_pool), KernelArg::from(dk_pool), KernelArg::from(dv_pool),
+            KernelArg::from(row_bounds), KernelArg::from(bounds), KernelArg::from(dq),
+            KernelArg::from(dk), KernelArg::from(dv), KernelArg::from(num_tokens),
+            KernelArg::from(workspace_rows)
         ]
     }
 }
@@ -686,6 +786,110 @@ pub mod msa_backward_sm100 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(dq_pool),
             KernelArg::from(dk_pool), KernelArg::from(dv_pool)
+        ]
+    }
+}
+/// `msa_backward_sm90_det`: msa_backward_sm90 with fixed-point integer reductions of dQ, dK and dV (bitwise reproducible).
+pub mod msa_backward_sm90_det {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_backward_sm90_det";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (384, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 232448;
+    /// PTX of `msa_backward_sm90_det` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("msa_backward_sm90_det.sm_90a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_do: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        lse: Ptr<f32>,
+        delta: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        dq_pool: PtrMut<i32>,
+        dk_pool: PtrMut<i32>,
+        dv_pool: PtrMut<i32>,
+        row_bounds: Ptr<i32>,
+        bounds: Ptr<i32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_do), KernelArg::from(tmap_k),
+            KernelArg::from(tmap_v), KernelArg::from(lse), KernelArg::from(delta),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(dq_pool),
+            KernelArg::from(dk_pool), KernelArg::from(dv_pool),
+            KernelArg::from(row_bounds), KernelArg::from(bounds)
+        ]
+    }
+}
+/// `msa_backward_sm100_det`: msa_backward_sm100 with fixed-point integer reductions of dQ, dK and dV (bitwise reproducible).
+pub mod msa_backward_sm100_det {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_backward_sm100_det";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (512, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 232448;
+    /// PTX of `msa_backward_sm100_det` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("msa_backward_sm100_det.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((10, 0), PTX_SM_100A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_do: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        lse: Ptr<f32>,
+        delta: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        dq_pool: PtrMut<i32>,
+        dk_pool: PtrMut<i32>,
+        dv_pool: PtrMut<i32>,
+        row_bounds: Ptr<i32>,
+        bounds: Ptr<i32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_do), KernelArg::from(tmap_k),
+            KernelArg::from(tmap_v), KernelArg::from(lse), KernelArg::from(delta),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(dq_pool),
+            KernelArg::from(dk_pool), KernelArg::from(dv_pool),
+            KernelArg::from(row_bounds), KernelArg::from(bounds)
         ]
     }
 }

@@ -20,10 +20,14 @@ use crate::contract::{Locality, BLOCK_SIZE, KV_ROW, MAX_TOKENS, NUM_Q_HEADS, Q_R
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
 use crate::kernels::{
-    bwd_postprocess, bwd_preprocess, msa_backward_sm100, msa_backward_sm90, task_assign_segments,
+    bwd_postprocess, bwd_postprocess_det, bwd_preprocess, bwd_preprocess_det, msa_backward_sm100,
+    msa_backward_sm100_det, msa_backward_sm90, msa_backward_sm90_det, task_assign_segments,
     task_scan_bins, task_scan_work, task_scatter_tables,
 };
-use crate::ops::{check_len, postprocess, preprocess};
+use crate::ops::{
+    check_len, postprocess, postprocess_deterministic, preprocess, preprocess_deterministic,
+    FixedPointPools, BOUND_WORDS,
+};
 use crate::schedule::Schedule;
 use crate::schedule_build::ResidentSchedule;
 use crate::tasks::{DeviceSchedule, ScheduleRefs, ScheduleShape, TaskBuildSizes, TaskWorkspace};
@@ -32,7 +36,8 @@ use std::mem::size_of;
 
 mod stream;
 pub use stream::{
-    release_workspace, release_workspace_raw, run_backward, run_backward_raw, Gradients,
+    release_workspace, release_workspace_raw, run_backward, run_backward_deterministic,
+    run_backward_raw, Gradients,
 };
 
 /// Workspace regions start on 256-byte boundaries (`docs/design.md` §3.1).
@@ -64,6 +69,14 @@ pub struct PoolLayout {
     pub delta: usize,
     /// Offset of the separate dQ pool, when the layout has one.
     pub dq_pool: Option<usize>,
+    /// The deterministic mode's layout ([`PoolLayout::deterministic`]): fixed-point pools of
+    /// 64-bit words (dK/dV one per element, dQ one per head pair, always a separate pool) and
+    /// the two bound buffers below.
+    pub fixed_point: bool,
+    /// Offset of `row_bounds [T, 4]` u32 (deterministic layout only).
+    pub row_bounds: Option<usize>,
+    /// Offset of `bounds [32]` u32 (deterministic layout only).
+    pub bounds: Option<usize>,
     /// Total bytes (a multiple of 256).
     pub bytes: usize,
 }
@@ -79,6 +92,31 @@ impl PoolLayout {
         workspace_rows: usize,
         with_dq_pool: bool,
     ) -> Result<Self, RuntimeError> {
+        Self::lay_out(num_tokens, workspace_rows, with_dq_pool, false)
+    }
+
+    /// The deterministic mode's layout ([`MsaBackward::set_deterministic`]): dK and dV pools
+    /// of `W·512` signed 64-bit words, delta, a dQ pool of `T·4096` 64-bit words (`T · 32 KiB`,
+    /// twice the default's and never the caller's `dq`), `row_bounds [T, 4]` and `bounds`.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] if the byte count overflows `usize`.
+    pub fn deterministic(num_tokens: usize, workspace_rows: usize) -> Result<Self, RuntimeError> {
+        Self::lay_out(num_tokens, workspace_rows, true, true)
+    }
+
+    fn lay_out(
+        num_tokens: usize,
+        workspace_rows: usize,
+        with_dq_pool: bool,
+        fixed_point: bool,
+    ) -> Result<Self, RuntimeError> {
+        // Bytes per dQ element and per dK/dV element of the pools.
+        let (dq_elem, kv_elem) = if fixed_point {
+            (4, 8)
+        } else {
+            (size_of::<bf16>(), size_of::<f32>())
+        };
         let overflow = || {
             RuntimeError::input(
                 "schedule",
@@ -87,10 +125,10 @@ impl PoolLayout {
             )
         };
         let dq_bytes = num_tokens
-            .checked_mul(Q_ROW * size_of::<bf16>())
+            .checked_mul(Q_ROW * dq_elem)
             .ok_or_else(overflow)?;
         let kv_bytes = workspace_rows
-            .checked_mul(KV_ROW * size_of::<f32>())
+            .checked_mul(KV_ROW * kv_elem)
             .ok_or_else(overflow)?;
         let delta_bytes = num_tokens
             .checked_mul(NUM_Q_HEADS * size_of::<f32>())
@@ -112,6 +150,12 @@ impl PoolLayout {
         } else {
             None
         };
+        let (row_bounds, bounds) = if fixed_point {
+            let rows = num_tokens.checked_mul(16).ok_or_else(overflow)?;
+            (Some(take(rows)?), Some(take(4 * BOUND_WORDS)?))
+        } else {
+            (None, None)
+        };
         Ok(PoolLayout {
             num_tokens,
             workspace_rows,
@@ -119,6 +163,9 @@ impl PoolLayout {
             dv_pool,
             delta,
             dq_pool,
+            fixed_point,
+            row_bounds,
+            bounds,
             bytes: at,
         })
     }
@@ -145,10 +192,24 @@ impl<B: Backend> GradientPools<B> {
         })
     }
 
-    fn fits(&self, num_tokens: usize, workspace_rows: usize, dq_pool: bool) -> bool {
+    fn fits(&self, num_tokens: usize, workspace_rows: usize, dq_pool: bool, fixed: bool) -> bool {
         num_tokens <= self.layout.num_tokens
             && workspace_rows <= self.layout.workspace_rows
             && (!dq_pool || self.layout.dq_pool.is_some())
+            && self.layout.fixed_point == fixed
+    }
+
+    /// The deterministic layout's fixed-point buffers for `(t, w)`.
+    fn fixed_point(&self, t: usize, w: usize) -> Option<FixedPointPools> {
+        let l = &self.layout;
+        let (dq, rows, bounds) = (l.dq_pool?, l.row_bounds?, l.bounds?);
+        l.fixed_point.then(|| FixedPointPools {
+            dq: self.span(dq, t * Q_ROW),
+            dk: self.span(l.dk_pool, 2 * w * KV_ROW),
+            dv: self.span(l.dv_pool, 2 * w * KV_ROW),
+            row_bounds: self.span(rows, 4 * t),
+            bounds: self.span(bounds, BOUND_WORDS),
+        })
     }
 
     fn span<T>(&self, offset: usize, len: usize) -> Span<T> {
@@ -229,6 +290,7 @@ pub struct MsaBackward<B: Backend = CudaBackend> {
     allocations: usize,
     in_place: bool,
     locality: Locality,
+    deterministic: bool,
 }
 
 impl<B: Backend> Default for MsaBackward<B> {
@@ -241,6 +303,7 @@ impl<B: Backend> Default for MsaBackward<B> {
             allocations: 0,
             in_place: false,
             locality: Locality::default(),
+            deterministic: false,
         }
     }
 }
@@ -313,15 +376,23 @@ impl<B: Backend> BackwardSchedule<'_, B> {
     }
 }
 
-/// The kernels of every backward besides the main one.
-const BACKWARD_KERNELS: [&KernelSpec; 6] = [
-    &bwd_preprocess::KERNEL,
-    &bwd_postprocess::KERNEL,
-    &task_scan_work::KERNEL,
-    &task_assign_segments::KERNEL,
-    &task_scan_bins::KERNEL,
-    &task_scatter_tables::KERNEL,
-];
+/// The kernels of every backward besides the main one, in the default or the deterministic
+/// mode.
+fn backward_kernels(deterministic: bool) -> [&'static KernelSpec; 6] {
+    let (pre, post) = if deterministic {
+        (&bwd_preprocess_det::KERNEL, &bwd_postprocess_det::KERNEL)
+    } else {
+        (&bwd_preprocess::KERNEL, &bwd_postprocess::KERNEL)
+    };
+    [
+        pre,
+        post,
+        &task_scan_work::KERNEL,
+        &task_assign_segments::KERNEL,
+        &task_scan_bins::KERNEL,
+        &task_scatter_tables::KERNEL,
+    ]
+}
 
 /// The capabilities the main kernel has a variant for, for error messages.
 const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
@@ -331,10 +402,25 @@ const SUPPORTED: &str = "9.0 (msa_backward_sm90), 10.0 (msa_backward_sm100)";
 /// # Errors
 /// [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
 pub fn main_kernel(cc: (i32, i32), ordinal: usize) -> Result<&'static KernelSpec, RuntimeError> {
-    match cc {
-        (9, 0) => Ok(&msa_backward_sm90::KERNEL),
-        (10, 0) => Ok(&msa_backward_sm100::KERNEL),
-        (major, minor) => Err(RuntimeError::UnsupportedArch {
+    main_kernel_for(cc, ordinal, false)
+}
+
+/// [`main_kernel`], or its deterministic variant (`msa_backward_sm90_det`,
+/// `msa_backward_sm100_det`), which takes the fixed-point pools and the bounds.
+///
+/// # Errors
+/// [`RuntimeError::UnsupportedArch`] on any capability but 9.0 and 10.0.
+pub fn main_kernel_for(
+    cc: (i32, i32),
+    ordinal: usize,
+    deterministic: bool,
+) -> Result<&'static KernelSpec, RuntimeError> {
+    match (cc, deterministic) {
+        ((9, 0), false) => Ok(&msa_backward_sm90::KERNEL),
+        ((10, 0), false) => Ok(&msa_backward_sm100::KERNEL),
+        ((9, 0), true) => Ok(&msa_backward_sm90_det::KERNEL),
+        ((10, 0), true) => Ok(&msa_backward_sm100_det::KERNEL),
+        ((major, minor), _) => Err(RuntimeError::UnsupportedArch {
             kernel: "msa_backward",
             ordinal,
             major,
@@ -406,6 +492,26 @@ impl<B: Backend> MsaBackward<B> {
         self
     }
 
+    /// The deterministic mode (off by default; `docs/design.md` §3.8): dQ, dK and dV are
+    /// accumulated as fixed-point integers, so the gradients are the same bits on every call,
+    /// stream and process for the same inputs on the same device, whatever the grid, the SM
+    /// count or the order the reductions land in. It needs a larger workspace
+    /// ([`PoolLayout::deterministic`]: `T · 32 KiB` for dQ and `W · 4 KiB` for dK/dV, against
+    /// `W · 2 KiB` and usually no dQ pool) and launches `bwd_preprocess_det`,
+    /// `msa_backward_sm90_det`/`msa_backward_sm100_det` and `bwd_postprocess_det` instead of the
+    /// default kernels. The results agree with the default mode's within the same tolerances;
+    /// they are not bitwise equal to them. Switching the mode reallocates the workspace on the
+    /// next call.
+    pub fn set_deterministic(&mut self, on: bool) -> &mut Self {
+        self.deterministic = on;
+        self
+    }
+
+    /// Whether the deterministic mode is on.
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
+    }
+
     /// The locality rule of the task order (default [`Locality::default`]); checked by the
     /// next call, which rejects an out-of-range rule with [`RuntimeError::Input`]. The
     /// gradients do not depend on it, only the speed does.
@@ -465,8 +571,8 @@ impl<B: Backend> MsaBackward<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         self.adopt(backend);
-        let main = main_kernel(backend.capability(), backend.ordinal())?;
-        for k in BACKWARD_KERNELS
+        let main = main_kernel_for(backend.capability(), backend.ordinal(), self.deterministic)?;
+        for k in backward_kernels(self.deterministic)
             .iter()
             .copied()
             .chain([main])
@@ -482,9 +588,9 @@ impl<B: Backend> MsaBackward<B> {
             &mut self.pools,
             &mut self.allocations,
             backend,
-            t,
-            w,
+            (t, w),
             dq_pool,
+            self.deterministic,
         )?;
         ensure_tasks(&mut self.tasks, &mut self.allocations, backend, sizes, work)?;
         Ok(())
@@ -495,13 +601,18 @@ impl<B: Backend> MsaBackward<B> {
     fn adopt(&mut self, backend: &B) {
         let owner = (backend.memory_space(), backend.queue());
         if self.owner != Some(owner) {
-            let (allocations, locality, in_place) =
-                (self.allocations, self.locality, self.in_place);
+            let (allocations, locality, in_place, deterministic) = (
+                self.allocations,
+                self.locality,
+                self.in_place,
+                self.deterministic,
+            );
             *self = MsaBackward {
                 owner: Some(owner),
                 allocations,
                 in_place,
                 locality,
+                deterministic,
                 ..MsaBackward::default()
             };
         }
@@ -590,6 +701,13 @@ impl<B: Backend> MsaBackward<B> {
         let tq = schedule.query_row_count();
         let pool_rows = match kv_out {
             KvOut::Aligned => w,
+            KvOut::Pools { .. } if self.deterministic => {
+                return Err(RuntimeError::input(
+                    "deterministic",
+                    "true",
+                    "the default mode for a context-parallel rank (its fp32 pools are reduced across ranks)",
+                ))
+            }
             KvOut::Pools { rows } if rows >= w && rows.is_multiple_of(BLOCK_SIZE) => rows,
             KvOut::Pools { rows } => {
                 return Err(RuntimeError::input(
@@ -697,14 +815,15 @@ impl<B: Backend> MsaBackward<B> {
 
         // 2. Architecture dispatch and kernel loading (JIT errors surface here).
         self.adopt(backend);
-        let main = main_kernel(backend.capability(), backend.ordinal())?;
+        let det = self.deterministic;
+        let main = main_kernel_for(backend.capability(), backend.ordinal(), det)?;
         if t == 0 {
             // No tokens: no kernel to run (a validated Schedule always has T >= 1).
             backend.zero("dk_aligned", io.dk_aligned.addr, 2 * kv_len)?;
             backend.zero("dv_aligned", io.dv_aligned.addr, 2 * kv_len)?;
             return Ok(None);
         }
-        for k in BACKWARD_KERNELS.iter().copied().chain([main]) {
+        for k in backward_kernels(det).iter().copied().chain([main]) {
             backend.load(k)?;
         }
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
@@ -734,10 +853,12 @@ impl<B: Backend> MsaBackward<B> {
             &mut self.pools,
             &mut self.allocations,
             backend,
-            tq,
-            pool_rows,
+            (tq, pool_rows),
             separate_dq,
+            det,
         )?;
+        // The deterministic mode's fixed-point pools and bounds (None in the default mode).
+        let fixed = pools.fixed_point(tq, pool_rows);
         // The main kernel reduces dQ into `io.dq` itself (interleaved; the postprocess
         // de-interleaves it in place) unless `dq` lies on one of its inputs.
         let dq_pool = match pools.layout.dq_pool {
@@ -764,11 +885,34 @@ impl<B: Backend> MsaBackward<B> {
 
         // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
-        preprocess(backend, io.out, io.grad_out, delta, tq)?;
-        // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
-        backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
-        backend.zero("dk pool", dk_pool.addr, 4 * pool_len)?;
-        backend.zero("dv pool", dv_pool.addr, 4 * pool_len)?;
+        match &fixed {
+            Some(f) => {
+                backend.zero("row bounds", f.row_bounds.addr, 4 * f.row_bounds.len)?;
+                backend.zero("bounds", f.bounds.addr, 4 * f.bounds.len)?;
+                preprocess_deterministic(
+                    backend,
+                    io.out,
+                    io.grad_out,
+                    io.q,
+                    io.k_aligned,
+                    io.v_aligned,
+                    delta,
+                    f,
+                    tq,
+                    w,
+                )?;
+                backend.zero("dq pool", f.dq.addr, 4 * f.dq.len)?;
+                backend.zero("dk pool", f.dk.addr, 4 * f.dk.len)?;
+                backend.zero("dv pool", f.dv.addr, 4 * f.dv.len)?;
+            }
+            None => {
+                preprocess(backend, io.out, io.grad_out, delta, tq)?;
+                // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
+                backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
+                backend.zero("dk pool", dk_pool.addr, 4 * pool_len)?;
+                backend.zero("dv pool", dv_pool.addr, 4 * pool_len)?;
+            }
+        }
         let refs: ScheduleRefs = match (&upload, &schedule) {
             (Some((s, d)), _) => {
                 d.write(backend, s)?;
@@ -779,21 +923,40 @@ impl<B: Backend> MsaBackward<B> {
         };
         tasks.build_from(backend, &refs)?;
         if grid > 0 {
-            let args = msa_backward_sm90::args(
-                &tmap_q,
-                &tmap_do,
-                &tmap_k,
-                &tmap_v,
-                io.lse.ptr(),
-                delta.ptr(),
-                tasks.task_meta(),
-                tasks.task_qrows(),
-                tasks.task_qpos(),
-                tasks.desc(),
-                dq_pool.ptr_mut(),
-                dk_pool.ptr_mut(),
-                dv_pool.ptr_mut(),
-            );
+            let args = match &fixed {
+                Some(f) => msa_backward_sm90_det::args(
+                    &tmap_q,
+                    &tmap_do,
+                    &tmap_k,
+                    &tmap_v,
+                    io.lse.ptr(),
+                    delta.ptr(),
+                    tasks.task_meta(),
+                    tasks.task_qrows(),
+                    tasks.task_qpos(),
+                    tasks.desc(),
+                    f.dq.ptr_mut(),
+                    f.dk.ptr_mut(),
+                    f.dv.ptr_mut(),
+                    f.row_bounds.ptr(),
+                    f.bounds.ptr(),
+                ),
+                None => msa_backward_sm90::args(
+                    &tmap_q,
+                    &tmap_do,
+                    &tmap_k,
+                    &tmap_v,
+                    io.lse.ptr(),
+                    delta.ptr(),
+                    tasks.task_meta(),
+                    tasks.task_qrows(),
+                    tasks.task_qpos(),
+                    tasks.desc(),
+                    dq_pool.ptr_mut(),
+                    dk_pool.ptr_mut(),
+                    dv_pool.ptr_mut(),
+                ),
+            };
             // SAFETY: both main kernels take these parameters (the parameter lists are one
             // declaration, `common::main_params`, checked by a test); the maps span q/grad_out
             // [T,64,128] and k/v [W,4,128], whose lengths were checked; lse, delta and the
@@ -801,8 +964,12 @@ impl<B: Backend> MsaBackward<B> {
             // workspace built for `sizes`, whose grid bound is `grid`.
             unsafe { backend.launch(main, (grid, 1, 1), &args) }?;
         }
-        let returned = match kv_out {
-            KvOut::Aligned => {
+        let returned = match (kv_out, &fixed) {
+            (KvOut::Aligned, Some(f)) => {
+                postprocess_deterministic(backend, f, io.dq, io.dk_aligned, io.dv_aligned, tq, w)?;
+                None
+            }
+            (KvOut::Aligned, None) => {
                 postprocess(
                     backend,
                     dq_pool,
@@ -816,7 +983,7 @@ impl<B: Backend> MsaBackward<B> {
                 )?;
                 None
             }
-            KvOut::Pools { .. } => {
+            (KvOut::Pools { .. }, _) => {
                 let (none_f32, none) = (
                     Span::<f32>::new(dk_pool.addr, 0),
                     Span::<bf16>::new(io.dk_aligned.addr, 0),
@@ -865,12 +1032,12 @@ fn ensure_pools<'a, B: Backend>(
     slot: &'a mut Option<GradientPools<B>>,
     allocations: &mut usize,
     backend: &mut B,
-    t: usize,
-    w: usize,
+    (t, w): (usize, usize),
     dq_pool: bool,
+    fixed: bool,
 ) -> Result<&'a mut GradientPools<B>, RuntimeError> {
     let pools = match slot.take() {
-        Some(p) if p.fits(t, w, dq_pool) => p,
+        Some(p) if p.fits(t, w, dq_pool, fixed) => p,
         old => {
             let (ct, cw, cq) = old.as_ref().map_or((0, 0, false), |p| {
                 (
@@ -879,7 +1046,14 @@ fn ensure_pools<'a, B: Backend>(
                     p.layout.dq_pool.is_some(),
                 )
             });
-            let layout = PoolLayout::new(t.max(ct), w.max(cw), dq_pool || cq)?;
+            // A workspace of the other mode is not reused: its regions differ.
+            let keep = old.as_ref().is_some_and(|p| p.layout.fixed_point == fixed);
+            let (ct, cw, cq) = if keep { (ct, cw, cq) } else { (0, 0, false) };
+            let layout = if fixed {
+                PoolLayout::deterministic(t.max(ct), w.max(cw))?
+            } else {
+                PoolLayout::new(t.max(ct), w.max(cw), dq_pool || cq)?
+            };
             // Free the smaller one first (stream-ordered) to keep the peak down.
             drop(old);
             let p = GradientPools::new(backend, layout)?;

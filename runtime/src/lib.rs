@@ -200,8 +200,8 @@ pub use cudarc;
 pub use aligned::{from_aligned, from_aligned_on, to_aligned, to_aligned_on};
 pub use backend::{Backend, KernelArg, KernelSpec, Ptr, PtrMut, Span};
 pub use backward::{
-    release_workspace, release_workspace_raw, run_backward, run_backward_raw, BackwardBuffers,
-    BackwardSchedule, Gradients, MsaBackward,
+    release_workspace, release_workspace_raw, run_backward, run_backward_deterministic,
+    run_backward_raw, BackwardBuffers, BackwardSchedule, Gradients, MsaBackward,
 };
 pub use contract::*;
 pub use cp::{Collective, CpBackward, CpBuffers, CpLayout, HostGroup};

@@ -9,7 +9,7 @@ use crate::backend::{Backend, Span};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use crate::error::RuntimeError;
-use crate::kernels::{bwd_postprocess, bwd_preprocess};
+use crate::kernels::{bwd_postprocess, bwd_postprocess_det, bwd_preprocess, bwd_preprocess_det};
 use half::bf16;
 
 mod stream;
@@ -152,4 +152,152 @@ pub fn postprocess<B: Backend>(
     );
     // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
     unsafe { backend.launch(&bwd_postprocess::KERNEL, (blocks, 2, 1), &args) }
+}
+
+/// Words of the deterministic mode's `bounds` buffer (mirrors `codegen`'s
+/// `fixed_point::BOUND_WORDS`; a test compares them).
+pub const BOUND_WORDS: usize = 32;
+
+/// The deterministic mode's fixed-point buffers (`docs/design.md` §3.8): the pools the main
+/// kernel reduces into with integer atomics and the bounds their units come from.
+#[derive(Debug, Clone, Copy)]
+pub struct FixedPointPools {
+    /// dQ, one 64-bit word (two 32-bit lanes, heads `2hp` and `2hp+1`) per `(t, hp, d)`:
+    /// `[T, 32, 128]` u64, viewed as `[T, 32, 128, 2]` i32.
+    pub dq: Span<i32>,
+    /// dK, one signed 64-bit word per element of `[W, 4, 128]`, viewed as i32 pairs.
+    pub dk: Span<i32>,
+    /// dV, as `dk`.
+    pub dv: Span<i32>,
+    /// `a[t, g]` `[T, 4]` (f32 bits), the per-row dQ bound; zero before the preprocess.
+    pub row_bounds: Span<i32>,
+    /// The group maxima ([`BOUND_WORDS`] words, f32 bits); zero before the preprocess.
+    pub bounds: Span<i32>,
+}
+
+impl FixedPointPools {
+    fn check(&self, num_tokens: usize, workspace_rows: usize) -> Result<(), RuntimeError> {
+        let kv = workspace_rows * NUM_KV_HEADS * HEAD_DIM;
+        check_len(
+            "dq_pool",
+            self.dq.len,
+            num_tokens * NUM_Q_HEADS * HEAD_DIM,
+            "[T, 32, 128] u64",
+        )?;
+        check_len("dk_pool", self.dk.len, 2 * kv, "[W, 4, 128] i64")?;
+        check_len("dv_pool", self.dv.len, 2 * kv, "[W, 4, 128] i64")?;
+        check_len(
+            "row_bounds",
+            self.row_bounds.len,
+            4 * num_tokens,
+            "[T, 4] u32",
+        )?;
+        check_len("bounds", self.bounds.len, BOUND_WORDS, "[32] u32")
+    }
+}
+
+/// The deterministic mode's preprocess on any [`Backend`]: `delta` as [`preprocess`], and the
+/// bounds the fixed-point units come from (`pools.row_bounds`, `pools.bounds`, which must be
+/// zero before the launch) from `out`, `dout`, `q` `[T, 64, 128]` and `k_aligned`, `v_aligned`
+/// `[W, 4, 128]` bf16.
+///
+/// # Errors
+/// [`RuntimeError::Input`] for a wrong length, and the backend's launch errors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn preprocess_deterministic<B: Backend>(
+    backend: &mut B,
+    out: Span<bf16>,
+    dout: Span<bf16>,
+    q: Span<bf16>,
+    k_aligned: Span<bf16>,
+    v_aligned: Span<bf16>,
+    delta: Span<f32>,
+    pools: &FixedPointPools,
+    num_tokens: usize,
+    workspace_rows: usize,
+) -> Result<(), RuntimeError> {
+    let rows = num_tokens * NUM_Q_HEADS;
+    let kv = workspace_rows * NUM_KV_HEADS * HEAD_DIM;
+    check_len("out", out.len, rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("dout", dout.len, rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("q", q.len, rows * HEAD_DIM, "[T, 64, 128]")?;
+    check_len("k_aligned", k_aligned.len, kv, "[W, 4, 128]")?;
+    check_len("v_aligned", v_aligned.len, kv, "[W, 4, 128]")?;
+    check_len("delta", delta.len, rows, "[T, 64]")?;
+    pools.check(num_tokens, workspace_rows)?;
+    let tokens = u32::try_from(num_tokens)
+        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
+    let ws = u32::try_from(workspace_rows)
+        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let blocks = num_tokens.max(workspace_rows).div_ceil(128);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let blocks = grid_dim("num_tokens/workspace_rows", blocks)?;
+    backend.load(&bwd_preprocess_det::KERNEL)?;
+    let args = bwd_preprocess_det::args(
+        out.ptr(),
+        dout.ptr(),
+        q.ptr(),
+        k_aligned.ptr(),
+        v_aligned.ptr(),
+        delta.ptr_mut(),
+        pools.row_bounds.ptr_mut(),
+        pools.bounds.ptr_mut(),
+        tokens,
+        ws,
+    );
+    let y = (NUM_Q_HEADS + NUM_KV_HEADS) as u32;
+    // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
+    unsafe { backend.launch(&bwd_preprocess_det::KERNEL, (blocks, y, 1), &args) }
+}
+
+/// The deterministic mode's postprocess on any [`Backend`]: decodes the fixed-point pools of
+/// `pools` into `dq [T, 64, 128]` and `dk`, `dv` `[W, 4, 128]` bf16.
+///
+/// # Errors
+/// [`RuntimeError::Input`] for a wrong length, and the backend's launch errors.
+pub(crate) fn postprocess_deterministic<B: Backend>(
+    backend: &mut B,
+    pools: &FixedPointPools,
+    dq: Span<bf16>,
+    dk: Span<bf16>,
+    dv: Span<bf16>,
+    num_tokens: usize,
+    workspace_rows: usize,
+) -> Result<(), RuntimeError> {
+    let kv = workspace_rows * NUM_KV_HEADS * HEAD_DIM;
+    pools.check(num_tokens, workspace_rows)?;
+    check_len(
+        "dq",
+        dq.len,
+        num_tokens * NUM_Q_HEADS * HEAD_DIM,
+        "[T, 64, 128]",
+    )?;
+    check_len("dk", dk.len, kv, "[W, 4, 128]")?;
+    check_len("dv", dv.len, kv, "[W, 4, 128]")?;
+    let tokens = u32::try_from(num_tokens)
+        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
+    let ws = u32::try_from(workspace_rows)
+        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let blocks = (2 * num_tokens).max(workspace_rows / 2);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let blocks = grid_dim("num_tokens/workspace_rows", blocks)?;
+    backend.load(&bwd_postprocess_det::KERNEL)?;
+    let args = bwd_postprocess_det::args(
+        pools.dq.ptr(),
+        pools.dk.ptr(),
+        pools.dv.ptr(),
+        pools.row_bounds.ptr(),
+        pools.bounds.ptr(),
+        dq.ptr_mut(),
+        dk.ptr_mut(),
+        dv.ptr_mut(),
+        tokens,
+        ws,
+    );
+    // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
+    unsafe { backend.launch(&bwd_postprocess_det::KERNEL, (blocks, 2, 1), &args) }
 }

@@ -93,8 +93,9 @@ fn output_is_deterministic() {
 fn every_kernel_has_both_targets_and_lowest_versions() {
     // Shared kernels ship for both targets; a main kernel ships for the one it was built for.
     for desc in codegen::kernels::all() {
-        let hopper_only = desc.name.ends_with("_sm90");
-        let blackwell_only = desc.name.ends_with("_sm100");
+        let base = desc.name.strip_suffix("_det").unwrap_or(desc.name);
+        let hopper_only = base.ends_with("_sm90");
+        let blackwell_only = base.ends_with("_sm100");
         assert_eq!(
             desc.targets.contains(&Target::Sm90a),
             !blackwell_only,
@@ -243,4 +244,41 @@ fn dsl_coverage_assembles_for_every_target() {
         });
         assert!(r.unusual.is_empty(), "{target}: {:?}", r.unusual);
     }
+}
+
+#[test]
+fn the_main_kernels_take_one_parameter_list_per_mode() {
+    // The runtime launches either main kernel of a mode with one argument list (built by the
+    // sm90 binding), so their parameters must be the same names and kinds in the same order;
+    // the deterministic list is the default one (with fixed-point pools) plus two at the end.
+    let params = |name: &str| -> Vec<(String, String)> {
+        let k = codegen::build_all()
+            .unwrap()
+            .into_iter()
+            .find(|k| k.name == name)
+            .unwrap_or_else(|| panic!("no kernel {name}"));
+        k.params
+            .iter()
+            .map(|p| (p.name.clone(), format!("{:?}", p.kind)))
+            .collect()
+    };
+    let (sm90, sm100) = (params("msa_backward_sm90"), params("msa_backward_sm100"));
+    let (det90, det100) = (
+        params("msa_backward_sm90_det"),
+        params("msa_backward_sm100_det"),
+    );
+    assert_eq!(sm90, sm100);
+    assert_eq!(det90, det100);
+    let names = |v: &[(String, String)]| v.iter().map(|p| p.0.clone()).collect::<Vec<_>>();
+    let mut expected = names(&sm90);
+    expected.extend(["row_bounds".to_string(), "bounds".to_string()]);
+    assert_eq!(names(&det90), expected);
+}
+
+#[test]
+fn the_runtime_mirrors_the_fixed_point_bounds_size() {
+    assert_eq!(
+        codegen::kernels::fixed_point::BOUND_WORDS as usize,
+        msa_runtime::ops::BOUND_WORDS
+    );
 }

@@ -43,6 +43,7 @@
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
 use super::common::{self, MainParams, Walk};
+use super::fixed_point;
 use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
@@ -74,6 +75,16 @@ pub const DESC: KernelDesc = KernelDesc {
     targets: &[Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe,
+};
+
+/// The Blackwell main kernel of the deterministic mode: fixed-point integer reductions
+/// (`fixed_point`, `docs/design.md` §3.8), otherwise the same kernel.
+pub const DETERMINISTIC: KernelDesc = KernelDesc {
+    name: "msa_backward_sm100_det",
+    about: "msa_backward_sm100 with fixed-point integer reductions of dQ, dK and dV (bitwise reproducible)",
+    targets: &[Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_deterministic,
 };
 
 /// The plan resolved for the roles: every buffer, TMEM column, GEMM, pipeline, named barrier
@@ -270,11 +281,19 @@ fn umma_commit(b: &mut KernelBuilder, bar: &SharedAddr) {
 }
 
 fn describe(b: &mut KernelBuilder) {
+    describe_mode(b, false);
+}
+
+fn describe_deterministic(b: &mut KernelBuilder) {
+    describe_mode(b, true);
+}
+
+fn describe_mode(b: &mut KernelBuilder, deterministic: bool) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     // With `.maxntid 512` this fixes the entry register count at 128, so ptxas applies
     // `setmaxnreg` (sm100-ptx.md §8).
     b.min_ctas_per_sm(1);
-    let p = common::main_params(b);
+    let p = common::main_params(b, deterministic);
     let plan = match KernelPlan::design() {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM100 plan: {e}")),
@@ -882,36 +901,11 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
         let hi4: [Reg<S32>; 4] = b.ld_v(&shared(qr_a, 16));
         resolved.rows.consumer_release(b, bars, &st);
 
-        b.comment("dQ^T to registers: lane = head dim, column = folded (slot, head)");
-        let dq_st = resolved.dq.consumer_wait(b, bars, t);
-        b.tcgen05_fence_after_thread_sync();
-        let mut words = Vec::with_capacity(64);
-        for pass in 0..4u32 {
-            let v: [Reg<F32>; 32] =
-                b.tcgen05_ld_32x32b(tm.col(resolved.col_dq + CHUNK_COLS * pass));
-            b.tcgen05_wait_ld();
-            // Heads 2m (low half) and 2m+1 (high half) of one slot.
-            for j in 0..16 {
-                words.push(b.cvt_bf16x2(v[2 * j + 1], v[2 * j]));
-            }
-        }
-        b.tcgen05_fence_before_thread_sync();
-        resolved.nb_t2r.arrive(b);
-        resolved.dq.consumer_release(b, bars, &dq_st);
-
-        b.comment("dQ: head pairs into the bf16x2 pool [T][32][128][2]");
         let head_d = b.mad_lo(head, 1024u32, lane128);
-        for (slot, qrow) in lo4.into_iter().chain(hi4).enumerate() {
-            let live = b.setp(Cmp::Ge, qrow, 0i32);
-            let r = b.bitcast::<U32, S32>(qrow);
-            let word = b.mad_lo(r, 4096u32, head_d);
-            let pool = b.ld_param_ptr(&p.dq);
-            let a = common::elem::<U32>(b, pool, word);
-            b.predicated(live, false, |b| {
-                for m in 0..8 {
-                    b.red_add_bf16x2(&a.offset(512 * m as i64), words[8 * slot + m], Some(policy));
-                }
-            });
+        if let Some(f) = &p.fixed {
+            dq_fixed_point(b, ctx, &tm, f, [lo4, hi4], head, head_d, t);
+        } else {
+            dq_bf16x2(b, ctx, &tm, [lo4, hi4], head_d, t, policy);
         }
 
         b.if_then(seg_end, "flush", |b| {
@@ -929,9 +923,16 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
             let idx = b.mad_lo(r, 512u32, col4);
             let idx = b.mad_lo(head, 128u32, idx);
             let regions = [(resolved.col_dv, &p.dv), (resolved.col_dk, &p.dk)];
+            // Deterministic: the inverse units of this group's dV and dK.
+            let invs = p.fixed.as_ref().map(|f| {
+                let bounds = b.ld_param_ptr(&f.bounds);
+                let ((_, dk_inv), (_, dv_inv)) = fixed_point::kv_units(b, bounds, head);
+                [dv_inv, dk_inv]
+            });
             for (which, (col, pool_p)) in regions.into_iter().enumerate() {
                 let pool = b.ld_param_ptr(pool_p);
                 let a = common::elem::<F32>(b, pool, idx);
+                let a64 = common::elem_bytes(b, pool, idx, 8);
                 for pass in 0..4u32 {
                     let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(col + CHUNK_COLS * pass));
                     b.tcgen05_wait_ld();
@@ -949,7 +950,16 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
                             let off =
                                 2048 * k + 4 * (CHUNK_COLS as usize * pass as usize + 16 * blk);
                             let vals = [x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]];
-                            b.red_add_v4_f32(&a.offset(off as i64), vals, None);
+                            match invs {
+                                Some(inv) => {
+                                    for (e, v) in vals.into_iter().enumerate() {
+                                        let q = fixed_point::to_fixed64(b, v, inv[which]);
+                                        let at = a64.offset(2 * off as i64 + 8 * e as i64);
+                                        b.red::<U64, _>(AtomOp::Add, &at, q);
+                                    }
+                                }
+                                None => b.red_add_v4_f32(&a.offset(off as i64), vals, None),
+                            }
                         }
                     }
                 }
@@ -962,4 +972,106 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
 
     b.tcgen05_fence_before_thread_sync();
     resolved.nb_dealloc.sync(b);
+}
+
+/// The reduce warps' dQ drain of the default mode: dQ^T from TMEM (lane = head dim, column =
+/// folded `(slot, head)`), heads `2m`/`2m+1` of a slot packed to bf16x2, then reduced into the
+/// pool `[T][32][128][2]`.
+#[allow(clippy::too_many_arguments)]
+fn dq_bf16x2(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    tm: &TmemAddr,
+    qrows: [[Reg<S32>; 4]; 2],
+    head_d: Reg<U32>,
+    t: Reg<U32>,
+    policy: Reg<B64>,
+) {
+    let (p, resolved, bars) = (ctx.p, ctx.resolved, &ctx.bars);
+    b.comment("dQ^T to registers: lane = head dim, column = folded (slot, head)");
+    let dq_st = resolved.dq.consumer_wait(b, bars, t);
+    b.tcgen05_fence_after_thread_sync();
+    let mut words = Vec::with_capacity(64);
+    for pass in 0..4u32 {
+        let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(resolved.col_dq + CHUNK_COLS * pass));
+        b.tcgen05_wait_ld();
+        // Heads 2m (low half) and 2m+1 (high half) of one slot.
+        for j in 0..16 {
+            words.push(b.cvt_bf16x2(v[2 * j + 1], v[2 * j]));
+        }
+    }
+    b.tcgen05_fence_before_thread_sync();
+    resolved.nb_t2r.arrive(b);
+    resolved.dq.consumer_release(b, bars, &dq_st);
+
+    b.comment("dQ: head pairs into the bf16x2 pool [T][32][128][2]");
+    let [lo4, hi4] = qrows;
+    for (slot, qrow) in lo4.into_iter().chain(hi4).enumerate() {
+        let live = b.setp(Cmp::Ge, qrow, 0i32);
+        let r = b.bitcast::<U32, S32>(qrow);
+        let word = b.mad_lo(r, 4096u32, head_d);
+        let pool = b.ld_param_ptr(&p.dq);
+        let a = common::elem::<U32>(b, pool, word);
+        b.predicated(live, false, |b| {
+            for m in 0..8 {
+                b.red_add_bf16x2(&a.offset(512 * m as i64), words[8 * slot + m], Some(policy));
+            }
+        });
+    }
+}
+
+/// The deterministic dQ drain: each slot's unit from `a[t, g]` first, then per TMEM pass its
+/// 16 head pairs as fixed-point lane pairs, reduced with one `red.add.u64` each into the
+/// pool `[T][32][128]` of 64-bit words (issued per pass: holding all 64 pairs would take 128
+/// registers). The slot is released after the last pass, as in [`dq_bf16x2`].
+#[allow(clippy::too_many_arguments)]
+fn dq_fixed_point(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    tm: &TmemAddr,
+    f: &common::FixedParams,
+    qrows: [[Reg<S32>; 4]; 2],
+    head: Reg<U32>,
+    head_d: Reg<U32>,
+    t: Reg<U32>,
+) {
+    let (p, resolved, bars) = (ctx.p, ctx.resolved, &ctx.bars);
+    let bounds = b.ld_param_ptr(&f.bounds);
+    let factor = fixed_point::dq_factor(b, bounds, head);
+    let [lo4, hi4] = qrows;
+    let slots: Vec<(Reg<Pred>, GlobalAddr, Reg<F32>)> = lo4
+        .into_iter()
+        .chain(hi4)
+        .map(|qrow| {
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let rc = b.max(qrow, 0i32);
+            let r = b.bitcast::<U32, S32>(rc);
+            let tg = b.mad_lo(r, 4u32, head);
+            let rb = b.ld_param_ptr(&f.row_bounds);
+            let a = common::load_u32(b, rb, tg);
+            let inv = fixed_point::dq_inv_unit(b, a, factor);
+            let word = b.mad_lo(r, 4096u32, head_d);
+            let pool = b.ld_param_ptr(&p.dq);
+            (live, common::elem_bytes(b, pool, word, 8), inv)
+        })
+        .collect();
+    b.comment("dQ^T to fixed-point head pairs in the 64-bit pool [T][32][128]");
+    let dq_st = resolved.dq.consumer_wait(b, bars, t);
+    b.tcgen05_fence_after_thread_sync();
+    for pass in 0..4u32 {
+        let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(resolved.col_dq + CHUNK_COLS * pass));
+        b.tcgen05_wait_ld();
+        // Column 32·pass + 2j (+1): slot 2·pass + j/8, heads 2m, 2m+1 with m = j % 8.
+        for j in 0..16usize {
+            let (live, a, inv) = &slots[2 * pass as usize + j / 8];
+            let lo = fixed_point::to_fixed32(b, v[2 * j], *inv);
+            let hi = fixed_point::to_fixed32(b, v[2 * j + 1], *inv);
+            let pair = fixed_point::pack_pair(b, lo, hi);
+            let at = a.offset(1024 * (j % 8) as i64);
+            b.predicated(*live, false, |b| b.red::<U64, _>(AtomOp::Add, &at, pair));
+        }
+    }
+    b.tcgen05_fence_before_thread_sync();
+    resolved.nb_t2r.arrive(b);
+    resolved.dq.consumer_release(b, bars, &dq_st);
 }

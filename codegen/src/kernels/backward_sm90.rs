@@ -55,6 +55,7 @@
 //!   after a lane-pair exchange that gives each lane four consecutive head dims.
 
 use super::common::{self, elem_bytes, MainParams, Walk};
+use super::fixed_point;
 use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe};
@@ -78,6 +79,16 @@ pub const DESC: KernelDesc = KernelDesc {
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
     describe,
+};
+
+/// The Hopper main kernel of the deterministic mode: fixed-point integer reductions
+/// (`fixed_point`, `docs/design.md` §3.8), otherwise the same kernel.
+pub const DETERMINISTIC: KernelDesc = KernelDesc {
+    name: "msa_backward_sm90_det",
+    about: "msa_backward_sm90 with fixed-point integer reductions of dQ, dK and dV (bitwise reproducible)",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe: describe_deterministic,
 };
 
 /// The plan resolved for the roles: every buffer, pipeline and barrier the code names,
@@ -163,9 +174,17 @@ struct Ctx<'a> {
 }
 
 fn describe(b: &mut KernelBuilder) {
+    describe_mode(b, false);
+}
+
+fn describe_deterministic(b: &mut KernelBuilder) {
+    describe_mode(b, true);
+}
+
+fn describe_mode(b: &mut KernelBuilder, deterministic: bool) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
-    let p = common::main_params(b);
+    let p = common::main_params(b, deterministic);
     let plan = match Sm90Plan::design() {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM90 plan: {e}")),
@@ -536,7 +555,12 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 });
             }
 
-            b.comment("dQ: head pairs to the bf16x2 pool");
+            // The deterministic pool's dQ bound factor of this task's group.
+            let dq_factor = p.fixed.as_ref().map(|f| {
+                let bounds = b.ld_param_ptr(&f.bounds);
+                fixed_point::dq_factor(b, bounds, head)
+            });
+            b.comment("dQ: head pairs to the bf16x2 pool (fixed-point pairs when deterministic)");
             for j in 0..8u32 {
                 // Folded column 64nh + 8j + col0 (+1): slot 4nh + j/2, heads 2hp, 2hp+1.
                 let slot = (4 * nh + j / 2) as usize;
@@ -546,15 +570,35 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let slot_qrow = slot_word(b, &p.qrows, slot);
                 let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                 let r = b.bitcast::<U32, S32>(slot_qrow);
+                // The slot's dQ unit, from a[t, g] (an empty slot reads row 0, unused).
+                let inv = match (&p.fixed, dq_factor) {
+                    (Some(f), Some(factor)) => {
+                        let rc = b.max(slot_qrow, 0i32);
+                        let rc = b.bitcast::<U32, S32>(rc);
+                        let tg = b.mad_lo(rc, 4u32, head);
+                        let rb = b.ld_param_ptr(&f.row_bounds);
+                        let a = common::load_u32(b, rb, tg);
+                        Some(fixed_point::dq_inv_unit(b, a, factor))
+                    }
+                    _ => None,
+                };
                 for rr in 0..2u32 {
                     let i = (4 * j + 2 * rr) as usize;
-                    let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
                     let d = b.add(d_row, 8 * rr);
                     let word = b.mad_lo(r, 32u32, hp);
                     let word = b.mad_lo(word, 128u32, d);
                     let dq = b.ld_param_ptr(&p.dq);
-                    let a = common::elem::<U32>(b, dq, word);
-                    b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
+                    if let Some(inv) = inv {
+                        let lo = fixed_point::to_fixed32(b, dq_acc[i], inv);
+                        let hi = fixed_point::to_fixed32(b, dq_acc[i + 1], inv);
+                        let pair = fixed_point::pack_pair(b, lo, hi);
+                        let a = common::elem_bytes(b, dq, word, 8);
+                        b.predicated(live, false, |b| b.red::<U64, _>(AtomOp::Add, &a, pair));
+                    } else {
+                        let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
+                        let a = common::elem::<U32>(b, dq, word);
+                        b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
+                    }
                 }
             }
         }
@@ -565,7 +609,15 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let is_odd = b.setp(Cmp::Ne, odd, 0u32);
             let kv_row = b.shl(kb, 7u32);
             let kv_row = b.add(kv_row, key_local);
-            for (acc, pool_p) in [(&dv_acc, &p.dv), (&dk_acc, &p.dk)] {
+            // Deterministic: the inverse units of this group's dV and dK.
+            let invs = p.fixed.as_ref().map(|f| {
+                let bounds = b.ld_param_ptr(&f.bounds);
+                let ((_, dk_inv), (_, dv_inv)) = fixed_point::kv_units(b, bounds, head);
+                [dv_inv, dk_inv]
+            });
+            for (which, (acc, pool_p)) in
+                [(&dv_acc, &p.dv), (&dk_acc, &p.dk)].into_iter().enumerate()
+            {
                 let pool = b.ld_param_ptr(pool_p);
                 for j in 0..16u32 {
                     let i = (4 * j) as usize;
@@ -586,8 +638,19 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let col = b.sub(col, col_sub);
                     let idx = b.mad_lo(key_row, 4u32, head);
                     let idx = b.mad_lo(idx, 128u32, col);
-                    let a = common::elem::<F32>(b, pool, idx);
-                    b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
+                    match invs {
+                        Some(inv) => {
+                            let a = common::elem_bytes(b, pool, idx, 8);
+                            for (e, v) in [v0, v1, v2, v3].into_iter().enumerate() {
+                                let x = fixed_point::to_fixed64(b, v, inv[which]);
+                                b.red::<U64, _>(AtomOp::Add, &a.offset(8 * e as i64), x);
+                            }
+                        }
+                        None => {
+                            let a = common::elem::<F32>(b, pool, idx);
+                            b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
+                        }
+                    }
                 }
             }
             b.bar_sync_reg(wg_bar, 128);

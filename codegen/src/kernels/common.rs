@@ -325,11 +325,30 @@ pub struct MainParams {
     pub dk: ParamRef<U64>,
     /// The fp32 dV pool `[W, 4, 128]`.
     pub dv: ParamRef<U64>,
+    /// The deterministic variant's extra parameters (its pools then hold fixed-point words:
+    /// dQ one 64-bit word per head pair `[T, 32, 128]`, dK/dV one per element).
+    pub fixed: Option<FixedParams>,
+}
+
+/// The extra parameters of the deterministic main kernels (`fixed_point`).
+pub struct FixedParams {
+    /// `a[t, g]` `[T, 4]` (f32 bits), the per-row dQ bound.
+    pub row_bounds: ParamRef<U64>,
+    /// The group maxima (`fixed_point::BOUND_WORDS` words).
+    pub bounds: ParamRef<U64>,
 }
 
 /// Declares the main kernels' parameters.
-pub fn main_params(b: &mut KernelBuilder) -> MainParams {
-    MainParams {
+///
+/// The deterministic variants (`deterministic`) take the same list with fixed-point pools
+/// and two parameters more at the end.
+pub fn main_params(b: &mut KernelBuilder, deterministic: bool) -> MainParams {
+    let (dq_elem, kv_elem) = if deterministic {
+        (HostElem::I32, HostElem::I32)
+    } else {
+        (HostElem::Bf16, HostElem::F32)
+    };
+    let mut p = MainParams {
         tmap_q: b.param_tensor_map("tmap_q"),
         tmap_do: b.param_tensor_map("tmap_do"),
         tmap_k: b.param_tensor_map("tmap_k"),
@@ -340,10 +359,18 @@ pub fn main_params(b: &mut KernelBuilder) -> MainParams {
         qrows: b.param_ptr("task_qrows", HostElem::I32, false),
         qpos: b.param_ptr("task_qpos", HostElem::I32, false),
         desc: b.param_ptr("desc", HostElem::I32, false),
-        dq: b.param_ptr("dq_pool", HostElem::Bf16, true),
-        dk: b.param_ptr("dk_pool", HostElem::F32, true),
-        dv: b.param_ptr("dv_pool", HostElem::F32, true),
+        dq: b.param_ptr("dq_pool", dq_elem, true),
+        dk: b.param_ptr("dk_pool", kv_elem, true),
+        dv: b.param_ptr("dv_pool", kv_elem, true),
+        fixed: None,
+    };
+    if deterministic {
+        p.fixed = Some(FixedParams {
+            row_bounds: b.param_ptr("row_bounds", HostElem::I32, false),
+            bounds: b.param_ptr("bounds", HostElem::I32, false),
+        });
     }
+    p
 }
 
 /// Bytes of one 128-row × 64-column bf16 panel (one 128B-swizzled TMA box of K/V).

@@ -4,6 +4,7 @@
 pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
+pub mod fixed_point;
 pub mod forward_list;
 pub mod forward_sm100;
 pub mod forward_sm90;
@@ -47,7 +48,9 @@ impl KernelDesc {
 pub fn all() -> &'static [KernelDesc] {
     &[
         preprocess::DESC,
+        preprocess::DETERMINISTIC,
         postprocess::DESC,
+        postprocess::DETERMINISTIC,
         kv_layout::TO_ALIGNED,
         kv_layout::FROM_ALIGNED,
         schedule_build::COUNT,
@@ -59,6 +62,8 @@ pub fn all() -> &'static [KernelDesc] {
         task_build::SCATTER_TABLES,
         backward_sm90::DESC,
         backward_sm100::DESC,
+        backward_sm90::DETERMINISTIC,
+        backward_sm100::DETERMINISTIC,
         forward_sm90::DESC,
         forward_sm100::DESC,
     ]

@@ -17,9 +17,19 @@
 //!
 //! Grid `[max(2·T, W/2), 2]`, 256 threads; CTAs past their half's work return at once.
 
+use super::fixed_point as fp;
 use super::KernelDesc;
 use crate::ptx::*;
 use crate::target::Target;
+
+/// The deterministic mode's postprocess (`docs/design.md` §3.8).
+pub const DETERMINISTIC: KernelDesc = KernelDesc {
+    name: "bwd_postprocess_det",
+    about: "decodes the deterministic mode's fixed-point pools: the 64-bit dQ head-pair pool into dq, the 64-bit dK/dV pools into bf16 dk, dv",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_deterministic,
+};
 
 /// The postprocess kernel.
 pub const DESC: KernelDesc = KernelDesc {
@@ -123,6 +133,124 @@ fn describe(b: &mut KernelBuilder) {
             let a: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 0));
             let c: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 16));
             let v = [a[0], a[1], a[2], a[3], c[0], c[1], c[2], c[3]];
+            let packed: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
+            b.st_v(&global(dst, 0), packed);
+        });
+    }
+    b.ret();
+}
+
+/// `bwd_postprocess_det`: grid `[max(2·T, W/2), 2]` as [`DESC`]. `blockIdx.y == 0`: pool row
+/// `(t, hp)` is 128 words (one per `d`, heads `2hp`/`2hp+1` as its two 32-bit lanes); 16 lanes
+/// take 8 words each, scale them by the row's unit and write both heads with one 16-byte
+/// store each. The pool is a workspace of its own, so nothing runs in place. `blockIdx.y ==
+/// 1`: 2048 pool elements per CTA, each times its group's unit.
+fn describe_deterministic(b: &mut KernelBuilder) {
+    b.grid("[max(2 * num_tokens, workspace_rows / 2), 2, 1]");
+    let dq_pool_p = b.param_ptr("dq_pool", HostElem::I32, false);
+    let dk_pool_p = b.param_ptr("dk_pool", HostElem::I32, false);
+    let dv_pool_p = b.param_ptr("dv_pool", HostElem::I32, false);
+    let rows_p = b.param_ptr("row_bounds", HostElem::I32, false);
+    let bounds_p = b.param_ptr("bounds", HostElem::I32, false);
+    let dq_p = b.param_ptr("dq", HostElem::Bf16, true);
+    let dk_p = b.param_ptr("dk", HostElem::Bf16, true);
+    let dv_p = b.param_ptr("dv", HostElem::Bf16, true);
+    let tokens_p = b.param_u32("num_tokens");
+    let ws_rows_p = b.param_u32("workspace_rows");
+
+    let tid = b.sreg(SReg::TidX);
+    let block = b.sreg(SReg::CtaidX);
+    let which = b.sreg(SReg::CtaidY);
+    let bounds = b.ld_param_ptr(&bounds_p);
+    let is_dq = b.setp(Cmp::Eq, which, 0u32);
+    let kv_half = b.label("kv_half");
+    b.bra_unless(is_dq, &kv_half);
+
+    b.comment("dQ: fixed-point head pairs to bf16 rows");
+    {
+        let pool = b.ld_param_ptr(&dq_pool_p);
+        let dq = b.ld_param_ptr(&dq_p);
+        let row_bounds = b.ld_param_ptr(&rows_p);
+        let tokens = b.ld_param(&tokens_p);
+        let rows = b.mul_lo(tokens, 32u32);
+        let sub = b.shr(tid, 4u32);
+        let lane = b.and(tid, 15u32);
+        let row = b.mad_lo(block, DQ_ROWS_PER_CTA, sub);
+        let live = b.setp(Cmp::Lt, row, rows);
+        b.if_then(live, "dq_done", |b| {
+            // Row (t, hp) of group hp / 8; this lane holds d in [8·lane, 8·lane + 8).
+            let t = b.shr(row, 5u32);
+            let hp = b.and(row, 31u32);
+            let g = b.shr(hp, 3u32);
+            let tg = b.mad_lo(t, 4u32, g);
+            let a = super::common::load_u32(b, row_bounds, tg);
+            let factor = fp::dq_factor(b, bounds, g);
+            let unit = fp::dq_unit(b, a, factor);
+            let row_bytes = b.mul_wide(row, 1024u32);
+            let lane_bytes = b.mul_wide(lane, 64u32);
+            let src = b.add(row_bytes, lane_bytes);
+            let src = b.add(pool, src);
+            let mut lo = Vec::new();
+            let mut hi = Vec::new();
+            for half in 0..4i64 {
+                let w: [Reg<U64>; 2] = b.ld_global_nc_v(&global(src, 16 * half));
+                for x in w {
+                    let (l, h) = fp::unpack_pair(b, x);
+                    lo.push(b.fmul(l, unit));
+                    hi.push(b.fmul(h, unit));
+                }
+            }
+            let even: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.cvt_bf16x2(lo[2 * i + 1], lo[2 * i]));
+            let odd: [Reg<Bf16x2>; 4] =
+                std::array::from_fn(|i| b.cvt_bf16x2(hi[2 * i + 1], hi[2 * i]));
+            // dq row (t, 2hp) starts at 2·row·256 bytes; head 2hp+1 follows 256 bytes later.
+            let head_bytes = b.mul_wide(row, 512u32);
+            let lane_out = b.mul_wide(lane, 16u32);
+            let dst = b.add(head_bytes, lane_out);
+            let dst = b.add(dq, dst);
+            b.st_v(&global(dst, 0), even);
+            b.st_v(&global(dst, 256), odd);
+        });
+        b.ret();
+    }
+
+    b.place(&kv_half);
+    b.comment("dK/dV: fixed-point pools to bf16");
+    {
+        let ws_rows = b.ld_param(&ws_rows_p);
+        let per_pool = b.shr(ws_rows, 2u32);
+        let second = b.setp(Cmp::Ge, block, per_pool);
+        let total = b.shl(per_pool, 1u32);
+        let live = b.setp(Cmp::Lt, block, total);
+        b.if_then(live, "kv_done", |b| {
+            let dk_pool = b.ld_param_ptr(&dk_pool_p);
+            let dv_pool = b.ld_param_ptr(&dv_pool_p);
+            let dk = b.ld_param_ptr(&dk_p);
+            let dv = b.ld_param_ptr(&dv_p);
+            let src_base = b.selp(dv_pool, dk_pool, second);
+            let dst_base = b.selp(dv, dk, second);
+            let skip = b.selp(per_pool, 0u32, second);
+            let local = b.sub(block, skip);
+            let elem = b.mul_lo(local, KV_ELEMS_PER_CTA);
+            let elem = b.mad_lo(tid, 8u32, elem);
+            // Element (row, g, d): the thread's 8 elements share one group.
+            let g = b.shr(elem, 7u32);
+            let g = b.and(g, 3u32);
+            let ((dk_unit, _), (dv_unit, _)) = fp::kv_units(b, bounds, g);
+            let unit = b.selp(dv_unit, dk_unit, second);
+            let src_off = b.mul_wide(elem, 8u32);
+            let src = b.add(src_base, src_off);
+            let dst_off = b.mul_wide(elem, 2u32);
+            let dst = b.add(dst_base, dst_off);
+            let mut v = Vec::new();
+            for quarter in 0..4i64 {
+                let w: [Reg<U64>; 2] = b.ld_global_nc_v(&global(src, 16 * quarter));
+                for x in w {
+                    v.push(fp::from_fixed64(b, x, unit));
+                }
+            }
             let packed: [Reg<Bf16x2>; 4] =
                 std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
             b.st_v(&global(dst, 0), packed);

@@ -5,9 +5,19 @@
 //! partial sums meet in a butterfly over lane distances 1, 2, 4, 8. 256 threads cover 16 rows
 //! per pass, so 8 passes cover the CTA's 128 rows; rows past T are skipped.
 
+use super::fixed_point::{self as fp, abs_bits};
 use super::KernelDesc;
 use crate::ptx::*;
 use crate::target::Target;
+
+/// The deterministic mode's preprocess (`docs/design.md` §3.8).
+pub const DETERMINISTIC: KernelDesc = KernelDesc {
+    name: "bwd_preprocess_det",
+    about: "delta as bwd_preprocess, and the bounds of the deterministic mode's fixed-point units: per (t, group) a = max(|dO|_1, |delta|), and per group max |K|, |V|, |Q|, |dO|, a",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_deterministic,
+};
 
 /// The preprocess kernel.
 pub const DESC: KernelDesc = KernelDesc {
@@ -84,6 +94,221 @@ fn describe(b: &mut KernelBuilder) {
         let row_f32 = b.mul_wide(row, 4u32);
         let dst = b.add(delta, row_f32);
         b.predicated(store, false, |b| b.st(&global(dst, 0), acc));
+    }
+    b.ret();
+}
+
+/// Heads per KV group.
+const GROUP_HEADS: u32 = 16;
+
+/// `bwd_preprocess_det`. Grid `[ceil(max(T, W)/128), 64 + 4]`: `blockIdx.y < 64` are the
+/// preprocess CTAs of head `y` (delta as [`DESC`], plus `‖dO‖₁`, `max|dO|` and `max|Q|` of each
+/// row); `blockIdx.y = 64 + g` reduce 128 rows of K and V of group `g`. Every row's maxima
+/// meet in shared memory (integer max on the bits), and one thread per CTA folds them into
+/// the `bounds` buffer, so its words see one atomic per CTA, not one per row.
+fn describe_deterministic(b: &mut KernelBuilder) {
+    b.grid("[ceil(max(num_tokens, workspace_rows) / 128), 68, 1]");
+    let out_p = b.param_ptr("out", HostElem::Bf16, false);
+    let dout_p = b.param_ptr("dout", HostElem::Bf16, false);
+    let q_p = b.param_ptr("q", HostElem::Bf16, false);
+    let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
+    let v_p = b.param_ptr("v_aligned", HostElem::Bf16, false);
+    let delta_p = b.param_ptr("delta", HostElem::F32, true);
+    let rows_p = b.param_ptr("row_bounds", HostElem::I32, true);
+    let bounds_p = b.param_ptr("bounds", HostElem::I32, true);
+    let tokens_p = b.param_u32("num_tokens");
+    let ws_p = b.param_u32("workspace_rows");
+    let cta_max = b.shared_array("cta_max", 16, 16);
+
+    let tid = b.sreg(SReg::TidX);
+    let block = b.sreg(SReg::CtaidX);
+    let y = b.sreg(SReg::CtaidY);
+    let part = b.and(tid, LANES_PER_ROW - 1);
+    let sub_row = b.shr(tid, 4u32);
+    let first = b.mul_lo(block, ROWS_PER_CTA);
+    let first = b.add(first, sub_row);
+    let lane_bytes = b.shl(part, 4u32);
+    let lane_bytes = b.cvt::<U64, U32>(lane_bytes);
+    let leader = b.setp(Cmp::Eq, part, 0u32);
+    let t0 = b.setp(Cmp::Eq, tid, 0u32);
+    let maxima = b.shared_base(&cta_max);
+    let tokens = b.ld_param(&tokens_p);
+    let ws_rows = b.ld_param(&ws_p);
+    let bounds = b.ld_param_ptr(&bounds_p);
+    let is_kv = b.setp(Cmp::Ge, y, HEADS);
+    let limit = b.selp(ws_rows, tokens, is_kv);
+    let start = b.mul_lo(block, ROWS_PER_CTA);
+    let idle = b.setp(Cmp::Ge, start, limit);
+    b.if_then(idle, "idle", |b| b.ret());
+    b.predicated(t0, false, |b| {
+        let z = b.mov::<U32>(0u32);
+        b.st_v(&shared(maxima, 0), [z, z, z, z]);
+    });
+    b.bar_sync(0, None);
+    // The butterfly of one value over the 16 lanes of a row (every lane takes part: a warp
+    // holds two rows, and when only one is live the other half-warp must still shuffle).
+    let reduce = |b: &mut KernelBuilder, v: Reg<U32>, add: bool| -> Reg<U32> {
+        let mut acc = v;
+        for dist in [1u32, 2, 4, 8] {
+            let other = b.shfl(Shfl::Bfly, acc, dist, 0x1f);
+            acc = if add {
+                let x = b.bitcast::<F32, U32>(acc);
+                let y = b.bitcast::<F32, U32>(other);
+                let s = b.add(x, y);
+                b.bitcast::<U32, F32>(s)
+            } else {
+                b.max(acc, other)
+            };
+        }
+        acc
+    };
+    let fold = |b: &mut KernelBuilder, word: u32, v: Reg<U32>, p: Reg<Pred>| {
+        b.predicated(p, false, |b| {
+            b.red::<U32, _>(AtomOp::Max, &shared(maxima, 4 * word as i64), v)
+        });
+    };
+    let kv_half = b.label("kv_rows");
+    b.bra_if(is_kv, &kv_half);
+
+    b.comment("query rows of head y: delta, |dO|_1, max |dO|, max |Q|");
+    {
+        let out = b.ld_param_ptr(&out_p);
+        let dout = b.ld_param_ptr(&dout_p);
+        let q = b.ld_param_ptr(&q_p);
+        let delta = b.ld_param_ptr(&delta_p);
+        let row_bounds = b.ld_param_ptr(&rows_p);
+        let g = b.shr(y, 4u32);
+        const _: () = assert!(GROUP_HEADS == 16);
+        for pass in 0..ROWS_PER_CTA / ROWS_PER_PASS {
+            b.comment(&format!("rows first + {}", pass * ROWS_PER_PASS));
+            let t = b.add(first, pass * ROWS_PER_PASS);
+            let live = b.setp(Cmp::Lt, t, tokens);
+            let row = b.mad_lo(t, HEADS, y);
+            let zero = b.mov::<U32>(0u32);
+            let (dot, l1, qm, om) = (
+                b.mov::<U32>(zero),
+                b.mov::<U32>(zero),
+                b.mov::<U32>(zero),
+                b.mov::<U32>(zero),
+            );
+            b.if_then(live, "row_loaded", |b| {
+                let row_bytes = b.mul_wide(row, HEAD_DIM * 2);
+                let off = b.add(row_bytes, lane_bytes);
+                let o_addr = b.add(out, off);
+                let d_addr = b.add(dout, off);
+                let q_addr = b.add(q, off);
+                let o: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(o_addr, 0));
+                let d: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(d_addr, 0));
+                let qv: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(q_addr, 0));
+                let mut acc = b.mov::<F32>(0.0f32);
+                let mut abs_sum = b.mov::<F32>(0.0f32);
+                let mut q_max = b.mov::<U32>(0u32);
+                let mut o_max = b.mov::<U32>(0u32);
+                for i in 0..4 {
+                    let (o_lo, o_hi) = b.bf16x2_to_f32(o[i]);
+                    let (d_lo, d_hi) = b.bf16x2_to_f32(d[i]);
+                    let (q_lo, q_hi) = b.bf16x2_to_f32(qv[i]);
+                    acc = b.fma(o_lo, d_lo, acc);
+                    acc = b.fma(o_hi, d_hi, acc);
+                    for x in [d_lo, d_hi] {
+                        let a = abs_bits(b, x);
+                        o_max = b.max(o_max, a);
+                        let af = b.bitcast::<F32, U32>(a);
+                        abs_sum = b.add(abs_sum, af);
+                    }
+                    for x in [q_lo, q_hi] {
+                        let a = abs_bits(b, x);
+                        q_max = b.max(q_max, a);
+                    }
+                }
+                let accb = b.bitcast::<U32, F32>(acc);
+                b.set(dot, accb);
+                let l1b = b.bitcast::<U32, F32>(abs_sum);
+                b.set(l1, l1b);
+                b.set(qm, q_max);
+                b.set(om, o_max);
+            });
+            let dot = reduce(b, dot, true);
+            let l1 = reduce(b, l1, true);
+            let qm = reduce(b, qm, false);
+            let om = reduce(b, om, false);
+            let store = b.and_pred(live, leader);
+            let row_f32 = b.mul_wide(row, 4u32);
+            let dst = b.add(delta, row_f32);
+            let dotf = b.bitcast::<F32, U32>(dot);
+            b.predicated(store, false, |b| b.st(&global(dst, 0), dotf));
+            let dabs = abs_bits(b, dotf);
+            let a = b.max(l1, dabs);
+            let tg = b.mad_lo(t, 4u32, g);
+            let ra = super::common::elem::<U32>(b, row_bounds, tg);
+            b.predicated(store, false, |b| b.red::<U32, _>(AtomOp::Max, &ra, a));
+            fold(b, 0, qm, store);
+            fold(b, 1, om, store);
+            fold(b, 2, a, store);
+        }
+        b.bar_sync(0, None);
+        b.if_then(t0, "group_maxima", |b| {
+            let m: [Reg<U32>; 4] = b.ld_v(&shared(maxima, 0));
+            for (word, at) in [(0usize, fp::QMAX), (1, fp::DOMAX), (2, fp::AMAX)] {
+                let i = b.add(g, at);
+                let a = super::common::elem::<U32>(b, bounds, i);
+                b.red::<U32, _>(AtomOp::Max, &a, m[word]);
+            }
+        });
+        b.ret();
+    }
+
+    b.place(&kv_half);
+    b.comment("key rows of group y - 64: max |K|, max |V|");
+    {
+        let k = b.ld_param_ptr(&k_p);
+        let v = b.ld_param_ptr(&v_p);
+        let g = b.sub(y, HEADS);
+        for pass in 0..ROWS_PER_CTA / ROWS_PER_PASS {
+            let r = b.add(first, pass * ROWS_PER_PASS);
+            let live = b.setp(Cmp::Lt, r, ws_rows);
+            let row = b.mad_lo(r, 4u32, g);
+            let zero = b.mov::<U32>(0u32);
+            let (km, vm) = (b.mov::<U32>(zero), b.mov::<U32>(zero));
+            b.if_then(live, "kv_loaded", |b| {
+                let row_bytes = b.mul_wide(row, HEAD_DIM * 2);
+                let off = b.add(row_bytes, lane_bytes);
+                let k_addr = b.add(k, off);
+                let v_addr = b.add(v, off);
+                let kv: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(k_addr, 0));
+                let vv: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(v_addr, 0));
+                let mut k_max = b.mov::<U32>(0u32);
+                let mut v_max = b.mov::<U32>(0u32);
+                for i in 0..4 {
+                    let (k_lo, k_hi) = b.bf16x2_to_f32(kv[i]);
+                    let (v_lo, v_hi) = b.bf16x2_to_f32(vv[i]);
+                    for x in [k_lo, k_hi] {
+                        let a = abs_bits(b, x);
+                        k_max = b.max(k_max, a);
+                    }
+                    for x in [v_lo, v_hi] {
+                        let a = abs_bits(b, x);
+                        v_max = b.max(v_max, a);
+                    }
+                }
+                b.set(km, k_max);
+                b.set(vm, v_max);
+            });
+            let km = reduce(b, km, false);
+            let vm = reduce(b, vm, false);
+            let store = b.and_pred(live, leader);
+            fold(b, 0, km, store);
+            fold(b, 1, vm, store);
+        }
+        b.bar_sync(0, None);
+        b.if_then(t0, "group_maxima", |b| {
+            let m: [Reg<U32>; 4] = b.ld_v(&shared(maxima, 0));
+            for (word, at) in [(0usize, fp::KMAX), (1, fp::VMAX)] {
+                let i = b.add(g, at);
+                let a = super::common::elem::<U32>(b, bounds, i);
+                b.red::<U32, _>(AtomOp::Max, &a, m[word]);
+            }
+        });
     }
     b.ret();
 }

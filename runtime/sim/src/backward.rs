@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use half::bf16;
 use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
-use msa_runtime::kernels::{msa_backward_sm100, msa_backward_sm90};
+use msa_runtime::kernels::{
+    msa_backward_sm100, msa_backward_sm100_det, msa_backward_sm90, msa_backward_sm90_det,
+};
 use msa_runtime::reference::{self, Tolerance, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
     build_schedule, causal_support, BackwardBuffers, MsaBackward, RuntimeError, Schedule, Span,
@@ -215,6 +217,9 @@ pub struct MainKernel<'a> {
     pub name: &'static str,
     /// The PTX text (the shipped one, or an edited copy).
     pub ptx: &'a str,
+    /// Whether this is the deterministic mode's kernel (the chain then runs with
+    /// `MsaBackward::set_deterministic(true)`).
+    pub deterministic: bool,
 }
 
 impl MainKernel<'static> {
@@ -231,14 +236,27 @@ impl MainKernel<'static> {
     /// The shipped main kernel of `arch` (empty text, which [`run`] rejects, if the runtime
     /// had no variant for it).
     pub fn shipped(arch: Arch) -> Self {
-        let k = match arch {
-            Arch::Sm90 => &msa_backward_sm90::KERNEL,
-            Arch::Sm100 => &msa_backward_sm100::KERNEL,
+        Self::shipped_mode(arch, false)
+    }
+
+    /// The shipped deterministic main kernel of `arch` (`msa_backward_sm90_det`,
+    /// `msa_backward_sm100_det`).
+    pub fn deterministic(arch: Arch) -> Self {
+        Self::shipped_mode(arch, true)
+    }
+
+    fn shipped_mode(arch: Arch, deterministic: bool) -> Self {
+        let k = match (arch, deterministic) {
+            (Arch::Sm90, false) => &msa_backward_sm90::KERNEL,
+            (Arch::Sm100, false) => &msa_backward_sm100::KERNEL,
+            (Arch::Sm90, true) => &msa_backward_sm90_det::KERNEL,
+            (Arch::Sm100, true) => &msa_backward_sm100_det::KERNEL,
         };
         MainKernel {
             arch,
             name: k.name,
             ptx: arch.ptx(k.variants).unwrap_or(""),
+            deterministic,
         }
     }
 }
@@ -250,6 +268,7 @@ impl<'a> MainKernel<'a> {
             arch: self.arch,
             name: self.name,
             ptx,
+            deterministic: self.deterministic,
         }
     }
 }
@@ -450,6 +469,7 @@ pub fn run(
     dev.override_ptx(main.name, main.ptx);
     let io = upload(&mut dev, c);
     let mut backward = MsaBackward::<SimDevice>::new();
+    backward.set_deterministic(main.deterministic);
     let started = Instant::now();
     backward
         .run_on(&mut dev, &io, &c.schedule)

@@ -80,6 +80,23 @@ pub struct Limits {
     pub umma_order: UmmaOrder,
     /// The arithmetic of one `tcgen05.mma` k16 step.
     pub tcgen05_numerics: Tcgen05Numerics,
+    /// The order in which the CTAs of a launch run (one after another).
+    pub cta_order: CtaOrder,
+}
+
+/// The order in which the simulator runs the CTAs of a grid. The hardware promises no order
+/// (CTA 0 is dispatched first in practice, which `schedule_count` relies on); another order
+/// lands cross-CTA atomics in another order, and a kernel that waits for a later CTA never
+/// finishes (a step-limit error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CtaOrder {
+    /// Linear CTA index order (x fastest).
+    #[default]
+    InOrder,
+    /// Last CTA first.
+    Reversed,
+    /// A random permutation from this seed.
+    Seeded(u64),
 }
 
 /// The order in which the simulator completes the in-flight `tcgen05.mma`s a commit covers.
@@ -133,6 +150,7 @@ impl Default for Limits {
             starved_warps: 0,
             umma_order: UmmaOrder::Issue,
             tcgen05_numerics: Tcgen05Numerics::RoundToNearest,
+            cta_order: CtaOrder::InOrder,
         }
     }
 }
@@ -270,16 +288,36 @@ impl Gpu {
             &self.limits,
         );
         let mut stats = LaunchStats::default();
-        for z in 0..cfg.grid[2] {
-            for y in 0..cfg.grid[1] {
-                for x in 0..cfg.grid[0] {
-                    cta.reset([x, y, z]);
-                    cta.run()?;
-                    stats.ctas += 1;
-                    stats.warp_instructions += cta.steps;
-                    stats.thread_instructions += cta.thread_steps;
+        let mut order: Vec<[u32; 3]> = (0..cfg.grid[2])
+            .flat_map(|z| {
+                (0..cfg.grid[1]).flat_map(move |y| (0..cfg.grid[0]).map(move |x| [x, y, z]))
+            })
+            .collect();
+        match self.limits.cta_order {
+            CtaOrder::InOrder => {}
+            CtaOrder::Reversed => order.reverse(),
+            CtaOrder::Seeded(seed) => {
+                // Fisher-Yates with a splitmix64 stream.
+                let mut state = seed;
+                let mut next = || {
+                    state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = state;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    z ^ (z >> 31)
+                };
+                for i in (1..order.len()).rev() {
+                    let j = (next() % (i as u64 + 1)) as usize;
+                    order.swap(i, j);
                 }
             }
+        }
+        for id in order {
+            cta.reset(id);
+            cta.run()?;
+            stats.ctas += 1;
+            stats.warp_instructions += cta.steps;
+            stats.thread_instructions += cta.thread_steps;
         }
         Ok(stats)
     }
@@ -1040,7 +1078,9 @@ impl<'a> Cta<'a> {
             Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
                 self.step_memory(pcu, w, exec, op)?
             }
-            Op::Shfl { .. } | Op::Elect { .. } | Op::Ballot { .. } => self.step_warp(pcu, w, group, exec, op)?,
+            Op::Shfl { .. } | Op::Elect { .. } | Op::Ballot { .. } => {
+                self.step_warp(pcu, w, group, exec, op)?
+            }
             Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
             Op::MbarrierInit { .. }
             | Op::MbarrierArrive { .. }

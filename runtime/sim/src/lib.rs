@@ -101,7 +101,7 @@ pub mod tensor_core;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};
-pub use exec::{Gpu, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder};
+pub use exec::{CtaOrder, Gpu, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder};
 pub use launch::{Arg, LaunchConfig};
 pub use memory::{DevPtr, Element};
 pub use module::{Kernel, Module, Param};

@@ -103,19 +103,24 @@ impl MsaBackward<CudaBackend> {
     }
 }
 
-/// One cached [`MsaBackward`] per stream, keyed by `(context, stream id)`.
-type Cache = Mutex<HashMap<(u64, u64), Arc<Mutex<MsaBackward>>>>;
+/// One cached [`MsaBackward`] per stream and mode, keyed by `(context, stream id,
+/// deterministic)`.
+type Cache = Mutex<HashMap<(u64, u64, bool), Arc<Mutex<MsaBackward>>>>;
 
 fn cache() -> &'static Cache {
     static CACHE: OnceLock<Cache> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
-/// The cached backward of `backend`'s stream, made on first use.
-fn cached(backend: &CudaBackend) -> Arc<Mutex<MsaBackward>> {
+/// The cached backward of `backend`'s stream in the given mode, made on first use.
+fn cached(backend: &CudaBackend, deterministic: bool) -> Arc<Mutex<MsaBackward>> {
     let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-    map.entry((backend.memory_space(), backend.queue()))
-        .or_default()
+    map.entry((backend.memory_space(), backend.queue(), deterministic))
+        .or_insert_with(|| {
+            let mut b = MsaBackward::new();
+            b.set_deterministic(deterministic);
+            Arc::new(Mutex::new(b))
+        })
         .clone()
 }
 
@@ -146,7 +151,44 @@ pub fn run_backward<'s>(
     out: &CudaView<'_, bf16>,
     schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
 ) -> Result<Gradients, RuntimeError> {
-    let entry = cached(&CudaBackend::new(stream)?);
+    run_cached(
+        false, stream, q, k_aligned, v_aligned, grad_out, lse, out, schedule,
+    )
+}
+
+/// [`run_backward`] in the deterministic mode ([`MsaBackward::set_deterministic`]): the
+/// gradients are the same bits on every call for the same inputs on the same device. The
+/// stream's deterministic workspace is cached beside the default one (and released with it
+/// by [`release_workspace`]).
+#[allow(clippy::too_many_arguments)] // the seed's run_backward signature
+pub fn run_backward_deterministic<'s>(
+    stream: &Arc<CudaStream>,
+    q: &CudaView<'_, bf16>,
+    k_aligned: &CudaView<'_, bf16>,
+    v_aligned: &CudaView<'_, bf16>,
+    grad_out: &CudaView<'_, bf16>,
+    lse: &CudaView<'_, f32>,
+    out: &CudaView<'_, bf16>,
+    schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
+) -> Result<Gradients, RuntimeError> {
+    run_cached(
+        true, stream, q, k_aligned, v_aligned, grad_out, lse, out, schedule,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_cached<'s>(
+    deterministic: bool,
+    stream: &Arc<CudaStream>,
+    q: &CudaView<'_, bf16>,
+    k_aligned: &CudaView<'_, bf16>,
+    v_aligned: &CudaView<'_, bf16>,
+    grad_out: &CudaView<'_, bf16>,
+    lse: &CudaView<'_, f32>,
+    out: &CudaView<'_, bf16>,
+    schedule: impl Into<BackwardSchedule<'s, CudaBackend>>,
+) -> Result<Gradients, RuntimeError> {
+    let entry = cached(&CudaBackend::new(stream)?, deterministic);
     // A panic mid-call leaves every cached field either valid or empty, so a poisoned lock is
     // safe to reuse.
     let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
@@ -184,7 +226,7 @@ pub unsafe fn run_backward_raw<'s>(
 ) -> Result<(), RuntimeError> {
     // SAFETY: forwarded to the caller.
     let mut backend = unsafe { CudaBackend::from_raw_stream(stream) }?;
-    let entry = cached(&backend);
+    let entry = cached(&backend, false);
     let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
     backward.run_on(&mut backend, io, schedule)
 }
@@ -213,13 +255,17 @@ pub unsafe fn release_workspace_raw(stream: sys::CUstream) -> Result<bool, Runti
 }
 
 fn release(backend: &CudaBackend) -> Result<bool, RuntimeError> {
-    let entry = {
+    let entries: Vec<_> = {
         let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.remove(&(backend.memory_space(), backend.queue()))
+        [false, true]
+            .into_iter()
+            .filter_map(|det| map.remove(&(backend.memory_space(), backend.queue(), det)))
+            .collect()
     };
     // Waits for a call still enqueueing on this stream, then frees on the stream.
-    Ok(entry.is_some_and(|e| {
+    let any = !entries.is_empty();
+    for e in entries {
         drop(e.lock().unwrap_or_else(|p| p.into_inner()));
-        true
-    }))
+    }
+    Ok(any)
 }

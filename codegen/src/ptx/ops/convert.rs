@@ -65,6 +65,9 @@ cvt_pairs! {
     F32 <- S32: ".rn";
     U32 <- F32: ".rzi";
     S32 <- F32: ".rzi";
+    S64 <- F32: ".rzi";
+    F32 <- S64: ".rn";
+    S32 <- S64: "";
     F32 <- Bf16: "", PtxVersion(7, 8);
     Bf16 <- F32: ".rn", PtxVersion(7, 0);
 }

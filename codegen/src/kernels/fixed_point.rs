@@ -1,0 +1,180 @@
+//! The deterministic backward's fixed-point accumulation (`docs/design.md` §3.8): the facts
+//! the preprocess, the main kernels and the postprocess share.
+//!
+//! Floating-point atomics give sums whose rounding depends on the order the atomics land in.
+//! Integer additions do not round, so in the deterministic mode every partial dQ, dK and dV
+//! value is converted to an integer multiple of a power-of-two *unit* (truncating toward zero,
+//! a fixed function of the value) and added with integer atomics: the sums, and so the
+//! gradients, are the same bits whatever the order, the grid or the warp schedule.
+//!
+//! A unit comes from a bound on the magnitude of every partial sum of the element, computed
+//! before the main kernel from the inputs (maxima are order-independent):
+//! - dQ of row `(t, h)`, `h` in KV group `g`: `|dQ[t,h,d]| ≤ scale·Σ_j P·|dP − Δ|·|K_j[d]|`
+//!   with `|dP| ≤ ‖dO‖₁·max|V_g|` and `Σ_j P ≤ 1`, so
+//!   `≤ a[t,g]·c[g]` with `a[t,g] = max_{h∈g} max(‖dO[t,h]‖₁, |Δ[t,h]|)` and
+//!   `c[g] = (max|V_g| + 1)·max|K_g|·scale`.
+//! - dK of a key of group `g`: at most `16·T ≤ 2^24` rows attend it, each with `P ≤ 1`:
+//!   `≤ 2^24·max_t a[t,g]·(max|V_g| + 1)·max|Q_g|·scale`; dV: `≤ 2^24·max|dO_g|`.
+//!
+//! For a bound `B` with `2^(e-1) ≤ B < 2^e` the unit is `2^(e - span)`, so a sum stays below
+//! `2^span` units: dQ uses two signed 32-bit lanes of one 64-bit word (heads `2hp`, `2hp+1`,
+//! one `red.add.u64` per pair, like the default mode's bf16x2 reduction) with
+//! [`DQ_SPAN`] = 27, leaving a factor 16 below `2^31` for rounding and for a `Σ P` above 1
+//! (an `lse` that is not the forward's); dK/dV use one signed 64-bit word per element with
+//! [`KV_SPAN`] = 56. A bound that is infinite or NaN (a non-finite input) makes the unit NaN,
+//! so the gradients it covers come out NaN rather than silently finite. Maxima are taken on
+//! the bits of non-negative floats (integer max), under which NaN is above infinity and
+//! survives, where `max.f32` would drop it.
+
+use crate::ptx::*;
+
+/// Words of the `bounds` buffer (u32, f32 bits, atomic max; zeroed before the preprocess).
+pub const BOUND_WORDS: u32 = 32;
+/// `bounds[KMAX + g]`: `max |K_g|`.
+pub const KMAX: u32 = 0;
+/// `bounds[VMAX + g]`: `max |V_g|`.
+pub const VMAX: u32 = 4;
+/// `bounds[QMAX + g]`: `max |Q|` over the heads of group `g`.
+pub const QMAX: u32 = 8;
+/// `bounds[AMAX + g]`: `max_t a[t, g]`.
+pub const AMAX: u32 = 12;
+/// `bounds[DOMAX + g]`: `max |dO|` over the heads of group `g`.
+pub const DOMAX: u32 = 16;
+/// dQ sums stay below `2^DQ_SPAN` units (of a signed 32-bit lane).
+pub const DQ_SPAN: u32 = 27;
+/// dK/dV sums stay below `2^KV_SPAN` units (of a signed 64-bit word).
+pub const KV_SPAN: u32 = 56;
+/// Rows that may attend one key, `16 heads · MAX_TOKENS = 2^24`, as an f32 factor.
+pub const ATTENDING_ROWS: f32 = 16_777_216.0;
+
+/// `|x|` as the bits of a non-negative float (NaN stays NaN, above infinity).
+pub fn abs_bits(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
+    let bits = b.bitcast::<U32, F32>(x);
+    b.and(bits, 0x7fff_ffffu32)
+}
+
+/// The unit and its inverse `(2^(e-span), 2^(span-e))` of a non-negative bound (f32 bits
+/// `bound`), both NaN when the bound is not finite. Exact powers of two, so scaling by them
+/// is exact; the exponent is clamped to the normal range (a zero or tiny bound covers only
+/// zeros and tiny values, which the clamped unit still resolves).
+pub fn units(b: &mut KernelBuilder, bound: Reg<U32>, span: u32) -> (Reg<F32>, Reg<F32>) {
+    // Biased exponent E of the bound: B < 2^(E-126), so the unit's biased exponent is
+    // E + 1 - span (an f32 2^(k) has biased exponent k + 127).
+    let e = b.shr(bound, 23u32);
+    let e = b.bitcast::<S32, U32>(e);
+    let u = b.add(e, 1 - span as i32);
+    let u = b.max(u, 1i32);
+    let u = b.min(u, 253i32);
+    let u = b.bitcast::<U32, S32>(u);
+    let unit = b.shl(u, 23u32);
+    let top = b.mov::<U32>(254u32);
+    let inv_e = b.sub(top, u);
+    let inv = b.shl(inv_e, 23u32);
+    let finite = b.setp(Cmp::Lt, bound, 0x7f80_0000u32);
+    let nan = 0x7fc0_0000u32;
+    let unit = b.selp(unit, nan, finite);
+    let inv = b.selp(inv, nan, finite);
+    (b.bitcast::<F32, U32>(unit), b.bitcast::<F32, U32>(inv))
+}
+
+/// `c[g] = (max|V_g| + 1)·max|K_g|·scale`, from the `bounds` buffer (the dQ bound per `a`).
+pub fn dq_factor(b: &mut KernelBuilder, bounds: Reg<U64>, g: Reg<U32>) -> Reg<F32> {
+    let k = bound(b, bounds, KMAX, g);
+    let v = bound(b, bounds, VMAX, g);
+    let v1 = b.add(v, 1.0f32);
+    let kv = b.fmul(v1, k);
+    b.fmul(kv, super::common::SCALE)
+}
+
+/// The inverse dQ unit of row `(t, g)` from `a[t, g]` (f32 bits) and [`dq_factor`].
+pub fn dq_inv_unit(b: &mut KernelBuilder, a: Reg<U32>, factor: Reg<F32>) -> Reg<F32> {
+    units_of_product(b, a, factor, DQ_SPAN).1
+}
+
+/// The dQ unit of row `(t, g)` (the postprocess's side of [`dq_inv_unit`]).
+pub fn dq_unit(b: &mut KernelBuilder, a: Reg<U32>, factor: Reg<F32>) -> Reg<F32> {
+    units_of_product(b, a, factor, DQ_SPAN).0
+}
+
+/// `(dK units, dV units)` of group `g`, each `(unit, inverse)`.
+pub fn kv_units(
+    b: &mut KernelBuilder,
+    bounds: Reg<U64>,
+    g: Reg<U32>,
+) -> ((Reg<F32>, Reg<F32>), (Reg<F32>, Reg<F32>)) {
+    let a = bound(b, bounds, AMAX, g);
+    let v = bound(b, bounds, VMAX, g);
+    let q = bound(b, bounds, QMAX, g);
+    let v1 = b.add(v, 1.0f32);
+    let k = b.fmul(a, v1);
+    let k = b.fmul(k, q);
+    let k = b.fmul(k, super::common::SCALE * ATTENDING_ROWS);
+    let dk = b.bitcast::<U32, F32>(k);
+    let o = bound(b, bounds, DOMAX, g);
+    let dv = b.fmul(o, ATTENDING_ROWS);
+    let dv = b.bitcast::<U32, F32>(dv);
+    (units(b, dk, KV_SPAN), units(b, dv, KV_SPAN))
+}
+
+/// `x·inv` truncated to a signed 32-bit integer (saturating; NaN gives 0, but then the unit
+/// the postprocess multiplies by is NaN too).
+pub fn to_fixed32(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<S32> {
+    let s = b.fmul(x, inv);
+    b.cvt::<S32, F32>(s)
+}
+
+/// Two fixed-point lanes in one word: `lo + 2^32·hi` (mod 2^64), which a 64-bit add keeps
+/// exact per lane as long as each lane's sum fits in 32 signed bits ([`unpack_pair`]).
+pub fn pack_pair(b: &mut KernelBuilder, lo: Reg<S32>, hi: Reg<S32>) -> Reg<U64> {
+    let lo = b.cvt::<S64, S32>(lo);
+    let lo = b.bitcast::<U64, S64>(lo);
+    let hi = b.bitcast::<U32, S32>(hi);
+    let hi = b.cvt::<U64, U32>(hi);
+    let hi = b.shl(hi, 32u32);
+    b.add(lo, hi)
+}
+
+/// The two lanes of a [`pack_pair`] sum, as f32 (rounded to nearest).
+pub fn unpack_pair(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<F32>, Reg<F32>) {
+    let lo = b.cvt::<U32, U64>(v);
+    let lo = b.bitcast::<S32, U32>(lo);
+    let lo64 = b.cvt::<S64, S32>(lo);
+    let lo64 = b.bitcast::<U64, S64>(lo64);
+    let rest = b.sub(v, lo64);
+    let rest = b.bitcast::<S64, U64>(rest);
+    let hi = b.shr(rest, 32u32);
+    let hi = b.cvt::<S32, S64>(hi);
+    (b.cvt::<F32, S32>(lo), b.cvt::<F32, S32>(hi))
+}
+
+/// `x·inv` truncated to a signed 64-bit integer, as the bits a `red.add.u64` adds.
+pub fn to_fixed64(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<U64> {
+    let s = b.fmul(x, inv);
+    let v = b.cvt::<S64, F32>(s);
+    b.bitcast::<U64, S64>(v)
+}
+
+/// A signed 64-bit fixed-point sum times its unit, as f32.
+pub fn from_fixed64(b: &mut KernelBuilder, v: Reg<U64>, unit: Reg<F32>) -> Reg<F32> {
+    let v = b.bitcast::<S64, U64>(v);
+    let f = b.cvt::<F32, S64>(v);
+    b.fmul(f, unit)
+}
+
+fn bound(b: &mut KernelBuilder, bounds: Reg<U64>, at: u32, g: Reg<U32>) -> Reg<F32> {
+    let i = b.add(g, at);
+    let v = super::common::load_u32(b, bounds, i);
+    b.bitcast::<F32, U32>(v)
+}
+
+fn units_of_product(
+    b: &mut KernelBuilder,
+    a: Reg<U32>,
+    factor: Reg<F32>,
+    span: u32,
+) -> (Reg<F32>, Reg<F32>) {
+    let af = b.bitcast::<F32, U32>(a);
+    let p = b.fmul(af, factor);
+    let bits = b.bitcast::<U32, F32>(p);
+    units(b, bits, span)
+}
