@@ -173,10 +173,10 @@ pub mod bwd_postprocess_det {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [max(2 * num_tokens, workspace_rows / 2), 2, 1].
+    /// Grid: [max(num_tokens, workspace_rows / 2), 2, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        dq_pool: Ptr<i32>,
+        dq_pool: Ptr<f32>,
         dk_pool: Ptr<i32>,
         dv_pool: Ptr<i32>,
         row_bounds: Ptr<i32>,
@@ -825,7 +825,7 @@ pub mod msa_backward_sm90_det {
         task_qrows: Ptr<i32>,
         task_qpos: Ptr<i32>,
         desc: Ptr<i32>,
-        dq_pool: PtrMut<i32>,
+        dq_pool: PtrMut<f32>,
         dk_pool: PtrMut<i32>,
         dv_pool: PtrMut<i32>,
         row_bounds: Ptr<i32>,
@@ -877,7 +877,7 @@ pub mod msa_backward_sm100_det {
         task_qrows: Ptr<i32>,
         task_qpos: Ptr<i32>,
         desc: Ptr<i32>,
-        dq_pool: PtrMut<i32>,
+        dq_pool: PtrMut<f32>,
         dk_pool: PtrMut<i32>,
         dv_pool: PtrMut<i32>,
         row_bounds: Ptr<i32>,

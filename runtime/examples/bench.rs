@@ -35,6 +35,9 @@
 //! - `--write-inputs DIR` write each case's `q2k` and `cu_seqlens` as `DIR/<case>.q2k.i32` /
 //!   `DIR/<case>.cu_seqlens.i32` (the raw files `--inputs` reads), for `bench/baselines.py
 //!   --q2k-from DIR` at lengths where its numpy recipe is too slow
+//! - `--deterministic` also time the deterministic mode (`MsaBackward::set_deterministic`) on
+//!   the same inputs right after the default one, with its ratio to the default median; two
+//!   more deterministic calls must give the same bits, and `--check N` checks one of them too
 //! - `--check N`      after timing, one more call whose gradients are checked against exact
 //!   sampled references (`msa_runtime::reference::sampled`): N random dq rows and N/100 random
 //!   key blocks of dk/dv, at the seed tolerances
@@ -222,11 +225,12 @@ struct Options {
     check: usize,
     device_schedule: bool,
     write_inputs: Option<String>,
+    deterministic: bool,
 }
 
 const USAGE: &str = "usage: bench [--cases a,b] [--seed N] [--reps R] [--warmup W] [--inputs DIR] \
 [--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only] [--locality MIN,BLOCKS]... [--check N] \
-[--host-schedule-only] [--write-inputs DIR]";
+[--host-schedule-only] [--write-inputs DIR] [--deterministic]";
 
 fn parse_args() -> Result<Options, String> {
     let mut o = Options {
@@ -242,6 +246,7 @@ fn parse_args() -> Result<Options, String> {
         localities: Vec::new(),
         check: 0,
         device_schedule: true,
+        deterministic: false,
         write_inputs: None,
     };
     let mut args = std::env::args().skip(1);
@@ -293,6 +298,7 @@ fn parse_args() -> Result<Options, String> {
                 o.localities.push(l);
             }
             "--host-schedule-only" => o.device_schedule = false,
+            "--deterministic" => o.deterministic = true,
             "--write-inputs" => o.write_inputs = Some(value("--write-inputs")?),
             "--check" => o.check = number("--check", value("--check")?)? as usize,
             "--inputs-only" => o.inputs_only = true,
@@ -458,6 +464,8 @@ struct Timing {
     workspace_bytes: usize,
     /// The further locality rules (`--locality` after the first), timed on the same inputs.
     sweep: Vec<SweepTiming>,
+    /// The deterministic mode on the same inputs (`--deterministic`).
+    det: Option<DetTiming>,
 }
 
 /// One further locality rule's timing.
@@ -466,6 +474,15 @@ struct SweepTiming {
     median_ms: f32,
     min_ms: f32,
     samples: Vec<f32>,
+}
+
+/// The deterministic mode's timing (`--deterministic`).
+struct DetTiming {
+    median_ms: f32,
+    min_ms: f32,
+    samples: Vec<f32>,
+    /// `MsaBackward::workspace_bytes` of the deterministic backward.
+    workspace_bytes: usize,
 }
 
 /// The device schedule build's timings.
@@ -509,6 +526,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     let d_dout = stream.clone_htod(&dout)?;
     let d_lse = stream.clone_htod(&lse)?;
     let host = (o.check > 0).then_some((q, k, v, out, dout, lse));
+    let det_host = if o.deterministic { host.clone() } else { None };
     let mut flush: Option<CudaSlice<u8>> = if o.flush {
         Some(stream.alloc_zeros::<u8>(256 << 20)?)
     } else {
@@ -517,9 +535,10 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
 
     // `warmup` untimed then `reps` timed calls with the locality rule `l`; returns the samples
     // and the backward (its workspace still allocated).
-    let mut time_rule = |l: Locality| -> Res<(Vec<f32>, MsaBackward)> {
+    let mut time_rule = |l: Locality, deterministic: bool| -> Res<(Vec<f32>, MsaBackward)> {
         let mut backward = MsaBackward::new();
         backward.set_locality(l);
+        backward.set_deterministic(deterministic);
         let mut call = || {
             backward.run(
                 stream,
@@ -551,7 +570,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         stream.synchronize()?;
         Ok((samples, backward))
     };
-    let (samples, mut backward) = time_rule(o.localities[0])?;
+    let (samples, mut backward) = time_rule(o.localities[0], false)?;
     let workspace_bytes = backward.workspace_bytes();
     if let Some((q, k, v, out, dout, lse)) = host {
         let grads = backward.run(
@@ -580,7 +599,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     drop(backward);
     let mut sweep = Vec::new();
     for &l in &o.localities[1..] {
-        let (s, b) = time_rule(l)?;
+        let (s, b) = time_rule(l, false)?;
         drop(b);
         sweep.push(SweepTiming {
             locality: l,
@@ -589,6 +608,53 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             samples: s,
         });
     }
+    // The deterministic mode on the same inputs (`--deterministic`), checked like the default
+    // one when `--check` asks, and its calls compared bit for bit.
+    let det = if o.deterministic {
+        let (s, mut b) = time_rule(o.localities[0], true)?;
+        let run = |b: &mut MsaBackward| {
+            b.run(
+                stream,
+                &d_q.as_view(),
+                &d_k.as_view(),
+                &d_v.as_view(),
+                &d_dout.as_view(),
+                &d_lse.as_view(),
+                &d_out.as_view(),
+                &schedule,
+            )
+        };
+        let (g1, g2) = (run(&mut b)?, run(&mut b)?);
+        let same = stream.clone_dtoh(&g1.dq)? == stream.clone_dtoh(&g2.dq)?
+            && stream.clone_dtoh(&g1.dk_aligned)? == stream.clone_dtoh(&g2.dk_aligned)?
+            && stream.clone_dtoh(&g1.dv_aligned)? == stream.clone_dtoh(&g2.dv_aligned)?;
+        if !same {
+            return Err(format!("{}: two deterministic calls differ", case.name).into());
+        }
+        if let Some((q, k, v, out, dout, lse)) = &det_host {
+            let x = sampled::Inputs {
+                q,
+                k_aligned: k,
+                v_aligned: v,
+                grad_out: dout,
+                out,
+                lse,
+                q2k: &case.q2k,
+                cu_seqlens: &case.cu,
+                ws_starts: &starts,
+            };
+            check_sampled(stream, &x, &g1, o.check, seed)?;
+        }
+        let bytes = b.workspace_bytes();
+        Some(DetTiming {
+            median_ms: median(s.clone()),
+            min_ms: s.iter().copied().fold(f32::INFINITY, f32::min),
+            samples: s,
+            workspace_bytes: bytes,
+        })
+    } else {
+        None
+    };
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
 
@@ -667,6 +733,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         io_bytes: 2 * (4 * q_len + 4 * w * NUM_KV_HEADS * HEAD_DIM) + 4 * t * NUM_Q_HEADS,
         workspace_bytes,
         sweep,
+        det,
     })
 }
 
@@ -818,6 +885,19 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             tm.workspace_bytes,
             sweep.join(", ")
         );
+        if let Some(d) = &tm.det {
+            let samples: Vec<String> = d.samples.iter().map(|x| format!("{x:.4}")).collect();
+            let _ = write!(
+                s,
+                ", \"deterministic\": {{\"ms_median\": {:.4}, \"ms_min\": {:.4}, \
+                 \"ratio_to_default\": {:.4}, \"workspace_bytes\": {}, \"samples_ms\": [{}]}}",
+                d.median_ms,
+                d.min_ms,
+                d.median_ms / tm.median_ms,
+                d.workspace_bytes,
+                samples.join(", ")
+            );
+        }
     }
     s.push('}');
     s
@@ -976,6 +1056,17 @@ fn run(o: &Options) -> Res<()> {
             gib(tm.workspace_bytes),
             100.0 * tm.workspace_bytes as f64 / tm.io_bytes as f64
         );
+        if let Some(d) = &tm.det {
+            println!(
+                "  deterministic: ms_med {:.3} ms_min {:.3} useful {:.1}, {:.3}x the default \
+                 median; workspace {:.2} GiB; two calls bitwise equal",
+                d.median_ms,
+                d.min_ms,
+                useful_flop(c.keys) / (f64::from(d.median_ms) * 1e-3) / 1e12,
+                d.median_ms / tm.median_ms,
+                gib(d.workspace_bytes)
+            );
+        }
         for st in &tm.sweep {
             println!(
                 "  locality {},{}: ms_med {:.3} ms_min {:.3} useful {:.1}",

@@ -96,8 +96,9 @@ impl PoolLayout {
     }
 
     /// The deterministic mode's layout ([`MsaBackward::set_deterministic`]): dK and dV pools
-    /// of `W·512` signed 64-bit words, delta, a dQ pool of `T·4096` 64-bit words (`T · 32 KiB`,
-    /// twice the default's and never the caller's `dq`), `row_bounds [T, 4]` and `bounds`.
+    /// of `W·512` signed 64-bit words, delta, a dQ pool of `T·8192` integer-valued f32
+    /// (`T · 32 KiB`, twice the default's and never the caller's `dq`), `row_bounds [T, 4]` and
+    /// `bounds`.
     ///
     /// # Errors
     /// [`RuntimeError::Input`] if the byte count overflows `usize`.

@@ -162,9 +162,9 @@ pub const BOUND_WORDS: usize = 32;
 /// kernel reduces into with integer atomics and the bounds their units come from.
 #[derive(Debug, Clone, Copy)]
 pub struct FixedPointPools {
-    /// dQ, one 64-bit word (two 32-bit lanes, heads `2hp` and `2hp+1`) per `(t, hp, d)`:
-    /// `[T, 32, 128]` u64, viewed as `[T, 32, 128, 2]` i32.
-    pub dq: Span<i32>,
+    /// dQ as integer-valued f32 `[T, 4, 4, 128, 4]`: token, group, head quad, `d`, and the
+    /// quad's heads `2p, 2p+1, 2p+8, 2p+9` of the group.
+    pub dq: Span<f32>,
     /// dK, one signed 64-bit word per element of `[W, 4, 128]`, viewed as i32 pairs.
     pub dk: Span<i32>,
     /// dV, as `dk`.
@@ -280,7 +280,7 @@ pub(crate) fn postprocess_deterministic<B: Backend>(
         .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
     let ws = u32::try_from(workspace_rows)
         .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
-    let blocks = (2 * num_tokens).max(workspace_rows / 2);
+    let blocks = num_tokens.max(workspace_rows / 2);
     if blocks == 0 {
         return Ok(());
     }

@@ -903,7 +903,7 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
 
         let head_d = b.mad_lo(head, 1024u32, lane128);
         if let Some(f) = &p.fixed {
-            dq_fixed_point(b, ctx, &tm, f, [lo4, hi4], head, head_d, t);
+            dq_fixed_point(b, ctx, &tm, f, [lo4, hi4], head, lane128, t);
         } else {
             dq_bf16x2(b, ctx, &tm, [lo4, hi4], head_d, t, policy);
         }
@@ -1020,9 +1020,10 @@ fn dq_bf16x2(
     }
 }
 
-/// The deterministic dQ drain: each slot's unit from `a[t, g]` first, then per TMEM pass its
-/// 16 head pairs as fixed-point lane pairs, reduced with one `red.add.u64` each into the
-/// pool `[T][32][128]` of 64-bit words (issued per pass: holding all 64 pairs would take 128
+/// The deterministic dQ drain: each slot's unit from `a[t, g]` first (while the MMA runs),
+/// then per TMEM pass its 16 heads at this lane's `d` as four integer-valued head quads,
+/// reduced with one `red.add.v4.f32` each into the pool `[T][4][4][128][4]`
+/// (`fixed_point::dq_word`; issued per pass, as holding all 128 values would take 128
 /// registers). The slot is released after the last pass, as in [`dq_bf16x2`].
 #[allow(clippy::too_many_arguments)]
 fn dq_fixed_point(
@@ -1032,14 +1033,14 @@ fn dq_fixed_point(
     f: &common::FixedParams,
     qrows: [[Reg<S32>; 4]; 2],
     head: Reg<U32>,
-    head_d: Reg<U32>,
+    d: Reg<U32>,
     t: Reg<U32>,
 ) {
     let (p, resolved, bars) = (ctx.p, ctx.resolved, &ctx.bars);
     let bounds = b.ld_param_ptr(&f.bounds);
     let factor = fixed_point::dq_factor(b, bounds, head);
     let [lo4, hi4] = qrows;
-    let slots: Vec<(Reg<Pred>, GlobalAddr, Reg<F32>)> = lo4
+    let slots: Vec<(Reg<Pred>, Reg<U32>, Reg<F32>)> = lo4
         .into_iter()
         .chain(hi4)
         .map(|qrow| {
@@ -1050,25 +1051,28 @@ fn dq_fixed_point(
             let rb = b.ld_param_ptr(&f.row_bounds);
             let a = common::load_u32(b, rb, tg);
             let inv = fixed_point::dq_inv_unit(b, a, factor);
-            let word = b.mad_lo(r, 4096u32, head_d);
-            let pool = b.ld_param_ptr(&p.dq);
-            (live, common::elem_bytes(b, pool, word, 8), inv)
+            (live, r, inv)
         })
         .collect();
-    b.comment("dQ^T to fixed-point head pairs in the 64-bit pool [T][32][128]");
+    b.comment("dQ^T to fixed-point head quads in the f32 pool [T][4][4][128][4]");
     let dq_st = resolved.dq.consumer_wait(b, bars, t);
     b.tcgen05_fence_after_thread_sync();
     for pass in 0..4u32 {
         let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(resolved.col_dq + CHUNK_COLS * pass));
         b.tcgen05_wait_ld();
-        // Column 32·pass + 2j (+1): slot 2·pass + j/8, heads 2m, 2m+1 with m = j % 8.
-        for j in 0..16usize {
-            let (live, a, inv) = &slots[2 * pass as usize + j / 8];
-            let lo = fixed_point::to_fixed32(b, v[2 * j], *inv);
-            let hi = fixed_point::to_fixed32(b, v[2 * j + 1], *inv);
-            let pair = fixed_point::pack_pair(b, lo, hi);
-            let at = a.offset(1024 * (j % 8) as i64);
-            b.predicated(*live, false, |b| b.red::<U64, _>(AtomOp::Add, &at, pair));
+        // Column 32·pass + 16·s + h: slot 2·pass + s, group-local head h.
+        for s in 0..2u32 {
+            let (live, r, inv) = slots[(2 * pass + s) as usize];
+            for quad in 0..4u32 {
+                let vals: [Reg<F32>; 4] = std::array::from_fn(|e| {
+                    v[(16 * s + fixed_point::dq_quad_head(quad, e as u32)) as usize]
+                })
+                .map(|x| fixed_point::to_fixed_f32(b, x, inv));
+                let word = fixed_point::dq_word(b, r, head, quad, d);
+                let pool = b.ld_param_ptr(&p.dq);
+                let a = common::elem::<F32>(b, pool, word);
+                b.predicated(live, false, |b| b.red_add_v4_f32(&a, vals, None));
+            }
         }
     }
     b.tcgen05_fence_before_thread_sync();

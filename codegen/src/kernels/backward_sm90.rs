@@ -543,6 +543,23 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
             b.wgmma_commit();
         }
+        // Deterministic: each slot's inverse dQ unit from a[t, g], while the tensor cores
+        // compute dQ^T (an empty slot reads row 0; its reductions are skipped).
+        let dq_invs: Option<Vec<Reg<F32>>> = p.fixed.as_ref().map(|f| {
+            let bounds = b.ld_param_ptr(&f.bounds);
+            let factor = fixed_point::dq_factor(b, bounds, head);
+            (0..8)
+                .map(|slot| {
+                    let q = slot_word(b, &p.qrows, slot);
+                    let rc = b.max(q, 0i32);
+                    let rc = b.bitcast::<U32, S32>(rc);
+                    let tg = b.mad_lo(rc, 4u32, head);
+                    let rb = b.ld_param_ptr(&f.row_bounds);
+                    let a = common::load_u32(b, rb, tg);
+                    fixed_point::dq_inv_unit(b, a, factor)
+                })
+                .collect()
+        });
         for nh in 0..2u32 {
             let dq_acc = &dq_accs[nh as usize];
             b.wgmma_wait(1 - nh);
@@ -555,12 +572,29 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 });
             }
 
-            // The deterministic pool's dQ bound factor of this task's group.
-            let dq_factor = p.fixed.as_ref().map(|f| {
-                let bounds = b.ld_param_ptr(&f.bounds);
-                fixed_point::dq_factor(b, bounds, head)
-            });
-            b.comment("dQ: head pairs to the bf16x2 pool (fixed-point pairs when deterministic)");
+            if let Some(invs) = &dq_invs {
+                b.comment("dQ: fixed-point head quads to the f32 pool [T][4][4][128][4]");
+                for jj in 0..4u32 {
+                    // Columns of j = 2jj and 2jj+1: slot 4nh + jj, heads 2·pair, 2·pair+1 of
+                    // the group, then the same + 8: one pool word (quad `pair`) per d.
+                    let slot = (4 * nh + jj) as usize;
+                    let slot_qrow = slot_word(b, &p.qrows, slot);
+                    let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
+                    let r = b.bitcast::<U32, S32>(slot_qrow);
+                    for rr in 0..2u32 {
+                        let (i0, i1) = ((8 * jj + 2 * rr) as usize, (8 * jj + 4 + 2 * rr) as usize);
+                        let vals = [dq_acc[i0], dq_acc[i0 + 1], dq_acc[i1], dq_acc[i1 + 1]]
+                            .map(|x| fixed_point::to_fixed_f32(b, x, invs[slot]));
+                        let d = b.add(d_row, 8 * rr);
+                        let word = fixed_point::dq_word(b, r, head, pair, d);
+                        let dq = b.ld_param_ptr(&p.dq);
+                        let a = common::elem::<F32>(b, dq, word);
+                        b.predicated(live, false, |b| b.red_add_v4_f32(&a, vals, Some(policy)));
+                    }
+                }
+                continue;
+            }
+            b.comment("dQ: head pairs to the bf16x2 pool");
             for j in 0..8u32 {
                 // Folded column 64nh + 8j + col0 (+1): slot 4nh + j/2, heads 2hp, 2hp+1.
                 let slot = (4 * nh + j / 2) as usize;
@@ -570,35 +604,15 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let slot_qrow = slot_word(b, &p.qrows, slot);
                 let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                 let r = b.bitcast::<U32, S32>(slot_qrow);
-                // The slot's dQ unit, from a[t, g] (an empty slot reads row 0, unused).
-                let inv = match (&p.fixed, dq_factor) {
-                    (Some(f), Some(factor)) => {
-                        let rc = b.max(slot_qrow, 0i32);
-                        let rc = b.bitcast::<U32, S32>(rc);
-                        let tg = b.mad_lo(rc, 4u32, head);
-                        let rb = b.ld_param_ptr(&f.row_bounds);
-                        let a = common::load_u32(b, rb, tg);
-                        Some(fixed_point::dq_inv_unit(b, a, factor))
-                    }
-                    _ => None,
-                };
                 for rr in 0..2u32 {
                     let i = (4 * j + 2 * rr) as usize;
+                    let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
                     let d = b.add(d_row, 8 * rr);
                     let word = b.mad_lo(r, 32u32, hp);
                     let word = b.mad_lo(word, 128u32, d);
                     let dq = b.ld_param_ptr(&p.dq);
-                    if let Some(inv) = inv {
-                        let lo = fixed_point::to_fixed32(b, dq_acc[i], inv);
-                        let hi = fixed_point::to_fixed32(b, dq_acc[i + 1], inv);
-                        let pair = fixed_point::pack_pair(b, lo, hi);
-                        let a = common::elem_bytes(b, dq, word, 8);
-                        b.predicated(live, false, |b| b.red::<U64, _>(AtomOp::Add, &a, pair));
-                    } else {
-                        let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
-                        let a = common::elem::<U32>(b, dq, word);
-                        b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
-                    }
+                    let a = common::elem::<U32>(b, dq, word);
+                    b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
                 }
             }
         }

@@ -325,8 +325,8 @@ pub struct MainParams {
     pub dk: ParamRef<U64>,
     /// The fp32 dV pool `[W, 4, 128]`.
     pub dv: ParamRef<U64>,
-    /// The deterministic variant's extra parameters (its pools then hold fixed-point words:
-    /// dQ one 64-bit word per head pair `[T, 32, 128]`, dK/dV one per element).
+    /// The deterministic variant's extra parameters (its pools then hold fixed-point values:
+    /// dQ integer-valued f32 `[T, 4, 4, 128, 4]`, dK/dV one signed 64-bit word per element).
     pub fixed: Option<FixedParams>,
 }
 
@@ -344,7 +344,7 @@ pub struct FixedParams {
 /// and two parameters more at the end.
 pub fn main_params(b: &mut KernelBuilder, deterministic: bool) -> MainParams {
     let (dq_elem, kv_elem) = if deterministic {
-        (HostElem::I32, HostElem::I32)
+        (HostElem::F32, HostElem::I32)
     } else {
         (HostElem::Bf16, HostElem::F32)
     };

@@ -16,12 +16,20 @@
 //! - dK of a key of group `g`: at most `16·T ≤ 2^24` rows attend it, each with `P ≤ 1`:
 //!   `≤ 2^24·max_t a[t,g]·(max|V_g| + 1)·max|Q_g|·scale`; dV: `≤ 2^24·max|dO_g|`.
 //!
-//! For a bound `B` with `2^(e-1) ≤ B < 2^e` the unit is `2^(e - span)`, so a sum stays below
-//! `2^span` units: dQ uses two signed 32-bit lanes of one 64-bit word (heads `2hp`, `2hp+1`,
-//! one `red.add.u64` per pair, like the default mode's bf16x2 reduction) with
-//! [`DQ_SPAN`] = 27, leaving a factor 16 below `2^31` for rounding and for a `Σ P` above 1
-//! (an `lse` that is not the forward's); dK/dV use one signed 64-bit word per element with
-//! [`KV_SPAN`] = 56. A bound that is infinite or NaN (a non-finite input) makes the unit NaN,
+//! For a bound `B` with `2^(e-1) ≤ B < 2^e` the unit is `2^(e - span)`, so every partial sum
+//! stays below `2^span` units.
+//! - dQ ([`DQ_SPAN`] = 22): each contribution becomes an integer-valued `f32` (rounded to
+//!   nearest with one `add` and `sub` of `1.5·2^23`, full-rate instructions where `cvt` is
+//!   quarter rate on the consumers' hot path; clamped to `±2^22` first). Sums of integers
+//!   below `2^24` are exact in `f32`, so the pool takes the default mode's vector float
+//!   reductions, `red.add.v4.f32`, four heads per instruction (half the default's bf16x2
+//!   reduction count): heads `2p, 2p+1, 2p+8, 2p+9` of a group at one `d` ([`dq_word`]).
+//!   A row's partial sums stay below `2^22 + 8` units, a factor 4 below `2^24`; only an `lse`
+//!   far from the forward's (`Σ P` above 4) could leave the exact range.
+//! - dK/dV ([`KV_SPAN`] = 56, one conversion per flushed segment, not per task): one signed
+//!   64-bit word per element (`cvt`, `red.add.u64`).
+//!
+//! A bound that is infinite or NaN (a non-finite input) makes the unit NaN,
 //! so the gradients it covers come out NaN rather than silently finite. Maxima are taken on
 //! the bits of non-negative floats (integer max), under which NaN is above infinity and
 //! survives, where `max.f32` would drop it.
@@ -40,8 +48,11 @@ pub const QMAX: u32 = 8;
 pub const AMAX: u32 = 12;
 /// `bounds[DOMAX + g]`: `max |dO|` over the heads of group `g`.
 pub const DOMAX: u32 = 16;
-/// dQ sums stay below `2^DQ_SPAN` units (of a signed 32-bit lane).
-pub const DQ_SPAN: u32 = 27;
+/// dQ partial sums stay below `2^DQ_SPAN` units (of an integer-valued f32).
+pub const DQ_SPAN: u32 = 22;
+/// `1.5·2^23`: adding it to an `f32` of magnitude at most `2^22` rounds that to an integer
+/// (the sum's unit in the last place is 1); subtracting it again is exact.
+const MAGIC: f32 = 12_582_912.0;
 /// dK/dV sums stay below `2^KV_SPAN` units (of a signed 64-bit word).
 pub const KV_SPAN: u32 = 56;
 /// Rows that may attend one key, `16 heads · MAX_TOKENS = 2^24`, as an f32 factor.
@@ -81,7 +92,7 @@ pub fn units(b: &mut KernelBuilder, bound: Reg<U32>, span: u32) -> (Reg<F32>, Re
 pub fn dq_factor(b: &mut KernelBuilder, bounds: Reg<U64>, g: Reg<U32>) -> Reg<F32> {
     let k = bound(b, bounds, KMAX, g);
     let v = bound(b, bounds, VMAX, g);
-    let v1 = b.add(v, 1.0f32);
+    let v1 = b.fadd(v, 1.0);
     let kv = b.fmul(v1, k);
     b.fmul(kv, super::common::SCALE)
 }
@@ -105,7 +116,7 @@ pub fn kv_units(
     let a = bound(b, bounds, AMAX, g);
     let v = bound(b, bounds, VMAX, g);
     let q = bound(b, bounds, QMAX, g);
-    let v1 = b.add(v, 1.0f32);
+    let v1 = b.fadd(v, 1.0);
     let k = b.fmul(a, v1);
     let k = b.fmul(k, q);
     let k = b.fmul(k, super::common::SCALE * ATTENDING_ROWS);
@@ -116,35 +127,41 @@ pub fn kv_units(
     (units(b, dk, KV_SPAN), units(b, dv, KV_SPAN))
 }
 
-/// `x·inv` truncated to a signed 32-bit integer (saturating; NaN gives 0, but then the unit
-/// the postprocess multiplies by is NaN too).
-pub fn to_fixed32(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<S32> {
+/// `x·inv` rounded to the nearest integer, clamped to `±2^DQ_SPAN`, as an exact integer-valued
+/// `f32` (NaN clamps too, but then the unit the postprocess multiplies by is NaN).
+pub fn to_fixed_f32(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<F32> {
+    const LIMIT: f32 = (1u32 << DQ_SPAN) as f32;
+    const _: () = assert!(
+        DQ_SPAN <= 22,
+        "the magic-number rounding is exact up to 2^22"
+    );
     let s = b.fmul(x, inv);
-    b.cvt::<S32, F32>(s)
+    let s = b.max(s, -LIMIT);
+    let s = b.min(s, LIMIT);
+    let v = b.fadd(s, MAGIC);
+    b.fsub(v, MAGIC)
 }
 
-/// Two fixed-point lanes in one word: `lo + 2^32·hi` (mod 2^64), which a 64-bit add keeps
-/// exact per lane as long as each lane's sum fits in 32 signed bits ([`unpack_pair`]).
-pub fn pack_pair(b: &mut KernelBuilder, lo: Reg<S32>, hi: Reg<S32>) -> Reg<U64> {
-    let lo = b.cvt::<S64, S32>(lo);
-    let lo = b.bitcast::<U64, S64>(lo);
-    let hi = b.bitcast::<U32, S32>(hi);
-    let hi = b.cvt::<U64, U32>(hi);
-    let hi = b.shl(hi, 32u32);
-    b.add(lo, hi)
+/// The head of group-local quad `p` that element `e` (0..4) of a dQ pool word holds.
+pub const fn dq_quad_head(p: u32, e: u32) -> u32 {
+    2 * p + (e & 1) + 8 * (e >> 1)
 }
 
-/// The two lanes of a [`pack_pair`] sum, as f32 (rounded to nearest).
-pub fn unpack_pair(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<F32>, Reg<F32>) {
-    let lo = b.cvt::<U32, U64>(v);
-    let lo = b.bitcast::<S32, U32>(lo);
-    let lo64 = b.cvt::<S64, S32>(lo);
-    let lo64 = b.bitcast::<U64, S64>(lo64);
-    let rest = b.sub(v, lo64);
-    let rest = b.bitcast::<S64, U64>(rest);
-    let hi = b.shr(rest, 32u32);
-    let hi = b.cvt::<S32, S64>(hi);
-    (b.cvt::<F32, S32>(lo), b.cvt::<F32, S32>(hi))
+/// The first f32 index of dQ pool word `(t, g, p, d)` of the deterministic pool
+/// `[T, 4, 4, 128, 4]`: its four elements are heads [`dq_quad_head`]`(p, 0..4)` of group `g`
+/// at head dim `d`.
+pub fn dq_word(
+    b: &mut KernelBuilder,
+    t: Reg<U32>,
+    g: Reg<U32>,
+    p: impl Src<U32>,
+    d: Reg<U32>,
+) -> Reg<U32> {
+    let tg = b.mad_lo(t, 4u32, g);
+    let p_reg = b.mov::<U32>(p);
+    let tgp = b.mad_lo(tg, 4u32, p_reg);
+    let w = b.mad_lo(tgp, 128u32, d);
+    b.shl(w, 2u32)
 }
 
 /// `x·inv` truncated to a signed 64-bit integer, as the bits a `red.add.u64` adds.

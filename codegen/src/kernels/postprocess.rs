@@ -141,14 +141,14 @@ fn describe(b: &mut KernelBuilder) {
     b.ret();
 }
 
-/// `bwd_postprocess_det`: grid `[max(2·T, W/2), 2]` as [`DESC`]. `blockIdx.y == 0`: pool row
-/// `(t, hp)` is 128 words (one per `d`, heads `2hp`/`2hp+1` as its two 32-bit lanes); 16 lanes
-/// take 8 words each, scale them by the row's unit and write both heads with one 16-byte
-/// store each. The pool is a workspace of its own, so nothing runs in place. `blockIdx.y ==
-/// 1`: 2048 pool elements per CTA, each times its group's unit.
+/// `bwd_postprocess_det`: grid `[max(T, W/2), 2]`. `blockIdx.y == 0`: CTA `t` decodes token
+/// `t`'s 8192 pool values (`fixed_point::dq_word`): thread `(g, quad, c)` reads the 8 words of
+/// `d` in `[8c, 8c + 8)`, scales them by the row's unit and writes its four heads with one
+/// 16-byte store each. The pool is a workspace of its own, so nothing runs in place.
+/// `blockIdx.y == 1`: 2048 dK/dV pool elements per CTA, each times its group's unit.
 fn describe_deterministic(b: &mut KernelBuilder) {
-    b.grid("[max(2 * num_tokens, workspace_rows / 2), 2, 1]");
-    let dq_pool_p = b.param_ptr("dq_pool", HostElem::I32, false);
+    b.grid("[max(num_tokens, workspace_rows / 2), 2, 1]");
+    let dq_pool_p = b.param_ptr("dq_pool", HostElem::F32, false);
     let dk_pool_p = b.param_ptr("dk_pool", HostElem::I32, false);
     let dv_pool_p = b.param_ptr("dv_pool", HostElem::I32, false);
     let rows_p = b.param_ptr("row_bounds", HostElem::I32, false);
@@ -167,51 +167,48 @@ fn describe_deterministic(b: &mut KernelBuilder) {
     let kv_half = b.label("kv_half");
     b.bra_unless(is_dq, &kv_half);
 
-    b.comment("dQ: fixed-point head pairs to bf16 rows");
+    b.comment("dQ: fixed-point head quads to bf16 rows");
     {
         let pool = b.ld_param_ptr(&dq_pool_p);
         let dq = b.ld_param_ptr(&dq_p);
         let row_bounds = b.ld_param_ptr(&rows_p);
         let tokens = b.ld_param(&tokens_p);
-        let rows = b.mul_lo(tokens, 32u32);
-        let sub = b.shr(tid, 4u32);
-        let lane = b.and(tid, 15u32);
-        let row = b.mad_lo(block, DQ_ROWS_PER_CTA, sub);
-        let live = b.setp(Cmp::Lt, row, rows);
+        let live = b.setp(Cmp::Lt, block, tokens);
         b.if_then(live, "dq_done", |b| {
-            // Row (t, hp) of group hp / 8; this lane holds d in [8·lane, 8·lane + 8).
-            let t = b.shr(row, 5u32);
-            let hp = b.and(row, 31u32);
-            let g = b.shr(hp, 3u32);
+            // Token `block`; thread (g, quad, c) holds d in [8c, 8c + 8) of the group's heads
+            // dq_quad_head(quad, 0..4).
+            let t = block;
+            let g = b.shr(tid, 6u32);
+            let quad = b.shr(tid, 4u32);
+            let quad = b.and(quad, 3u32);
+            let c = b.and(tid, 15u32);
             let tg = b.mad_lo(t, 4u32, g);
             let a = super::common::load_u32(b, row_bounds, tg);
             let factor = fp::dq_factor(b, bounds, g);
             let unit = fp::dq_unit(b, a, factor);
-            let row_bytes = b.mul_wide(row, 1024u32);
-            let lane_bytes = b.mul_wide(lane, 64u32);
-            let src = b.add(row_bytes, lane_bytes);
-            let src = b.add(pool, src);
-            let mut lo = Vec::new();
-            let mut hi = Vec::new();
-            for half in 0..4i64 {
-                let w: [Reg<U64>; 2] = b.ld_global_nc_v(&global(src, 16 * half));
-                for x in w {
-                    let (l, h) = fp::unpack_pair(b, x);
-                    lo.push(b.fmul(l, unit));
-                    hi.push(b.fmul(h, unit));
+            let d0 = b.shl(c, 3u32);
+            let word = fp::dq_word(b, t, g, quad, d0);
+            let src = super::common::elem::<F32>(b, pool, word);
+            // heads[e][k]: head dq_quad_head(quad, e) at d0 + k.
+            let mut heads: [Vec<Reg<F32>>; 4] = std::array::from_fn(|_| Vec::new());
+            for k in 0..8i64 {
+                let w: [Reg<F32>; 4] = b.ld_global_nc_v(&src.offset(16 * k));
+                for (e, x) in w.into_iter().enumerate() {
+                    heads[e].push(b.fmul(x, unit));
                 }
             }
-            let even: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.cvt_bf16x2(lo[2 * i + 1], lo[2 * i]));
-            let odd: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.cvt_bf16x2(hi[2 * i + 1], hi[2 * i]));
-            // dq row (t, 2hp) starts at 2·row·256 bytes; head 2hp+1 follows 256 bytes later.
-            let head_bytes = b.mul_wide(row, 512u32);
-            let lane_out = b.mul_wide(lane, 16u32);
-            let dst = b.add(head_bytes, lane_out);
-            let dst = b.add(dq, dst);
-            b.st_v(&global(dst, 0), even);
-            b.st_v(&global(dst, 256), odd);
+            let g16 = b.shl(g, 4u32);
+            for (e, vals) in heads.iter().enumerate() {
+                let h = b.add(g16, fp::dq_quad_head(0, e as u32));
+                let quad2 = b.shl(quad, 1u32);
+                let h = b.add(h, quad2);
+                let row = b.mad_lo(t, 64u32, h);
+                let at = b.mad_lo(row, 128u32, d0);
+                let dst = super::common::elem::<Bf16>(b, dq, at);
+                let packed: [Reg<Bf16x2>; 4] =
+                    std::array::from_fn(|i| b.cvt_bf16x2(vals[2 * i + 1], vals[2 * i]));
+                b.st_v(&dst, packed);
+            }
         });
         b.ret();
     }

@@ -93,6 +93,10 @@ binary_ops! {
     rem<T: Int>(a: Reg<T>, b: impl Src<T>) -> Reg<T> = "rem", T::NAME;
     /// `a * b` in f32, round to nearest even.
     fmul(a: Reg<F32>, b: impl Src<F32>) -> Reg<F32> = "mul.rn.f32";
+    /// `a + b` in f32, round to nearest even, never contracted into an `fma`.
+    fadd(a: Reg<F32>, b: impl Src<F32>) -> Reg<F32> = "add.rn.f32";
+    /// `a - b` in f32, round to nearest even, never contracted into an `fma`.
+    fsub(a: Reg<F32>, b: impl Src<F32>) -> Reg<F32> = "sub.rn.f32";
     /// `a << n`.
     shl<T: Bits>(a: Reg<T>, n: impl Src<U32>) -> Reg<T> = "shl", T::BITS_NAME;
     /// `a >> n` (arithmetic for signed types).
