@@ -581,15 +581,16 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let slot_qrow = slot_word(b, &p.qrows, slot);
                     let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                     let r = b.bitcast::<U32, S32>(slot_qrow);
+                    let word = fixed_point::dq_word(b, r, head, pair, d_row);
+                    let dq = b.ld_param_ptr(&p.dq);
+                    let a = common::elem::<F32>(b, dq, word);
                     for rr in 0..2u32 {
                         let (i0, i1) = ((8 * jj + 2 * rr) as usize, (8 * jj + 4 + 2 * rr) as usize);
                         let vals = [dq_acc[i0], dq_acc[i0 + 1], dq_acc[i1], dq_acc[i1 + 1]]
                             .map(|x| fixed_point::to_fixed_f32(b, x, invs[slot]));
-                        let d = b.add(d_row, 8 * rr);
-                        let word = fixed_point::dq_word(b, r, head, pair, d);
-                        let dq = b.ld_param_ptr(&p.dq);
-                        let a = common::elem::<F32>(b, dq, word);
-                        b.predicated(live, false, |b| b.red_add_v4_f32(&a, vals, Some(policy)));
+                        // d + 8: 8 words of 16 bytes further.
+                        let at = a.offset(128 * rr as i64);
+                        b.predicated(live, false, |b| b.red_add_v4_f32(&at, vals, Some(policy)));
                     }
                 }
                 continue;
@@ -633,6 +634,27 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 [(&dv_acc, &p.dv), (&dk_acc, &p.dk)].into_iter().enumerate()
             {
                 let pool = b.ld_param_ptr(pool_p);
+                if let Some(inv) = invs {
+                    // 64-bit reductions straight from the accumulator layout (no exchange):
+                    // a quad's lanes then cover 8 consecutive words of a row per instruction,
+                    // half the sectors of four words per lane.
+                    for j in 0..16u32 {
+                        for (e, (dr, dc)) in [(0u32, 0u32), (0, 1), (8, 0), (8, 1)]
+                            .into_iter()
+                            .enumerate()
+                        {
+                            let key_row = b.add(kv_row, dr);
+                            let col = b.add(col0, 8 * j + dc);
+                            let idx = b.mad_lo(key_row, 4u32, head);
+                            let idx = b.mad_lo(idx, 128u32, col);
+                            let a = common::elem_bytes(b, pool, idx, 8);
+                            let x =
+                                fixed_point::to_fixed64(b, acc[(4 * j) as usize + e], inv[which]);
+                            b.red::<U64, _>(AtomOp::Add, &a, x);
+                        }
+                    }
+                    continue;
+                }
                 for j in 0..16u32 {
                     let i = (4 * j) as usize;
                     // Even lanes keep row r and take the partner's columns c+2, c+3; odd
@@ -652,19 +674,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let col = b.sub(col, col_sub);
                     let idx = b.mad_lo(key_row, 4u32, head);
                     let idx = b.mad_lo(idx, 128u32, col);
-                    match invs {
-                        Some(inv) => {
-                            let a = common::elem_bytes(b, pool, idx, 8);
-                            for (e, v) in [v0, v1, v2, v3].into_iter().enumerate() {
-                                let x = fixed_point::to_fixed64(b, v, inv[which]);
-                                b.red::<U64, _>(AtomOp::Add, &a.offset(8 * e as i64), x);
-                            }
-                        }
-                        None => {
-                            let a = common::elem::<F32>(b, pool, idx);
-                            b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
-                        }
-                    }
+                    let a = common::elem::<F32>(b, pool, idx);
+                    b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
                 }
             }
             b.bar_sync_reg(wg_bar, 128);

@@ -19,13 +19,15 @@
 //! For a bound `B` with `2^(e-1) ≤ B < 2^e` the unit is `2^(e - span)`, so every partial sum
 //! stays below `2^span` units.
 //! - dQ ([`DQ_SPAN`] = 22): each contribution becomes an integer-valued `f32` (rounded to
-//!   nearest with one `add` and `sub` of `1.5·2^23`, full-rate instructions where `cvt` is
-//!   quarter rate on the consumers' hot path; clamped to `±2^22` first). Sums of integers
-//!   below `2^24` are exact in `f32`, so the pool takes the default mode's vector float
-//!   reductions, `red.add.v4.f32`, four heads per instruction (half the default's bf16x2
-//!   reduction count): heads `2p, 2p+1, 2p+8, 2p+9` of a group at one `d` ([`dq_word`]).
-//!   A row's partial sums stay below `2^22 + 8` units, a factor 4 below `2^24`; only an `lse`
-//!   far from the forward's (`Σ P` above 4) could leave the exact range.
+//!   nearest by an `fma` with `1.5·2^23` and a `sub`: two full-rate instructions, where `cvt`
+//!   to an integer is quarter rate on the consumers' hot path). Sums of integers below `2^24`
+//!   are exact in `f32`, so the pool takes the default mode's vector float reductions,
+//!   `red.add.v4.f32`, four heads per instruction (half the default's bf16x2 reduction
+//!   count): heads `2p, 2p+1, 2p+8, 2p+9` of a group at one `d` ([`dq_word`]). A row's
+//!   partial sums stay below `2^22 + 8` units, a factor 4 below `2^24`. The guarantee needs
+//!   the `lse` of the forward (`Σ P ≤ 1`); one far from it (`Σ P` above 4) may leave the
+//!   exact range, and the gradients are then as wrong as the `lse`, and may vary in their
+//!   last bits.
 //! - dK/dV ([`KV_SPAN`] = 56, one conversion per flushed segment, not per task): one signed
 //!   64-bit word per element (`cvt`, `red.add.u64`).
 //!
@@ -127,18 +129,16 @@ pub fn kv_units(
     (units(b, dk, KV_SPAN), units(b, dv, KV_SPAN))
 }
 
-/// `x·inv` rounded to the nearest integer, clamped to `±2^DQ_SPAN`, as an exact integer-valued
-/// `f32` (NaN clamps too, but then the unit the postprocess multiplies by is NaN).
+/// `x·inv` rounded to the nearest integer, as an exact integer-valued `f32`: one `fma` with
+/// [`MAGIC`] (a single rounding of `x·inv + 1.5·2^23`, exact for `|x·inv| ≤ 2^22`, which the
+/// bound guarantees) and one `sub`. A NaN stays NaN and reaches the pool (the postprocess
+/// writes NaN).
 pub fn to_fixed_f32(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<F32> {
-    const LIMIT: f32 = (1u32 << DQ_SPAN) as f32;
     const _: () = assert!(
         DQ_SPAN <= 22,
         "the magic-number rounding is exact up to 2^22"
     );
-    let s = b.fmul(x, inv);
-    let s = b.max(s, -LIMIT);
-    let s = b.min(s, LIMIT);
-    let v = b.fadd(s, MAGIC);
+    let v = b.fma(x, inv, MAGIC);
     b.fsub(v, MAGIC)
 }
 
