@@ -7,8 +7,9 @@
 //! cargo run -p msa-tests --release --example sanitize_cases -- packed-holes two-docs
 //! ```
 //!
-//! Each case runs twice: with the host schedule (`build_schedule`, uploaded), and on the
-//! device path: compact K/V packed by `to_aligned`, the schedule built on the device from
+//! Each case runs three times: with the host schedule (`build_schedule`, uploaded), in the
+//! deterministic mode (`MsaBackward::set_deterministic`, its three `_det` kernels) on the same
+//! schedule, and on the device path: compact K/V packed by `to_aligned`, the schedule built on the device from
 //! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward). Every sm_90a kernel of the
@@ -28,8 +29,8 @@ use half::bf16;
 use msa_runtime::contract::NUM_KV_HEADS;
 use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
-    from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ResidentSchedule,
-    ScheduleBuildSizes, Span,
+    from_aligned, run_backward, run_forward, to_aligned, CudaBackend, MsaBackward,
+    ResidentSchedule, ScheduleBuildSizes, Span,
 };
 use msa_tests::cases::{compare, docs, random_top16, DeviceInputs, Problem};
 use msa_tests::Rng;
@@ -73,6 +74,14 @@ fn main() -> ExitCode {
             .map_err(|e| e.to_string())
             .and_then(|g| compare(&stream, &p, &g, "run_backward"))
             .and_then(|mut lines| {
+                // The deterministic mode's kernels (bwd_preprocess_det, the _det main kernel,
+                // bwd_postprocess_det) on the same inputs.
+                let mut det = MsaBackward::new();
+                det.set_deterministic(true);
+                let g = inputs
+                    .run(&stream, &p.schedule, Some(&mut det))
+                    .map_err(|e| e.to_string())?;
+                lines.extend(compare(&stream, &p, &g, "deterministic")?);
                 lines.extend(device_path(&stream, &p, &inputs, &q2k)?);
                 Ok(lines)
             });
