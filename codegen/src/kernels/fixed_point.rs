@@ -66,11 +66,14 @@ pub fn abs_bits(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
     b.and(bits, 0x7fff_ffffu32)
 }
 
+/// A unit and its inverse.
+pub type Units = (Reg<F32>, Reg<F32>);
+
 /// The unit and its inverse `(2^(e-span), 2^(span-e))` of a non-negative bound (f32 bits
 /// `bound`), both NaN when the bound is not finite. Exact powers of two, so scaling by them
 /// is exact; the exponent is clamped to the normal range (a zero or tiny bound covers only
 /// zeros and tiny values, which the clamped unit still resolves).
-pub fn units(b: &mut KernelBuilder, bound: Reg<U32>, span: u32) -> (Reg<F32>, Reg<F32>) {
+pub fn units(b: &mut KernelBuilder, bound: Reg<U32>, span: u32) -> Units {
     // Biased exponent E of the bound: B < 2^(E-126), so the unit's biased exponent is
     // E + 1 - span (an f32 2^(k) has biased exponent k + 127).
     let e = b.shr(bound, 23u32);
@@ -110,11 +113,7 @@ pub fn dq_unit(b: &mut KernelBuilder, a: Reg<U32>, factor: Reg<F32>) -> Reg<F32>
 }
 
 /// `(dK units, dV units)` of group `g`, each `(unit, inverse)`.
-pub fn kv_units(
-    b: &mut KernelBuilder,
-    bounds: Reg<U64>,
-    g: Reg<U32>,
-) -> ((Reg<F32>, Reg<F32>), (Reg<F32>, Reg<F32>)) {
+pub fn kv_units(b: &mut KernelBuilder, bounds: Reg<U64>, g: Reg<U32>) -> (Units, Units) {
     let a = bound(b, bounds, AMAX, g);
     let v = bound(b, bounds, VMAX, g);
     let q = bound(b, bounds, QMAX, g);
@@ -184,12 +183,7 @@ fn bound(b: &mut KernelBuilder, bounds: Reg<U64>, at: u32, g: Reg<U32>) -> Reg<F
     b.bitcast::<F32, U32>(v)
 }
 
-fn units_of_product(
-    b: &mut KernelBuilder,
-    a: Reg<U32>,
-    factor: Reg<F32>,
-    span: u32,
-) -> (Reg<F32>, Reg<F32>) {
+fn units_of_product(b: &mut KernelBuilder, a: Reg<U32>, factor: Reg<F32>, span: u32) -> Units {
     let af = b.bitcast::<F32, U32>(a);
     let p = b.fmul(af, factor);
     let bits = b.bitcast::<U32, F32>(p);
