@@ -350,7 +350,7 @@ def from_aligned(dk_aligned: Any, dv_aligned: Any, schedule: MSABackwardSchedule
 
 
 def run_backward(q: Any, k_aligned: Any, v_aligned: Any, grad_out: Any, lse: Any, out: Any,
-                 schedule: MSABackwardSchedule):
+                 schedule: MSABackwardSchedule, *, deterministic: bool = False):
     """Run the MSA backward on THD-contract tensors of one CUDA device.
 
     Parameters: ``q`` bf16 ``[T, 64, 128]`` compact queries; ``k_aligned``, ``v_aligned`` bf16
@@ -362,7 +362,13 @@ def run_backward(q: Any, k_aligned: Any, v_aligned: Any, grad_out: Any, lse: Any
     Returns bf16 ``(dq [T, 64, 128], dk_aligned [W, 4, 128], dv_aligned [W, 4, 128])``, zero
     outside the real rows. Runs on ``torch.cuda.current_stream(q.device)``; compute capability
     9.0 runs ``msa_backward_sm90``, 10.0 ``msa_backward_sm100``.
+
+    ``deterministic=True`` gives bitwise reproducible gradients (the same bits on every call
+    for the same inputs on the same device) at some cost in time and a larger cached workspace
+    (``T * 32 KiB`` more; the README's "The deterministic mode").
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"`deterministic`: found {type(deterministic).__name__}, expected a bool")
     handle = _schedule_handle(schedule)
     _native.check_backward(q, k_aligned, v_aligned, grad_out, lse, out, handle)
     torch = _torch()
@@ -373,7 +379,7 @@ def run_backward(q: Any, k_aligned: Any, v_aligned: Any, grad_out: Any, lse: Any
     dv_aligned = torch.empty_like(v_aligned)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     _native.run_backward(q, k_aligned, v_aligned, grad_out, lse, out, dq, dk_aligned,
-                         dv_aligned, handle, stream)
+                         dv_aligned, handle, stream, deterministic)
     return dq, dk_aligned, dv_aligned
 
 
@@ -418,7 +424,8 @@ def _function():
         """``out = MSA(q, k, v)`` for a block selection; the backward runs ``run_backward``."""
 
         @staticmethod
-        def forward(ctx, q, k, v, q2k, cu_seqlens):
+        def forward(ctx, q, k, v, q2k, cu_seqlens, deterministic):
+            ctx.deterministic = deterministic
             schedule = build_schedule(q2k, cu_seqlens)
             k_aligned, v_aligned = to_aligned(k, v, schedule)
             out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule)
@@ -433,19 +440,24 @@ def _function():
             schedule = MSABackwardSchedule(*fields)
             schedule._handle = ctx.schedule_handle
             dq, dk_aligned, dv_aligned = run_backward(
-                q, k_aligned, v_aligned, grad_out, lse, out, schedule)
+                q, k_aligned, v_aligned, grad_out, lse, out, schedule,
+                deterministic=ctx.deterministic)
             dk, dv = from_aligned(dk_aligned, dv_aligned, schedule)
-            return dq, dk, dv, None, None
+            return dq, dk, dv, None, None, None
 
     return MSAAttention
 
 
-def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any):
+def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any, *,
+                  deterministic: bool = False):
     """MSA attention as a ``torch.autograd.Function``: ``q [T, 64, 128]``, compact ``k``, ``v
     [T, 4, 128]`` (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32); returns
     ``out [T, 64, 128]`` (``loss.backward()`` runs the MSA backward).
 
     Runs ``msa_forward_sm90`` (compute capability 9.0) or ``msa_forward_sm100`` (10.0) and, in
-    the backward, ``run_backward``. Not ``torch.compile``-able (see the README)."""
-    out, _lse = _function().apply(q, k, v, q2k, cu_seqlens)
+    the backward, ``run_backward`` (``deterministic``: its bitwise reproducible mode; the
+    forward is reproducible either way). Not ``torch.compile``-able (see the README)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"`deterministic`: found {type(deterministic).__name__}, expected a bool")
+    out, _lse = _function().apply(q, k, v, q2k, cu_seqlens, deterministic)
     return out

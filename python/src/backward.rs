@@ -112,8 +112,8 @@ pub fn check_backward(
     Ok(check(&INPUTS, &objs, &sched)?.device)
 }
 
-/// One cached backward (gradient and task workspaces) per `(device, stream)`.
-type Cache = Mutex<HashMap<(usize, u64), Arc<Mutex<MsaBackward<CudaBackend>>>>>;
+/// One cached backward (gradient and task workspaces) per `(device, stream, deterministic)`.
+type Cache = Mutex<HashMap<(usize, u64, bool), Arc<Mutex<MsaBackward<CudaBackend>>>>>;
 
 fn cache() -> &'static Cache {
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -122,8 +122,11 @@ fn cache() -> &'static Cache {
 
 /// Runs the backward on `stream` (a `CUstream` handle of the tensors' device), reading the six
 /// inputs and writing the three outputs in place, all through their `data_ptr()`; every
-/// tensor must be contiguous and 16-byte aligned. Nothing is synchronized.
+/// tensor must be contiguous and 16-byte aligned. Nothing is synchronized. `deterministic`
+/// selects the bitwise-reproducible mode (`MsaBackward::set_deterministic`), whose workspace
+/// is cached beside the default one.
 #[pyfunction]
+#[pyo3(signature = (q, k_aligned, v_aligned, grad_out, lse, out, dq, dk_aligned, dv_aligned, schedule, stream, deterministic=false))]
 #[allow(clippy::too_many_arguments)] // the original signature plus the outputs and the stream
 pub fn run_backward(
     py: Python<'_>,
@@ -138,6 +141,7 @@ pub fn run_backward(
     dv_aligned: &Bound<'_, PyAny>,
     schedule: &Bound<'_, PyAny>,
     stream: u64,
+    deterministic: bool,
 ) -> PyResult<()> {
     let sched = Sched::of(schedule)?;
     let names: Vec<&'static str> = INPUTS.iter().chain(&OUTPUTS).copied().collect();
@@ -166,7 +170,13 @@ pub fn run_backward(
         let mut backend = CudaBackend::new(&handle.0)?;
         let entry = {
             let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-            map.entry((device, stream)).or_default().clone()
+            map.entry((device, stream, deterministic))
+                .or_insert_with(|| {
+                    let mut b = MsaBackward::new();
+                    b.set_deterministic(deterministic);
+                    Arc::new(Mutex::new(b))
+                })
+                .clone()
         };
         let mut backward = entry.lock().unwrap_or_else(|e| e.into_inner());
         match sched {
@@ -183,7 +193,8 @@ pub fn run_backward(
 /// One row of `workspace_cache`: `((device, stream), (T, W) if allocated, allocations)`.
 type CacheRow = ((usize, u64), Option<(usize, usize)>, usize);
 
-/// `((device, stream), (T, W), allocations)` of each cached workspace, for inspection.
+/// `((device, stream), (T, W), allocations)` of each cached workspace, for inspection (a
+/// stream that ran both modes has one row per mode, the default one first).
 #[pyfunction]
 pub fn workspace_cache() -> Vec<CacheRow> {
     let map = cache().lock().unwrap_or_else(|e| e.into_inner());
@@ -195,7 +206,9 @@ pub fn workspace_cache() -> Vec<CacheRow> {
         })
         .collect();
     rows.sort();
-    rows
+    rows.into_iter()
+        .map(|((d, s, _), cap, n)| ((d, s), cap, n))
+        .collect()
 }
 
 /// Drops every cached workspace (freed stream-ordered on its stream). Call it before

@@ -240,6 +240,16 @@ class Backward(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, r"`schedule`.*MSABackwardSchedule"):
             msa_ptx.run_backward(*backward_args(), object())
 
+    def test_the_deterministic_mode_runs_the_same_checks(self):
+        with self.assertRaisesRegex(TypeError, r"`q`.*torch\.float16.*torch\.bfloat16"):
+            msa_ptx.run_backward(*backward_args(q=Fake([T, 64, 128], "torch.float16")),
+                                 self.schedule, deterministic=True)
+        cpu = backward_args(out=Fake([T, 64, 128], device=("cpu", None)))
+        with self.assertRaisesRegex(NotImplementedError, r"`out`.*device type `cpu`"):
+            msa_ptx.run_backward(*cpu, self.schedule, deterministic=True)
+        with self.assertRaisesRegex(TypeError, r"`deterministic`.*int.*bool"):
+            msa_ptx.run_backward(*backward_args(), self.schedule, deterministic=1)
+
     def test_the_raw_entry_point_rejects_non_contiguous_and_misaligned_tensors(self):
         h = self.schedule.validate()._handle
         outs = [Fake([T, 64, 128]), Fake([128, 4, 128]), Fake([128, 4, 128])]

@@ -129,7 +129,7 @@ pub fn kv_units(b: &mut KernelBuilder, bounds: Reg<U64>, g: Reg<U32>) -> (Units,
 }
 
 /// `x·inv` rounded to the nearest integer, as an exact integer-valued `f32`: one `fma` with
-/// [`MAGIC`] (a single rounding of `x·inv + 1.5·2^23`, exact for `|x·inv| ≤ 2^22`, which the
+/// `1.5·2^23` (a single rounding of `x·inv + 1.5·2^23`, exact for `|x·inv| ≤ 2^22`, which the
 /// bound guarantees) and one `sub`. A NaN stays NaN and reaches the pool (the postprocess
 /// writes NaN).
 pub fn to_fixed_f32(b: &mut KernelBuilder, x: Reg<F32>, inv: Reg<F32>) -> Reg<F32> {

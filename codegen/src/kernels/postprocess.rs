@@ -108,36 +108,20 @@ fn describe(b: &mut KernelBuilder) {
 
     b.place(&kv_half);
     b.comment("dK/dV: fp32 pools to bf16");
-    {
-        let ws_rows = b.ld_param(&ws_rows_p);
-        // CTAs per pool: W·4·128 / 2048 = W / 4.
-        let per_pool = b.shr(ws_rows, 2u32);
-        let second = b.setp(Cmp::Ge, block, per_pool);
-        let total = b.shl(per_pool, 1u32);
-        let live = b.setp(Cmp::Lt, block, total);
-        b.if_then(live, "kv_done", |b| {
-            let dk_pool = b.ld_param_ptr(&dk_pool_p);
-            let dv_pool = b.ld_param_ptr(&dv_pool_p);
-            let dk = b.ld_param_ptr(&dk_p);
-            let dv = b.ld_param_ptr(&dv_p);
-            let src_base = b.selp(dv_pool, dk_pool, second);
-            let dst_base = b.selp(dv, dk, second);
-            let skip = b.selp(per_pool, 0u32, second);
-            let local = b.sub(block, skip);
-            let elem = b.mul_lo(local, KV_ELEMS_PER_CTA);
-            let elem = b.mad_lo(tid, 8u32, elem);
-            let src_off = b.mul_wide(elem, 4u32);
-            let src = b.add(src_base, src_off);
-            let dst_off = b.mul_wide(elem, 2u32);
-            let dst = b.add(dst_base, dst_off);
-            let a: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 0));
-            let c: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 16));
-            let v = [a[0], a[1], a[2], a[3], c[0], c[1], c[2], c[3]];
-            let packed: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
-            b.st_v(&global(dst, 0), packed);
-        });
-    }
+    let pools = KvParams {
+        dk_pool: &dk_pool_p,
+        dv_pool: &dv_pool_p,
+        dk: &dk_p,
+        dv: &dv_p,
+        ws_rows: &ws_rows_p,
+    };
+    kv_half_to_bf16(b, &pools, block, tid, |b, src, elem, _| {
+        let src_off = b.mul_wide(elem, 4u32);
+        let src = b.add(src, src_off);
+        let a: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 0));
+        let c: [Reg<F32>; 4] = b.ld_global_nc_v(&global(src, 16));
+        [a[0], a[1], a[2], a[3], c[0], c[1], c[2], c[3]]
+    });
     b.ret();
 }
 
@@ -215,43 +199,75 @@ fn describe_deterministic(b: &mut KernelBuilder) {
 
     b.place(&kv_half);
     b.comment("dK/dV: fixed-point pools to bf16");
-    {
-        let ws_rows = b.ld_param(&ws_rows_p);
-        let per_pool = b.shr(ws_rows, 2u32);
-        let second = b.setp(Cmp::Ge, block, per_pool);
-        let total = b.shl(per_pool, 1u32);
-        let live = b.setp(Cmp::Lt, block, total);
-        b.if_then(live, "kv_done", |b| {
-            let dk_pool = b.ld_param_ptr(&dk_pool_p);
-            let dv_pool = b.ld_param_ptr(&dv_pool_p);
-            let dk = b.ld_param_ptr(&dk_p);
-            let dv = b.ld_param_ptr(&dv_p);
-            let src_base = b.selp(dv_pool, dk_pool, second);
-            let dst_base = b.selp(dv, dk, second);
-            let skip = b.selp(per_pool, 0u32, second);
-            let local = b.sub(block, skip);
-            let elem = b.mul_lo(local, KV_ELEMS_PER_CTA);
-            let elem = b.mad_lo(tid, 8u32, elem);
-            // Element (row, g, d): the thread's 8 elements share one group.
-            let g = b.shr(elem, 7u32);
-            let g = b.and(g, 3u32);
-            let ((dk_unit, _), (dv_unit, _)) = fp::kv_units(b, bounds, g);
-            let unit = b.selp(dv_unit, dk_unit, second);
-            let src_off = b.mul_wide(elem, 8u32);
-            let src = b.add(src_base, src_off);
-            let dst_off = b.mul_wide(elem, 2u32);
-            let dst = b.add(dst_base, dst_off);
-            let mut v = Vec::new();
-            for quarter in 0..4i64 {
-                let w: [Reg<U64>; 2] = b.ld_global_nc_v(&global(src, 16 * quarter));
-                for x in w {
-                    v.push(fp::from_fixed64(b, x, unit));
-                }
+    let pools = KvParams {
+        dk_pool: &dk_pool_p,
+        dv_pool: &dv_pool_p,
+        dk: &dk_p,
+        dv: &dv_p,
+        ws_rows: &ws_rows_p,
+    };
+    kv_half_to_bf16(b, &pools, block, tid, |b, src, elem, second| {
+        // Element (row, g, d): the thread's 8 elements share one group.
+        let g = b.shr(elem, 7u32);
+        let g = b.and(g, 3u32);
+        let ((dk_unit, _), (dv_unit, _)) = fp::kv_units(b, bounds, g);
+        let unit = b.selp(dv_unit, dk_unit, second);
+        let src_off = b.mul_wide(elem, 8u32);
+        let src = b.add(src, src_off);
+        let mut v = Vec::new();
+        for quarter in 0..4i64 {
+            let w: [Reg<U64>; 2] = b.ld_global_nc_v(&global(src, 16 * quarter));
+            for x in w {
+                v.push(fp::from_fixed64(b, x, unit));
             }
-            let packed: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
-            b.st_v(&global(dst, 0), packed);
-        });
-    }
+        }
+        std::array::from_fn(|i| v[i])
+    });
     b.ret();
+}
+
+/// The parameters of a dK/dV half: the two pools, the two outputs and `W`.
+struct KvParams<'a> {
+    dk_pool: &'a ParamRef<U64>,
+    dv_pool: &'a ParamRef<U64>,
+    dk: &'a ParamRef<U64>,
+    dv: &'a ParamRef<U64>,
+    ws_rows: &'a ParamRef<U32>,
+}
+
+/// The dK/dV half of both postprocesses (`blockIdx.y == 1`): CTA `block` takes 2048 elements
+/// of the dK pool, then of the dV pool (`W / 4` CTAs each; the rest return), each thread 8
+/// consecutive elements from `element`; `load(b, pool, first element, is_dv)` reads and
+/// scales them to f32, and they are stored as bf16 with round-to-nearest-even.
+fn kv_half_to_bf16(
+    b: &mut KernelBuilder,
+    p: &KvParams,
+    block: Reg<U32>,
+    tid: Reg<U32>,
+    load: impl FnOnce(&mut KernelBuilder, Reg<U64>, Reg<U32>, Reg<Pred>) -> [Reg<F32>; 8],
+) {
+    let ws_rows = b.ld_param(p.ws_rows);
+    // CTAs per pool: W·4·128 / 2048 = W / 4.
+    let per_pool = b.shr(ws_rows, 2u32);
+    let second = b.setp(Cmp::Ge, block, per_pool);
+    let total = b.shl(per_pool, 1u32);
+    let live = b.setp(Cmp::Lt, block, total);
+    b.if_then(live, "kv_done", |b| {
+        let dk_pool = b.ld_param_ptr(p.dk_pool);
+        let dv_pool = b.ld_param_ptr(p.dv_pool);
+        let dk = b.ld_param_ptr(p.dk);
+        let dv = b.ld_param_ptr(p.dv);
+        let src_base = b.selp(dv_pool, dk_pool, second);
+        let dst_base = b.selp(dv, dk, second);
+        let skip = b.selp(per_pool, 0u32, second);
+        let local = b.sub(block, skip);
+        let elem = b.mul_lo(local, KV_ELEMS_PER_CTA);
+        let elem = b.mad_lo(tid, 8u32, elem);
+        let v = load(b, src_base, elem, second);
+        let dst_off = b.mul_wide(elem, 2u32);
+        let dst = b.add(dst_base, dst_off);
+        let packed: [Reg<Bf16x2>; 4] =
+            std::array::from_fn(|i| b.cvt_bf16x2(v[2 * i + 1], v[2 * i]));
+        b.st_v(&global(dst, 0), packed);
+    });
 }

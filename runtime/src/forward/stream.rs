@@ -136,6 +136,13 @@ impl MsaAttention {
         Self::default()
     }
 
+    /// The backward's deterministic mode ([`MsaBackward::set_deterministic`]); the forward
+    /// is bitwise reproducible in either mode (it has no floating-point atomics).
+    pub fn set_deterministic(&mut self, on: bool) -> &mut Self {
+        self.backward.set_deterministic(on);
+        self
+    }
+
     /// The forward: [`run_forward`].
     ///
     /// # Errors
