@@ -637,20 +637,20 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 if let Some(inv) = invs {
                     // 64-bit reductions straight from the accumulator layout (no exchange):
                     // a quad's lanes then cover 8 consecutive words of a row per instruction,
-                    // half the sectors of four words per lane.
+                    // half the sectors of four words per lane. Element (r + dr, c + 8j + dc)
+                    // lies 8·(dr·512 + 8j + dc) bytes after (r, c): one address per flush.
+                    let idx = b.mad_lo(kv_row, 4u32, head);
+                    let idx = b.mad_lo(idx, 128u32, col0);
+                    let base = common::elem_bytes(b, pool, idx, 8);
                     for j in 0..16u32 {
                         for (e, (dr, dc)) in [(0u32, 0u32), (0, 1), (8, 0), (8, 1)]
                             .into_iter()
                             .enumerate()
                         {
-                            let key_row = b.add(kv_row, dr);
-                            let col = b.add(col0, 8 * j + dc);
-                            let idx = b.mad_lo(key_row, 4u32, head);
-                            let idx = b.mad_lo(idx, 128u32, col);
-                            let a = common::elem_bytes(b, pool, idx, 8);
+                            let off = 8 * (dr * 4 * 128 + 8 * j + dc);
                             let x =
                                 fixed_point::to_fixed64(b, acc[(4 * j) as usize + e], inv[which]);
-                            b.red::<U64, _>(AtomOp::Add, &a, x);
+                            b.red::<U64, _>(AtomOp::Add, &base.offset(i64::from(off)), x);
                         }
                     }
                     continue;
