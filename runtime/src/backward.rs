@@ -69,11 +69,8 @@ pub struct PoolLayout {
     pub delta: usize,
     /// Offset of the separate dQ pool, when the layout has one.
     pub dq_pool: Option<usize>,
-    /// The deterministic mode's layout ([`PoolLayout::deterministic`]): fixed-point pools of
-    /// 64-bit words (dK/dV one per element, dQ one per head pair, always a separate pool) and
-    /// the two bound buffers below.
-    pub fixed_point: bool,
-    /// Offset of `row_bounds [T, 4]` u32 (deterministic layout only).
+    /// Offset of `row_bounds [T, 4]` u32 (the deterministic layout only, see
+    /// [`PoolLayout::is_deterministic`]).
     pub row_bounds: Option<usize>,
     /// Offset of `bounds [32]` u32 (deterministic layout only).
     pub bounds: Option<usize>,
@@ -93,6 +90,13 @@ impl PoolLayout {
         with_dq_pool: bool,
     ) -> Result<Self, RuntimeError> {
         Self::lay_out(num_tokens, workspace_rows, with_dq_pool, false)
+    }
+
+    /// Whether this is the deterministic mode's layout ([`PoolLayout::deterministic`]): its
+    /// dK/dV pools hold one signed 64-bit word per element, its dQ pool (always a separate
+    /// one) integer-valued f32, and it has the two bound buffers.
+    pub fn is_deterministic(&self) -> bool {
+        self.bounds.is_some()
     }
 
     /// The deterministic mode's layout ([`MsaBackward::set_deterministic`]): dK and dV pools
@@ -164,7 +168,6 @@ impl PoolLayout {
             dv_pool,
             delta,
             dq_pool,
-            fixed_point,
             row_bounds,
             bounds,
             bytes: at,
@@ -197,14 +200,14 @@ impl<B: Backend> GradientPools<B> {
         num_tokens <= self.layout.num_tokens
             && workspace_rows <= self.layout.workspace_rows
             && (!dq_pool || self.layout.dq_pool.is_some())
-            && self.layout.fixed_point == fixed
+            && self.layout.is_deterministic() == fixed
     }
 
     /// The deterministic layout's fixed-point buffers for `(t, w)`.
     fn fixed_point(&self, t: usize, w: usize) -> Option<FixedPointPools> {
         let l = &self.layout;
         let (dq, rows, bounds) = (l.dq_pool?, l.row_bounds?, l.bounds?);
-        l.fixed_point.then(|| FixedPointPools {
+        Some(FixedPointPools {
             dq: self.span(dq, t * Q_ROW),
             dk: self.span(l.dk_pool, 2 * w * KV_ROW),
             dv: self.span(l.dv_pool, 2 * w * KV_ROW),
@@ -1040,16 +1043,17 @@ fn ensure_pools<'a, B: Backend>(
     let pools = match slot.take() {
         Some(p) if p.fits(t, w, dq_pool, fixed) => p,
         old => {
-            let (ct, cw, cq) = old.as_ref().map_or((0, 0, false), |p| {
-                (
-                    p.layout.num_tokens,
-                    p.layout.workspace_rows,
-                    p.layout.dq_pool.is_some(),
-                )
-            });
-            // A workspace of the other mode is not reused: its regions differ.
-            let keep = old.as_ref().is_some_and(|p| p.layout.fixed_point == fixed);
-            let (ct, cw, cq) = if keep { (ct, cw, cq) } else { (0, 0, false) };
+            // A workspace of the other mode gives no sizes to keep: its regions differ.
+            let (ct, cw, cq) = old
+                .as_ref()
+                .filter(|p| p.layout.is_deterministic() == fixed)
+                .map_or((0, 0, false), |p| {
+                    (
+                        p.layout.num_tokens,
+                        p.layout.workspace_rows,
+                        p.layout.dq_pool.is_some(),
+                    )
+                });
             let layout = if fixed {
                 PoolLayout::deterministic(t.max(ct), w.max(cw))?
             } else {

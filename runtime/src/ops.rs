@@ -33,6 +33,11 @@ pub(crate) fn check_len(
     }
 }
 
+/// A `u32` kernel argument, or the error naming `field`.
+fn u32_arg(field: &'static str, v: usize) -> Result<u32, RuntimeError> {
+    u32::try_from(v).map_err(|_| RuntimeError::input(field, v, "at most u32::MAX"))
+}
+
 fn grid_dim(field: &'static str, n: usize) -> Result<u32, RuntimeError> {
     // The grid's x dimension holds at most 2^31 - 1 CTAs.
     u32::try_from(n)
@@ -55,8 +60,7 @@ pub fn preprocess<B: Backend>(
     check_len("out", out.len, rows * HEAD_DIM, "[T, 64, 128]")?;
     check_len("dout", dout.len, rows * HEAD_DIM, "[T, 64, 128]")?;
     check_len("delta", delta.len, rows, "[T, 64]")?;
-    let tokens = u32::try_from(num_tokens)
-        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
+    let tokens = u32_arg("num_tokens", num_tokens)?;
     if num_tokens == 0 {
         return Ok(());
     }
@@ -130,10 +134,8 @@ pub fn postprocess<B: Backend>(
         false,
         "dq_pool == dq (the in-place de-interleave)",
     )?;
-    let tokens = u32::try_from(num_tokens)
-        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
-    let ws = u32::try_from(workspace_rows)
-        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let tokens = u32_arg("num_tokens", num_tokens)?;
+    let ws = u32_arg("workspace_rows", workspace_rows)?;
     let blocks = (2 * num_tokens).max(workspace_rows / 2);
     if blocks == 0 {
         return Ok(());
@@ -182,7 +184,7 @@ impl FixedPointPools {
             "dq_pool",
             self.dq.len,
             num_tokens * NUM_Q_HEADS * HEAD_DIM,
-            "[T, 32, 128] u64",
+            "[T, 4, 4, 128, 4] f32",
         )?;
         check_len("dk_pool", self.dk.len, 2 * kv, "[W, 4, 128] i64")?;
         check_len("dv_pool", self.dv.len, 2 * kv, "[W, 4, 128] i64")?;
@@ -225,10 +227,8 @@ pub(crate) fn preprocess_deterministic<B: Backend>(
     check_len("v_aligned", v_aligned.len, kv, "[W, 4, 128]")?;
     check_len("delta", delta.len, rows, "[T, 64]")?;
     pools.check(num_tokens, workspace_rows)?;
-    let tokens = u32::try_from(num_tokens)
-        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
-    let ws = u32::try_from(workspace_rows)
-        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let tokens = u32_arg("num_tokens", num_tokens)?;
+    let ws = u32_arg("workspace_rows", workspace_rows)?;
     let blocks = num_tokens.max(workspace_rows).div_ceil(128);
     if blocks == 0 {
         return Ok(());
@@ -276,10 +276,8 @@ pub(crate) fn postprocess_deterministic<B: Backend>(
     )?;
     check_len("dk", dk.len, kv, "[W, 4, 128]")?;
     check_len("dv", dv.len, kv, "[W, 4, 128]")?;
-    let tokens = u32::try_from(num_tokens)
-        .map_err(|_| RuntimeError::input("num_tokens", num_tokens, "at most u32::MAX"))?;
-    let ws = u32::try_from(workspace_rows)
-        .map_err(|_| RuntimeError::input("workspace_rows", workspace_rows, "at most u32::MAX"))?;
+    let tokens = u32_arg("num_tokens", num_tokens)?;
+    let ws = u32_arg("workspace_rows", workspace_rows)?;
     let blocks = num_tokens.max(workspace_rows / 2);
     if blocks == 0 {
         return Ok(());
