@@ -924,15 +924,15 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
             let idx = b.mad_lo(head, 128u32, idx);
             let regions = [(resolved.col_dv, &p.dv), (resolved.col_dk, &p.dk)];
             // Deterministic: the inverse units of this group's dV and dK.
-            let invs = p.fixed.as_ref().map(|f| {
-                let bounds = b.ld_param_ptr(&f.bounds);
-                let ((_, dk_inv), (_, dv_inv)) = fixed_point::kv_units(b, bounds, head);
-                [dv_inv, dk_inv]
-            });
+            let invs = p
+                .fixed
+                .as_ref()
+                .map(|f| fixed_point::flush_inv_units(b, f, head));
             for (which, (col, pool_p)) in regions.into_iter().enumerate() {
                 let pool = b.ld_param_ptr(pool_p);
                 let a = common::elem::<F32>(b, pool, idx);
-                let a64 = common::elem_bytes(b, pool, idx, 8);
+                // The deterministic pools' 8-byte elements (only that variant addresses them).
+                let a64 = invs.map(|_| common::elem_bytes(b, pool, idx, 8));
                 for pass in 0..4u32 {
                     let v: [Reg<F32>; 32] = b.tcgen05_ld_32x32b(tm.col(col + CHUNK_COLS * pass));
                     b.tcgen05_wait_ld();
@@ -950,15 +950,15 @@ fn reduce(b: &mut KernelBuilder, ctx: &Ctx) {
                             let off =
                                 2048 * k + 4 * (CHUNK_COLS as usize * pass as usize + 16 * blk);
                             let vals = [x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]];
-                            match invs {
-                                Some(inv) => {
+                            match (invs, &a64) {
+                                (Some(inv), Some(a64)) => {
                                     for (e, v) in vals.into_iter().enumerate() {
                                         let q = fixed_point::to_fixed64(b, v, inv[which]);
                                         let at = a64.offset(2 * off as i64 + 8 * e as i64);
                                         b.red::<U64, _>(AtomOp::Add, &at, q);
                                     }
                                 }
-                                None => b.red_add_v4_f32(&a.offset(off as i64), vals, None),
+                                _ => b.red_add_v4_f32(&a.offset(off as i64), vals, None),
                             }
                         }
                     }
@@ -1047,10 +1047,7 @@ fn dq_fixed_point(
             let live = b.setp(Cmp::Ge, qrow, 0i32);
             let rc = b.max(qrow, 0i32);
             let r = b.bitcast::<U32, S32>(rc);
-            let tg = b.mad_lo(r, 4u32, head);
-            let rb = b.ld_param_ptr(&f.row_bounds);
-            let a = common::load_u32(b, rb, tg);
-            let inv = fixed_point::dq_inv_unit(b, a, factor);
+            let inv = fixed_point::dq_row_inv_unit(b, f, r, head, factor);
             (live, r, inv)
         })
         .collect();

@@ -553,10 +553,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let q = slot_word(b, &p.qrows, slot);
                     let rc = b.max(q, 0i32);
                     let rc = b.bitcast::<U32, S32>(rc);
-                    let tg = b.mad_lo(rc, 4u32, head);
-                    let rb = b.ld_param_ptr(&f.row_bounds);
-                    let a = common::load_u32(b, rb, tg);
-                    fixed_point::dq_inv_unit(b, a, factor)
+                    fixed_point::dq_row_inv_unit(b, f, rc, head, factor)
                 })
                 .collect()
         });
@@ -625,11 +622,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let kv_row = b.shl(kb, 7u32);
             let kv_row = b.add(kv_row, key_local);
             // Deterministic: the inverse units of this group's dV and dK.
-            let invs = p.fixed.as_ref().map(|f| {
-                let bounds = b.ld_param_ptr(&f.bounds);
-                let ((_, dk_inv), (_, dv_inv)) = fixed_point::kv_units(b, bounds, head);
-                [dv_inv, dk_inv]
-            });
+            let invs = p
+                .fixed
+                .as_ref()
+                .map(|f| fixed_point::flush_inv_units(b, f, head));
             for (which, (acc, pool_p)) in
                 [(&dv_acc, &p.dv), (&dk_acc, &p.dk)].into_iter().enumerate()
             {

@@ -2,10 +2,11 @@
 //! the preprocess, the main kernels and the postprocess share.
 //!
 //! Floating-point atomics give sums whose rounding depends on the order the atomics land in.
-//! Integer additions do not round, so in the deterministic mode every partial dQ, dK and dV
-//! value is converted to an integer multiple of a power-of-two *unit* (truncating toward zero,
-//! a fixed function of the value) and added with integer atomics: the sums, and so the
-//! gradients, are the same bits whatever the order, the grid or the warp schedule.
+//! Additions of integers do not round, so in the deterministic mode every partial dQ, dK and
+//! dV value is converted to an integer multiple of a power-of-two *unit* (a fixed function of
+//! the value: rounded to nearest for dQ, truncated toward zero for dK/dV) and added exactly:
+//! the sums, and so the gradients, are the same bits whatever the order, the grid or the warp
+//! schedule.
 //!
 //! A unit comes from a bound on the magnitude of every partial sum of the element, computed
 //! before the main kernel from the inputs (maxima are order-independent):
@@ -36,6 +37,7 @@
 //! the bits of non-negative floats (integer max), under which NaN is above infinity and
 //! survives, where `max.f32` would drop it.
 
+use super::common::FixedParams;
 use crate::ptx::*;
 
 /// Words of the `bounds` buffer (u32, f32 bits, atomic max; zeroed before the preprocess).
@@ -105,6 +107,28 @@ pub fn dq_factor(b: &mut KernelBuilder, bounds: Reg<U64>, g: Reg<U32>) -> Reg<F3
 /// The inverse dQ unit of row `(t, g)` from `a[t, g]` (f32 bits) and [`dq_factor`].
 pub fn dq_inv_unit(b: &mut KernelBuilder, a: Reg<U32>, factor: Reg<F32>) -> Reg<F32> {
     units_of_product(b, a, factor, DQ_SPAN).1
+}
+
+/// [`dq_inv_unit`] of the main kernels' query slot of compact row `row` (an empty slot's
+/// row clamped to 0 by the caller: its reductions are skipped), reading `a[row, g]`.
+pub fn dq_row_inv_unit(
+    b: &mut KernelBuilder,
+    f: &FixedParams,
+    row: Reg<U32>,
+    g: Reg<U32>,
+    factor: Reg<F32>,
+) -> Reg<F32> {
+    let tg = b.mad_lo(row, 4u32, g);
+    let rb = b.ld_param_ptr(&f.row_bounds);
+    let a = super::common::load_u32(b, rb, tg);
+    dq_inv_unit(b, a, factor)
+}
+
+/// The main kernels' inverse units `[dV, dK]` of group `g` for a segment flush.
+pub fn flush_inv_units(b: &mut KernelBuilder, f: &FixedParams, g: Reg<U32>) -> [Reg<F32>; 2] {
+    let bounds = b.ld_param_ptr(&f.bounds);
+    let ((_, dk_inv), (_, dv_inv)) = kv_units(b, bounds, g);
+    [dv_inv, dk_inv]
 }
 
 /// The dQ unit of row `(t, g)` (the postprocess's side of [`dq_inv_unit`]).

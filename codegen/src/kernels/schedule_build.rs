@@ -616,6 +616,42 @@ fn halves(b: &mut KernelBuilder, v: Reg<U64>) -> (Reg<U32>, Reg<U32>) {
     (lo, hi)
 }
 
+/// What numbers block `k` of a document: its level-0 row `rank0(d)`, the non-empty documents
+/// `N0`, and this thread's part of `Σ_long (min(nb_j, k) − 1) + #{long j before d : nb_j > k}`.
+struct RowNumber {
+    k: Reg<U32>,
+    level0: Reg<U32>,
+    nonempty: Reg<U32>,
+    acc: Reg<U32>,
+}
+
+/// The CTA of head 0 numbers block `f`'s row (`rank0(d)` at level 0, else `N0` plus the CTA
+/// sum of `acc`) and records both for the later kernels: the block's record (document, its
+/// first block, its start and length, so that they get their document in one vector load) and
+/// `block_of_row[row] = f`.
+fn record_block(
+    b: &mut KernelBuilder,
+    p: &DocParams,
+    f: Reg<U32>,
+    row: &RowNumber,
+    record: [Reg<U32>; 4],
+    warp_totals: &SharedVar,
+) {
+    let tid = b.sreg(SReg::TidX);
+    let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [row.acc], tid, warp_totals);
+    let upper = b.add(row.nonempty, sum);
+    let at0 = b.setp(Cmp::Eq, row.k, 0u32);
+    let r = b.selp(row.level0, upper, at0);
+    let t0 = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(t0, "record", |b| {
+        let blk_doc = b.ld_param_ptr(&p.blk_doc);
+        let rec = common_elem16(b, blk_doc, f);
+        b.st_v(&rec, record);
+        let block_of = b.ld_param_ptr(&p.block_of);
+        store_u32(b, block_of, r, f);
+    });
+}
+
 /// [`COUNT`]'s CTA `(f, head)` after the documents step: block `f`'s document by a search of
 /// the workspace starts (the blocks are spread over all CTAs, none does them serially); the
 /// CTAs of head 0 also number the block's row and record both for the later kernels. Uniform
@@ -626,6 +662,7 @@ fn own_block(
     status: Reg<U64>,
     f: Reg<U32>,
     head: Reg<U32>,
+    warp_totals: &SharedVar,
 ) -> Block {
     let tid = b.sreg(SReg::TidX);
     let ws = b.ld_param_ptr(&p.ws);
@@ -662,22 +699,14 @@ fn own_block(
             let a = b.add(a, extra);
             b.set(acc, a);
         });
-        let warp_totals = b.shared_array("row_sum", 128, 16);
-        let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [acc], tid, &warp_totals);
-        let upper = b.add(nonempty, sum);
         let level0 = load_u32(b, rank0, d);
-        let at0 = b.setp(Cmp::Eq, k, 0u32);
-        let row = b.selp(level0, upper, at0);
-        let t0 = b.setp(Cmp::Eq, tid, 0u32);
-        b.if_then(t0, "record", |b| {
-            // The block's record (document, its first block, its start and length): the
-            // later per-block kernels get their document in one vector load.
-            let blk_doc = b.ld_param_ptr(&p.blk_doc);
-            let rec = common_elem16(b, blk_doc, f);
-            b.st_v(&rec, [d, first, cs, len]);
-            let block_of = b.ld_param_ptr(&p.block_of);
-            store_u32(b, block_of, row, f);
-        });
+        let row = RowNumber {
+            k,
+            level0,
+            nonempty,
+            acc,
+        };
+        record_block(b, p, f, &row, [d, first, cs, len], warp_totals);
     });
     Block {
         qb: k,
@@ -803,17 +832,13 @@ fn local_block(
             let acc = b.add(m, extra);
             let long_live = b.and_pred(is_long, live);
             let acc = b.selp(acc, 0u32, long_live);
-            let (_, [sum]) = cta_exclusive_scan_n::<1>(b, [acc], tid, warp_totals);
-            let upper = b.add(nonempty, sum);
-            let at0 = b.setp(Cmp::Eq, k, 0u32);
-            let row = b.selp(rank0_d, upper, at0);
-            b.if_then(t0, "record", |b| {
-                let blk_doc = b.ld_param_ptr(&p.blk_doc);
-                let rec = common_elem16(b, blk_doc, f);
-                b.st_v(&rec, [d, first_d, start_d, len_d]);
-                let block_of = b.ld_param_ptr(&p.block_of);
-                store_u32(b, block_of, row, f);
-            });
+            let row = RowNumber {
+                k,
+                level0: rank0_d,
+                nonempty,
+                acc,
+            };
+            record_block(b, p, f, &row, [d, first_d, start_d, len_d], warp_totals);
         });
     });
 }
@@ -898,7 +923,7 @@ fn count(b: &mut KernelBuilder) {
         b.set(works, w);
         let go = b.setp(Cmp::Ne, w, 0u32);
         b.if_then(go, "own_block", |b| {
-            let o = own_block(b, &dp, status, f, head);
+            let o = own_block(b, &dp, status, f, head, &warp_totals);
             for (r, v) in [
                 (blk.qb, o.qb),
                 (blk.first_block, o.first_block),
