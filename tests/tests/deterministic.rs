@@ -67,20 +67,17 @@ fn five_calls_bit_for_bit(p: &Problem, q2k: &[i32], cu: &[i32]) {
 
     let mut owned = MsaBackward::new();
     owned.set_deterministic(true);
-    let mut calls: Vec<(&str, [Vec<u16>; 3])> = vec![];
+    let mut calls: Vec<(String, [Vec<u16>; 3])> = vec![];
     let g = run_det(&stream, &inputs, &p.schedule);
-    calls.push(("run_backward_deterministic, call 2", bits(&stream, &g)));
+    calls.push((
+        "run_backward_deterministic, call 2".into(),
+        bits(&stream, &g),
+    ));
     stream.synchronize().unwrap();
     for n in 3..=4 {
         let g = inputs.run(&other, &p.schedule, Some(&mut owned)).unwrap();
-        calls.push((
-            if n == 3 {
-                "owned MsaBackward on a second stream, call 3"
-            } else {
-                "owned MsaBackward on a second stream, call 4"
-            },
-            bits(&other, &g),
-        ));
+        let label = format!("owned MsaBackward on a second stream, call {n}");
+        calls.push((label, bits(&other, &g)));
     }
     other.synchronize().unwrap();
 
@@ -115,7 +112,7 @@ fn five_calls_bit_for_bit(p: &Problem, q2k: &[i32], cu: &[i32]) {
             &resident,
         )
         .unwrap();
-    calls.push(("device-built schedule, call 5", bits(&stream, &g)));
+    calls.push(("device-built schedule, call 5".into(), bits(&stream, &g)));
 
     for (label, got) in &calls {
         let d = differing(&want, got);

@@ -1013,6 +1013,24 @@ mod tests {
         b.finish().map_err(|e| e.to_string())
     }
 
+    /// The design plan with the TMEM `regions` (`(id, first column, columns)`) and `aliases`
+    /// instead of the design's.
+    fn plan_with_tmem(
+        regions: &[(TmemRegion, u32, u32)],
+        aliases: Vec<(TmemRegion, TmemRegion)>,
+    ) -> Result<KernelPlan, PlanError> {
+        let regions = regions
+            .iter()
+            .map(|&(id, col, cols)| Region { id, col, cols })
+            .collect();
+        let tmem = TmemPlan::new(512, regions, aliases).unwrap();
+        let warps = WarpPlan::design().unwrap();
+        let pipes = PipelinePlan::new(pipelines(), &warps).unwrap();
+        let smem = smem_plan(pipes.barrier_slots()).unwrap();
+        let g = gemms(&smem).unwrap();
+        KernelPlan::new(warps, tmem, smem, pipes, barriers(), g)
+    }
+
     #[test]
     fn the_design_plan_builds() {
         let plan = plan().unwrap();
@@ -1027,24 +1045,17 @@ mod tests {
     #[test]
     fn an_o_region_narrower_than_pv_is_rejected() {
         use TmemRegion::*;
-        let r = |id, col, cols| Region { id, col, cols };
-        let tmem = TmemPlan::new(
-            512,
-            vec![
-                r(S, 0, 128),
-                r(P, 0, 64),
-                r(S1, 128, 128),
-                r(P1, 128, 64),
-                r(O, 256, 64),
+        let e = plan_with_tmem(
+            &[
+                (S, 0, 128),
+                (P, 0, 64),
+                (S1, 128, 128),
+                (P1, 128, 64),
+                (O, 256, 64),
             ],
             vec![(P, S), (P1, S1)],
         )
-        .unwrap();
-        let warps = WarpPlan::design().unwrap();
-        let pipes = PipelinePlan::new(pipelines(), &warps).unwrap();
-        let smem = smem_plan(pipes.barrier_slots()).unwrap();
-        let g = gemms(&smem).unwrap();
-        let e = KernelPlan::new(warps, tmem, smem, pipes, barriers(), g).unwrap_err();
+        .unwrap_err();
         assert_eq!(
             e.to_string(),
             "GEMM `pv`: operand D needs 128 TMEM columns but region O has 64"
@@ -1058,24 +1069,17 @@ mod tests {
         // The second stage's P placed over O: its TS MMA would read A from the accumulator it
         // writes.
         use TmemRegion::*;
-        let r = |id, col, cols| Region { id, col, cols };
-        let tmem = TmemPlan::new(
-            512,
-            vec![
-                r(S, 0, 128),
-                r(P, 0, 64),
-                r(S1, 128, 128),
-                r(O, 256, 128),
-                r(P1, 256, 64),
+        let e = plan_with_tmem(
+            &[
+                (S, 0, 128),
+                (P, 0, 64),
+                (S1, 128, 128),
+                (O, 256, 128),
+                (P1, 256, 64),
             ],
             vec![(P, S), (P1, O)],
         )
-        .unwrap();
-        let warps = WarpPlan::design().unwrap();
-        let pipes = PipelinePlan::new(pipelines(), &warps).unwrap();
-        let smem = smem_plan(pipes.barrier_slots()).unwrap();
-        let g = gemms(&smem).unwrap();
-        let e = KernelPlan::new(warps, tmem, smem, pipes, barriers(), g).unwrap_err();
+        .unwrap_err();
         assert_eq!(
             e.to_string(),
             "GEMM `pv1` reads A from TMEM region P1, which shares columns with its D region O"
@@ -1102,24 +1106,16 @@ mod tests {
     fn a_second_stage_not_shifted_like_the_first_fails_the_build() {
         // S1 at 128 but P1 at 192: one stride cannot address both.
         use TmemRegion::*;
-        let r = |id, col, cols| Region { id, col, cols };
-        let tmem = TmemPlan::new(
-            512,
-            vec![
-                r(S, 0, 128),
-                r(P, 0, 64),
-                r(S1, 128, 128),
-                r(P1, 192, 64),
-                r(O, 256, 128),
+        let plan = plan_with_tmem(
+            &[
+                (S, 0, 128),
+                (P, 0, 64),
+                (S1, 128, 128),
+                (P1, 192, 64),
+                (O, 256, 128),
             ],
             vec![(P, S), (P1, S1)],
-        )
-        .unwrap();
-        let warps = WarpPlan::design().unwrap();
-        let pipes = PipelinePlan::new(pipelines(), &warps).unwrap();
-        let smem = smem_plan(pipes.barrier_slots()).unwrap();
-        let g = gemms(&smem).unwrap();
-        let plan = KernelPlan::new(warps, tmem, smem, pipes, barriers(), g);
+        );
         let e = build(plan).unwrap_err();
         assert!(
             e.contains("(S1 at 128, P1 at 192) must be the first"),
