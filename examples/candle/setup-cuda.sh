@@ -8,11 +8,14 @@
 # Prints the environment to build with.
 set -euo pipefail
 root=$(realpath -m "${1:-.tools/cuda-candle}")
-ver=13.5.37
+# CUDA 13.0's compilers: candle's kernels are PTX that the driver JIT-compiles, and a driver
+# rejects a newer PTX ISA than its own CUDA version (the H200's 580 driver is CUDA 13.0;
+# nvcc 13.5's PTX failed there with CUDA_ERROR_UNSUPPORTED_PTX_VERSION).
+ver=13.0.88
 if [ ! -x "$root/nvidia/cu13/bin/nvcc" ]; then
     pip install --quiet --no-deps --target "$root" \
         "nvidia-cuda-nvcc==$ver" "nvidia-cuda-crt==$ver" "nvidia-cuda-runtime==$ver" \
-        "nvidia-nvvm==$ver" "nvidia-cuda-cccl"
+        "nvidia-nvvm==$ver" "nvidia-cuda-cccl==13.0.85"
 fi
 cuda=$root/nvidia/cu13
 ln -sf libcudart.so.13 "$cuda/lib/libcudart.so"
