@@ -76,7 +76,7 @@ pub mod bwd_preprocess_det {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(max(num_tokens, workspace_rows) / 128), 68, 1].
+    /// Grid: [ceil(max(num_tokens, workspace_rows) / 128), 8, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         out: Ptr<bf16>,

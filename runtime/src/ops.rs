@@ -171,7 +171,7 @@ pub struct FixedPointPools {
     pub dk: Span<i32>,
     /// dV, as `dk`.
     pub dv: Span<i32>,
-    /// `a[t, g]` `[T, 4]` (f32 bits), the per-row dQ bound; zero before the preprocess.
+    /// `a[t, g]` `[T, 4]` (f32 bits), the per-row dQ bound, written by the preprocess.
     pub row_bounds: Span<i32>,
     /// The group maxima ([`BOUND_WORDS`] words, f32 bits); zero before the preprocess.
     pub bounds: Span<i32>,
@@ -199,14 +199,14 @@ impl FixedPointPools {
 }
 
 /// The deterministic mode's preprocess on any [`Backend`]: `delta` as [`preprocess`], and the
-/// bounds the fixed-point units come from (`pools.row_bounds`, `pools.bounds`, which must be
-/// zero before the launch) from `out`, `dout`, `q` `[T, 64, 128]` and `k_aligned`, `v_aligned`
+/// bounds the fixed-point units come from (`pools.row_bounds`, and `pools.bounds`, which must
+/// be zero before the launch: the CTAs fold their maxima into it) from `out`, `dout`, `q` `[T, 64, 128]` and `k_aligned`, `v_aligned`
 /// `[W, 4, 128]` bf16.
 ///
 /// # Errors
 /// [`RuntimeError::Input`] for a wrong length, and the backend's launch errors.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn preprocess_deterministic<B: Backend>(
+pub fn preprocess_deterministic<B: Backend>(
     backend: &mut B,
     out: Span<bf16>,
     dout: Span<bf16>,
@@ -247,7 +247,8 @@ pub(crate) fn preprocess_deterministic<B: Backend>(
         tokens,
         ws,
     );
-    let y = (NUM_Q_HEADS + NUM_KV_HEADS) as u32;
+    // blockIdx.y: the query tokens of each KV group, then the K/V rows of each group.
+    let y = (2 * NUM_KV_HEADS) as u32;
     // SAFETY: every buffer length was checked against num_tokens and workspace_rows above.
     unsafe { backend.launch(&bwd_preprocess_det::KERNEL, (blocks, y, 1), &args) }
 }
@@ -257,7 +258,7 @@ pub(crate) fn preprocess_deterministic<B: Backend>(
 ///
 /// # Errors
 /// [`RuntimeError::Input`] for a wrong length, and the backend's launch errors.
-pub(crate) fn postprocess_deterministic<B: Backend>(
+pub fn postprocess_deterministic<B: Backend>(
     backend: &mut B,
     pools: &FixedPointPools,
     dq: Span<bf16>,

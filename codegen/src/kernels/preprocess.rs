@@ -100,14 +100,18 @@ fn describe(b: &mut KernelBuilder) {
 
 /// Heads per KV group.
 const GROUP_HEADS: u32 = 16;
+/// KV groups.
+const GROUPS: u32 = 4;
 
-/// `bwd_preprocess_det`. Grid `[ceil(max(T, W)/128), 64 + 4]`: `blockIdx.y < 64` are the
-/// preprocess CTAs of head `y` (delta as [`DESC`], plus `‖dO‖₁`, `max|dO|` and `max|Q|` of each
-/// row); `blockIdx.y = 64 + g` reduce 128 rows of K and V of group `g`. Every row's maxima
-/// meet in shared memory (integer max on the bits), and one thread per CTA folds them into
-/// the `bounds` buffer, so its words see one atomic per CTA, not one per row.
+/// `bwd_preprocess_det`. Grid `[ceil(max(T, W)/128), 4 + 4]`, 256 threads: `blockIdx.y = g < 4`
+/// covers 128 tokens of KV group `g`, each warp one token's 16 heads at a time (Δ as
+/// [`DESC`], plus `‖dO‖₁`, `max|dO|` and `max|Q|` of each row), so that `a[t, g]` (the maximum
+/// over the group's heads) meets in one warp and is stored, not reduced with atomics;
+/// `blockIdx.y = 4 + g` reduce 128 rows of K and V of group `g`. The maxima of a CTA meet in
+/// shared memory (integer max on the bits), and one thread folds them into the `bounds`
+/// buffer, so its words see one atomic per CTA.
 fn describe_deterministic(b: &mut KernelBuilder) {
-    b.grid("[ceil(max(num_tokens, workspace_rows) / 128), 68, 1]");
+    b.grid("[ceil(max(num_tokens, workspace_rows) / 128), 8, 1]");
     let out_p = b.param_ptr("out", HostElem::Bf16, false);
     let dout_p = b.param_ptr("dout", HostElem::Bf16, false);
     let q_p = b.param_ptr("q", HostElem::Bf16, false);
@@ -123,19 +127,12 @@ fn describe_deterministic(b: &mut KernelBuilder) {
     let tid = b.sreg(SReg::TidX);
     let block = b.sreg(SReg::CtaidX);
     let y = b.sreg(SReg::CtaidY);
-    let part = b.and(tid, LANES_PER_ROW - 1);
-    let sub_row = b.shr(tid, 4u32);
-    let first = b.mul_lo(block, ROWS_PER_CTA);
-    let first = b.add(first, sub_row);
-    let lane_bytes = b.shl(part, 4u32);
-    let lane_bytes = b.cvt::<U64, U32>(lane_bytes);
-    let leader = b.setp(Cmp::Eq, part, 0u32);
     let t0 = b.setp(Cmp::Eq, tid, 0u32);
     let maxima = b.shared_base(&cta_max);
     let tokens = b.ld_param(&tokens_p);
     let ws_rows = b.ld_param(&ws_p);
     let bounds = b.ld_param_ptr(&bounds_p);
-    let is_kv = b.setp(Cmp::Ge, y, HEADS);
+    let is_kv = b.setp(Cmp::Ge, y, GROUPS);
     let limit = b.selp(ws_rows, tokens, is_kv);
     let start = b.mul_lo(block, ROWS_PER_CTA);
     let idle = b.setp(Cmp::Ge, start, limit);
@@ -145,11 +142,10 @@ fn describe_deterministic(b: &mut KernelBuilder) {
         b.st_v(&shared(maxima, 0), [z, z, z, z]);
     });
     b.bar_sync(0, None);
-    // The butterfly of one value over the 16 lanes of a row (every lane takes part: a warp
-    // holds two rows, and when only one is live the other half-warp must still shuffle).
-    let reduce = |b: &mut KernelBuilder, v: Reg<U32>, add: bool| -> Reg<U32> {
+    // A butterfly of one value over lane distances `dists` (sum of f32 bits, or integer max).
+    let reduce = |b: &mut KernelBuilder, v: Reg<U32>, add: bool, dists: &[u32]| -> Reg<U32> {
         let mut acc = v;
-        for dist in [1u32, 2, 4, 8] {
+        for &dist in dists {
             let other = b.shfl(Shfl::Bfly, acc, dist, 0x1f);
             acc = if add {
                 let x = b.bitcast::<F32, U32>(acc);
@@ -162,6 +158,8 @@ fn describe_deterministic(b: &mut KernelBuilder) {
         }
         acc
     };
+    const ROW: [u32; 4] = [1, 2, 4, 8];
+    const WARP: [u32; 5] = [1, 2, 4, 8, 16];
     let fold = |b: &mut KernelBuilder, word: u32, v: Reg<U32>, p: Reg<Pred>| {
         b.predicated(p, false, |b| {
             b.red::<U32, _>(AtomOp::Max, &shared(maxima, 4 * word as i64), v)
@@ -170,82 +168,103 @@ fn describe_deterministic(b: &mut KernelBuilder) {
     let kv_half = b.label("kv_rows");
     b.bra_if(is_kv, &kv_half);
 
-    b.comment("query rows of head y: delta, |dO|_1, max |dO|, max |Q|");
+    b.comment("tokens of group y, a warp per token: delta, |dO|_1, a[t, y], max |dO|, max |Q|");
     {
         let out = b.ld_param_ptr(&out_p);
         let dout = b.ld_param_ptr(&dout_p);
         let q = b.ld_param_ptr(&q_p);
         let delta = b.ld_param_ptr(&delta_p);
         let row_bounds = b.ld_param_ptr(&rows_p);
-        let g = b.shr(y, 4u32);
-        const _: () = assert!(GROUP_HEADS == 16);
-        for pass in 0..ROWS_PER_CTA / ROWS_PER_PASS {
-            b.comment(&format!("rows first + {}", pass * ROWS_PER_PASS));
-            let t = b.add(first, pass * ROWS_PER_PASS);
+        let g = y;
+        let warp = b.shr(tid, 5u32);
+        let lane = b.and(tid, 31u32);
+        // Pass i of a token: lanes 0-15 read head 2i of the group, lanes 16-31 head 2i + 1,
+        // 16 bytes each: 512 contiguous bytes per load.
+        let half = b.shr(lane, 4u32);
+        let part = b.and(lane, LANES_PER_ROW - 1);
+        let lane_bytes = b.shl(lane, 4u32);
+        let lane_bytes = b.cvt::<U64, U32>(lane_bytes);
+        let leader = b.setp(Cmp::Eq, lane, 0u32);
+        let stores_delta = b.setp(Cmp::Lt, part, GROUP_HEADS / 2);
+        let first = b.add(start, warp);
+        let g16 = b.shl(g, 4u32);
+        let zero = b.mov::<U32>(0u32);
+        let (q_max, o_max, a_max) = (b.mov::<U32>(zero), b.mov::<U32>(zero), b.mov::<U32>(zero));
+        const WARPS: u32 = THREADS / 32;
+        for pass in 0..ROWS_PER_CTA / WARPS {
+            b.comment(&format!("token first + {}", pass * WARPS));
+            let t = b.add(first, pass * WARPS);
             let live = b.setp(Cmp::Lt, t, tokens);
-            let row = b.mad_lo(t, HEADS, y);
-            let zero = b.mov::<U32>(0u32);
-            let (dot, l1, qm, om) = (
-                b.mov::<U32>(zero),
-                b.mov::<U32>(zero),
-                b.mov::<U32>(zero),
-                b.mov::<U32>(zero),
-            );
-            b.if_then(live, "row_loaded", |b| {
-                let row_bytes = b.mul_wide(row, HEAD_DIM * 2);
+            // Warp-uniform: the whole warp skips a token past T, shuffles included.
+            b.if_then(live, "token_done", |b| {
+                let row0 = b.mad_lo(t, HEADS, g16);
+                let row_bytes = b.mul_wide(row0, HEAD_DIM * 2);
                 let off = b.add(row_bytes, lane_bytes);
                 let o_addr = b.add(out, off);
                 let d_addr = b.add(dout, off);
                 let q_addr = b.add(q, off);
-                let o: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(o_addr, 0));
-                let d: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(d_addr, 0));
-                let qv: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(q_addr, 0));
-                let mut acc = b.mov::<F32>(0.0f32);
-                let mut abs_sum = b.mov::<F32>(0.0f32);
-                let mut q_max = b.mov::<U32>(0u32);
-                let mut o_max = b.mov::<U32>(0u32);
-                for i in 0..4 {
-                    let (o_lo, o_hi) = b.bf16x2_to_f32(o[i]);
-                    let (d_lo, d_hi) = b.bf16x2_to_f32(d[i]);
-                    let (q_lo, q_hi) = b.bf16x2_to_f32(qv[i]);
-                    acc = b.fma(o_lo, d_lo, acc);
-                    acc = b.fma(o_hi, d_hi, acc);
-                    for x in [d_lo, d_hi] {
-                        let a = abs_bits(b, x);
-                        o_max = b.max(o_max, a);
-                        let af = b.bitcast::<F32, U32>(a);
-                        abs_sum = b.add(abs_sum, af);
+                let a_run = b.mov::<U32>(zero);
+                let mine = b.mov::<U32>(zero);
+                for i in 0..GROUP_HEADS / 2 {
+                    let at = 512 * i as i64;
+                    let o: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(o_addr, at));
+                    let d: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(d_addr, at));
+                    let qv: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(q_addr, at));
+                    let mut acc = b.mov::<F32>(0.0f32);
+                    let mut abs_sum = b.mov::<F32>(0.0f32);
+                    for k in 0..4 {
+                        let (o_lo, o_hi) = b.bf16x2_to_f32(o[k]);
+                        let (d_lo, d_hi) = b.bf16x2_to_f32(d[k]);
+                        let (q_lo, q_hi) = b.bf16x2_to_f32(qv[k]);
+                        acc = b.fma(o_lo, d_lo, acc);
+                        acc = b.fma(o_hi, d_hi, acc);
+                        for x in [d_lo, d_hi] {
+                            let a = abs_bits(b, x);
+                            let m = b.max(o_max, a);
+                            b.set(o_max, m);
+                            let af = b.bitcast::<F32, U32>(a);
+                            abs_sum = b.add(abs_sum, af);
+                        }
+                        for x in [q_lo, q_hi] {
+                            let a = abs_bits(b, x);
+                            let m = b.max(q_max, a);
+                            b.set(q_max, m);
+                        }
                     }
-                    for x in [q_lo, q_hi] {
-                        let a = abs_bits(b, x);
-                        q_max = b.max(q_max, a);
-                    }
+                    let dot = b.bitcast::<U32, F32>(acc);
+                    let dot = reduce(b, dot, true, &ROW);
+                    let l1 = b.bitcast::<U32, F32>(abs_sum);
+                    let l1 = reduce(b, l1, true, &ROW);
+                    // Lane `part == i` of each half keeps head 2i + half's delta.
+                    let is_i = b.setp(Cmp::Eq, part, i);
+                    let m = b.selp(dot, mine, is_i);
+                    b.set(mine, m);
+                    let dotf = b.bitcast::<F32, U32>(dot);
+                    let dabs = abs_bits(b, dotf);
+                    let a = b.max(l1, dabs);
+                    let a = b.max(a_run, a);
+                    b.set(a_run, a);
                 }
-                let accb = b.bitcast::<U32, F32>(acc);
-                b.set(dot, accb);
-                let l1b = b.bitcast::<U32, F32>(abs_sum);
-                b.set(l1, l1b);
-                b.set(qm, q_max);
-                b.set(om, o_max);
+                // delta[t, 16g + 2·part + half] from lanes part < 8: 64 contiguous bytes.
+                let h = b.shl(part, 1u32);
+                let h = b.add(h, half);
+                let drow = b.add(row0, h);
+                let dst = super::common::elem::<U32>(b, delta, drow);
+                b.predicated(stores_delta, false, |b| b.st(&dst, mine));
+                // Both halves' heads: a[t, g] in every lane.
+                let a = reduce(b, a_run, false, &[16]);
+                let tg = b.mad_lo(t, 4u32, g);
+                let ra = super::common::elem::<U32>(b, row_bounds, tg);
+                b.predicated(leader, false, |b| b.st(&ra, a));
+                let m = b.max(a_max, a);
+                b.set(a_max, m);
             });
-            let dot = reduce(b, dot, true);
-            let l1 = reduce(b, l1, true);
-            let qm = reduce(b, qm, false);
-            let om = reduce(b, om, false);
-            let store = b.and_pred(live, leader);
-            let row_f32 = b.mul_wide(row, 4u32);
-            let dst = b.add(delta, row_f32);
-            let dotf = b.bitcast::<F32, U32>(dot);
-            b.predicated(store, false, |b| b.st(&global(dst, 0), dotf));
-            let dabs = abs_bits(b, dotf);
-            let a = b.max(l1, dabs);
-            let tg = b.mad_lo(t, 4u32, g);
-            let ra = super::common::elem::<U32>(b, row_bounds, tg);
-            b.predicated(store, false, |b| b.red::<U32, _>(AtomOp::Max, &ra, a));
-            fold(b, 0, qm, store);
-            fold(b, 1, om, store);
-            fold(b, 2, a, store);
         }
+        let qm = reduce(b, q_max, false, &WARP);
+        let om = reduce(b, o_max, false, &WARP);
+        fold(b, 0, qm, leader);
+        fold(b, 1, om, leader);
+        fold(b, 2, a_max, leader);
         b.bar_sync(0, None);
         b.if_then(t0, "group_maxima", |b| {
             let m: [Reg<U32>; 4] = b.ld_v(&shared(maxima, 0));
@@ -263,7 +282,13 @@ fn describe_deterministic(b: &mut KernelBuilder) {
     {
         let k = b.ld_param_ptr(&k_p);
         let v = b.ld_param_ptr(&v_p);
-        let g = b.sub(y, HEADS);
+        let g = b.sub(y, GROUPS);
+        let part = b.and(tid, LANES_PER_ROW - 1);
+        let sub_row = b.shr(tid, 4u32);
+        let first = b.add(start, sub_row);
+        let lane_bytes = b.shl(part, 4u32);
+        let lane_bytes = b.cvt::<U64, U32>(lane_bytes);
+        let leader = b.setp(Cmp::Eq, part, 0u32);
         for pass in 0..ROWS_PER_CTA / ROWS_PER_PASS {
             let r = b.add(first, pass * ROWS_PER_PASS);
             let live = b.setp(Cmp::Lt, r, ws_rows);
@@ -294,8 +319,8 @@ fn describe_deterministic(b: &mut KernelBuilder) {
                 b.set(km, k_max);
                 b.set(vm, v_max);
             });
-            let km = reduce(b, km, false);
-            let vm = reduce(b, vm, false);
+            let km = reduce(b, km, false, &ROW);
+            let vm = reduce(b, vm, false, &ROW);
             let store = b.and_pred(live, leader);
             fold(b, 0, km, store);
             fold(b, 1, vm, store);

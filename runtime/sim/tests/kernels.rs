@@ -368,3 +368,109 @@ fn task_build_matches_the_oracle_when_rows_are_shuffled() {
     assert_eq!(build_task_tables(&shuffled, 8).desc[7], 0);
     check_task_build("shuffled rows", &shuffled, 8);
 }
+
+// ---------------------------------------------------------------------------------------------
+// bwd_preprocess_det
+// ---------------------------------------------------------------------------------------------
+
+/// `Σ|x|` of one 128-element row in the kernel's order (as [`delta_in_kernel_order`]).
+fn l1_in_kernel_order(d: &[bf16]) -> f32 {
+    let mut part = [0f32; 16];
+    for (l, p) in part.iter_mut().enumerate() {
+        for x in &d[8 * l..8 * l + 8] {
+            *p += x.to_f32().abs();
+        }
+    }
+    for step in [1, 2, 4, 8] {
+        let prev = part;
+        for (l, p) in part.iter_mut().enumerate() {
+            *p = prev[l] + prev[l ^ step];
+        }
+    }
+    part[0]
+}
+
+/// The deterministic preprocess's outputs, computed here from the inputs: delta (bit-exact
+/// in the kernel's summation order), `a[t, g] = max_{h∈g} max(‖dO[t,h]‖₁, |Δ[t,h]|)` for every
+/// row (the buffer is poisoned first, so a row the kernel skips shows), and the group maxima
+/// of the `bounds` words (`docs/design.md` §3.8; layout of `codegen`'s `fixed_point`: words
+/// `g`, `4 + g`, `8 + g`, `12 + g`, `16 + g` hold max |K|, |V|, |Q|, a, |dO| of group `g`).
+#[test]
+fn deterministic_preprocess_matches_a_cpu_computation() {
+    use msa_runtime::ops::{preprocess_deterministic, FixedPointPools, BOUND_WORDS};
+    const HEADS: usize = 64;
+    const DIM: usize = 128;
+    // Every f32 compared as bits: maxima of non-negative floats are exact.
+    let bits = |x: f32| x.to_bits();
+    for arch in ARCHES {
+        // T = 300: three token CTAs, the last partial; W = 512: a K/V CTA past the tokens.
+        let (tokens, ws) = (300usize, 512usize);
+        let n = tokens * HEADS * DIM;
+        let kv_n = ws * 4 * DIM;
+        let mut rng = Rng(41 + arch as u64);
+        let mut gen = |len: usize| -> Vec<bf16> { (0..len).map(|_| rng.bf16()).collect() };
+        let (out, dout, q, k, v) = (gen(n), gen(n), gen(n), gen(kv_n), gen(kv_n));
+
+        let mut dev = SimDevice::new(arch, 1);
+        let spans = [&out, &dout, &q, &k, &v].map(|x| span(&mut dev, "input", x));
+        let delta = span(&mut dev, "delta", &vec![f32::NAN; tokens * HEADS]);
+        let row_bounds = span(&mut dev, "row_bounds", &vec![-1i32; tokens * 4]);
+        let bounds = span(&mut dev, "bounds", &vec![0i32; BOUND_WORDS]);
+        let pools = FixedPointPools {
+            dq: span(&mut dev, "dq_pool", &vec![0f32; n]),
+            dk: span(&mut dev, "dk_pool", &vec![0i32; 2 * kv_n]),
+            dv: span(&mut dev, "dv_pool", &vec![0i32; 2 * kv_n]),
+            row_bounds,
+            bounds,
+        };
+        let [o_d, do_d, q_d, k_d, v_d] = spans;
+        preprocess_deterministic(
+            &mut dev, o_d, do_d, q_d, k_d, v_d, delta, &pools, tokens, ws,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let got_delta: Vec<f32> = dev.read(delta.addr, tokens * HEADS).expect("read");
+        let got_rows: Vec<u32> = dev.read(row_bounds.addr, tokens * 4).expect("read");
+        let got_bounds: Vec<u32> = dev.read(bounds.addr, BOUND_WORDS).expect("read");
+
+        let mut want_bounds = [0u32; BOUND_WORDS];
+        let abs_max = |x: &[bf16]| x.iter().map(|v| bits(v.to_f32().abs())).max().unwrap();
+        for t in 0..tokens {
+            for g in 0..4 {
+                let mut a = 0u32;
+                for h in 16 * g..16 * g + 16 {
+                    let r = t * HEADS + h;
+                    let row = r * DIM..(r + 1) * DIM;
+                    let d = delta_in_kernel_order(&out[row.clone()], &dout[row.clone()]);
+                    assert_eq!(
+                        bits(got_delta[r]),
+                        bits(d),
+                        "{arch:?} delta of token {t} head {h}: {} vs {d}",
+                        got_delta[r]
+                    );
+                    let l1 = l1_in_kernel_order(&dout[row.clone()]);
+                    a = a.max(bits(l1)).max(bits(d.abs()));
+                    let w = &mut want_bounds;
+                    w[8 + g] = w[8 + g].max(abs_max(&q[row.clone()]));
+                    w[16 + g] = w[16 + g].max(abs_max(&dout[row]));
+                }
+                assert_eq!(
+                    got_rows[4 * t + g],
+                    a,
+                    "{arch:?} a[{t}, {g}]: {} vs {}",
+                    f32::from_bits(got_rows[4 * t + g]),
+                    f32::from_bits(a)
+                );
+                want_bounds[12 + g] = want_bounds[12 + g].max(a);
+            }
+        }
+        for r in 0..ws {
+            for g in 0..4 {
+                let row = (4 * r + g) * DIM..(4 * r + g + 1) * DIM;
+                want_bounds[g] = want_bounds[g].max(abs_max(&k[row.clone()]));
+                want_bounds[4 + g] = want_bounds[4 + g].max(abs_max(&v[row]));
+            }
+        }
+        assert_eq!(got_bounds, want_bounds.to_vec(), "{arch:?} bounds words");
+        println!("{arch:?} bwd_preprocess_det: delta, a[t, g] and the bounds words exact");
+    }
+}
