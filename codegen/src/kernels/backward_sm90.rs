@@ -53,6 +53,10 @@
 //!   one `red.global.add.noftz.bf16x2` into the head-pair-interleaved pool, with an L2
 //!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
 //!   after a lane-pair exchange that gives each lane four consecutive head dims.
+//! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
+//!   computes each slot's inverse dQ unit from `a[t, g]` into the row stage, so that the
+//!   consumers only read eight words before they release it; dQ goes as integer-valued f32
+//!   head quads (`red.add.v4.f32`), dK/dV as i64 (`red.add.u64`) at a segment's end.
 
 use super::common::{self, elem_bytes, MainParams, Walk};
 use super::fixed_point;
@@ -103,6 +107,7 @@ struct Resolved<'a> {
     lse: Placed,
     delta: Placed,
     qpos: Placed,
+    dq_inv: Placed,
     barriers: u32,
     kv: Pipe<'a>,
     q_do: Pipe<'a>,
@@ -128,6 +133,7 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
         lse: buf(Buf::Lse)?,
         delta: buf(Buf::Delta)?,
         qpos: buf(Buf::QPos)?,
+        dq_inv: buf(Buf::DqInv)?,
         barriers: buf(Buf::Barriers)?.offset,
         kv: pipe("kv")?,
         q_do: pipe("q_do")?,
@@ -296,6 +302,19 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
             b.st(&r.qpos.at(at, 0), v);
+            // Deterministic: slot `lane`'s inverse dQ unit from a[t, g], off the consumers'
+            // path (an empty slot reads row 0; its reductions are skipped).
+            if let Some(f) = &p.fixed {
+                let bounds = b.ld_param_ptr(&f.bounds);
+                let factor = fixed_point::dq_factor(b, bounds, m[1]);
+                let qrows = b.ld_param_ptr(&p.qrows);
+                let a = common::elem::<S32>(b, qrows, idx);
+                let q = b.ld::<S32, _>(&a);
+                let rc = b.max(q, 0i32);
+                let rc = b.bitcast::<U32, S32>(rc);
+                let inv = fixed_point::dq_row_inv_unit(b, f, rc, m[1], factor);
+                b.st(&r.dq_inv.at(at, 0), inv);
+            }
         });
         r.rows.producer_commit(b, bars, &st);
         let next = b.add(tasks, 1u32);
@@ -382,6 +401,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let key_pos_s = b.bitcast::<S32, U32>(key_pos);
         let key_pos8_s = b.bitcast::<S32, U32>(key_pos8);
         let mut rows_stage = None;
+        // Deterministic: the slots' inverse dQ units (the gather warp's), held to the dQ loop.
+        let mut dq_invs: Option<Vec<Reg<F32>>> = None;
 
         for half in 0..2u32 {
             b.comment(&format!(
@@ -464,6 +485,13 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
 
             if half == 1 {
+                if p.fixed.is_some() {
+                    b.comment("the slots' inverse dQ units, read before the release");
+                    let at = r.dq_inv.at(base, 0);
+                    let lo: [Reg<F32>; 4] = b.ld_v(&at);
+                    let hi: [Reg<F32>; 4] = b.ld_v(&at.offset(16));
+                    dq_invs = Some(lo.into_iter().chain(hi).collect());
+                }
                 b.comment("this thread's last read of the row scalars is done: release them");
                 let rst = rows_stage.as_ref().expect("waited in half 0");
                 rows.consumer_release(b, &bars, rst);
@@ -543,20 +571,6 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
             b.wgmma_commit();
         }
-        // Deterministic: each slot's inverse dQ unit from a[t, g], while the tensor cores
-        // compute dQ^T (an empty slot reads row 0; its reductions are skipped).
-        let dq_invs: Option<Vec<Reg<F32>>> = p.fixed.as_ref().map(|f| {
-            let bounds = b.ld_param_ptr(&f.bounds);
-            let factor = fixed_point::dq_factor(b, bounds, head);
-            (0..8)
-                .map(|slot| {
-                    let q = slot_word(b, &p.qrows, slot);
-                    let rc = b.max(q, 0i32);
-                    let rc = b.bitcast::<U32, S32>(rc);
-                    fixed_point::dq_row_inv_unit(b, f, rc, head, factor)
-                })
-                .collect()
-        });
         for nh in 0..2u32 {
             let dq_acc = &dq_accs[nh as usize];
             b.wgmma_wait(1 - nh);

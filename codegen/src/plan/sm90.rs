@@ -167,7 +167,7 @@ pub fn design_pipelines() -> Vec<Pipeline> {
 
 /// The shared layout for `pipelines`: sK, sV, sQ×2, sdO×2, sdS (the dS^T panels dQ^T reads),
 /// the barrier array, then one stage of the row scalars (`−lse·log2e` and delta per folded
-/// row, the slots' query positions).
+/// row, the slots' query positions and, in the deterministic mode, their inverse dQ units).
 pub fn design_smem(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (q_do, rows) = (stages("q_do")?, stages("rows")?);
@@ -181,6 +181,7 @@ pub fn design_smem(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
         BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::Delta, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::QPos, SLOTS, rows),
+        BufferSpec::scalar(Buf::DqInv, SLOTS, rows),
     ])
 }
 

@@ -43,6 +43,8 @@ pub enum Buf {
     QRows,
     /// The 8 query positions of a task, per stage.
     QPos,
+    /// The deterministic mode's inverse dQ units of a task's 8 query slots, per stage.
+    DqInv,
     /// The mbarrier array of every pipeline.
     Barriers,
     /// The word `tcgen05.alloc` writes the TMEM base address to.
@@ -67,6 +69,7 @@ impl fmt::Display for Buf {
             Buf::Delta => "sDelta",
             Buf::QRows => "sQRows",
             Buf::QPos => "sQPos",
+            Buf::DqInv => "sDqInv",
             Buf::Barriers => "mbarriers",
             Buf::TmemAddr => "tmem_addr",
             Buf::List => "sList",
