@@ -37,7 +37,9 @@
 //!   --q2k-from DIR` at lengths where its numpy recipe is too slow
 //! - `--deterministic` also time the deterministic mode (`MsaBackward::set_deterministic`) on
 //!   the same inputs right after the default one, with its ratio to the default median; two
-//!   more deterministic calls must give the same bits, and `--check N` checks one of them too
+//!   more deterministic calls must give the same bits, and `--check N` checks one of them too;
+//!   then `reps` interleaved pairs (a default call, a deterministic call) give a second ratio
+//!   under the same clocks and temperature for both modes
 //! - `--check N`      after timing, one more call whose gradients are checked against exact
 //!   sampled references (`msa_runtime::reference::sampled`): N random dq rows and N/100 random
 //!   key blocks of dk/dv, at the seed tolerances
@@ -483,6 +485,17 @@ struct DetTiming {
     samples: Vec<f32>,
     /// `MsaBackward::workspace_bytes` of the deterministic backward.
     workspace_bytes: usize,
+    /// Interleaved `[default, deterministic]` call times, ms.
+    pairs: Vec<[f32; 2]>,
+}
+
+impl DetTiming {
+    /// Medians of the interleaved default and deterministic calls, and their ratio.
+    fn paired(&self) -> (f32, f32, f32) {
+        let d = median(self.pairs.iter().map(|p| p[0]).collect());
+        let x = median(self.pairs.iter().map(|p| p[1]).collect());
+        (d, x, x / d)
+    }
 }
 
 /// The device schedule build's timings.
@@ -646,11 +659,37 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             check_sampled(stream, &x, &g1, o.check, seed)?;
         }
         let bytes = b.workspace_bytes();
+        // Interleaved pairs (a default call, then a deterministic one, each after the L2
+        // flush): both modes under the same clocks and thermal state, whatever the drift
+        // between the two blocks of calls above.
+        let mut dflt = MsaBackward::new();
+        dflt.set_locality(o.localities[0]);
+        for _ in 0..o.warmup.max(1) {
+            drop(run(&mut dflt)?);
+        }
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut pairs = Vec::with_capacity(o.reps);
+        for _ in 0..o.reps {
+            let mut pair = [0f32; 2];
+            for (i, bk) in [&mut dflt, &mut b].into_iter().enumerate() {
+                if let Some(buf) = flush.as_mut() {
+                    stream.memset_zeros(buf)?;
+                }
+                let start = stream.record_event(timing)?;
+                let g = run(bk)?;
+                let end = stream.record_event(timing)?;
+                pair[i] = start.elapsed_ms(&end)?;
+                drop(g);
+            }
+            pairs.push(pair);
+        }
+        stream.synchronize()?;
         Some(DetTiming {
             median_ms: median(s.clone()),
             min_ms: s.iter().copied().fold(f32::INFINITY, f32::min),
             samples: s,
             workspace_bytes: bytes,
+            pairs,
         })
     } else {
         None
@@ -890,12 +929,22 @@ fn json_case(case: &Case, tm: Option<&Timing>, o: &Options) -> String {
             let _ = write!(
                 s,
                 ", \"deterministic\": {{\"ms_median\": {:.4}, \"ms_min\": {:.4}, \
-                 \"ratio_to_default\": {:.4}, \"workspace_bytes\": {}, \"samples_ms\": [{}]}}",
+                 \"ratio_to_default\": {:.4}, \"workspace_bytes\": {}, \"samples_ms\": [{}], \
+                 \"interleaved\": {{\"default_ms_median\": {:.4}, \"ms_median\": {:.4}, \
+                 \"ratio\": {:.4}, \"pairs_ms\": [{}]}}}}",
                 d.median_ms,
                 d.min_ms,
                 d.median_ms / tm.median_ms,
                 d.workspace_bytes,
-                samples.join(", ")
+                samples.join(", "),
+                d.paired().0,
+                d.paired().1,
+                d.paired().2,
+                d.pairs
+                    .iter()
+                    .map(|p| format!("[{:.4}, {:.4}]", p[0], p[1]))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
     }
@@ -1065,6 +1114,11 @@ fn run(o: &Options) -> Res<()> {
                 useful_flop(c.keys) / (f64::from(d.median_ms) * 1e-3) / 1e12,
                 d.median_ms / tm.median_ms,
                 gib(d.workspace_bytes)
+            );
+            let (pd, px, ratio) = d.paired();
+            println!(
+                "  deterministic, interleaved with default calls: default ms_med {pd:.3}, \
+                 deterministic ms_med {px:.3}, {ratio:.3}x"
             );
         }
         for st in &tm.sweep {
