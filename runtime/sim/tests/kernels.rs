@@ -415,7 +415,7 @@ fn deterministic_preprocess_matches_a_cpu_computation() {
         let spans = [&out, &dout, &q, &k, &v].map(|x| span(&mut dev, "input", x));
         let delta = span(&mut dev, "delta", &vec![f32::NAN; tokens * HEADS]);
         let row_bounds = span(&mut dev, "row_bounds", &vec![-1i32; tokens * 4]);
-        let bounds = span(&mut dev, "bounds", &vec![0i32; BOUND_WORDS]);
+        let bounds = span(&mut dev, "bounds", &[0i32; BOUND_WORDS]);
         let pools = FixedPointPools {
             dq: span(&mut dev, "dq_pool", &vec![0f32; n]),
             dk: span(&mut dev, "dk_pool", &vec![0i32; 2 * kv_n]),
