@@ -318,8 +318,9 @@ mod tests {
         let smem = plan.smem();
         assert_eq!(smem.offset(Buf::DO).unwrap(), 4 * TILE_BYTES);
         assert_eq!(smem.offset(Buf::Barriers).unwrap(), 7 * TILE_BYTES);
-        // 7 tiles, 8 barriers, 2 × 128 + 8 row words.
-        assert_eq!(smem.total(), 7 * TILE_BYTES + 64 + 4 * (2 * 128 + 8));
+        // 7 tiles, 8 barriers, 2 × 128 + 8 + 8 row words (lse, delta, positions, dQ units).
+        assert_eq!(smem.total(), 7 * TILE_BYTES + 64 + 4 * (2 * 128 + 8 + 8));
+        assert_eq!(smem.offset(Buf::DqInv).unwrap(), smem.total() - 4 * 8);
         assert_eq!(plan.warps().threads(Role::Compute), 256);
         assert_eq!(plan.warps().threads(Role::Idle), 64);
         assert_eq!(plan.warpgroup_barrier("consumer_wg").unwrap().ids(), 2..4);
