@@ -930,13 +930,14 @@ pub mod msa_forward_sm90 {
         lse: PtrMut<f32>,
         num_tokens: u32,
         num_docs: u32,
+        first_token: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(q2k), KernelArg::from(cu_seqlens),
             KernelArg::from(document_workspace_starts), KernelArg::from(status),
             KernelArg::from(out), KernelArg::from(lse), KernelArg::from(num_tokens),
-            KernelArg::from(num_docs)
+            KernelArg::from(num_docs), KernelArg::from(first_token)
         ]
     }
 }
@@ -977,13 +978,14 @@ pub mod msa_forward_sm100 {
         lse: PtrMut<f32>,
         num_tokens: u32,
         num_docs: u32,
+        first_token: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(q2k), KernelArg::from(cu_seqlens),
             KernelArg::from(document_workspace_starts), KernelArg::from(status),
             KernelArg::from(out), KernelArg::from(lse), KernelArg::from(num_tokens),
-            KernelArg::from(num_docs)
+            KernelArg::from(num_docs), KernelArg::from(first_token)
         ]
     }
 }

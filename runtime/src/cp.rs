@@ -26,6 +26,15 @@
 //!    is exact fp32, so the precision is that of the single-device backward (one more fp32
 //!    rounding per element).
 //!
+//! # The forward ([`CpForward::run_on`])
+//! The rank validates its rows of the selection on the host and builds its schedule
+//! ([`CpLayout::local_schedule`], returned for the backward), uploads the selection and the
+//! documents' tables, all-gathers K and V as above and runs the forward kernel on its own
+//! queries: the kernel's `first_token` parameter puts local row `i` at token
+//! `token_rows(rank).start + i` of the packed sequence for the document search, while `q`,
+//! `q2k`, `out` and `lse` stay local. `out` and `lse` are final on each rank (a row's keys are
+//! all in the gathered K/V), so the forward needs no reduction.
+//!
 //! Communication is `2·(R−1)/R·S·R·1 KiB` per gather (K and V, bf16) and the same in fp32 ×2
 //! per reduce-scatter, per rank. All steps are ordered on one stream; the gather is issued
 //! before the preprocess and the task build but does not overlap them yet (that needs a
@@ -39,10 +48,13 @@
 //! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding, its
 //! `stream` child, is layer 5.
 
+use crate::backend::bytes_of;
+use crate::backend::Ptr;
 use crate::backend::{Backend, Span};
 use crate::backward::{BackwardBuffers, MsaBackward};
-use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, TOPK_BLOCKS};
+use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW, TOPK_BLOCKS};
 use crate::error::RuntimeError;
+use crate::forward::{ForwardBuffers, MsaForward, QueryRows, QUERIES_PER_WORK};
 use crate::ops::{check_len, postprocess};
 use crate::schedule::{build_schedule_for_rows, workspace_layout, Schedule, ScheduleError};
 use half::bf16;
@@ -282,6 +294,58 @@ pub trait Collective<B: Backend> {
     ) -> Result<(), RuntimeError>;
 }
 
+/// `comm`'s rank, after checking that it is a rank of `layout`'s group.
+fn check_group<B: Backend, C: Collective<B>>(
+    comm: &C,
+    layout: &CpLayout,
+) -> Result<usize, RuntimeError> {
+    let (ranks, rank) = (comm.ranks(), comm.rank());
+    if ranks != layout.ranks() || rank >= ranks {
+        return Err(RuntimeError::input(
+            "comm",
+            format!("rank {rank} of {ranks}"),
+            format!(
+                "a rank of a group of {} (the layout's ranks)",
+                layout.ranks()
+            ),
+        ));
+    }
+    Ok(rank)
+}
+
+/// A device buffer of at least `bytes` bytes from `cache`, reallocated when it is smaller.
+fn cached<B: Backend>(
+    backend: &mut B,
+    cache: &mut Option<(B::Buffer, usize)>,
+    what: &'static str,
+    bytes: usize,
+) -> Result<u64, RuntimeError> {
+    if let Some((buf, have)) = cache.as_ref() {
+        if *have >= bytes {
+            return Ok(backend.address(buf));
+        }
+    }
+    *cache = None;
+    let buf = backend.alloc(what, bytes)?;
+    let at = backend.address(&buf);
+    *cache = Some((buf, bytes));
+    Ok(at)
+}
+
+/// The gathered K and V, `R·S` rows each, in one cached buffer.
+fn gathered_kv<B: Backend>(
+    backend: &mut B,
+    cache: &mut Option<(B::Buffer, usize)>,
+    layout: &CpLayout,
+) -> Result<(Span<bf16>, Span<bf16>), RuntimeError> {
+    let g = layout.gathered_rows();
+    let bytes = 2 * g * KV_ROW * size_of::<bf16>();
+    let base = cached(backend, cache, "gathered K/V", bytes)?;
+    let k_all = Span::<bf16>::new(base, g * KV_ROW);
+    let v_all = Span::<bf16>::new(base + (g * KV_ROW * size_of::<bf16>()) as u64, g * KV_ROW);
+    Ok((k_all, v_all))
+}
+
 /// The buffers of one rank's context-parallel backward (see the module docs for the shapes).
 #[derive(Debug, Clone, Copy)]
 pub struct CpBuffers {
@@ -344,17 +408,7 @@ impl<B: Backend> CpBackward<B> {
         io: &CpBuffers,
         schedule: &Schedule,
     ) -> Result<(), RuntimeError> {
-        let (ranks, rank) = (comm.ranks(), comm.rank());
-        if ranks != layout.ranks() || rank >= ranks {
-            return Err(RuntimeError::input(
-                "comm",
-                format!("rank {rank} of {ranks}"),
-                format!(
-                    "a rank of a group of {} (the layout's ranks)",
-                    layout.ranks()
-                ),
-            ));
-        }
+        let rank = check_group(comm, layout)?;
         if schedule.cu_seqlens() != layout.cu_seqlens()
             || schedule.document_workspace_starts() != layout.workspace_starts.as_slice()
         {
@@ -382,19 +436,7 @@ impl<B: Backend> CpBackward<B> {
             check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
         }
         // The gathered K/V, `2·R·S` rows, reused while it fits.
-        let bytes = 2 * g * KV_ROW * size_of::<bf16>();
-        let base = match &self.gathered {
-            Some((buf, have)) if *have >= bytes => backend.address(buf),
-            _ => {
-                self.gathered = None;
-                let buf = backend.alloc("gathered K/V", bytes)?;
-                let at = backend.address(&buf);
-                self.gathered = Some((buf, bytes));
-                at
-            }
-        };
-        let k_all = Span::<bf16>::new(base, g * KV_ROW);
-        let v_all = Span::<bf16>::new(base + (g * KV_ROW * size_of::<bf16>()) as u64, g * KV_ROW);
+        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
 
         let w = layout.workspace_rows();
         let bio = BackwardBuffers {
@@ -432,6 +474,118 @@ impl<B: Backend> CpBackward<B> {
             0,
             s,
         )
+    }
+}
+
+/// The buffers of one rank's context-parallel forward (see the module docs for the shapes).
+#[derive(Debug, Clone, Copy)]
+pub struct CpForwardBuffers {
+    /// `q [T_r, 64, 128]` bf16, the rank's queries.
+    pub q: Span<bf16>,
+    /// The rank's K slice `[S, 4, 128]` bf16 (padding and tail rows zero).
+    pub k_slice: Span<bf16>,
+    /// The rank's V slice `[S, 4, 128]` bf16 (padding and tail rows zero).
+    pub v_slice: Span<bf16>,
+    /// Output `out [T_r, 64, 128]` bf16.
+    pub out: Span<bf16>,
+    /// Output `lse [T_r, 64]` f32.
+    pub lse: Span<f32>,
+}
+
+/// One rank's context-parallel forward, with its cached device buffers: the gathered K/V
+/// (`2·R·S` rows) and the rank's selection with the documents' tables.
+pub struct CpForward<B: Backend> {
+    gathered: Option<(B::Buffer, usize)>,
+    tables: Option<(B::Buffer, usize)>,
+}
+
+impl<B: Backend> Default for CpForward<B> {
+    fn default() -> Self {
+        CpForward {
+            gathered: None,
+            tables: None,
+        }
+    }
+}
+
+impl<B: Backend> CpForward<B> {
+    /// An empty cache; nothing is allocated until the first call.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The rank `comm.rank()`'s forward of `layout`: its queries `io.q` (tokens
+    /// [`CpLayout::token_rows`]) against the key blocks of every rank, with the rank's rows
+    /// of the selection, `q2k_local [4, T_r, 16]` (document-local block ids, as
+    /// [`CpLayout::rank_q2k`] cuts them). Validates the selection on the host and returns the
+    /// rank's schedule ([`CpLayout::local_schedule`]), which [`CpBackward::run_on`] takes;
+    /// then uploads the selection and the documents' tables, all-gathers K/V and runs the
+    /// forward kernel on the rank's rows (`out`, `lse` local and final; no reduction). Every
+    /// rank of the group must call it with the same layout.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Schedule`] for an invalid selection, [`RuntimeError::Input`] when the
+    /// group, the layout and the buffers do not match (all checked before anything is
+    /// issued), and the backend's and the collective's errors.
+    pub fn run_on<C: Collective<B>>(
+        &mut self,
+        backend: &mut B,
+        comm: &mut C,
+        layout: &CpLayout,
+        io: &CpForwardBuffers,
+        q2k_local: &[i32],
+    ) -> Result<Schedule, RuntimeError> {
+        let rank = check_group(comm, layout)?;
+        let rows = layout.token_rows(rank);
+        let t = rows.len();
+        let schedule = layout.local_schedule(rank, q2k_local, QUERIES_PER_WORK)?;
+        let s = layout.slice_rows();
+        for (field, span) in [("k_slice", io.k_slice), ("v_slice", io.v_slice)] {
+            check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
+        }
+        check_len("q", io.q.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
+        check_len("out", io.out.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
+        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T_r, 64] f32")?;
+        // One upload: q2k_local, cu_seqlens [D+1], the workspace starts [D], a zero status
+        // word (the host validated the selection, so no row is flagged).
+        let cu = layout.cu_seqlens();
+        let starts = &layout.workspace_starts;
+        let mut words = Vec::with_capacity(q2k_local.len() + cu.len() + starts.len() + 4);
+        words.extend_from_slice(q2k_local);
+        words.extend_from_slice(cu);
+        words.extend_from_slice(starts);
+        words.extend_from_slice(&[0; 4]);
+        let word = size_of::<i32>();
+        let base = cached(
+            backend,
+            &mut self.tables,
+            "cp forward tables",
+            words.len() * word,
+        )?;
+        let at = |i: usize| base + (i * word) as u64;
+        let (q2k_at, cu_at) = (0, q2k_local.len());
+        let (ws_at, status_at) = (cu_at + cu.len(), cu_at + cu.len() + starts.len());
+        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
+        let w = layout.workspace_rows();
+        let fio = ForwardBuffers {
+            q: io.q,
+            k_aligned: k_all.prefix(w * KV_ROW),
+            v_aligned: v_all.prefix(w * KV_ROW),
+            q2k: Span::new(at(q2k_at), q2k_local.len()),
+            out: io.out,
+            lse: io.lse,
+        };
+        let qrows = QueryRows {
+            cu_seqlens: Span::new(at(cu_at), cu.len()),
+            ws_starts: Span::new(at(ws_at), starts.len()),
+            status: Ptr::new(at(status_at)),
+            first_token: rows.start,
+        };
+        backend.upload("cp forward tables", base, bytes_of(&words))?;
+        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
+        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
+        MsaForward.launch(backend, &fio, t, w, &qrows)?;
+        Ok(schedule)
     }
 }
 

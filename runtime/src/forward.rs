@@ -20,7 +20,7 @@
 //! a repeat, a malformed `cu_seqlens`; see [`ResidentSchedule::status`]) makes every row empty,
 //! so `out` is 0 and `lse` −∞ and the backward on it writes zero gradients: never wrong values.
 
-use crate::backend::{Backend, KernelSpec, Span, TileMapSpec};
+use crate::backend::{Backend, KernelSpec, Ptr, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
 use crate::error::RuntimeError;
@@ -105,7 +105,33 @@ impl MsaForward {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         let z = *schedule.sizes();
-        let (t, w) = (z.num_tokens, z.workspace_rows);
+        if schedule.memory_space() != backend.memory_space() {
+            return Err(RuntimeError::input(
+                "schedule",
+                "a resident schedule of another memory space",
+                "one built on this backend's device",
+            ));
+        }
+        let refs = schedule.refs();
+        let rows = QueryRows {
+            cu_seqlens: Span::new(refs.cu_seqlens, z.num_documents + 1),
+            ws_starts: Span::new(refs.ws_starts, z.num_documents),
+            status: schedule.status_ptr(),
+            first_token: 0,
+        };
+        self.launch(backend, io, z.num_tokens, z.workspace_rows, &rows)
+    }
+
+    /// The checks and the launch of [`MsaForward::run_on`], for `t` query rows (tokens
+    /// `rows.first_token ..` of the packed sequence) against `w` aligned K/V rows.
+    pub(crate) fn launch<B: Backend>(
+        &self,
+        backend: &mut B,
+        io: &ForwardBuffers,
+        t: usize,
+        w: usize,
+        rows: &QueryRows,
+    ) -> Result<(), RuntimeError> {
         check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
         check_len(
             "k_aligned",
@@ -123,13 +149,6 @@ impl MsaForward {
         check_len("q2k", io.q2k.len, q2k_len, "[4, T, 16] int32")?;
         check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
         check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
-        if schedule.memory_space() != backend.memory_space() {
-            return Err(RuntimeError::input(
-                "schedule",
-                "a resident schedule of another memory space",
-                "one built on this backend's device",
-            ));
-        }
         if t == 0 {
             return Ok(());
         }
@@ -140,6 +159,13 @@ impl MsaForward {
                 "a positive multiple of 128",
             ));
         }
+        let docs = rows.ws_starts.len;
+        check_len("cu_seqlens", rows.cu_seqlens.len, docs + 1, "[D + 1] int32")?;
+        let num_docs = u32::try_from(docs)
+            .map_err(|_| RuntimeError::input("num_docs", docs, "at most u32::MAX"))?;
+        let first_token = u32::try_from(rows.first_token).map_err(|_| {
+            RuntimeError::input("first_token", rows.first_token, "at most u32::MAX")
+        })?;
         check_regions(
             &[
                 Region::input("q", io.q)?,
@@ -159,7 +185,6 @@ impl MsaForward {
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
         let tmap_v =
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
-        let refs = schedule.refs();
         let grid = forward_grid(t, backend.sm_count());
         // Both variants take the same parameters (`forward_sm90::forward_params`).
         let args = msa_forward_sm90::args(
@@ -167,19 +192,33 @@ impl MsaForward {
             &tmap_k,
             &tmap_v,
             io.q2k.ptr(),
-            Span::<i32>::new(refs.cu_seqlens, z.num_documents + 1).ptr(),
-            Span::<i32>::new(refs.ws_starts, z.num_documents).ptr(),
-            schedule.status_ptr(),
+            rows.cu_seqlens.ptr(),
+            rows.ws_starts.ptr(),
+            rows.status,
             io.out.ptr_mut(),
             io.lse.ptr_mut(),
             t as u32,
-            z.num_documents as u32,
+            num_docs,
+            first_token,
         );
         // SAFETY: the maps span q [T,64,128] and k/v [W,4,128], whose lengths were checked;
-        // q2k is [4,T,16], out [T,64,128], lse [T,64]; cu_seqlens [D+1], the workspace starts
-        // [D] and the status block belong to a schedule allocated for (T, D, W).
+        // q2k is [4,T,16], out [T,64,128], lse [T,64]; cu_seqlens [D+1] and the workspace
+        // starts [D] were checked against each other, and the caller's `rows` holds a status
+        // word and tables whose tokens cover `first_token .. first_token + T`.
         unsafe { backend.launch(kernel, (grid, 1, 1), &args) }
     }
+}
+
+/// Where a forward's query rows lie in the packed sequence, on the device: the documents'
+/// `cu_seqlens [D+1]` and workspace starts `[D]`, the status word (non-zero: every row is
+/// written empty), and the token of local row 0 (0 on one device; a context-parallel rank's
+/// first token).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueryRows {
+    pub cu_seqlens: Span<i32>,
+    pub ws_starts: Span<i32>,
+    pub status: Ptr<i32>,
+    pub first_token: usize,
 }
 
 #[cfg(test)]

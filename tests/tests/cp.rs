@@ -2,15 +2,17 @@
 //! its own stream, exchanging through `HostGroup`. The reassembled gradients are checked
 //! against the f32 CPU reference (seed tolerances) and against the single-device backward of
 //! the whole sequence. With the `nccl` feature, one rank runs the same flow through NCCL on a
-//! communicator of one (two ranks need two GPUs).
+//! communicator of one (two ranks need two GPUs). The context-parallel forward runs on the
+//! same logical ranks, chained into the backward on its own `out`, `lse` and schedule.
 //!
 //! GPU tests skip without a GPU and fail with `REQUIRE_GPU=1`. Run with `--release`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
-    Collective, CpBackward, CpBuffers, CpLayout, CudaBackend, HostGroup, RuntimeError, Span,
+    Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, CudaBackend,
+    HostGroup, RuntimeError, Span,
 };
 use msa_tests::cases::{docs, random_top16, to_f32, DeviceInputs, Problem, KV_ROW, Q_ROW};
 use msa_tests::{gpu_stream, Rng};
@@ -173,4 +175,107 @@ fn one_rank_through_nccl() {
     let mut comm = NcclCollective::init_rank(id, 0, 1).unwrap();
     let g = rank_run(&stream, &mut comm, &layout, &p, &q2k, 0).unwrap();
     check(&stream, &p, &layout, &[g]);
+}
+
+/// Rank `rank`'s forward (`CpForward`), then its backward on the forward's `out`, `lse` and
+/// schedule; returns `out`, `lse` and the gradients.
+fn rank_chain(
+    stream: &Arc<CudaStream>,
+    comm: &mut HostGroup,
+    layout: &CpLayout,
+    p: &Problem,
+    q2k: &[i32],
+    rank: usize,
+) -> Result<(Vec<bf16>, Vec<f32>, RankGrads), RuntimeError> {
+    let rows = layout.token_rows(rank);
+    let (t, s) = (rows.len(), layout.slice_rows());
+    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+    let up = |x: &[bf16]| stream.clone_htod(x).unwrap();
+    let (q, grad_out) = (up(&p.q[qr.clone()]), up(&p.grad_out[qr]));
+    let (k, v) = (up(&slice(&p.k_aligned)), up(&slice(&p.v_aligned)));
+    let mut out = stream.alloc_zeros::<bf16>(t * Q_ROW).unwrap();
+    let mut lse = stream.alloc_zeros::<f32>(t * 64).unwrap();
+    let mut dq = stream.alloc_zeros::<bf16>(t * Q_ROW).unwrap();
+    let mut dk = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
+    let mut dv = stream.alloc_zeros::<bf16>(s * KV_ROW).unwrap();
+    {
+        let sp = |x: u64, n: usize| Span::<bf16>::new(x, n);
+        let (nq, nkv, nl) = (dq.len(), dk.len(), lse.len());
+        let (q_s, k_s, v_s) = (
+            sp(q.device_ptr(stream).0, q.len()),
+            sp(k.device_ptr(stream).0, k.len()),
+            sp(v.device_ptr(stream).0, v.len()),
+        );
+        let out_s = sp(out.device_ptr_mut(stream).0, nq);
+        let lse_s = Span::<f32>::new(lse.device_ptr_mut(stream).0, nl);
+        let mut backend = CudaBackend::new(stream)?;
+        let fio = CpForwardBuffers {
+            q: q_s,
+            k_slice: k_s,
+            v_slice: v_s,
+            out: out_s,
+            lse: lse_s,
+        };
+        let local_q2k = layout.rank_q2k(rank, q2k)?;
+        let schedule = CpForward::new().run_on(&mut backend, comm, layout, &fio, &local_q2k)?;
+        let io = CpBuffers {
+            q: q_s,
+            grad_out: sp(grad_out.device_ptr(stream).0, grad_out.len()),
+            out: out_s,
+            lse: lse_s,
+            k_slice: k_s,
+            v_slice: v_s,
+            dq: sp(dq.device_ptr_mut(stream).0, nq),
+            dk_slice: sp(dk.device_ptr_mut(stream).0, nkv),
+            dv_slice: sp(dv.device_ptr_mut(stream).0, nkv),
+        };
+        CpBackward::new().run_on(&mut backend, comm, layout, &io, &schedule)?;
+    }
+    let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).unwrap();
+    let lse = stream.clone_dtoh(&lse).unwrap();
+    Ok((down(&out), lse, (down(&dq), down(&dk), down(&dv))))
+}
+
+#[test]
+fn forward_then_backward_over_two_logical_ranks() {
+    let Some(stream) = gpu_stream() else { return };
+    let (name, lengths, ranks, seed) = ("packed 4 docs, forward", [1000, 3000, 2500, 1692], 2, 55);
+    let cu = docs(&lengths);
+    let q2k = random_top16(&cu, &mut Rng::new(seed));
+    let p = Problem::new(name, cu.clone(), q2k.clone(), seed + 1);
+    let layout = CpLayout::new(&cu, ranks).unwrap();
+    let ctx = stream.context().clone();
+    let per_rank: Vec<(Vec<bf16>, Vec<f32>, RankGrads)> = std::thread::scope(|scope| {
+        let hs: Vec<_> = HostGroup::new(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let (ctx, layout, p, q2k) = (&ctx, &layout, &p, &q2k);
+                scope.spawn(move || {
+                    let stream = ctx.new_stream().unwrap();
+                    rank_chain(&stream, &mut comm, layout, p, q2k, rank).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let out: Vec<bf16> = per_rank.iter().flat_map(|r| r.0.clone()).collect();
+    let lse: Vec<f32> = per_rank.iter().flat_map(|r| r.1.clone()).collect();
+    let stats = O_TOLERANCE
+        .check("out", &to_f32(&out), &to_f32(&p.out))
+        .unwrap_or_else(|m| panic!("{name}: {m}"));
+    let mut lse_err = 0f32;
+    for (i, (&g, &e)) in lse.iter().zip(&p.lse).enumerate() {
+        if e == f32::NEG_INFINITY {
+            assert_eq!(g, e, "lse[{i}] of an empty row");
+        } else {
+            let d = (g - e).abs();
+            assert!(d <= 1e-3, "{name}: lse[{i}] = {g}, want {e}");
+            lse_err = lse_err.max(d);
+        }
+    }
+    println!("{name} over {ranks} ranks: out vs reference {stats}, lse max-abs {lse_err:.2e}");
+    let grads: Vec<RankGrads> = per_rank.into_iter().map(|r| r.2).collect();
+    check(&stream, &p, &layout, &grads);
 }

@@ -43,8 +43,10 @@ pub struct ListArgs {
     pub item: Reg<U32>,
     /// The schedule's status flags (non-zero: every selection is empty).
     pub flags: Reg<U32>,
-    /// T.
+    /// T (the local rows).
     pub num_tokens: Reg<U32>,
+    /// The packed sequence's token of local row 0 (`ForwardParams::first_token`).
+    pub first_token: Reg<U32>,
 }
 
 /// Fills the list of `a.item`; `warp_sync` orders the lanes' scratch stores and loads (a
@@ -78,7 +80,9 @@ pub fn build(
         let row = b.bitcast::<S32, U32>(t);
         let qrow = b.selp(row, -1i32, inside);
         b.if_then(valid, "slot_doc", |b| {
-            // The document: the largest d with cu[d] <= t (cu[0] <= t < cu[D]).
+            // The document: the largest d with cu[d] <= tg (cu[0] <= tg < cu[D]), tg the
+            // row's token in the packed sequence.
+            let tg = b.add(t, a.first_token);
             let cu = b.ld_param_ptr(&p.cu);
             let lo = b.mov::<U32>(0u32);
             let hi = b.ld_param(&p.num_docs);
@@ -91,7 +95,7 @@ pub fn build(
             let mid = b.add(lo, hi);
             let mid = b.shr(mid, 1u32);
             let c = common::load_u32(b, cu, mid);
-            let below = b.setp(Cmp::Le, c, t);
+            let below = b.setp(Cmp::Le, c, tg);
             let nlo = b.selp(mid, lo, below);
             let nhi = b.selp(hi, mid, below);
             b.set(lo, nlo);
@@ -101,7 +105,7 @@ pub fn build(
             let start = common::load_u32(b, cu, lo);
             let ws = b.ld_param_ptr(&p.ws);
             let wstart = common::load_u32(b, ws, lo);
-            let local = b.sub(t, start);
+            let local = b.sub(tg, start);
             let pos = b.add(wstart, local);
             let pos = b.bitcast::<S32, U32>(pos);
             b.set(qpos, pos);

@@ -553,6 +553,7 @@ fn list_builder(b: &mut KernelBuilder, ctx: &Ctx) {
     let r = ctx.r;
     let lane = b.and(ctx.tid, 31u32);
     let num_tokens = b.ld_param(&ctx.p.num_tokens);
+    let first_token = b.ld_param(&ctx.p.first_token);
     let status = b.ld_param_ptr(&ctx.p.status);
     let flags = b.ld::<U32, _>(&global(status, 0));
     let scratch = b.add(ctx.base, r.scratch.offset);
@@ -567,6 +568,7 @@ fn list_builder(b: &mut KernelBuilder, ctx: &Ctx) {
             item,
             flags,
             num_tokens,
+            first_token,
         };
         list::build(b, ctx.p, &args, &|b| r.nb_list.sync(b));
         r.lst.producer_commit(b, &ctx.bars, &st);

@@ -193,6 +193,10 @@ pub struct ForwardParams {
     pub num_tokens: ParamRef<U32>,
     /// D.
     pub num_docs: ParamRef<U32>,
+    /// The packed sequence's token of local row 0: the document search runs on
+    /// `first_token + t`, while `q`, `q2k`, `out` and `lse` are indexed by the local row `t`
+    /// (0 on one device; a context-parallel rank's first token otherwise).
+    pub first_token: ParamRef<U32>,
 }
 
 /// Declares the forward kernels' parameters.
@@ -209,6 +213,7 @@ pub fn forward_params(b: &mut KernelBuilder) -> ForwardParams {
         lse: b.param_ptr("lse", HostElem::F32, true),
         num_tokens: b.param_u32("num_tokens"),
         num_docs: b.param_u32("num_docs"),
+        first_token: b.param_u32("first_token"),
     }
 }
 
@@ -297,6 +302,7 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
     let bars = barriers(b, base);
     let lane = b.and(tid, 31u32);
     let t_total = b.ld_param(&p.num_tokens);
+    let first_token = b.ld_param(&p.first_token);
     let status = b.ld_param_ptr(&p.status);
     let flags = b.ld::<U32, _>(&global(status, 0));
     let lane4 = b.shl(lane, 2u32);
@@ -325,7 +331,9 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
             let row = b.selp(row, -1i32, inside);
             b.set(qrow, row);
             b.if_then(valid, "slot_doc", |b| {
-                // The document: the largest d with cu[d] <= t (cu[0] <= t < cu[D]).
+                // The document: the largest d with cu[d] <= tg (cu[0] <= tg < cu[D]), tg
+                // the row's token in the packed sequence.
+                let tg = b.add(t, first_token);
                 let cu = b.ld_param_ptr(&p.cu);
                 let lo = b.mov::<U32>(0u32);
                 let hi = b.ld_param(&p.num_docs);
@@ -338,7 +346,7 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
                 let mid = b.add(lo, hi);
                 let mid = b.shr(mid, 1u32);
                 let c = common::load_u32(b, cu, mid);
-                let below = b.setp(Cmp::Le, c, t);
+                let below = b.setp(Cmp::Le, c, tg);
                 let nlo = b.selp(mid, lo, below);
                 let nhi = b.selp(hi, mid, below);
                 b.set(lo, nlo);
@@ -348,7 +356,7 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
                 let start = common::load_u32(b, cu, lo);
                 let ws = b.ld_param_ptr(&p.ws);
                 let wstart = common::load_u32(b, ws, lo);
-                let local = b.sub(t, start);
+                let local = b.sub(tg, start);
                 let pos = b.add(wstart, local);
                 let pos = b.bitcast::<S32, U32>(pos);
                 b.set(qpos, pos);

@@ -3,13 +3,16 @@
 //! are checked against the f32 CPU reference at the seed's tolerances and against the
 //! single-device backward of the whole sequence. Covers packed documents straddling a rank
 //! boundary, one document split over two and three ranks, a rank holding a document's
-//! single short block, and the layout's and the flow's input checks.
+//! single short block, and the layout's and the flow's input checks. The context-parallel
+//! forward (`CpForward`) is checked the same way (out and lse against the reference), and
+//! chained: its out, lse and returned schedule feed the context-parallel backward.
 
 use half::bf16;
 use msa_runtime::contract::BLOCK_SIZE;
-use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
-    build_schedule, CpBackward, CpBuffers, CpLayout, HostGroup, MsaBackward, RuntimeError, Span,
+    build_schedule, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, HostGroup,
+    MsaBackward, RuntimeError, Span,
 };
 use msa_sim::backward::{cu_of, random_q2k, to_bf16, to_f32, Rng};
 use msa_sim::device::{Arch, SimDevice};
@@ -348,4 +351,190 @@ fn a_rank_schedule_is_the_whole_build_with_the_other_rows_silent() {
         let e = whole.restrict_queries(other).unwrap_err();
         assert!(e.to_string().contains("q_indices["), "{e}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The context-parallel forward
+// ---------------------------------------------------------------------------------------------
+
+/// One rank's forward outputs, `out` and `lse` of its tokens.
+type RankForward = (Vec<bf16>, Vec<f32>);
+
+/// Runs the context-parallel forward of `p` over `ranks` logical ranks on `arch`, then, on
+/// each rank, the context-parallel backward on the forward's own `out`, `lse` and schedule.
+fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, RankGrads)> {
+    let layout = CpLayout::new(&p.cu, ranks).expect("layout");
+    let s = layout.slice_rows();
+    let groups = HostGroup::new(ranks);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let layout = &layout;
+                scope.spawn(move || {
+                    let rows = layout.token_rows(rank);
+                    let t = rows.len();
+                    let mut dev = SimDevice::new(arch, 3);
+                    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+                    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+                    // Garbage in the outputs: the forward must write every element.
+                    let fio = CpForwardBuffers {
+                        q: up(&mut dev, "q", &p.q[qr.clone()]),
+                        k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
+                        v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
+                        out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
+                        lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
+                    };
+                    let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
+                    let schedule = CpForward::<SimDevice>::new()
+                        .run_on(&mut dev, &mut comm, layout, &fio, &q2k)
+                        .expect("cp forward");
+                    assert_eq!(schedule.query_rows(), rows);
+                    let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
+                    let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
+                    let bio = CpBuffers {
+                        q: fio.q,
+                        grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
+                        out: fio.out,
+                        lse: fio.lse,
+                        k_slice: fio.k_slice,
+                        v_slice: fio.v_slice,
+                        dq: up(&mut dev, "dq", &vec![bf16::ZERO; t * Q_ROW]),
+                        dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+                        dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+                    };
+                    CpBackward::<SimDevice>::new()
+                        .run_on(&mut dev, &mut comm, layout, &bio, &schedule)
+                        .expect("cp backward");
+                    let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
+                    (
+                        (out, lse),
+                        (read(bio.dq), read(bio.dk_slice), read(bio.dv_slice)),
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    })
+}
+
+/// The context-parallel forward of `lengths` over `ranks` ranks against the reference forward
+/// (out within the O tolerance, lse within 1e-3, empty rows exactly 0 and −∞), then the
+/// backward chained on it against the reference backward of the reference forward's outputs.
+fn check_forward(lengths: &[i32], ranks: usize, seed: u64, arch: Arch) {
+    let p = problem(lengths, seed);
+    let t = *p.cu.last().unwrap() as usize;
+    let layout = CpLayout::new(&p.cu, ranks).expect("layout");
+    let w = layout.workspace_rows();
+    let per_rank = run_cp_chain(&p, ranks, arch);
+    let out: Vec<f32> = to_f32(
+        &per_rank
+            .iter()
+            .flat_map(|r| r.0 .0.clone())
+            .collect::<Vec<_>>(),
+    );
+    let lse: Vec<f32> = per_rank.iter().flat_map(|r| r.0 .1.clone()).collect();
+    assert_eq!((out.len(), lse.len()), (t * Q_ROW, t * 64));
+    let want_out = to_f32(&p.out);
+    let o = O_TOLERANCE
+        .check("out", &out, &want_out)
+        .unwrap_or_else(|m| panic!("{lengths:?} over {ranks} ranks, forward: {m}"));
+    let mut lse_err = 0f32;
+    for (i, (&g, &e)) in lse.iter().zip(&p.lse).enumerate() {
+        if e == f32::NEG_INFINITY {
+            assert_eq!(g, e, "lse[{i}] of an empty row");
+            assert!(
+                out[i * 128..i * 128 + 128].iter().all(|&x| x == 0.0),
+                "out of empty row {i}"
+            );
+        } else {
+            let d = (g - e).abs();
+            assert!(
+                d <= 1e-3,
+                "{lengths:?} over {ranks} ranks: lse[{i}] = {g}, want {e}"
+            );
+            lse_err = lse_err.max(d);
+        }
+    }
+    let dq: Vec<bf16> = per_rank.iter().flat_map(|r| r.1 .0.clone()).collect();
+    let dk: Vec<bf16> = per_rank.iter().flat_map(|r| r.1 .1.clone()).collect();
+    let dv: Vec<bf16> = per_rank.iter().flat_map(|r| r.1 .2.clone()).collect();
+    let e = &p.expected;
+    let stats = [
+        DQ_TOLERANCE.check("dq", &to_f32(&dq), &e.dq),
+        DK_TOLERANCE.check("dk", &to_f32(&dk[..w * KV_ROW]), &e.dk_aligned),
+        DV_TOLERANCE.check("dv", &to_f32(&dv[..w * KV_ROW]), &e.dv_aligned),
+    ];
+    for st in &stats {
+        if let Err(m) = st {
+            panic!("{lengths:?} over {ranks} ranks, backward on the cp forward: {m}");
+        }
+    }
+    println!(
+        "{arch:?} {lengths:?} over {ranks} ranks: forward {o}, lse max-abs {lse_err:.2e}; \
+         backward {:?}",
+        stats.map(|s| s.map(|s| (s.max_abs, s.l2_rel)).ok())
+    );
+}
+
+#[test]
+fn cp_forward_of_packed_documents_straddling_the_boundary_then_backward() {
+    check_forward(&[130, 250, 20], 2, 41, Arch::Sm90);
+}
+
+#[test]
+fn cp_forward_of_one_document_over_three_ranks_then_backward() {
+    check_forward(&[384], 3, 42, Arch::Sm90);
+}
+
+#[test]
+fn cp_forward_on_sm100_of_tiny_documents_over_two_ranks_then_backward() {
+    check_forward(&[1, 5, 127, 3, 9, 130], 2, 43, Arch::Sm100);
+}
+
+#[test]
+fn cp_forward_rejects_a_bad_selection_before_anything_runs() {
+    let p = problem(&[130, 250, 20], 44);
+    let layout = CpLayout::new(&p.cu, 2).expect("layout");
+    let mut q2k = layout.rank_q2k(1, &p.q2k).unwrap();
+    let t1 = layout.token_rows(1).len();
+    // Head 0, the rank's first query: a block after its own one.
+    q2k[0] = 5;
+    assert!(t1 > 0);
+    let mut dev = SimDevice::new(Arch::Sm90, 3);
+    let s = layout.slice_rows();
+    let zeros = vec![bf16::ZERO; s * KV_ROW];
+    let io = CpForwardBuffers {
+        q: up(&mut dev, "q", &vec![bf16::ZERO; t1 * Q_ROW]),
+        k_slice: up(&mut dev, "k", &zeros),
+        v_slice: up(&mut dev, "v", &zeros),
+        out: up(&mut dev, "out", &vec![bf16::ZERO; t1 * Q_ROW]),
+        lse: up(&mut dev, "lse", &vec![0f32; t1 * 64]),
+    };
+    // A group of one rank claiming to be rank 1 of 2 would wait for its peer: the error
+    // must come first, from the host checks.
+    let mut comm = HostGroup::new(2).pop().unwrap();
+    let e = CpForward::<SimDevice>::new()
+        .run_on(&mut dev, &mut comm, &layout, &io, &q2k)
+        .unwrap_err();
+    assert!(matches!(e, RuntimeError::Schedule(_)), "{e}");
+    assert!(
+        dev.launches().is_empty(),
+        "nothing may run on a bad selection"
+    );
+    let short = CpForwardBuffers {
+        lse: Span::new(io.lse.addr, t1 * 64 - 1),
+        ..io
+    };
+    let good = layout.rank_q2k(1, &p.q2k).unwrap();
+    let e = CpForward::<SimDevice>::new()
+        .run_on(&mut dev, &mut comm, &layout, &short, &good)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lse"), "{e}");
+    assert!(dev.launches().is_empty());
 }
