@@ -1,7 +1,7 @@
 //! The forward's per-item block list, built by one warp: the slots' compact rows and aligned
 //! positions, and the union of the blocks the item's 8 queries select, each with the mask of
-//! the slots that selected it (the design of [`super::forward_sm90`]'s list warp, here with
-//! the list and scratch addresses as arguments so a kernel places them where its plan says).
+//! the slots that selected it. Both forward kernels' list warps call it, with the list and
+//! scratch addresses as arguments so that each kernel places them where its layout says.
 //!
 //! An item is `4·chunk + g`: queries `8·chunk .. 8·chunk + 8` and KV group `g`. Lanes 0..8
 //! find each slot's document by binary search over `cu_seqlens` (a row past `T` gets row −1,

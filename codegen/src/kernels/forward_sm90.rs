@@ -17,7 +17,8 @@
 //!   item's list in shared memory (the slots' documents by binary search over `cu_seqlens`,
 //!   their aligned positions, then the union: every lane compares its 4 of the 128 candidates
 //!   with all of them, and a warp scan compacts the first occurrences in slot-major order, so
-//!   the walk order is deterministic); thread 32 issues the TMA loads (Q as 16-head × 64-d
+//!   the walk order is deterministic; [`forward_list::build`](super::forward_list::build),
+//!   shared with the SM100 forward); thread 32 issues the TMA loads (Q as 16-head × 64-d
 //!   boxes, a −1 row out of bounds and zero-filled; per list entry K and V as 128-key × 64-d
 //!   boxes). Warpgroups 1 and 2 consume (`setmaxnreg.inc`); consumer `c` owns slots
 //!   `4c .. 4c+4`, i.e. folded rows `64c .. 64c+64`, and its warp `w` exactly the 16 heads
@@ -65,6 +66,7 @@
 //! multicasts each block to both CTAs (32-query union), which `msa-sim` does not model yet.
 
 use super::common;
+use super::forward_list as list;
 use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
@@ -92,19 +94,20 @@ const BARS: u32 = SQ + 2 * TILE_BYTES;
 /// The item lists, one per stage: the entry count, the slots' compact rows and aligned
 /// positions, then up to 128 (global key block, slot mask) entries.
 const LISTS: u32 = BARS + 128;
-const L_COUNT: u32 = 0;
-const L_QROW: u32 = 16;
-const L_QPOS: u32 = L_QROW + 4 * 8;
-const L_GB: u32 = L_QPOS + 4 * 8;
-const L_MASK: u32 = L_GB + 4 * 128;
+/// Offsets inside a list: [`forward_list`]'s layout (the builder both forward kernels share).
+const L_COUNT: u32 = list::COUNT;
+const L_QROW: u32 = list::QROW;
+const L_QPOS: u32 = list::QPOS;
+const L_GB: u32 = list::GB;
+const L_MASK: u32 = list::MASK;
+/// The stride of the lists (at least [`list::BYTES`]).
 const LIST_BYTES: u32 = 1152;
-/// The list warp's scratch: the 128 candidate blocks, then each slot's first block (or −1).
+const _: () = assert!(LIST_BYTES >= list::BYTES && LIST_BYTES % 16 == 0);
+/// The list warp's scratch ([`list::SCRATCH_BYTES`]).
 const SCRATCH: u32 = LISTS + 2 * LIST_BYTES;
-const S_RAW: u32 = SCRATCH;
-const S_QBASE: u32 = SCRATCH + 4 * 128;
 /// Dynamic shared memory: two K/V stages, two Q stages, barriers, lists, scratch, and 1 KiB
 /// of slack to align the tiles to the 1024-B swizzle atom at run time.
-pub const SMEM_BYTES: u32 = S_QBASE + 4 * 8 + 1024;
+pub const SMEM_BYTES: u32 = SCRATCH + list::SCRATCH_BYTES + 1024;
 
 /// Named barrier of the list warp alone (it orders the lanes' scratch stores and loads).
 const LIST_WARP_BAR: u32 = 1;
@@ -301,157 +304,25 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
     };
     let bars = barriers(b, base);
     let lane = b.and(tid, 31u32);
-    let t_total = b.ld_param(&p.num_tokens);
+    let num_tokens = b.ld_param(&p.num_tokens);
     let first_token = b.ld_param(&p.first_token);
     let status = b.ld_param_ptr(&p.status);
     let flags = b.ld::<U32, _>(&global(status, 0));
-    let lane4 = b.shl(lane, 2u32);
-    let lane_at = b.add(base, lane4);
+    let scratch = b.add(base, SCRATCH);
     b.for_range(0u32, w.count, 1, "list_item", |b, k| {
         let item = w.item(b, k);
-        let g = b.and(item, 3u32);
-        let chunk = b.shr(item, 2u32);
-        let row0 = b.shl(chunk, 3u32);
         let st = list.producer_acquire(b, &bars, k);
         let lb = list_base(b, base, st.index);
-
-        b.comment("lanes 0..8: each slot's compact row, aligned position and first block");
-        let is_slot = b.setp(Cmp::Lt, lane, 8u32);
-        b.if_then(is_slot, "slot", |b| {
-            let t = b.add(row0, lane);
-            let qrow = b.mov::<S32>(-1i32);
-            let qpos = b.mov::<S32>(-1i32);
-            let qbase = b.mov::<U32>(u32::MAX);
-            let inside = b.setp(Cmp::Lt, t, t_total);
-            let clean = b.setp(Cmp::Eq, flags, 0u32);
-            let valid = b.and_pred(inside, clean);
-            // A row inside T is always written (an empty one as 0 / -inf, also when the
-            // schedule is flagged); only a valid one gets a position and blocks.
-            let row = b.bitcast::<S32, U32>(t);
-            let row = b.selp(row, -1i32, inside);
-            b.set(qrow, row);
-            b.if_then(valid, "slot_doc", |b| {
-                // The document: the largest d with cu[d] <= tg (cu[0] <= tg < cu[D]), tg
-                // the row's token in the packed sequence.
-                let tg = b.add(t, first_token);
-                let cu = b.ld_param_ptr(&p.cu);
-                let lo = b.mov::<U32>(0u32);
-                let hi = b.ld_param(&p.num_docs);
-                let top = b.label("doc_search");
-                let done = b.label("doc_found");
-                b.place(&top);
-                let width = b.sub(hi, lo);
-                let found = b.setp(Cmp::Le, width, 1u32);
-                b.bra_if(found, &done);
-                let mid = b.add(lo, hi);
-                let mid = b.shr(mid, 1u32);
-                let c = common::load_u32(b, cu, mid);
-                let below = b.setp(Cmp::Le, c, tg);
-                let nlo = b.selp(mid, lo, below);
-                let nhi = b.selp(hi, mid, below);
-                b.set(lo, nlo);
-                b.set(hi, nhi);
-                b.bra(&top);
-                b.place(&done);
-                let start = common::load_u32(b, cu, lo);
-                let ws = b.ld_param_ptr(&p.ws);
-                let wstart = common::load_u32(b, ws, lo);
-                let local = b.sub(tg, start);
-                let pos = b.add(wstart, local);
-                let pos = b.bitcast::<S32, U32>(pos);
-                b.set(qpos, pos);
-                let first = b.shr(wstart, 7u32);
-                b.set(qbase, first);
-            });
-            let at = b.add(lb, lane4);
-            b.st(&shared(at, L_QROW as i64), qrow);
-            b.st(&shared(at, L_QPOS as i64), qpos);
-            b.st(&shared(lane_at, S_QBASE as i64), qbase);
-        });
-        b.bar_sync(LIST_WARP_BAR, Some(32));
-
-        b.comment("the 128 candidates: entry e = 16*slot + j, lane owns e = lane + 32kk");
-        let j = b.and(lane, 15u32);
-        let half = b.shr(lane, 4u32);
-        let q2k = b.ld_param_ptr(&p.q2k);
-        let mut gbs = Vec::new();
-        for kk in 0..4u32 {
-            let slot = b.add(half, 2 * kk);
-            let slot4 = b.shl(slot, 2u32);
-            let sat = b.add(base, slot4);
-            let qb = b.ld::<U32, _>(&shared(sat, S_QBASE as i64));
-            let gb = b.mov::<U32>(u32::MAX);
-            let live = b.setp(Cmp::Ne, qb, u32::MAX);
-            b.if_then(live, "cand", |b| {
-                let t = b.add(row0, slot);
-                let gt = b.mad_lo(g, t_total, t);
-                let idx = b.mad_lo(gt, 16u32, j);
-                let a = common::elem::<S32>(b, q2k, idx);
-                let id = b.ld::<S32, _>(&a);
-                let sel = b.setp(Cmp::Ge, id, 0i32);
-                let idu = b.bitcast::<U32, S32>(id);
-                let v = b.add(qb, idu);
-                let v = b.selp(v, u32::MAX, sel);
-                b.set(gb, v);
-            });
-            let e4 = b.add(lane4, 128 * kk);
-            let at = b.add(base, e4);
-            b.st(&shared(at, S_RAW as i64), gb);
-            gbs.push(gb);
-        }
-        b.bar_sync(LIST_WARP_BAR, Some(32));
-
-        b.comment("each candidate's first occurrence and the mask of the slots that chose it");
-        let masks: Vec<Reg<U32>> = (0..4).map(|_| b.mov::<U32>(0u32)).collect();
-        let dups: Vec<Reg<U32>> = (0..4).map(|_| b.mov::<U32>(0u32)).collect();
-        let mine: Vec<Reg<U32>> = (0..4u32).map(|kk| b.add(lane, 32 * kk)).collect();
-        b.for_range(0u32, 128u32, 4, "dedup", |b, e2| {
-            let off = b.shl(e2, 2u32);
-            let at = b.add(base, off);
-            let v: [Reg<U32>; 4] = b.ld_v(&shared(at, S_RAW as i64));
-            let slot = b.shr(e2, 4u32);
-            let bit = b.mov::<U32>(1u32);
-            let bit = b.shl(bit, slot);
-            for (q, vq) in v.iter().enumerate() {
-                let eq_idx = b.add(e2, q as u32);
-                for kk in 0..4 {
-                    let eq = b.setp(Cmp::Eq, *vq, gbs[kk]);
-                    let add = b.selp(bit, 0u32, eq);
-                    let m = b.or(masks[kk], add);
-                    b.set(masks[kk], m);
-                    let before = b.setp(Cmp::Lt, eq_idx, mine[kk]);
-                    let both = b.and_pred(eq, before);
-                    let one = b.selp(1u32, 0u32, both);
-                    let d = b.add(dups[kk], one);
-                    b.set(dups[kk], d);
-                }
-            }
-        });
-
-        b.comment("compact the first occurrences in entry order (a warp scan per round)");
-        let count = b.mov::<U32>(0u32);
-        for kk in 0..4 {
-            let none = b.setp(Cmp::Eq, dups[kk], 0u32);
-            let real = b.setp(Cmp::Ne, gbs[kk], u32::MAX);
-            let keep = b.and_pred(none, real);
-            let f = b.selp(1u32, 0u32, keep);
-            let incl = common::warp_inclusive_scan(b, f, lane);
-            let excl = b.sub(incl, f);
-            let pos = b.add(count, excl);
-            b.if_then(keep, "keep", |b| {
-                let pos4 = b.shl(pos, 2u32);
-                let at = b.add(lb, pos4);
-                b.st(&shared(at, L_GB as i64), gbs[kk]);
-                b.st(&shared(at, L_MASK as i64), masks[kk]);
-            });
-            let total = b.shfl(Shfl::Idx, incl, 31u32, 0x1f);
-            let next = b.add(count, total);
-            b.set(count, next);
-        }
-        let first = b.setp(Cmp::Eq, lane, 0u32);
-        b.predicated(first, false, |b| {
-            b.st(&shared(lb, L_COUNT as i64), count);
-        });
+        let args = list::ListArgs {
+            list: lb,
+            scratch,
+            lane,
+            item,
+            flags,
+            num_tokens,
+            first_token,
+        };
+        list::build(b, p, &args, &|b| b.bar_sync(LIST_WARP_BAR, Some(32)));
         list.producer_commit(b, &bars, &st);
         // The next item rewrites the scratch: every lane has finished reading it.
         b.bar_sync(LIST_WARP_BAR, Some(32));
