@@ -102,7 +102,7 @@ const L_GB: u32 = list::GB;
 const L_MASK: u32 = list::MASK;
 /// The stride of the lists (at least [`list::BYTES`]).
 const LIST_BYTES: u32 = 1152;
-const _: () = assert!(LIST_BYTES >= list::BYTES && LIST_BYTES % 16 == 0);
+const _: () = assert!(LIST_BYTES >= list::BYTES && LIST_BYTES.is_multiple_of(16));
 /// The list warp's scratch ([`list::SCRATCH_BYTES`]).
 const SCRATCH: u32 = LISTS + 2 * LIST_BYTES;
 /// Dynamic shared memory: two K/V stages, two Q stages, barriers, lists, scratch, and 1 KiB
