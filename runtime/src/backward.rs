@@ -664,7 +664,7 @@ impl<B: Backend> MsaBackward<B> {
     where
         B: 's,
     {
-        self.run_inner(backend, io, schedule.into(), KvOut::Aligned)
+        self.run_inner(backend, io, schedule.into(), KvOut::Aligned, None)
             .map(|_| ())
     }
 
@@ -674,18 +674,22 @@ impl<B: Backend> MsaBackward<B> {
     /// `(dk_pool, dv_pool)` spans of `[kv_rows, 4, 128]` f32 (rows past `W` stay zero).
     /// `io.dk_aligned`/`io.dv_aligned` are only checked against the other buffers for overlap:
     /// the caller writes them with [`crate::ops::postprocess`] once the pools are final.
+    /// `before_main` runs right before the main kernel is issued, after the preprocess, the
+    /// zeroing and the task build (the context-parallel flow waits for its K/V gather there).
     pub(crate) fn run_to_pools(
         &mut self,
         backend: &mut B,
         io: &BackwardBuffers,
         schedule: &Schedule,
         kv_rows: usize,
+        before_main: BeforeMain<'_, B>,
     ) -> Result<KvPools, RuntimeError> {
         let pools = self.run_inner(
             backend,
             io,
             BackwardSchedule::Host(schedule),
             KvOut::Pools { rows: kv_rows },
+            Some(before_main),
         )?;
         pools.ok_or_else(|| RuntimeError::input("kv_rows", kv_rows, "pools to return"))
     }
@@ -806,6 +810,7 @@ impl<B: Backend> MsaBackward<B> {
         io: &BackwardBuffers,
         schedule: BackwardSchedule<'_, B>,
         kv_out: KvOut,
+        before_main: Option<BeforeMain<'_, B>>,
     ) -> Result<Option<KvPools>, RuntimeError> {
         let CallSizes {
             shape,
@@ -926,6 +931,11 @@ impl<B: Backend> MsaBackward<B> {
             (None, BackwardSchedule::Host(_)) => unreachable!("host schedules are uploaded"),
         };
         tasks.build_from(backend, &refs)?;
+        // The caller's last step before the main kernel, the first reader of K/V (the
+        // context-parallel gather's wait).
+        if let Some(f) = before_main {
+            f(backend)?;
+        }
         if grid > 0 {
             let args = match &fixed {
                 Some(f) => msa_backward_sm90_det::args(
@@ -1020,6 +1030,10 @@ struct CallSizes {
 
 /// The fp32 dK and dV pools `[rows, 4, 128]` a context-parallel rank's backward leaves.
 type KvPools = (Span<f32>, Span<f32>);
+
+/// A step of the caller's, run right before the main kernel is issued
+/// ([`MsaBackward::run_to_pools`]).
+type BeforeMain<'a, B> = &'a mut dyn FnMut(&mut B) -> Result<(), RuntimeError>;
 
 /// Where [`MsaBackward::run_inner`] leaves dK/dV.
 #[derive(Debug, Clone, Copy)]

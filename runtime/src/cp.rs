@@ -36,9 +36,10 @@
 //! all in the gathered K/V), so the forward needs no reduction.
 //!
 //! Communication is `2·(R−1)/R·S·R·1 KiB` per gather (K and V, bf16) and the same in fp32 ×2
-//! per reduce-scatter, per rank. All steps are ordered on one stream; the gather is issued
-//! before the preprocess and the task build but does not overlap them yet (that needs a
-//! second stream in [`Backend`]).
+//! per reduce-scatter, per rank. The gather is issued before the preprocess, the zeroing and
+//! the task build, none of which reads K/V, and only the main kernel waits for it
+//! ([`Collective::wait`]): `NcclCollective` runs its collectives on a stream of its own, so the
+//! gather overlaps that work.
 //!
 //! The collectives are behind [`Collective`]: [`HostGroup`] runs `R` logical ranks in one
 //! process (threads, each with its own backend) through host memory, for tests on one device
@@ -268,10 +269,11 @@ impl CpLayout {
     }
 }
 
-/// The collectives of one rank of a context-parallel group, issued on the backend's stream
-/// (stream-ordered: a collective starts after the work issued before it, and work issued
-/// after it sees its result). Every rank of the group calls the same collectives in the same
-/// order, as with NCCL.
+/// The collectives of one rank of a context-parallel group. A collective starts after the work
+/// issued on the backend before it; it may run on a queue of its own (NCCL on a stream of its
+/// own), overlapping the backend's later work, so work that reads its result is issued after
+/// [`Collective::wait`]. Every rank of the group calls the same collectives in the same order,
+/// as with NCCL.
 pub trait Collective<B: Backend> {
     /// Ranks of the group.
     fn ranks(&self) -> usize;
@@ -292,6 +294,13 @@ pub trait Collective<B: Backend> {
         backend: &mut B,
         buf: Span<f32>,
     ) -> Result<(), RuntimeError>;
+    /// Makes the work issued on `backend` after this call wait for the collectives issued
+    /// before it. The default does nothing, for collectives that complete in the backend's
+    /// order (such as [`HostGroup`]'s, which are done when they return).
+    fn wait(&mut self, backend: &mut B) -> Result<(), RuntimeError> {
+        let _ = backend;
+        Ok(())
+    }
 }
 
 /// `comm`'s rank, after checking that it is a rank of `layout`'s group.
@@ -450,13 +459,18 @@ impl<B: Backend> CpBackward<B> {
             dk_aligned: io.dk_slice,
             dv_aligned: io.dv_slice,
         };
-        // Every check of the local backward before the gather is issued.
+        // Every check of the local backward before the gather is issued. The gather then
+        // overlaps the preprocess, the zeroing and the task build (none reads K/V); the main
+        // kernel waits for it.
         self.backward.check_to_pools(backend, &bio, schedule, g)?;
         comm.all_gather_bf16(backend, io.k_slice, k_all)?;
         comm.all_gather_bf16(backend, io.v_slice, v_all)?;
-        let (dk_pool, dv_pool) = self.backward.run_to_pools(backend, &bio, schedule, g)?;
+        let (dk_pool, dv_pool) =
+            self.backward
+                .run_to_pools(backend, &bio, schedule, g, &mut |b| comm.wait(b))?;
         comm.reduce_scatter_f32_in_place(backend, dk_pool)?;
         comm.reduce_scatter_f32_in_place(backend, dv_pool)?;
+        comm.wait(backend)?;
         let chunk = |p: Span<f32>| {
             Span::<f32>::new(
                 p.addr + (rank * s * KV_ROW * size_of::<f32>()) as u64,
@@ -584,6 +598,7 @@ impl<B: Backend> CpForward<B> {
         backend.upload("cp forward tables", base, bytes_of(&words))?;
         comm.all_gather_bf16(backend, io.k_slice, k_all)?;
         comm.all_gather_bf16(backend, io.v_slice, v_all)?;
+        comm.wait(backend)?;
         MsaForward.launch(backend, &fio, t, w, &qrows)?;
         Ok(schedule)
     }

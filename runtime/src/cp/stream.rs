@@ -1,5 +1,7 @@
 //! [`Collective`] on NCCL (feature `nccl`: cudarc's `nccl`, loaded at run time like the
-//! driver), on the [`CudaBackend`]'s stream.
+//! driver), on a stream of its own: each collective first waits for the work issued so far on
+//! the [`CudaBackend`]'s stream, and [`Collective::wait`] makes that stream wait for the
+//! collectives, so the backend's work in between overlaps them.
 //!
 //! The communicator is a raw `ncclComm_t`, so that one made elsewhere serves as well: by
 //! [`NcclCollective::init_rank`] (`ncclCommInitRank` with an id shared by the caller's own
@@ -12,8 +14,10 @@ use super::Collective;
 use crate::backend::Span;
 use crate::cuda::CudaBackend;
 use crate::error::RuntimeError;
+use cudarc::driver::CudaStream;
 use cudarc::nccl::{result, sys};
 use half::bf16;
+use std::sync::Arc;
 
 /// One rank's NCCL communicator as a [`Collective`].
 pub struct NcclCollective {
@@ -21,6 +25,10 @@ pub struct NcclCollective {
     rank: usize,
     ranks: usize,
     owned: bool,
+    /// The collectives' stream (made on first use, on the backend's context), and whether
+    /// collectives were issued on it since the last [`Collective::wait`].
+    side: Option<Arc<CudaStream>>,
+    pending: bool,
 }
 
 fn nccl_error(call: &'static str, e: result::NcclError) -> RuntimeError {
@@ -102,7 +110,33 @@ impl NcclCollective {
             rank: rank as usize,
             ranks: ranks as usize,
             owned: false,
+            side: None,
+            pending: false,
         })
+    }
+}
+
+impl NcclCollective {
+    /// The collectives' stream, after it waits for the work issued so far on `backend`'s.
+    fn side_after(&mut self, backend: &CudaBackend) -> Result<sys::cudaStream_t, RuntimeError> {
+        let main = backend.stream();
+        let fresh = match &self.side {
+            Some(s) => !Arc::ptr_eq(s.context(), main.context()),
+            None => true,
+        };
+        if fresh {
+            // `fork` makes the new stream wait for `main`.
+            self.side = Some(
+                main.fork()
+                    .map_err(RuntimeError::driver("cuStreamCreate"))?,
+            );
+        } else if let Some(s) = &self.side {
+            s.join(main)
+                .map_err(RuntimeError::driver("cuStreamWaitEvent"))?;
+        }
+        self.pending = true;
+        let side = self.side.as_ref().expect("made above");
+        Ok(side.cu_stream() as _)
     }
 }
 
@@ -137,9 +171,9 @@ impl Collective<CudaBackend> for NcclCollective {
                 format!("ranks·send.len = {}", self.ranks * send.len),
             ));
         }
-        let stream = backend.stream().cu_stream();
-        // SAFETY: both spans are device buffers of the lengths checked above, ordered on the
-        // backend's stream; NCCL's bf16 is a 16-bit float of the same layout.
+        let stream = self.side_after(backend)?;
+        // SAFETY: both spans are device buffers of the lengths checked above, ordered after
+        // the backend's work so far; NCCL's bf16 is a 16-bit float of the same layout.
         unsafe {
             result::all_gather(
                 send.addr as *const _,
@@ -167,10 +201,10 @@ impl Collective<CudaBackend> for NcclCollective {
             ));
         }
         let n = buf.len / self.ranks;
-        let stream = backend.stream().cu_stream();
+        let stream = self.side_after(backend)?;
         let recv = buf.addr + (4 * self.rank * n) as u64;
         // SAFETY: in place as NCCL allows it (`recvbuff = sendbuff + rank·recvcount`), on a
-        // device buffer of `ranks·n` f32, ordered on the backend's stream.
+        // device buffer of `ranks·n` f32, ordered after the backend's work so far.
         unsafe {
             result::reduce_scatter(
                 buf.addr as *const _,
@@ -184,5 +218,16 @@ impl Collective<CudaBackend> for NcclCollective {
         }
         .map(|_| ())
         .map_err(|e| nccl_error("ncclReduceScatter", e))
+    }
+
+    fn wait(&mut self, backend: &mut CudaBackend) -> Result<(), RuntimeError> {
+        if let (true, Some(side)) = (self.pending, &self.side) {
+            backend
+                .stream()
+                .join(side)
+                .map_err(RuntimeError::driver("cuStreamWaitEvent"))?;
+            self.pending = false;
+        }
+        Ok(())
     }
 }
