@@ -49,9 +49,7 @@
 //! Layer 3 of the crate (the host flow, generic over [`Backend`]); the NCCL binding, its
 //! `stream` child, is layer 5.
 
-use crate::backend::bytes_of;
-use crate::backend::Ptr;
-use crate::backend::{Backend, Span};
+use crate::backend::{bytes_of, Backend, Ptr, Span};
 use crate::backward::{BackwardBuffers, MsaBackward};
 use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW, TOPK_BLOCKS};
 use crate::error::RuntimeError;
@@ -507,7 +505,8 @@ pub struct CpForwardBuffers {
 }
 
 /// One rank's context-parallel forward, with its cached device buffers: the gathered K/V
-/// (`2·R·S` rows) and the rank's selection with the documents' tables.
+/// (`2·R·S` rows) and the rank's selection with the documents' tables. The buffers are reused
+/// in the order of the backend's queue: keep one per stream, as for [`CpBackward`].
 pub struct CpForward<B: Backend> {
     gathered: Option<(B::Buffer, usize)>,
     tables: Option<(B::Buffer, usize)>,
