@@ -115,6 +115,27 @@ fn check(stream: &Arc<CudaStream>, p: &Problem, layout: &CpLayout, per_rank: &[R
     }
 }
 
+/// `f(stream, comm, rank)` on `ranks` logical ranks, each a thread with a new stream of
+/// `stream`'s context and its `HostGroup` handle; the results in rank order.
+fn on_ranks<T: Send>(
+    stream: &Arc<CudaStream>,
+    ranks: usize,
+    f: impl Fn(&Arc<CudaStream>, &mut HostGroup, usize) -> T + Sync,
+) -> Vec<T> {
+    let (ctx, f) = (stream.context().clone(), &f);
+    std::thread::scope(|scope| {
+        let hs: Vec<_> = HostGroup::new(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                let ctx = &ctx;
+                scope.spawn(move || f(&ctx.new_stream().unwrap(), &mut comm, rank))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 fn logical_ranks(name: &'static str, lengths: &[i32], ranks: usize, seed: u64) {
     let Some(stream) = gpu_stream() else { return };
     let cu = docs(lengths);
@@ -126,20 +147,8 @@ fn logical_ranks(name: &'static str, lengths: &[i32], ranks: usize, seed: u64) {
         "{name}: T = {t}, token rows {:?}",
         (0..ranks).map(|r| layout.token_rows(r)).collect::<Vec<_>>()
     );
-    let ctx = stream.context().clone();
-    let per_rank: Vec<RankGrads> = std::thread::scope(|scope| {
-        let hs: Vec<_> = HostGroup::new(ranks)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                let (ctx, layout, p, q2k) = (&ctx, &layout, &p, &q2k);
-                scope.spawn(move || {
-                    let stream = ctx.new_stream().unwrap();
-                    rank_run(&stream, &mut comm, layout, p, q2k, rank).unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let per_rank = on_ranks(&stream, ranks, |s, comm, rank| {
+        rank_run(s, comm, &layout, &p, &q2k, rank).unwrap()
     });
     check(&stream, &p, &layout, &per_rank);
 }
@@ -245,20 +254,8 @@ fn forward_then_backward_over_two_logical_ranks() {
     let q2k = random_top16(&cu, &mut Rng::new(seed));
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed + 1);
     let layout = CpLayout::new(&cu, ranks).unwrap();
-    let ctx = stream.context().clone();
-    let per_rank: Vec<(Vec<bf16>, Vec<f32>, RankGrads)> = std::thread::scope(|scope| {
-        let hs: Vec<_> = HostGroup::new(ranks)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                let (ctx, layout, p, q2k) = (&ctx, &layout, &p, &q2k);
-                scope.spawn(move || {
-                    let stream = ctx.new_stream().unwrap();
-                    rank_chain(&stream, &mut comm, layout, p, q2k, rank).unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let per_rank = on_ranks(&stream, ranks, |s, comm, rank| {
+        rank_chain(s, comm, &layout, &p, &q2k, rank).unwrap()
     });
     let out: Vec<bf16> = per_rank.iter().flat_map(|r| r.0.clone()).collect();
     let lse: Vec<f32> = per_rank.iter().flat_map(|r| r.1.clone()).collect();

@@ -65,6 +65,23 @@ fn problem(lengths: &[i32], seed: u64) -> Problem {
     }
 }
 
+/// `f(rank, comm)` on `ranks` logical ranks, each on a thread of its own with its
+/// `HostGroup` handle; the results in rank order.
+fn on_ranks<T: Send>(ranks: usize, f: impl Fn(usize, &mut HostGroup) -> T + Sync) -> Vec<T> {
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = HostGroup::new(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| scope.spawn(move || f(rank, &mut comm)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    })
+}
+
 /// One rank's gradients: dq of its tokens, dk/dv of its slice.
 type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
 
@@ -72,46 +89,33 @@ type RankGrads = (Vec<bf16>, Vec<bf16>, Vec<bf16>);
 fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
     let s = layout.slice_rows();
-    let groups = HostGroup::new(ranks);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                let layout = &layout;
-                scope.spawn(move || {
-                    let rows = layout.token_rows(rank);
-                    let schedule = layout
-                        .local_schedule(rank, &layout.rank_q2k(rank, &p.q2k).unwrap(), 64)
-                        .expect("local schedule");
-                    assert_eq!(schedule.query_rows(), rows);
-                    let mut dev = SimDevice::new(Arch::Sm90, 3);
-                    // The rank's slice of the aligned K/V: rows [r·S, (r+1)·S), zero past W.
-                    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
-                    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
-                    let io = CpBuffers {
-                        q: up(&mut dev, "q", &p.q[qr.clone()]),
-                        grad_out: up(&mut dev, "grad_out", &p.dout[qr.clone()]),
-                        out: up(&mut dev, "out", &p.out[qr.clone()]),
-                        lse: up(&mut dev, "lse", &p.lse[rows.start * 64..rows.end * 64]),
-                        k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
-                        v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
-                        dq: up(&mut dev, "dq", &vec![bf16::ZERO; rows.len() * Q_ROW]),
-                        dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
-                        dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
-                    };
-                    CpBackward::<SimDevice>::new()
-                        .run_on(&mut dev, &mut comm, layout, &io, &schedule)
-                        .expect("cp backward");
-                    let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
-                    (read(io.dq), read(io.dk_slice), read(io.dv_slice))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank"))
-            .collect()
+    let layout = &layout;
+    on_ranks(ranks, |rank, comm| {
+        let rows = layout.token_rows(rank);
+        let schedule = layout
+            .local_schedule(rank, &layout.rank_q2k(rank, &p.q2k).unwrap(), 64)
+            .expect("local schedule");
+        assert_eq!(schedule.query_rows(), rows);
+        let mut dev = SimDevice::new(Arch::Sm90, 3);
+        // The rank's slice of the aligned K/V: rows [r·S, (r+1)·S), zero past W.
+        let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+        let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+        let io = CpBuffers {
+            q: up(&mut dev, "q", &p.q[qr.clone()]),
+            grad_out: up(&mut dev, "grad_out", &p.dout[qr.clone()]),
+            out: up(&mut dev, "out", &p.out[qr.clone()]),
+            lse: up(&mut dev, "lse", &p.lse[rows.start * 64..rows.end * 64]),
+            k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
+            v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
+            dq: up(&mut dev, "dq", &vec![bf16::ZERO; rows.len() * Q_ROW]),
+            dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+            dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+        };
+        CpBackward::<SimDevice>::new()
+            .run_on(&mut dev, comm, layout, &io, &schedule)
+            .expect("cp backward");
+        let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
+        (read(io.dq), read(io.dk_slice), read(io.dv_slice))
     })
 }
 
@@ -365,60 +369,47 @@ type RankForward = (Vec<bf16>, Vec<f32>);
 fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, RankGrads)> {
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
     let s = layout.slice_rows();
-    let groups = HostGroup::new(ranks);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                let layout = &layout;
-                scope.spawn(move || {
-                    let rows = layout.token_rows(rank);
-                    let t = rows.len();
-                    let mut dev = SimDevice::new(arch, 3);
-                    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
-                    let qr = rows.start * Q_ROW..rows.end * Q_ROW;
-                    // Garbage in the outputs: the forward must write every element.
-                    let fio = CpForwardBuffers {
-                        q: up(&mut dev, "q", &p.q[qr.clone()]),
-                        k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
-                        v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
-                        out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
-                        lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
-                    };
-                    let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
-                    let schedule = CpForward::<SimDevice>::new()
-                        .run_on(&mut dev, &mut comm, layout, &fio, &q2k)
-                        .expect("cp forward");
-                    assert_eq!(schedule.query_rows(), rows);
-                    let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
-                    let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
-                    let bio = CpBuffers {
-                        q: fio.q,
-                        grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
-                        out: fio.out,
-                        lse: fio.lse,
-                        k_slice: fio.k_slice,
-                        v_slice: fio.v_slice,
-                        dq: up(&mut dev, "dq", &vec![bf16::ZERO; t * Q_ROW]),
-                        dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
-                        dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
-                    };
-                    CpBackward::<SimDevice>::new()
-                        .run_on(&mut dev, &mut comm, layout, &bio, &schedule)
-                        .expect("cp backward");
-                    let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
-                    (
-                        (out, lse),
-                        (read(bio.dq), read(bio.dk_slice), read(bio.dv_slice)),
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank"))
-            .collect()
+    let layout = &layout;
+    on_ranks(ranks, |rank, comm| {
+        let rows = layout.token_rows(rank);
+        let t = rows.len();
+        let mut dev = SimDevice::new(arch, 3);
+        let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+        let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+        // Garbage in the outputs: the forward must write every element.
+        let fio = CpForwardBuffers {
+            q: up(&mut dev, "q", &p.q[qr.clone()]),
+            k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
+            v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
+            out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
+            lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
+        };
+        let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
+        let schedule = CpForward::<SimDevice>::new()
+            .run_on(&mut dev, comm, layout, &fio, &q2k)
+            .expect("cp forward");
+        assert_eq!(schedule.query_rows(), rows);
+        let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
+        let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
+        let bio = CpBuffers {
+            q: fio.q,
+            grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
+            out: fio.out,
+            lse: fio.lse,
+            k_slice: fio.k_slice,
+            v_slice: fio.v_slice,
+            dq: up(&mut dev, "dq", &vec![bf16::ZERO; t * Q_ROW]),
+            dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+            dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+        };
+        CpBackward::<SimDevice>::new()
+            .run_on(&mut dev, comm, layout, &bio, &schedule)
+            .expect("cp backward");
+        let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
+        (
+            (out, lse),
+            (read(bio.dq), read(bio.dk_slice), read(bio.dv_slice)),
+        )
     })
 }
 
