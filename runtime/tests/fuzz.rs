@@ -6,11 +6,8 @@
 
 mod common;
 
-use common::Parts;
+use common::{Parts, Recorder};
 use half::bf16;
-use msa_runtime::backend::{Backend, KernelArg, KernelSpec};
-use msa_runtime::backward::TileMapSpec;
-use msa_runtime::tma::TensorMap;
 use msa_runtime::{
     build_schedule, causal_support, check_capacity, BackwardBuffers, MsaBackward, RuntimeError,
     Schedule, ScheduleError, SelectionFault, Span,
@@ -270,66 +267,6 @@ proptest! {
                 prop_assert!(matches!(e, ScheduleError::Capacity { .. }), "{}", e);
             }
         }
-    }
-}
-
-/// A backend that records what the host flow issues and runs nothing: the host checks can
-/// be fuzzed without simulating a kernel.
-#[derive(Default)]
-struct Recorder {
-    next: u64,
-    issued: Vec<&'static str>,
-}
-
-impl Backend for Recorder {
-    type Buffer = u64;
-    fn capability(&self) -> (i32, i32) {
-        (9, 0)
-    }
-    fn sm_count(&self) -> usize {
-        8
-    }
-    fn ordinal(&self) -> usize {
-        0
-    }
-    fn memory_space(&self) -> u64 {
-        7
-    }
-    fn alloc(&mut self, _: &'static str, bytes: usize) -> Result<u64, RuntimeError> {
-        // Far above every address the test hands out.
-        let at = (1 << 56) + self.next;
-        self.next += (bytes as u64).next_multiple_of(256);
-        Ok(at)
-    }
-    fn address(&self, buffer: &u64) -> u64 {
-        *buffer
-    }
-    fn upload(&mut self, what: &'static str, _: u64, _: &[u8]) -> Result<(), RuntimeError> {
-        self.issued.push(what);
-        Ok(())
-    }
-    fn zero(&mut self, what: &'static str, _: u64, _: usize) -> Result<(), RuntimeError> {
-        self.issued.push(what);
-        Ok(())
-    }
-    fn download(&mut self, _: &'static str, _: u64, b: usize) -> Result<Vec<u8>, RuntimeError> {
-        Ok(vec![0; b])
-    }
-    fn load(&mut self, _: &KernelSpec) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    fn tensor_map(&mut self, spec: &TileMapSpec, base: u64) -> Result<TensorMap, RuntimeError> {
-        spec.validate(base)?;
-        Ok(TensorMap([0; 128]))
-    }
-    unsafe fn launch(
-        &mut self,
-        kernel: &KernelSpec,
-        _: (u32, u32, u32),
-        _: &[KernelArg],
-    ) -> Result<(), RuntimeError> {
-        self.issued.push(kernel.name);
-        Ok(())
     }
 }
 
