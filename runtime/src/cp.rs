@@ -51,6 +51,7 @@
 
 use crate::backend::{bytes_of, Backend, Ptr, Span};
 use crate::backward::{BackwardBuffers, MsaBackward};
+use crate::buffers::{check_regions, Region};
 use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW, TOPK_BLOCKS};
 use crate::error::RuntimeError;
 use crate::forward::{ForwardBuffers, MsaForward, QueryRows, QUERIES_PER_WORK};
@@ -559,6 +560,18 @@ impl<B: Backend> CpForward<B> {
         check_len("q", io.q.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
         check_len("out", io.out.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
         check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T_r, 64] f32")?;
+        // Null, misaligned or overlapping buffers, before any collective is issued.
+        check_regions(
+            &[
+                Region::input("q", io.q)?,
+                Region::input("k_slice", io.k_slice)?,
+                Region::input("v_slice", io.v_slice)?,
+                Region::output("out", io.out)?,
+                Region::output("lse", io.lse)?,
+            ],
+            false,
+            "no in-place forward",
+        )?;
         // One upload: q2k_local, cu_seqlens [D+1], the workspace starts [D], a zero status
         // word (the host validated the selection, so no row is flagged).
         let cu = layout.cu_seqlens();

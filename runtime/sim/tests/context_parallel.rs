@@ -527,5 +527,11 @@ fn cp_forward_rejects_a_bad_selection_before_anything_runs() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("lse"), "{e}");
+    // `out` on `q`: an overlap, refused before the gather (which would wait for rank 0).
+    let on_q = CpForwardBuffers { out: io.q, ..io };
+    let e = CpForward::<SimDevice>::new()
+        .run_on(&mut dev, &mut comm, &layout, &on_q, &good)
+        .unwrap_err();
+    assert!(matches!(e, RuntimeError::Overlap { .. }), "{e}");
     assert!(dev.launches().is_empty());
 }
