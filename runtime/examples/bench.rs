@@ -546,47 +546,9 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         None
     };
 
-    // `warmup` untimed then `reps` timed calls with the locality rule `l`; returns the samples
-    // and the backward (its workspace still allocated).
-    let mut time_rule = |l: Locality, deterministic: bool| -> Res<(Vec<f32>, MsaBackward)> {
-        let mut backward = MsaBackward::new();
-        backward.set_locality(l);
-        backward.set_deterministic(deterministic);
-        let mut call = || {
-            backward.run(
-                stream,
-                &d_q.as_view(),
-                &d_k.as_view(),
-                &d_v.as_view(),
-                &d_dout.as_view(),
-                &d_lse.as_view(),
-                &d_out.as_view(),
-                &schedule,
-            )
-        };
-        for _ in 0..o.warmup {
-            drop(call()?);
-        }
-        stream.synchronize()?;
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut samples = Vec::with_capacity(o.reps);
-        for _ in 0..o.reps {
-            if let Some(buf) = flush.as_mut() {
-                stream.memset_zeros(buf)?;
-            }
-            let start = stream.record_event(timing)?;
-            let grads = call()?;
-            let end = stream.record_event(timing)?;
-            samples.push(start.elapsed_ms(&end)?);
-            drop(grads);
-        }
-        stream.synchronize()?;
-        Ok((samples, backward))
-    };
-    let (samples, mut backward) = time_rule(o.localities[0], false)?;
-    let workspace_bytes = backward.workspace_bytes();
-    if let Some((q, k, v, out, dout, lse)) = host {
-        let grads = backward.run(
+    // One call of `b` on the case's inputs and host schedule.
+    let run = |b: &mut MsaBackward| {
+        b.run(
             stream,
             &d_q.as_view(),
             &d_k.as_view(),
@@ -595,7 +557,42 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             &d_lse.as_view(),
             &d_out.as_view(),
             &schedule,
-        )?;
+        )
+    };
+    // One timed call of `b` after the L2 flush, in ms (its gradients dropped).
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut timed_call = |b: &mut MsaBackward| -> Res<f32> {
+        if let Some(buf) = flush.as_mut() {
+            stream.memset_zeros(buf)?;
+        }
+        let start = stream.record_event(timing)?;
+        let grads = run(b)?;
+        let end = stream.record_event(timing)?;
+        let ms = start.elapsed_ms(&end)?;
+        drop(grads);
+        Ok(ms)
+    };
+    // `warmup` untimed then `reps` timed calls with the locality rule `l`; returns the samples
+    // and the backward (its workspace still allocated).
+    let mut time_rule = |l: Locality, deterministic: bool| -> Res<(Vec<f32>, MsaBackward)> {
+        let mut backward = MsaBackward::new();
+        backward.set_locality(l);
+        backward.set_deterministic(deterministic);
+        for _ in 0..o.warmup {
+            drop(run(&mut backward)?);
+        }
+        stream.synchronize()?;
+        let mut samples = Vec::with_capacity(o.reps);
+        for _ in 0..o.reps {
+            samples.push(timed_call(&mut backward)?);
+        }
+        stream.synchronize()?;
+        Ok((samples, backward))
+    };
+    let (samples, mut backward) = time_rule(o.localities[0], false)?;
+    let workspace_bytes = backward.workspace_bytes();
+    if let Some((q, k, v, out, dout, lse)) = host {
+        let grads = run(&mut backward)?;
         let x = sampled::Inputs {
             q: &q,
             k_aligned: &k,
@@ -625,18 +622,6 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     // one when `--check` asks, and its calls compared bit for bit.
     let det = if o.deterministic {
         let (s, mut b) = time_rule(o.localities[0], true)?;
-        let run = |b: &mut MsaBackward| {
-            b.run(
-                stream,
-                &d_q.as_view(),
-                &d_k.as_view(),
-                &d_v.as_view(),
-                &d_dout.as_view(),
-                &d_lse.as_view(),
-                &d_out.as_view(),
-                &schedule,
-            )
-        };
         let (g1, g2) = (run(&mut b)?, run(&mut b)?);
         let same = stream.clone_dtoh(&g1.dq)? == stream.clone_dtoh(&g2.dq)?
             && stream.clone_dtoh(&g1.dk_aligned)? == stream.clone_dtoh(&g2.dk_aligned)?
@@ -667,21 +652,9 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         for _ in 0..o.warmup.max(1) {
             drop(run(&mut dflt)?);
         }
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut pairs = Vec::with_capacity(o.reps);
         for _ in 0..o.reps {
-            let mut pair = [0f32; 2];
-            for (i, bk) in [&mut dflt, &mut b].into_iter().enumerate() {
-                if let Some(buf) = flush.as_mut() {
-                    stream.memset_zeros(buf)?;
-                }
-                let start = stream.record_event(timing)?;
-                let g = run(bk)?;
-                let end = stream.record_event(timing)?;
-                pair[i] = start.elapsed_ms(&end)?;
-                drop(g);
-            }
-            pairs.push(pair);
+            pairs.push([timed_call(&mut dflt)?, timed_call(&mut b)?]);
         }
         stream.synchronize()?;
         Some(DetTiming {
@@ -694,7 +667,6 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     } else {
         None
     };
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
 
     // The device schedule build, sized from T, the document count and W alone; it covers
