@@ -896,7 +896,8 @@ impl<B: Backend> MsaBackward<B> {
         // launches so that the GPU has work while the host stages it.
         match &fixed {
             Some(f) => {
-                backend.zero("row bounds", f.row_bounds.addr, 4 * f.row_bounds.len)?;
+                // The preprocess stores every a[t, g]; only the group maxima, which its CTAs
+                // fold in with atomic max, start from zero.
                 backend.zero("bounds", f.bounds.addr, 4 * f.bounds.len)?;
                 preprocess_deterministic(
                     backend,
