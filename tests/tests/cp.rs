@@ -70,7 +70,15 @@ fn rank_run<C: Collective<CudaBackend>>(
 }
 
 /// Checks the ranks' reassembled gradients against the reference and the single-device run.
-fn check(stream: &Arc<CudaStream>, p: &Problem, layout: &CpLayout, per_rank: &[RankGrads]) {
+/// `fwd` is the out/lse the ranks' backward read when not `p`'s: the single-device run reads
+/// the same, so the two differ only in the order of the atomics.
+fn check(
+    stream: &Arc<CudaStream>,
+    p: &Problem,
+    layout: &CpLayout,
+    per_rank: &[RankGrads],
+    fwd: Option<(&[bf16], &[f32])>,
+) {
     let w = layout.workspace_rows();
     let dq: Vec<bf16> = per_rank.iter().flat_map(|g| g.0.clone()).collect();
     let dk: Vec<bf16> = per_rank.iter().flat_map(|g| g.1.clone()).collect();
@@ -95,9 +103,12 @@ fn check(stream: &Arc<CudaStream>, p: &Problem, layout: &CpLayout, per_rank: &[R
             layout.ranks()
         );
     }
-    let single = DeviceInputs::upload(stream, p)
-        .run(stream, &p.schedule, None)
-        .unwrap();
+    let mut inputs = DeviceInputs::upload(stream, p);
+    if let Some((out, lse)) = fwd {
+        inputs.out = stream.clone_htod(out).unwrap();
+        inputs.lse = stream.clone_htod(lse).unwrap();
+    }
+    let single = inputs.run(stream, &p.schedule, None).unwrap();
     let one = |x: &cudarc::driver::CudaSlice<bf16>| to_f32(&stream.clone_dtoh(x).unwrap());
     for (name, got, want) in [
         ("dq", &dq[..], one(&single.dq)),
@@ -150,7 +161,7 @@ fn logical_ranks(name: &'static str, lengths: &[i32], ranks: usize, seed: u64) {
     let per_rank = on_ranks(&stream, ranks, |s, comm, rank| {
         rank_run(s, comm, &layout, &p, &q2k, rank).unwrap()
     });
-    check(&stream, &p, &layout, &per_rank);
+    check(&stream, &p, &layout, &per_rank, None);
 }
 
 #[test]
@@ -183,7 +194,7 @@ fn one_rank_through_nccl() {
     let id = cudarc::nccl::result::get_uniqueid().unwrap();
     let mut comm = NcclCollective::init_rank(id, 0, 1).unwrap();
     let g = rank_run(&stream, &mut comm, &layout, &p, &q2k, 0).unwrap();
-    check(&stream, &p, &layout, &[g]);
+    check(&stream, &p, &layout, &[g], None);
 }
 
 /// Rank `rank`'s forward (`CpForward`), then its backward on the forward's `out`, `lse` and
@@ -274,5 +285,5 @@ fn forward_then_backward_over_two_logical_ranks() {
     }
     println!("{name} over {ranks} ranks: out vs reference {stats}, lse max-abs {lse_err:.2e}");
     let grads: Vec<RankGrads> = per_rank.into_iter().map(|r| r.2).collect();
-    check(&stream, &p, &layout, &grads);
+    check(&stream, &p, &layout, &grads, Some((&out, &lse)));
 }
