@@ -13,17 +13,22 @@
 //!   mask of the slots that selected it. A slot's rows are masked to −∞ on a block it did
 //!   not select, so each query attends exactly its own selection; a consumer warpgroup skips
 //!   (computes nothing for) a block none of its 4 slots selected.
-//! - **Warpgroups.** 384 threads. Warpgroup 0 produces (`setmaxnreg.dec`): warp 0 builds each
+//! - **Warpgroups.** 384 threads. Warpgroup 0 produces (`setmaxnreg.dec`): warp 1 builds each
 //!   item's list in shared memory (the slots' documents by binary search over `cu_seqlens`,
 //!   their aligned positions, then the union: every lane compares its 4 of the 128 candidates
 //!   with all of them, and a warp scan compacts the first occurrences in slot-major order, so
 //!   the walk order is deterministic; [`forward_list::build`](super::forward_list::build),
-//!   shared with the SM100 forward); thread 32 issues the TMA loads (Q as 16-head × 64-d
+//!   shared with the SM100 forward); thread 0 issues the TMA loads (Q as 16-head × 64-d
 //!   boxes, a −1 row out of bounds and zero-filled; per list entry K and V as 128-key × 64-d
 //!   boxes). Warpgroups 1 and 2 consume (`setmaxnreg.inc`); consumer `c` owns slots
 //!   `4c .. 4c+4`, i.e. folded rows `64c .. 64c+64`, and its warp `w` exactly the 16 heads
 //!   of slot `4c + w`.
-//! - **Pipelines** (typed [`Pipeline`]s, stage/parity from [`Pipe`]): the list, two stages
+//! - **Plan.** Every resource comes from the typed [`Sm90Plan`] of [`plan`], checked at codegen
+//!   time as the backward's is: the `setmaxnreg` budgets, the shared-memory offsets
+//!   ([`SmemPlan`]), the pipelines with their barrier slots ([`PipelinePlan`]: arrival counts
+//!   against the roles, TMA boxes against the tiles they fill) and the list warp's named
+//!   barrier.
+//! - **Pipelines** (stage/parity from [`Pipe`] over running counters): the list, two stages
 //!   (full: the 32 list lanes; empty: the TMA thread and every consumer thread after its own
 //!   last read); Q, two stages (16 boxes); K/V, two stages (4 boxes; empty: one arrival per
 //!   consumer warp after its last `wgmma.wait_group`). A consumer warpgroup that skips a block
@@ -69,9 +74,11 @@ use super::common;
 use super::forward_list as list;
 use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::{Barriers, Pipe, Pipeline, TmaBox};
+use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe, Pipeline, PipelinePlan, TmaBox};
 use crate::plan::roles::Role;
-use crate::plan::smem::Major;
+use crate::plan::sm90::{Sm90Plan, Sm90Warps};
+use crate::plan::smem::{Buf, BufferSpec, Major, Placed, SmemPlan, PANEL_BYTES, TILE_BYTES};
+use crate::plan::PlanError;
 use crate::ptx::*;
 use crate::target::Target;
 
@@ -84,63 +91,41 @@ pub const CONSUMER_REGS: u32 = 232;
 /// Query rows per item.
 pub const ITEM_QUERIES: u32 = 8;
 
-const TILE_BYTES: u32 = 128 * 128 * 2;
-const PANEL_BYTES: u32 = 128 * 128;
-/// One K/V stage: K then V, 32 KiB each.
-const KV_STAGE: u32 = 2 * TILE_BYTES;
-const SKV: u32 = 0;
-const SQ: u32 = 2 * KV_STAGE;
-const BARS: u32 = SQ + 2 * TILE_BYTES;
-/// The item lists, one per stage: the entry count, the slots' compact rows and aligned
-/// positions, then up to 128 (global key block, slot mask) entries.
-const LISTS: u32 = BARS + 128;
-/// Offsets inside a list: [`forward_list`]'s layout (the builder both forward kernels share).
-const L_COUNT: u32 = list::COUNT;
-const L_QROW: u32 = list::QROW;
-const L_QPOS: u32 = list::QPOS;
-const L_GB: u32 = list::GB;
-const L_MASK: u32 = list::MASK;
-/// The stride of the lists (at least [`list::BYTES`]).
-const LIST_BYTES: u32 = 1152;
-const _: () = assert!(LIST_BYTES >= list::BYTES && LIST_BYTES.is_multiple_of(16));
-/// The list warp's scratch ([`list::SCRATCH_BYTES`]).
-const SCRATCH: u32 = LISTS + 2 * LIST_BYTES;
-/// Dynamic shared memory: two K/V stages, two Q stages, barriers, lists, scratch, and 1 KiB
-/// of slack to align the tiles to the 1024-B swizzle atom at run time.
-pub const SMEM_BYTES: u32 = SCRATCH + list::SCRATCH_BYTES + 1024;
-
-/// Named barrier of the list warp alone (it orders the lanes' scratch stores and loads).
-const LIST_WARP_BAR: u32 = 1;
-
 /// The K/V pipeline: two stages of two 128-key × 64-d boxes each of K and V; one arrival per
 /// consumer warp releases a stage.
 pub fn kv_pipeline() -> Pipeline {
-    let mut p = Pipeline::new("kv", 2, Role::Load, &[Role::Compute], 1, 8);
-    p.tx = vec![
-        TmaBox {
-            dims: vec![64, 1, 128],
-            elem_bytes: 2
-        };
-        4
-    ];
-    p
+    Pipeline {
+        tx: vec![
+            TmaBox {
+                dims: vec![64, 1, 128],
+                elem_bytes: 2
+            };
+            4
+        ],
+        declared_tx: Some(2 * TILE_BYTES),
+        fills: vec![Buf::K, Buf::V],
+        ..Pipeline::new("kv", 2, Role::Load, &[Role::Compute], 1, 8)
+    }
 }
 
 /// The Q pipeline: two stages of 8 slots × 2 d-halves of 16 heads × 64 d.
 pub fn q_pipeline() -> Pipeline {
-    let mut p = Pipeline::new("q", 2, Role::Load, &[Role::Compute], 1, 8);
-    p.tx = vec![
-        TmaBox {
-            dims: vec![64, 16, 1],
-            elem_bytes: 2
-        };
-        16
-    ];
-    p
+    Pipeline {
+        tx: vec![
+            TmaBox {
+                dims: vec![64, 16, 1],
+                elem_bytes: 2
+            };
+            16
+        ],
+        declared_tx: Some(TILE_BYTES),
+        fills: vec![Buf::Q],
+        ..Pipeline::new("q", 2, Role::Load, &[Role::Compute], 1, 8)
+    }
 }
 
-/// The list pipeline: filled by the list warp's 32 lanes, released by the TMA thread and each
-/// of the 256 consumer threads after its own last read.
+/// The list pipeline: filled by the list warp's 32 lanes, released by the TMA thread (the
+/// load warp's one active lane) and each of the 256 consumer threads after its own last read.
 pub fn list_pipeline() -> Pipeline {
     Pipeline::new(
         "list",
@@ -152,12 +137,91 @@ pub fn list_pipeline() -> Pipeline {
     )
 }
 
-const KV_SLOT: u32 = 0;
-const Q_SLOT: u32 = 4;
-const LIST_SLOT: u32 = 8;
+/// The forward's warps: warp 0's lane 0 issues the TMA loads ([`Role::Load`]), warp 1 builds
+/// the lists ([`Role::Scalar`]), warps 2-3 exit, warpgroups 1 and 2 consume.
+pub fn warps() -> Result<Sm90Warps, PlanError> {
+    Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)
+}
 
-fn barriers(b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
-    common::sm90_barriers(b, base, BARS)
+/// The shared layout: two stages each of K, V and Q (SW128 tiles), the item lists (two
+/// stages of [`list::BYTES`]), the list builder's scratch, then the barrier array.
+pub fn smem_plan(barrier_slots: u32) -> Result<SmemPlan, PlanError> {
+    SmemPlan::layout(vec![
+        BufferSpec::tile(Buf::K, 2),
+        BufferSpec::tile(Buf::V, 2),
+        BufferSpec::tile(Buf::Q, 2),
+        BufferSpec::scalar(Buf::List, list::BYTES / 4, 2),
+        BufferSpec::scalar(Buf::ListScratch, list::SCRATCH_BYTES / 4, 1),
+        BufferSpec::barriers(barrier_slots),
+    ])
+}
+
+/// The named barrier of the list warp alone (it orders the lanes' scratch stores and loads).
+pub fn barriers() -> Vec<NamedBarrier> {
+    vec![NamedBarrier {
+        name: "list_warp",
+        id: 1,
+        threads: 32,
+        roles: vec![Role::Scalar],
+    }]
+}
+
+/// The forward's whole plan, checked: the register budgets, the pipelines against the roles,
+/// the layout against the TMA fills, the named barrier against its role.
+pub fn plan() -> Result<Sm90Plan, PlanError> {
+    let warps = warps()?;
+    let pipelines = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), list_pipeline()], &warps)?;
+    let smem = smem_plan(pipelines.barrier_slots())?;
+    Sm90Plan::new(warps, smem, pipelines, barriers(), Vec::new())
+}
+
+/// Dynamic shared memory requested: the plan's layout and 1 KiB of slack, enough to align
+/// the base to the 1024-B swizzle atom at run time whatever the base (so no guard is needed).
+pub fn smem_bytes(plan: &Sm90Plan) -> u32 {
+    plan.smem().total() + 1024
+}
+
+/// The plan resolved for the roles, looked up once.
+struct Resolved<'a> {
+    k: Placed,
+    v: Placed,
+    q: Placed,
+    list: Placed,
+    scratch: Placed,
+    barriers: u32,
+    kv: Pipe<'a>,
+    q_pipe: Pipe<'a>,
+    list_pipe: Pipe<'a>,
+    list_warp: u32,
+}
+
+/// Looks up everything [`Resolved`] holds; the error names what the plan lacks.
+fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
+    let smem = plan.smem();
+    let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
+    let pipe = |name| plan.pipelines().get(name).map_err(|e| e.to_string());
+    let list_warp = plan
+        .barrier("list_warp")
+        .ok_or("the plan has no named barrier `list_warp`")?
+        .id;
+    Ok(Resolved {
+        k: buf(Buf::K)?,
+        v: buf(Buf::V)?,
+        q: buf(Buf::Q)?,
+        list: buf(Buf::List)?,
+        scratch: buf(Buf::ListScratch)?,
+        barriers: buf(Buf::Barriers)?.offset,
+        kv: pipe("kv")?,
+        q_pipe: pipe("q")?,
+        list_pipe: pipe("list")?,
+        list_warp,
+    })
+}
+
+impl Resolved<'_> {
+    fn bars(&self, b: &mut KernelBuilder, base: Reg<U32>) -> Barriers {
+        common::sm90_barriers(b, base, self.barriers)
+    }
 }
 
 const LN2: f32 = std::f32::consts::LN_2;
@@ -255,64 +319,62 @@ fn describe(b: &mut KernelBuilder) {
     b.grid("[min(4*ceil(T/8), num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
     let p = forward_params(b);
-    let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
+    let plan = match plan() {
+        Ok(plan) => plan,
+        Err(e) => return b.error(format!("SM90 forward plan: {e}")),
+    };
+    let r = match resolve(&plan) {
+        Ok(r) => r,
+        Err(e) => return b.error(format!("SM90 forward plan: {e}")),
+    };
+    let smem = b.dynamic_shared("smem", smem_bytes(&plan), 1024);
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
-    common::sm90_init_pipelines(
-        b,
-        tid,
-        base,
-        BARS,
-        &[
-            (kv_pipeline(), KV_SLOT),
-            (q_pipeline(), Q_SLOT),
-            (list_pipeline(), LIST_SLOT),
-        ],
-    );
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    let bars = r.bars(b, base);
+    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
+    b.bar_sync(0, None);
     let walk = items(b, &p);
 
     let wg = b.shr(tid, 7u32);
     let is_producer = b.setp(Cmp::Eq, wg, 0u32);
     let consumers = b.label("consumers");
     b.bra_unless(is_producer, &consumers);
-    b.setmaxnreg(false, PRODUCER_REGS);
+    plan.warps().emit_producer_setmaxnreg(b);
     let warp = b.shr(tid, 5u32);
-    let is_list = b.setp(Cmp::Eq, warp, 0u32);
-    b.if_then(is_list, "list", |b| list_warp(b, &p, base, tid, &walk));
-    let is_tma = b.setp(Cmp::Eq, tid, 32u32);
-    b.if_then(is_tma, "tma", |b| tma_thread(b, &p, base, &walk));
+    let is_list = b.setp(Cmp::Eq, warp, 1u32);
+    b.if_then(is_list, "list", |b| list_warp(b, &r, &p, base, tid, &walk));
+    b.if_then(leader, "tma", |b| tma_thread(b, &r, &p, base, &walk));
     b.ret();
 
     b.place(&consumers);
-    b.setmaxnreg(true, CONSUMER_REGS);
-    consumer(b, &p, base, tid, &walk);
+    plan.warps().emit_consumer_setmaxnreg(b);
+    consumer(b, &r, &p, base, tid, &walk);
     b.ret();
 }
 
-fn list_base(b: &mut KernelBuilder, base: Reg<U32>, stage: Reg<U32>) -> Reg<U32> {
-    let off = b.mul_lo(stage, LIST_BYTES);
-    let at = b.add(base, off);
-    b.add(at, LISTS)
-}
-
 /// The list warp: per item, the slots' rows and positions and the union of their blocks.
-fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U32>, w: &Items) {
-    let list = list_pipeline();
-    let list = Pipe {
-        pipeline: &list,
-        slot: LIST_SLOT,
-    };
-    let bars = barriers(b, base);
+fn list_warp(
+    b: &mut KernelBuilder,
+    r: &Resolved,
+    p: &ForwardParams,
+    base: Reg<U32>,
+    tid: Reg<U32>,
+    w: &Items,
+) {
+    let list = &r.list_pipe;
+    let bars = r.bars(b, base);
     let lane = b.and(tid, 31u32);
     let num_tokens = b.ld_param(&p.num_tokens);
     let first_token = b.ld_param(&p.first_token);
     let status = b.ld_param_ptr(&p.status);
     let flags = b.ld::<U32, _>(&global(status, 0));
-    let scratch = b.add(base, SCRATCH);
+    let scratch = b.add(base, r.scratch.offset);
     b.for_range(0u32, w.count, 1, "list_item", |b, k| {
         let item = w.item(b, k);
         let st = list.producer_acquire(b, &bars, k);
-        let lb = list_base(b, base, st.index);
+        let lb = r.list.emit_stage_addr(b, base, st.index);
         let args = list::ListArgs {
             list: lb,
             scratch,
@@ -322,29 +384,17 @@ fn list_warp(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<
             num_tokens,
             first_token,
         };
-        list::build(b, p, &args, &|b| b.bar_sync(LIST_WARP_BAR, Some(32)));
+        list::build(b, p, &args, &|b| b.bar_sync(r.list_warp, Some(32)));
         list.producer_commit(b, &bars, &st);
         // The next item rewrites the scratch: every lane has finished reading it.
-        b.bar_sync(LIST_WARP_BAR, Some(32));
+        b.bar_sync(r.list_warp, Some(32));
     });
 }
 
 /// The TMA thread: per item its Q rows, then K and V of every list entry.
-fn tma_thread(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, w: &Items) {
-    let (list, q, kv) = (list_pipeline(), q_pipeline(), kv_pipeline());
-    let list = Pipe {
-        pipeline: &list,
-        slot: LIST_SLOT,
-    };
-    let q = Pipe {
-        pipeline: &q,
-        slot: Q_SLOT,
-    };
-    let kv = Pipe {
-        pipeline: &kv,
-        slot: KV_SLOT,
-    };
-    let bars = barriers(b, base);
+fn tma_thread(b: &mut KernelBuilder, r: &Resolved, p: &ForwardParams, base: Reg<U32>, w: &Items) {
+    let (list, q, kv) = (&r.list_pipe, &r.q_pipe, &r.kv);
+    let bars = r.bars(b, base);
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tk = b.tensor_map_addr(&p.tmap_k);
     let tv = b.tensor_map_addr(&p.tmap_v);
@@ -353,19 +403,18 @@ fn tma_thread(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, w: &Item
         let item = w.item(b, k);
         let g = b.and(item, 3u32);
         let lst = list.consumer_wait(b, &bars, k);
-        let lb = list_base(b, base, lst.index);
-        let count = b.ld::<U32, _>(&shared(lb, L_COUNT as i64));
+        let lb = r.list.emit_stage_addr(b, base, lst.index);
+        let count = b.ld::<U32, _>(&shared(lb, list::COUNT as i64));
 
         let qst = q.producer_acquire(b, &bars, k);
-        let q_off = b.mul_lo(qst.index, TILE_BYTES);
-        let q_tile = b.add(base, q_off);
+        let q_tile = r.q.emit_stage_addr(b, base, qst.index);
         let head16 = b.shl(g, 4u32);
         let head16 = b.bitcast::<S32, U32>(head16);
         for slot in 0..8u32 {
-            let qrow = b.ld::<S32, _>(&shared(lb, (L_QROW + 4 * slot) as i64));
+            let qrow = b.ld::<S32, _>(&shared(lb, (list::QROW + 4 * slot) as i64));
             for panel in 0..2u32 {
                 let d0 = b.mov::<S32>(panel as i32 * 64);
-                let off = SQ + panel * PANEL_BYTES + slot * 2048;
+                let off = panel * PANEL_BYTES + slot * 2048;
                 b.tma_load_3d(
                     &shared(q_tile, off as i64),
                     tq,
@@ -378,14 +427,11 @@ fn tma_thread(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, w: &Item
         b.for_range(0u32, count, 1, "tma_block", |b, e| {
             let e4 = b.shl(e, 2u32);
             let at = b.add(lb, e4);
-            let gb = b.ld::<U32, _>(&shared(at, L_GB as i64));
+            let gb = b.ld::<U32, _>(&shared(at, list::GB as i64));
             let st = kv.producer_acquire(b, &bars, kv_iter);
-            let off = b.mul_lo(st.index, KV_STAGE);
-            let stage = b.add(base, off);
-            let tiles = [
-                shared(stage, SKV as i64),
-                shared(stage, (SKV + TILE_BYTES) as i64),
-            ];
+            let k_tile = r.k.emit_stage_addr(b, base, st.index);
+            let v_tile = r.v.emit_stage_addr(b, base, st.index);
+            let tiles = [shared(k_tile, 0), shared(v_tile, 0)];
             common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full);
             let next = b.add(kv_iter, 1u32);
             b.set(kv_iter, next);
@@ -403,7 +449,14 @@ fn mn_major() -> SmemDesc {
 }
 
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U32>, w: &Items) {
+fn consumer(
+    b: &mut KernelBuilder,
+    r: &Resolved,
+    p: &ForwardParams,
+    base: Reg<U32>,
+    tid: Reg<U32>,
+    w: &Items,
+) {
     let t = b.sub(tid, 128u32);
     let c = b.shr(t, 7u32); // consumer 0/1: slots 4c..4c+4
     let tw = b.and(t, 127u32);
@@ -423,20 +476,8 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
     let scale_log2e = common::SCALE_LOG2E;
     let c_rows = b.mul_lo(c, 64 * 128);
 
-    let (list, q, kv) = (list_pipeline(), q_pipeline(), kv_pipeline());
-    let list = Pipe {
-        pipeline: &list,
-        slot: LIST_SLOT,
-    };
-    let q = Pipe {
-        pipeline: &q,
-        slot: Q_SLOT,
-    };
-    let kv = Pipe {
-        pipeline: &kv,
-        slot: KV_SLOT,
-    };
-    let bars = barriers(b, base);
+    let (list, q, kv) = (&r.list_pipe, &r.q_pipe, &r.kv);
+    let bars = r.bars(b, base);
     let kv_iter = b.mov::<U32>(0u32);
     let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
     let m_row: [Reg<F32>; 2] = std::array::from_fn(|_| b.reg());
@@ -446,15 +487,13 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
         let item = w.item(b, k);
         let g = b.and(item, 3u32);
         let lst = list.consumer_wait(b, &bars, k);
-        let lb = list_base(b, base, lst.index);
-        let count = b.ld::<U32, _>(&shared(lb, L_COUNT as i64));
+        let lb = r.list.emit_stage_addr(b, base, lst.index);
+        let count = b.ld::<U32, _>(&shared(lb, list::COUNT as i64));
         let sat = b.add(lb, slot4);
-        let qpos = b.ld::<S32, _>(&shared(sat, L_QPOS as i64));
-        let qrow = b.ld::<S32, _>(&shared(sat, L_QROW as i64));
+        let qpos = b.ld::<S32, _>(&shared(sat, list::QPOS as i64));
+        let qrow = b.ld::<S32, _>(&shared(sat, list::QROW as i64));
         let qst = q.consumer_wait(b, &bars, k);
-        let q_off = b.mul_lo(qst.index, TILE_BYTES);
-        let q_tile = b.add(base, q_off);
-        let q_tile = b.add(q_tile, SQ);
+        let q_tile = r.q.emit_stage_addr(b, base, qst.index);
         let a_base = b.add(q_tile, c_rows);
         for r in &o_acc {
             b.set(*r, 0.0f32);
@@ -467,11 +506,11 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
         b.for_range(0u32, count, 1, "block", |b, e| {
             let e4 = b.shl(e, 2u32);
             let at = b.add(lb, e4);
-            let gb = b.ld::<U32, _>(&shared(at, L_GB as i64));
-            let mask = b.ld::<U32, _>(&shared(at, L_MASK as i64));
+            let gb = b.ld::<U32, _>(&shared(at, list::GB as i64));
+            let mask = b.ld::<U32, _>(&shared(at, list::MASK as i64));
             let st = kv.consumer_wait(b, &bars, kv_iter);
-            let off = b.mul_lo(st.index, KV_STAGE);
-            let stage = b.add(base, off);
+            let k_addr = r.k.emit_stage_addr(b, base, st.index);
+            let v_addr = r.v.emit_stage_addr(b, base, st.index);
             let wg_bits = b.shr(mask, c4);
             let wg_bits = b.and(wg_bits, 15u32);
             let active = b.setp(Cmp::Ne, wg_bits, 0u32);
@@ -480,7 +519,6 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
                 let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
                 b.wgmma_fence();
                 let a0 = k_major().emit(b, a_base);
-                let k_addr = b.add(stage, SKV);
                 let b0 = k_major().emit(b, k_addr);
                 for kk in 0..8u32 {
                     let a_desc = k_major().emit_step(b, a0, kk);
@@ -562,7 +600,6 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
 
                 b.comment("O += P*V (A from registers, V MN-major)");
                 b.wgmma_fence();
-                let v_addr = b.add(stage, SKV + TILE_BYTES);
                 let b0 = mn_major().emit(b, v_addr);
                 for kk in 0..8u32 {
                     let b_desc = mn_major().emit_step(b, b0, kk);
@@ -629,4 +666,62 @@ fn consumer(b: &mut KernelBuilder, p: &ForwardParams, base: Reg<U32>, tid: Reg<U
             });
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::pipeline::Side;
+
+    #[test]
+    fn the_forward_plan_passes_and_places_every_buffer() {
+        let plan = plan().unwrap();
+        let smem = plan.smem();
+        let at = |id| smem.offset(id).unwrap();
+        assert_eq!(
+            [at(Buf::K), at(Buf::V), at(Buf::Q)],
+            [0, 2 * TILE_BYTES, 4 * TILE_BYTES]
+        );
+        assert_eq!(at(Buf::List), 6 * TILE_BYTES);
+        assert_eq!(at(Buf::ListScratch), 6 * TILE_BYTES + 2 * list::BYTES);
+        // kv, q and list: two stages of a full and an empty barrier each.
+        assert_eq!(plan.pipelines().barrier_slots(), 12);
+        let slots: Vec<u32> = ["kv", "q", "list"]
+            .map(|n| plan.pipelines().get(n).unwrap().slot)
+            .to_vec();
+        assert_eq!(slots, [0, 4, 8]);
+        assert_eq!(smem_bytes(&plan), smem.total() + 1024);
+        assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
+        assert_eq!(plan.barrier("list_warp").unwrap().id, 1);
+    }
+
+    #[test]
+    fn the_forward_plan_rejects_what_the_kernel_would_get_wrong() {
+        let warps = warps().unwrap();
+        // The list's consumers without the TMA thread's arrival.
+        let list = Pipeline {
+            consumer_arrivals: 256,
+            ..list_pipeline()
+        };
+        let e = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), list], &warps).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Arrivals { side: Side::Consumer, allowed, .. }
+                if allowed.contains(&257) && !allowed.contains(&256)),
+            "{e}"
+        );
+        // A third Q stage that the two Q tiles of the layout do not have.
+        let q = Pipeline {
+            stages: 3,
+            ..q_pipeline()
+        };
+        let pipes = PipelinePlan::new(vec![kv_pipeline(), q, list_pipeline()], &warps).unwrap();
+        let smem = smem_plan(pipes.barrier_slots()).unwrap();
+        let e = Sm90Plan::new(warps.clone(), smem, pipes, barriers(), Vec::new()).unwrap_err();
+        assert!(
+            matches!(e, PlanError::FillStages { pipeline: "q", .. }),
+            "{e}"
+        );
+        // Consumer budgets that overflow an SMSP's register file with the producer's 40.
+        assert!(Sm90Warps::new(PRODUCER_REGS, 240).is_err());
+    }
 }

@@ -256,20 +256,39 @@ impl Pipeline {
             (Side::Producer, self.producer_arrivals),
             (Side::Consumer, self.consumer_arrivals),
         ] {
-            let threads: u32 = self.roles(side).iter().map(|&r| warps.threads(r)).sum();
             let (signal, allowed) = match self.signal(side) {
                 Signal::Tma => ("with TMA (one arrive.expect_tx)", vec![1]),
                 Signal::UmmaCommit => ("with tcgen05.commit", vec![1]),
-                // One elected thread per warpgroup after a warpgroup barrier, one elected
-                // lane per warp, or every thread.
-                Signal::Arrive if threads >= 128 && threads.is_multiple_of(128) => (
-                    "arriving per warpgroup, per warp or per thread,",
-                    vec![threads / 128, threads / 32, threads],
-                ),
-                Signal::Arrive => (
-                    "arriving per warp or per thread,",
-                    vec![threads / 32, threads],
-                ),
+                // Each role arrives in one of its granules: one elected thread per warpgroup
+                // after a warpgroup barrier, one elected lane per warp, or every thread; the
+                // count is the sum over the roles.
+                Signal::Arrive => {
+                    let threads = self.roles(side).iter().map(|&r| warps.threads(r));
+                    let granules = |t: u32| {
+                        let mut g = vec![t / 32, t];
+                        if t >= 128 && t.is_multiple_of(128) {
+                            g.insert(0, t / 128);
+                        }
+                        g
+                    };
+                    let mut sums = vec![0];
+                    let mut whole_warpgroups = true;
+                    for t in threads {
+                        whole_warpgroups &= t >= 128 && t.is_multiple_of(128);
+                        sums = sums
+                            .iter()
+                            .flat_map(|s| granules(t).into_iter().map(move |g| s + g))
+                            .collect();
+                    }
+                    sums.sort_unstable();
+                    sums.dedup();
+                    let signal = if whole_warpgroups {
+                        "arriving per warpgroup, per warp or per thread,"
+                    } else {
+                        "arriving per warp or per thread (per warpgroup where a role fills whole warpgroups),"
+                    };
+                    (signal, sums)
+                }
             };
             if !allowed.contains(&arrivals) {
                 return Err(PlanError::Arrivals {
@@ -865,10 +884,15 @@ mod tests {
                 side: Side::Consumer,
                 arrivals: 128,
                 signal: "arriving per warpgroup, per warp or per thread,",
-                allowed: vec![2, 8, 256]
+                // Compute's 128 threads and Reduce's 128, each per warpgroup, warp or thread.
+                allowed: vec![2, 5, 8, 129, 132, 256]
             }
         );
-        assert!(e.to_string().contains("arrives 2 or 8 or 256 times"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("arrives 2 or 5 or 8 or 129 or 132 or 256 times"),
+            "{e}"
+        );
         assert!(with("rows", |p| p.consumer_arrivals = 8).is_ok());
         assert!(with("rows", |p| p.producer_arrivals = 1).is_ok());
         let e = with("rows", |p| p.producer_arrivals = 16).unwrap_err();
@@ -879,6 +903,30 @@ mod tests {
                 ..
             }
         ));
+        // A side of several roles: each role in its own granule (the SM90 forward's list:
+        // one TMA lane of the load warp and every consumer thread).
+        let warps = WarpPlan::design().unwrap();
+        let mixed = Pipeline::new(
+            "mixed",
+            1,
+            Role::Scalar,
+            &[Role::Load, Role::Compute],
+            32,
+            129,
+        );
+        assert!(PipelinePlan::new(vec![mixed.clone()], &warps).is_ok());
+        let e = PipelinePlan::new(
+            vec![Pipeline {
+                consumer_arrivals: 130,
+                ..mixed
+            }],
+            &warps,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Arrivals { allowed, .. } if allowed == &[2, 5, 33, 36, 129, 160]),
+            "{e}"
+        );
         // TMA and tcgen05.commit signal with exactly one arrival.
         let e = with("kv", |p| p.producer_arrivals = 32).unwrap_err();
         assert!(matches!(e, PlanError::Arrivals { allowed, .. } if allowed == [1]));

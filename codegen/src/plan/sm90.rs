@@ -1,4 +1,5 @@
-//! The typed plan of the Hopper main kernel (`msa_backward_sm90`), checked at codegen time
+//! The typed plan of the Hopper kernels (`msa_backward_sm90`'s design here; `msa_forward_sm90`
+//! builds its own from the same parts), checked at codegen time
 //! like the SM100 [`KernelPlan`](super::KernelPlan): the warp roles and `setmaxnreg` budgets,
 //! the shared-memory layout, the mbarrier pipelines (barrier slots assigned in order, never
 //! numbered by hand) and the named barriers.
