@@ -44,6 +44,7 @@ from ._native import (  # noqa: F401  (re-exported contract constants and CTA-wa
     SOFTMAX_SCALE,
     TOPK_BLOCKS,
     chunk_map,
+    clear_cp_cache,
     clear_workspace_cache,
     grid_launch_bound,
     rows_per_cta,
@@ -64,7 +65,14 @@ __all__ = [
     "sm_count",
     "workspace_cache",
     "clear_workspace_cache",
+    "CPLayout",
+    "cp_layout",
+    "cp_slice",
+    "cp_forward",
+    "cp_backward",
 ]
+
+CPLayout = _native.CPLayout
 
 _FIELDS = (
     "row_ptr",
@@ -461,3 +469,116 @@ def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any, *,
         raise TypeError(f"`deterministic`: found {type(deterministic).__name__}, expected a bool")
     out, _lse = _function().apply(q, k, v, q2k, cu_seqlens, deterministic)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism
+
+
+class _RawArray:
+    """``n`` elements of ``typestr`` at device address ``ptr`` (memory the runtime owns for
+    the duration of one collective), for ``torch.as_tensor`` (zero-copy)."""
+
+    def __init__(self, ptr: int, n: int, typestr: str):
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+            # Written by work on the current stream, which the collective is ordered after.
+            "stream": None,
+        }
+
+
+def _group(group: Any) -> Tuple[int, int]:
+    """``(rank, ranks)`` of ``group`` (``None``: the default process group)."""
+    dist = _torch().distributed
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context parallelism: torch.distributed has no process group "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _collectives(group: Any, device: Any, rank: int, ranks: int):
+    """The runtime's two collectives on ``group``, on the current stream: an all-gather of
+    bytes and an in-place reduce-scatter (sum) of f32."""
+    torch = _torch()
+    dist = torch.distributed
+
+    def gather(send_ptr: int, nbytes: int, recv_ptr: int) -> None:
+        send = torch.as_tensor(_RawArray(send_ptr, nbytes, "|u1"), device=device)
+        recv = torch.as_tensor(_RawArray(recv_ptr, nbytes * ranks, "|u1"), device=device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+
+    def reduce_scatter(ptr: int, n: int) -> None:
+        buf = torch.as_tensor(_RawArray(ptr, n, "<f4"), device=device)
+        m = n // ranks
+        # In place: NCCL's reduce-scatter allows recvbuff = sendbuff + rank * recvcount.
+        dist.reduce_scatter_tensor(buf[rank * m:(rank + 1) * m], buf, group=group)
+
+    return gather, reduce_scatter
+
+
+def cp_layout(cu_seqlens: Any, group: Any = None) -> Any:
+    """The rank layout (``CPLayout``) of the packed sequence ``cu_seqlens [D+1]`` (int32) over
+    the ranks of ``group`` (``None``: the default process group): rank ``r`` holds the compact
+    tokens ``layout.token_rows(r)`` (q, grad_out, out, lse, its rows of q2k) and the aligned
+    K/V rows ``[r*S, (r+1)*S)``, ``S = layout.slice_rows`` (``cp_slice``)."""
+    _, ranks = _group(group)
+    return CPLayout([int(x) for x in _host(cu_seqlens).tolist()], ranks)
+
+
+def cp_slice(x_aligned: Any, layout: Any, rank: int) -> Any:
+    """Rank ``rank``'s rows ``[rank*S, (rank+1)*S)`` of an aligned ``[W, 4, 128]`` tensor of
+    the whole sequence (``to_aligned``), zero past ``W``: a new contiguous tensor."""
+    torch = _torch()
+    s = layout.slice_rows
+    start, end = rank * s, min((rank + 1) * s, x_aligned.shape[0])
+    out = torch.zeros((s,) + tuple(x_aligned.shape[1:]), dtype=x_aligned.dtype,
+                      device=x_aligned.device)
+    if end > start:
+        out[:end - start].copy_(x_aligned[start:end])
+    return out
+
+
+def cp_forward(q: Any, k_slice: Any, v_slice: Any, q2k_local: Any, layout: Any, *,
+               group: Any = None):
+    """This rank's MSA forward in a context-parallel group: ``q [T_r, 64, 128]`` (its
+    tokens), its K/V slices ``[S, 4, 128]`` (bf16) and its rows of the selection ``q2k_local
+    [4, T_r, 16]`` (int32, document-local block ids). K/V are all-gathered over ``group``
+    (``torch.distributed``, NCCL) on the current stream; the selection is validated on the
+    host. Returns ``(out [T_r, 64, 128], lse [T_r, 64], schedule)``; pass ``schedule`` to
+    ``cp_backward``."""
+    torch = _torch()
+    rank, _ = _group(group)
+    q, k_slice, v_slice = (_operand(x) for x in (q, k_slice, v_slice))
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    gather, _ = _collectives(group, q.device, rank, layout.ranks)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    schedule = _native.cp_forward(layout, rank, q, k_slice, v_slice, _host(q2k_local), out,
+                                  lse, stream, gather)
+    return out, lse, schedule
+
+
+def cp_backward(q: Any, k_slice: Any, v_slice: Any, grad_out: Any, lse: Any, out: Any,
+                layout: Any, schedule: Any, *, group: Any = None):
+    """This rank's MSA backward in a context-parallel group, on ``schedule`` (``cp_forward``'s,
+    or ``layout.local_schedule(rank, q2k_local)``): the rank's ``q``, ``grad_out``, ``out [T_r,
+    64, 128]`` and ``lse [T_r, 64]``, and its K/V slices ``[S, 4, 128]``. K/V are
+    all-gathered and the fp32 dK/dV reduce-scattered over ``group`` on the current stream.
+    Returns ``(dq [T_r, 64, 128], dk_slice, dv_slice [S, 4, 128])`` (bf16): dq is the rank's,
+    dk/dv its slice's, summed over every rank's queries."""
+    torch = _torch()
+    rank, _ = _group(group)
+    q, k_slice, v_slice, grad_out, lse, out = (
+        _operand(x) for x in (q, k_slice, v_slice, grad_out, lse, out))
+    dq = torch.empty_like(q)
+    dk_slice = torch.empty_like(k_slice)
+    dv_slice = torch.empty_like(v_slice)
+    gather, reduce_scatter = _collectives(group, q.device, rank, layout.ranks)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _native.cp_backward(layout, rank, q, k_slice, v_slice, grad_out, lse, out, dq, dk_slice,
+                        dv_slice, schedule, stream, gather, reduce_scatter)
+    return dq, dk_slice, dv_slice

@@ -8,6 +8,7 @@
 //! allocating outputs, copying non-contiguous inputs, finding the current stream.
 
 mod backward;
+mod cp;
 mod error;
 mod forward;
 mod schedule;
@@ -112,6 +113,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward::run_forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward::workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(backward::clear_workspace_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(cp::cp_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cp::cp_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cp::clear_cp_cache, m)?)?;
+    m.add_class::<cp::CpLayoutPy>()?;
     m.add_class::<schedule::HostSchedule>()?;
     m.add_class::<schedule::ResidentSchedulePy>()?;
     // The contract's constants, from their one home (`msa_runtime::contract`).

@@ -6,7 +6,8 @@
    dK 0.075/0.007, dV 0.1/0.007 max-abs/L2-rel), on the device-built and the host-built
    schedule; non-contiguous and misaligned inputs; a side stream; the autograd Function with
    the reference standing in for the forward (which the package does not have yet); a
-   flagged selection (ValueError, zero gradients); errors on real tensors.
+   flagged selection (ValueError, zero gradients); errors on real tensors; the
+   context-parallel entry points on a one-rank NCCL group.
 2. The backward timed against fla's ``parallel_nsa_bwd`` on the same inputs in the same run
    (``bench/baselines.py``'s cases, timing and fla setup).
 
@@ -156,6 +157,37 @@ def check_errors(c, ref):
            "flagged selection: zero gradients")
 
 
+def check_cp(report):
+    """The context-parallel entry points on a one-rank NCCL group (one GPU): the forward equals
+    run_forward bit for bit (the same kernel on the same rows), the backward matches the fp32
+    reference, and a layout of another group size is a ValueError before any collective."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    c = bl.Case("cp_packed", [1000, 3000, 2500, 1692], 16, 20261202)
+    ref = bl.reference(c)
+    cu = torch.tensor(c.cu, dtype=torch.int32, device="cuda")
+    layout = msa_ptx.cp_layout(cu)
+    sched = msa_ptx.build_schedule(c.q2k, cu)
+    ka, va = msa_ptx.to_aligned(c.k, c.v, sched)
+    ks, vs = msa_ptx.cp_slice(ka, layout, 0), msa_ptx.cp_slice(va, layout, 0)
+    out, lse, cp_sched = msa_ptx.cp_forward(c.q, ks, vs, c.q2k, layout)
+    out1, lse1, _, _, _ = msa_ptx.run_forward(c.q, c.k, c.v, c.q2k, cu)
+    same = torch.equal(out, out1) and torch.equal(lse, lse1)
+    expect(same, f"cp_forward on one rank equals run_forward bit for bit: {same}")
+    dq, dks, dvs = msa_ptx.cp_backward(c.q, ks, vs, c.do, lse, out, layout, cp_sched)
+    w = layout.workspace_rows
+    dk, dv = msa_ptx.from_aligned(dks[:w], dvs[:w], sched)
+    res, ok = bl.compare({"dq": dq, "dk": dk, "dv": dv}, ref)
+    report["checks"]["cp_one_rank"] = res
+    expect(ok, f"cp_backward on one rank (NCCL): {bl.fmt_cmp(res)}")
+    two = msa_ptx.CPLayout(c.cu, 2)
+    raises(ValueError, lambda: msa_ptx.cp_backward(c.q, ks, vs, c.do, lse, out, two, cp_sched),
+           "cp_backward with a two-rank layout in a one-rank group")
+    dist.destroy_process_group()
+
+
 def bench(names, reps, warmup, report):
     fla = bl.Fla()
     flush = torch.empty(bl.FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
@@ -210,6 +242,7 @@ def main():
                              ("doc2177_top16", [2177], 16)):
         c, ref = check_case(name, docs, topk, 20261201, report)
     check_errors(c, ref)
+    check_cp(report)
     del c, ref
     torch.cuda.empty_cache()
     names = [x for x in args.bench.split(",") if x]

@@ -288,5 +288,75 @@ class Devices(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, r"`schedule`.*built on the device"):
             _native.run_forward(*args, h, 0)
 
+
+class ContextParallel(unittest.TestCase):
+    """The rank layout of docs/design.md and runtime/src/cp.rs, derived by hand: documents of
+    1000, 3000, 2500 and 1692 tokens hold 8 + 24 + 20 + 14 = 66 blocks of 128 (W = 8448); two
+    ranks hold ceil(66/2) = 33 blocks each (S = 4224), so rank 0 ends after block 32, the
+    first block of the third document (tokens 4000..4128)."""
+
+    CU = [0, 1000, 4000, 6500, 8192]
+
+    def test_the_layout_is_the_hand_derived_split(self):
+        layout = msa_ptx.CPLayout(self.CU, 2)
+        self.assertEqual((layout.ranks, layout.workspace_rows, layout.slice_rows,
+                          layout.gathered_rows), (2, 8448, 4224, 8448))
+        self.assertEqual([layout.token_rows(r) for r in (0, 1)], [(0, 4128), (4128, 8192)])
+        self.assertEqual([layout.block_rows(r) for r in (0, 1)], [(0, 4224), (4224, 8448)])
+        self.assertEqual(layout.local_cu_seqlens(0), [0, 1000, 4000, 4128])
+        self.assertEqual(layout.local_cu_seqlens(1), [0, 2372, 4064])
+        self.assertEqual(layout.cu_seqlens, self.CU)
+        # Three ranks: 22 blocks each; rank 1 holds blocks 22..44: from block 14 of the second
+        # document (token 1000 + 14*128) to block 12 of the third (token 4000 + 12*128).
+        self.assertEqual(msa_ptx.CPLayout(self.CU, 3).token_rows(1), (2792, 5536))
+
+    def test_bad_rank_counts_and_ranks_are_value_errors(self):
+        with self.assertRaisesRegex(ValueError, r"`ranks`.*at least 1"):
+            msa_ptx.CPLayout(self.CU, 0)
+        with self.assertRaisesRegex(ValueError, r"`rank`.*2.*below 2"):
+            msa_ptx.CPLayout(self.CU, 2).token_rows(2)
+        with self.assertRaisesRegex(ValueError, r"cu_seqlens"):
+            msa_ptx.CPLayout([0, 5, 3], 1)
+
+    def test_a_rank_schedule_from_its_rows_of_the_selection(self):
+        layout = msa_ptx.CPLayout(self.CU, 2)
+        start, end = layout.token_rows(1)
+        # Each query selects its own block (document-local ids of the whole document).
+        q2k = []
+        for _ in range(4):
+            for t in range(start, end):
+                doc = max(d for d in range(4) if self.CU[d] <= t)
+                q2k += [(t - self.CU[doc]) // 128] + [-1] * 15
+        h = layout.local_schedule(1, cpu_i32([4, end - start, 16], q2k))
+        self.assertEqual(h.workspace_rows, 8448)
+        q2k[16] = q2k[0] + 1  # the second query selects the block after its own
+        with self.assertRaisesRegex(ValueError, r"q2k"):
+            layout.local_schedule(1, cpu_i32([4, end - start, 16], q2k))
+        with self.assertRaisesRegex(ValueError, r"`q2k_local`.*T_r = 4064"):
+            layout.local_schedule(1, cpu_i32([4, 10, 16], [0] * 640))
+
+    def test_the_rank_entry_points_check_shapes_before_any_collective(self):
+        layout = msa_ptx.CPLayout(self.CU, 2)
+        called = []
+        gather = reduce = lambda *a: called.append(a)  # noqa: E731
+        t, s = 4128, 4224
+        q2k = cpu_i32([4, t, 16], [0] * (4 * t * 16))
+        fwd = [Fake([t, 64, 128]), Fake([s, 4, 128]), Fake([s - 128, 4, 128]), q2k,
+               Fake([t, 64, 128]), Fake([t, 64], "torch.float32")]
+        with self.assertRaisesRegex(ValueError, r"`v_slice`.*S = 4224"):
+            _native.cp_forward(layout, 0, *fwd, 0, gather)
+        h = msa_ptx.CPLayout([0, 128], 1).local_schedule(0, cpu_i32([4, 128, 16], [0, *[-1] * 15] * 512))
+        bwd = [Fake([t, 64, 128]), Fake([s, 4, 128]), Fake([s, 4, 128]), Fake([t, 64, 128]),
+               Fake([t, 64], "torch.float32"), Fake([t + 1, 64, 128]), Fake([t, 64, 128]),
+               Fake([s, 4, 128]), Fake([s, 4, 128])]
+        with self.assertRaisesRegex(ValueError, r"`out`.*T_r = 4128"):
+            _native.cp_backward(layout, 0, *bwd, h, 0, gather, reduce)
+        bwd[5] = Fake([t, 64, 128], "torch.float16")
+        with self.assertRaisesRegex(TypeError, r"`out`"):
+            _native.cp_backward(layout, 0, *bwd, h, 0, gather, reduce)
+        with self.assertRaisesRegex(ValueError, r"`rank`"):
+            _native.cp_backward(layout, 5, *bwd, h, 0, gather, reduce)
+        self.assertEqual(called, [])
+
 if __name__ == "__main__":
     unittest.main()
