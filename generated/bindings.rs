@@ -342,6 +342,8 @@ pub mod schedule_count {
         rows_capacity: u32,
         queries_per_work: u32,
         window_bits: u32,
+        query_first: u32,
+        query_rows: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(cu_seqlens), KernelArg::from(cu_copy),
@@ -356,7 +358,8 @@ pub mod schedule_count {
             KernelArg::from(entry_masks), KernelArg::from(row_ptr),
             KernelArg::from(bucket_starts), KernelArg::from(item_offsets),
             KernelArg::from(work_count), KernelArg::from(rows_capacity),
-            KernelArg::from(queries_per_work), KernelArg::from(window_bits)
+            KernelArg::from(queries_per_work), KernelArg::from(window_bits),
+            KernelArg::from(query_first), KernelArg::from(query_rows)
         ]
     }
 }

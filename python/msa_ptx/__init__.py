@@ -547,9 +547,11 @@ def cp_forward(q: Any, k_slice: Any, v_slice: Any, q2k_local: Any, layout: Any, 
     """This rank's MSA forward in a context-parallel group: ``q [T_r, 64, 128]`` (its
     tokens), its K/V slices ``[S, 4, 128]`` (bf16) and its rows of the selection ``q2k_local
     [4, T_r, 16]`` (int32, document-local block ids). K/V are all-gathered over ``group``
-    (``torch.distributed``, NCCL) on the current stream; the selection is validated on the
-    host. Returns ``(out [T_r, 64, 128], lse [T_r, 64], schedule)``; pass ``schedule`` to
-    ``cp_backward``."""
+    (``torch.distributed``, NCCL) on the current stream. A CUDA ``q2k_local`` is scheduled on
+    the device with no host copy or sync (a bad selection is flagged there:
+    ``schedule.check()`` raises ``ValueError``, and the rank's rows come out empty); a CPU one
+    is validated on the host first. Returns ``(out [T_r, 64, 128], lse [T_r, 64],
+    schedule)``; pass ``schedule`` to ``cp_backward``."""
     torch = _torch()
     rank, _ = _group(group)
     q, k_slice, v_slice = (_operand(x) for x in (q, k_slice, v_slice))
@@ -557,8 +559,9 @@ def cp_forward(q: Any, k_slice: Any, v_slice: Any, q2k_local: Any, layout: Any, 
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     gather, _ = _collectives(group, q.device, rank, layout.ranks)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    schedule = _native.cp_forward(layout, rank, q, k_slice, v_slice, _host(q2k_local), out,
-                                  lse, stream, gather)
+    q2k_local = _operand(q2k_local) if q2k_local.device.type == "cuda" else _host(q2k_local)
+    schedule = _native.cp_forward(layout, rank, q, k_slice, v_slice, q2k_local, out, lse,
+                                  stream, gather)
     return out, lse, schedule
 
 

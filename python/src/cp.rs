@@ -12,7 +12,9 @@ use crate::schedule::HostSchedule;
 use crate::tensor::{common_device, Dtype, Tensor};
 use crate::{cuda_stream, CudaStreamHandle};
 use half::bf16;
-use msa_runtime::{Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout};
+use msa_runtime::{
+    Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, RankSchedule,
+};
 use msa_runtime::{CudaBackend, RuntimeError, Span, HEAD_DIM, NUM_INDEX_HEADS, NUM_KV_HEADS};
 use msa_runtime::{NUM_Q_HEADS, TOPK_BLOCKS};
 use pyo3::prelude::*;
@@ -122,6 +124,39 @@ fn local_q2k(layout: &CpLayout, rank: usize, obj: &Bound<'_, PyAny>) -> PyResult
         &format!("[4, T_r, 16] with T_r = {t} (rank {rank}'s tokens)"),
     )?;
     x.host_i32()
+}
+
+/// A rank's schedule built on the device (`msa_runtime::RankSchedule`), from a CUDA
+/// `q2k_local`: no host copy, no sync. A bad selection is flagged on the device; `check()`
+/// reports it.
+#[pyclass(module = "msa_ptx._native", name = "CPRankSchedule", frozen)]
+pub struct CpRankSchedulePy {
+    inner: Mutex<RankSchedule<CudaBackend>>,
+    device: usize,
+    rank: usize,
+    // The stream the schedule's memory is freed on; kept with it.
+    stream: CudaStreamHandle,
+}
+
+#[pymethods]
+impl CpRankSchedulePy {
+    /// Waits for the build and raises `ValueError` naming the first fault of a flagged
+    /// selection (whose rank then contributes nothing: zero gradients on its queries, and no
+    /// share in any rank's dK/dV).
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| -> Result<(), RuntimeError> {
+            let mut backend = CudaBackend::new(&self.stream.0)?;
+            let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            s.status(&mut backend)
+        })
+        .map_err(error::runtime)
+    }
+
+    /// The rank it was built for.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
 }
 
 /// A rank's collectives as two Python callables: `gather(send_ptr, send_bytes, recv_ptr)`
@@ -243,8 +278,10 @@ fn shapes(layout: &CpLayout, rank: usize) -> (Vec<usize>, Vec<usize>, Vec<usize>
 }
 
 /// Rank `rank`'s forward on `stream`: reads `q [T_r, 64, 128]`, its K/V slices `[S, 4, 128]`
-/// and `q2k_local [4, T_r, 16]` (CPU int32), writes `out` and `lse` in place; all-gathers K/V
-/// through `gather`. Returns the rank's schedule, which `cp_backward` takes.
+/// and `q2k_local [4, T_r, 16]` int32, writes `out` and `lse` in place; all-gathers K/V
+/// through `gather`. Returns the rank's schedule, which `cp_backward` takes: validated on the
+/// host for a CPU `q2k_local` (`HostSchedule`), built on the device for a CUDA one
+/// (`CPRankSchedule`, no host copy or sync).
 #[pyfunction]
 #[pyo3(signature = (layout, rank, q, k_slice, v_slice, q2k_local, out, lse, stream, gather))]
 #[allow(clippy::too_many_arguments)] // a rank's tensors, its stream and its collective
@@ -260,10 +297,16 @@ pub fn cp_forward(
     lse: &Bound<'_, PyAny>,
     stream: u64,
     gather: Py<PyAny>,
-) -> PyResult<HostSchedule> {
+) -> PyResult<Py<PyAny>> {
     layout.check_rank(rank)?;
     let l = &layout.inner;
-    let q2k = local_q2k(l, rank, q2k_local)?;
+    let x = Tensor::read("q2k_local", q2k_local)?;
+    let on_device = !x.is_cpu();
+    let q2k = if on_device {
+        Vec::new()
+    } else {
+        local_q2k(l, rank, q2k_local)?
+    };
     let (qs, ls, kvs, qt, kvt) = shapes(l, rank);
     let specs = [
         ("q", Dtype::Bf16, qs.clone(), qt.clone()),
@@ -272,7 +315,19 @@ pub fn cp_forward(
         ("out", Dtype::Bf16, qs, qt.clone()),
         ("lse", Dtype::F32, ls, qt),
     ];
-    let (x, device) = read_all(&specs, &[q, k_slice, v_slice, out, lse])?;
+    let (x, device) = if on_device {
+        let t = l.token_rows(rank).len();
+        let mut specs = specs.to_vec();
+        specs.push((
+            "q2k_local",
+            Dtype::I32,
+            vec![NUM_INDEX_HEADS, t, TOPK_BLOCKS],
+            format!("[4, T_r, 16] with T_r = {t} (rank {rank}'s tokens)"),
+        ));
+        read_all(&specs, &[q, k_slice, v_slice, out, lse, q2k_local])?
+    } else {
+        read_all(&specs, &[q, k_slice, v_slice, out, lse])?
+    };
     let io = CpForwardBuffers {
         q: x[0].span(),
         k_slice: x[1].span(),
@@ -286,6 +341,26 @@ pub fn cp_forward(
         gather,
         reduce_scatter: None,
     };
+    if on_device {
+        let q2k_span = x[5].span();
+        let rs = py
+            .detach(|| -> Result<_, RuntimeError> {
+                let handle: CudaStreamHandle = cuda_stream(device, stream)?;
+                let mut backend = CudaBackend::new(&handle.0)?;
+                let state = entry(forward_cache(), (device, stream));
+                let mut forward = state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut rs = RankSchedule::new(&mut backend, l, rank)?;
+                forward.run_on_device(&mut backend, &mut comm, l, &io, q2k_span, &mut rs)?;
+                Ok(CpRankSchedulePy {
+                    inner: Mutex::new(rs),
+                    device,
+                    rank,
+                    stream: handle,
+                })
+            })
+            .map_err(error::runtime)?;
+        return Ok(Py::new(py, rs)?.into_any());
+    }
     let inner = py
         .detach(|| -> Result<_, RuntimeError> {
             let handle: CudaStreamHandle = cuda_stream(device, stream)?;
@@ -295,10 +370,10 @@ pub fn cp_forward(
             forward.run_on(&mut backend, &mut comm, l, &io, &q2k)
         })
         .map_err(error::runtime)?;
-    Ok(HostSchedule { inner })
+    Ok(Py::new(py, HostSchedule { inner })?.into_any())
 }
 
-/// Rank `rank`'s backward on `stream` with its schedule (`cp_forward`'s, or
+/// Rank `rank`'s backward on `stream` with its schedule (`cp_forward`'s, either kind, or
 /// `CPLayout.local_schedule`): reads `q`, `grad_out`, `out [T_r, 64, 128]`, `lse [T_r, 64]`
 /// and its K/V slices `[S, 4, 128]`, writes `dq` and the K/V slices' `dk_slice`/`dv_slice` in
 /// place (summed over every rank's queries); all-gathers K/V through `gather` and
@@ -319,12 +394,21 @@ pub fn cp_backward(
     dq: &Bound<'_, PyAny>,
     dk_slice: &Bound<'_, PyAny>,
     dv_slice: &Bound<'_, PyAny>,
-    schedule: &HostSchedule,
+    schedule: &Bound<'_, PyAny>,
     stream: u64,
     gather: Py<PyAny>,
     reduce_scatter: Py<PyAny>,
 ) -> PyResult<()> {
     layout.check_rank(rank)?;
+    let host = schedule.cast::<HostSchedule>().ok();
+    let resident = schedule.cast::<CpRankSchedulePy>().ok();
+    if host.is_none() && resident.is_none() {
+        return Err(error::type_error(
+            "schedule",
+            "another object",
+            "a rank's schedule (cp_forward's, or CPLayout.local_schedule's)",
+        ));
+    }
     let l = &layout.inner;
     let (qs, ls, kvs, qt, kvt) = shapes(l, rank);
     let specs = [
@@ -342,6 +426,15 @@ pub fn cp_backward(
         q, k_slice, v_slice, grad_out, lse, out, dq, dk_slice, dv_slice,
     ];
     let (x, device) = read_all(&specs, &objs)?;
+    if let Some(r) = &resident {
+        if r.get().device != device {
+            return Err(error::value_error(
+                "schedule",
+                format!("a schedule built on cuda:{}", r.get().device),
+                &format!("one built on the tensors' device, cuda:{device}"),
+            ));
+        }
+    }
     let io = CpBuffers {
         q: x[0].span(),
         k_slice: x[1].span(),
@@ -359,12 +452,23 @@ pub fn cp_backward(
         gather,
         reduce_scatter: Some(reduce_scatter),
     };
+    let (host, resident) = (
+        host.as_ref().map(|h| h.get()),
+        resident.as_ref().map(|r| r.get()),
+    );
     py.detach(|| -> Result<(), RuntimeError> {
         let handle: CudaStreamHandle = cuda_stream(device, stream)?;
         let mut backend = CudaBackend::new(&handle.0)?;
         let state = entry(backward_cache(), (device, stream));
         let mut backward = state.lock().unwrap_or_else(|e| e.into_inner());
-        backward.run_on(&mut backend, &mut comm, l, &io, &schedule.inner)
+        match (host, resident) {
+            (Some(h), _) => backward.run_on(&mut backend, &mut comm, l, &io, &h.inner),
+            (None, Some(r)) => {
+                let rs = r.inner.lock().unwrap_or_else(|e| e.into_inner());
+                backward.run_on(&mut backend, &mut comm, l, &io, &*rs)
+            }
+            (None, None) => unreachable!("checked above"),
+        }
     })
     .map_err(error::runtime)
 }

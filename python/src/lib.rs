@@ -117,6 +117,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cp::cp_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cp::clear_cp_cache, m)?)?;
     m.add_class::<cp::CpLayoutPy>()?;
+    m.add_class::<cp::CpRankSchedulePy>()?;
     m.add_class::<schedule::HostSchedule>()?;
     m.add_class::<schedule::ResidentSchedulePy>()?;
     // The contract's constants, from their one home (`msa_runtime::contract`).

@@ -172,7 +172,8 @@ def check_cp(report):
     sched = msa_ptx.build_schedule(c.q2k, cu)
     ka, va = msa_ptx.to_aligned(c.k, c.v, sched)
     ks, vs = msa_ptx.cp_slice(ka, layout, 0), msa_ptx.cp_slice(va, layout, 0)
-    out, lse, cp_sched = msa_ptx.cp_forward(c.q, ks, vs, c.q2k, layout)
+    # A CPU q2k: the rank's schedule validated on the host.
+    out, lse, cp_sched = msa_ptx.cp_forward(c.q, ks, vs, c.q2k.cpu(), layout)
     out1, lse1, _, _, _ = msa_ptx.run_forward(c.q, c.k, c.v, c.q2k, cu)
     same = torch.equal(out, out1) and torch.equal(lse, lse1)
     expect(same, f"cp_forward on one rank equals run_forward bit for bit: {same}")
@@ -182,6 +183,24 @@ def check_cp(report):
     res, ok = bl.compare({"dq": dq, "dk": dk, "dv": dv}, ref)
     report["checks"]["cp_one_rank"] = res
     expect(ok, f"cp_backward on one rank (NCCL): {bl.fmt_cmp(res)}")
+    # The rank's schedule built on the device from a CUDA q2k (no host copy).
+    out_d, lse_d, dev_sched = msa_ptx.cp_forward(c.q, ks, vs, c.q2k, layout)
+    dev_sched.check()
+    same = torch.equal(out_d, out1) and torch.equal(lse_d, lse1)
+    expect(same and type(dev_sched).__name__ == "CPRankSchedule",
+           f"cp_forward on a device rank schedule ({type(dev_sched).__name__}) equals "
+           f"run_forward bit for bit: {same}")
+    dq, dks, dvs = msa_ptx.cp_backward(c.q, ks, vs, c.do, lse_d, out_d, layout, dev_sched)
+    dk, dv = msa_ptx.from_aligned(dks[:w], dvs[:w], sched)
+    res, ok = bl.compare({"dq": dq, "dk": dk, "dv": dv}, ref)
+    report["checks"]["cp_one_rank_device_schedule"] = res
+    expect(ok, f"cp_backward on the device rank schedule: {bl.fmt_cmp(res)}")
+    bad = c.q2k.clone()
+    bad[0, 0, 1] = 1
+    out_b, lse_b, bad_sched = msa_ptx.cp_forward(c.q, ks, vs, bad, layout)
+    raises(ValueError, bad_sched.check, "a flagged selection on a device rank schedule")
+    expect(bool((out_b == 0).all()) and bool((lse_b == float("-inf")).all()),
+           "a flagged device rank schedule: every row empty (out 0, lse -inf)")
     two = msa_ptx.CPLayout(c.cu, 2)
     raises(ValueError, lambda: msa_ptx.cp_backward(c.q, ks, vs, c.do, lse, out, two, cp_sched),
            "cp_backward with a two-rank layout in a one-rank group")

@@ -345,6 +345,11 @@ class ContextParallel(unittest.TestCase):
                Fake([t, 64, 128]), Fake([t, 64], "torch.float32")]
         with self.assertRaisesRegex(ValueError, r"`v_slice`.*S = 4224"):
             _native.cp_forward(layout, 0, *fwd, 0, gather)
+        # A CUDA q2k_local (scheduled on the device) is checked like the other tensors.
+        fwd[2] = Fake([s, 4, 128])
+        fwd[3] = Fake([4, t + 1, 16], "torch.int32")
+        with self.assertRaisesRegex(ValueError, r"`q2k_local`.*T_r = 4128"):
+            _native.cp_forward(layout, 0, *fwd, 0, gather)
         h = msa_ptx.CPLayout([0, 128], 1).local_schedule(0, cpu_i32([4, 128, 16], [0, *[-1] * 15] * 512))
         bwd = [Fake([t, 64, 128]), Fake([s, 4, 128]), Fake([s, 4, 128]), Fake([t, 64, 128]),
                Fake([t, 64], "torch.float32"), Fake([t + 1, 64, 128]), Fake([t, 64, 128]),
@@ -356,6 +361,8 @@ class ContextParallel(unittest.TestCase):
             _native.cp_backward(layout, 0, *bwd, h, 0, gather, reduce)
         with self.assertRaisesRegex(ValueError, r"`rank`"):
             _native.cp_backward(layout, 5, *bwd, h, 0, gather, reduce)
+        with self.assertRaisesRegex(TypeError, r"`schedule`"):
+            _native.cp_backward(layout, 0, *bwd, "a schedule", 0, gather, reduce)
         self.assertEqual(called, [])
 
 if __name__ == "__main__":

@@ -330,6 +330,15 @@ pub enum BackwardSchedule<'a, B: Backend> {
     Device(&'a ResidentSchedule<B>),
 }
 
+// By hand: a derive would ask `B: Clone`, which the references do not need.
+impl<B: Backend> Clone for BackwardSchedule<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for BackwardSchedule<'_, B> {}
+
 impl<'a, B: Backend> From<&'a Schedule> for BackwardSchedule<'a, B> {
     fn from(s: &'a Schedule) -> Self {
         BackwardSchedule::Host(s)
@@ -343,12 +352,12 @@ impl<'a, B: Backend> From<&'a ResidentSchedule<B>> for BackwardSchedule<'a, B> {
 }
 
 impl<B: Backend> BackwardSchedule<'_, B> {
-    /// Tokens of the query-side buffers: the host schedule's [`Schedule::query_rows`], all of
-    /// `T` for a resident one.
+    /// Tokens of the query-side buffers: the schedule's query rows (all of `T` unless it is a
+    /// context-parallel rank's).
     fn query_row_count(&self) -> usize {
         match self {
             BackwardSchedule::Host(s) => s.query_rows().len(),
-            BackwardSchedule::Device(s) => s.sizes().num_tokens,
+            BackwardSchedule::Device(s) => s.query_rows().len(),
         }
     }
 
@@ -680,14 +689,14 @@ impl<B: Backend> MsaBackward<B> {
         &mut self,
         backend: &mut B,
         io: &BackwardBuffers,
-        schedule: &Schedule,
+        schedule: BackwardSchedule<'_, B>,
         kv_rows: usize,
         before_main: BeforeMain<'_, B>,
     ) -> Result<KvPools, RuntimeError> {
         let pools = self.run_inner(
             backend,
             io,
-            BackwardSchedule::Host(schedule),
+            schedule,
             KvOut::Pools { rows: kv_rows },
             Some(before_main),
         )?;
@@ -792,16 +801,11 @@ impl<B: Backend> MsaBackward<B> {
         &self,
         backend: &B,
         io: &BackwardBuffers,
-        schedule: &Schedule,
+        schedule: &BackwardSchedule<'_, B>,
         kv_rows: usize,
     ) -> Result<(), RuntimeError> {
-        self.check_call(
-            backend,
-            io,
-            &BackwardSchedule::Host(schedule),
-            KvOut::Pools { rows: kv_rows },
-        )
-        .map(|_| ())
+        self.check_call(backend, io, schedule, KvOut::Pools { rows: kv_rows })
+            .map(|_| ())
     }
 
     fn run_inner(

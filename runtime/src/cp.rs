@@ -41,6 +41,10 @@
 //! ([`Collective::wait`]): `NcclCollective` runs its collectives on a stream of its own, so the
 //! gather overlaps that work.
 //!
+//! A rank's schedule is validated on the host ([`CpLayout::local_schedule`]) or built on the
+//! device from the rank's device rows of the selection ([`RankSchedule`], with no host copy or
+//! sync; [`CpForward::run_on_device`]); [`CpBackward::run_on`] takes either ([`CpSchedule`]).
+//!
 //! The collectives are behind [`Collective`]: [`HostGroup`] runs `R` logical ranks in one
 //! process (threads, each with its own backend) through host memory, for tests on one device
 //! or on the simulator; `NcclCollective` (feature `nccl`; in the `stream` child) calls NCCL through
@@ -50,15 +54,16 @@
 //! `stream` child, is layer 5.
 
 use crate::backend::{bytes_of, Backend, Ptr, Span};
-use crate::backward::{BackwardBuffers, MsaBackward};
+use crate::backward::{BackwardBuffers, BackwardSchedule, MsaBackward};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{BLOCK_SIZE, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW, TOPK_BLOCKS};
 use crate::error::RuntimeError;
 use crate::forward::{ForwardBuffers, MsaForward, QueryRows, QUERIES_PER_WORK};
 use crate::ops::{check_len, postprocess};
 use crate::schedule::{build_schedule_for_rows, workspace_layout, Schedule, ScheduleError};
+use crate::schedule_build::{ResidentSchedule, ScheduleBuildSizes};
 use half::bf16;
-use std::mem::size_of;
+use std::mem::{size_of, size_of_val};
 use std::ops::Range;
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -354,6 +359,149 @@ fn gathered_kv<B: Backend>(
     Ok((k_all, v_all))
 }
 
+/// Rank `rank`'s schedule of a layout built on the device from the rank's device rows of the
+/// selection, with no host sync: a [`ResidentSchedule::new_for_rows`] over the layout's
+/// documents and the rank's token rows. Its tables equal [`CpLayout::local_schedule`]'s except
+/// the edge capacity (`16·T`, the whole sequence's); a bad selection is flagged on the device
+/// (the backward then has no work: zero gradients; [`RankSchedule::status`] names the fault).
+pub struct RankSchedule<B: Backend> {
+    rank: usize,
+    cu_seqlens: Vec<i32>,
+    // The layout's cu_seqlens on the device, the builds' input (uploaded once).
+    cu_device: B::Buffer,
+    resident: ResidentSchedule<B>,
+}
+
+impl<B: Backend> RankSchedule<B> {
+    /// Allocates rank `rank`'s schedule of `layout` (its only allocations; the builds are
+    /// stream-ordered kernel work).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] for a rank outside the layout or a sequence the device build
+    /// does not size ([`ScheduleBuildSizes::new`]); the backend's errors.
+    pub fn new(backend: &mut B, layout: &CpLayout, rank: usize) -> Result<Self, RuntimeError> {
+        if rank >= layout.ranks() {
+            return Err(RuntimeError::input(
+                "rank",
+                rank,
+                format!("below {} (the layout's ranks)", layout.ranks()),
+            ));
+        }
+        let cu = layout.cu_seqlens();
+        let t = cu[cu.len() - 1] as usize;
+        let sizes =
+            ScheduleBuildSizes::new(t, cu.len() - 1, layout.workspace_rows(), QUERIES_PER_WORK)?;
+        let resident = ResidentSchedule::new_for_rows(backend, sizes, layout.token_rows(rank), cu)?;
+        let cu_device = backend.alloc("rank schedule cu_seqlens", size_of_val(cu))?;
+        let at = backend.address(&cu_device);
+        backend.upload("rank schedule cu_seqlens", at, bytes_of(cu))?;
+        Ok(RankSchedule {
+            rank,
+            cu_seqlens: cu.to_vec(),
+            cu_device,
+            resident,
+        })
+    }
+
+    /// Builds the schedule from the rank's rows of the selection on the device, `q2k_local
+    /// [4, T_r, 16]` int32 (document-local block ids): three launches, no host sync, no
+    /// allocation, no copy (capturable).
+    ///
+    /// # Errors
+    /// As [`ResidentSchedule::build`]: a wrong length or alignment of `q2k_local`, load and
+    /// launch errors. A bad selection is not an error here (see [`RankSchedule::status`]).
+    pub fn build(&mut self, backend: &mut B, q2k_local: Span<i32>) -> Result<(), RuntimeError> {
+        let cu = Span::<i32>::new(backend.address(&self.cu_device), self.cu_seqlens.len());
+        self.resident.build(backend, q2k_local, cu)
+    }
+
+    /// Waits for the last build and returns its verdict (see [`ResidentSchedule::status`]);
+    /// synchronizes.
+    pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
+        self.resident.status(backend)
+    }
+
+    /// The rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The schedule on the device (its query rows are the rank's token rows).
+    pub fn resident(&self) -> &ResidentSchedule<B> {
+        &self.resident
+    }
+}
+
+/// The schedule a rank's backward runs on: validated on the host ([`CpLayout::local_schedule`],
+/// [`CpForward::run_on`]'s), or built on the device ([`RankSchedule`],
+/// [`CpForward::run_on_device`]'s).
+pub enum CpSchedule<'a, B: Backend> {
+    /// A host schedule, uploaded by the call.
+    Host(&'a Schedule),
+    /// A schedule built on the device, read in place.
+    Device(&'a RankSchedule<B>),
+}
+
+impl<'a, B: Backend> From<&'a Schedule> for CpSchedule<'a, B> {
+    fn from(s: &'a Schedule) -> Self {
+        CpSchedule::Host(s)
+    }
+}
+
+impl<'a, B: Backend> From<&'a RankSchedule<B>> for CpSchedule<'a, B> {
+    fn from(s: &'a RankSchedule<B>) -> Self {
+        CpSchedule::Device(s)
+    }
+}
+
+impl<'a, B: Backend> CpSchedule<'a, B> {
+    /// The backward's schedule, after checking that this is rank `rank`'s of `layout`.
+    fn checked(
+        &self,
+        layout: &CpLayout,
+        rank: usize,
+    ) -> Result<BackwardSchedule<'a, B>, RuntimeError> {
+        match *self {
+            CpSchedule::Host(schedule) => {
+                if schedule.cu_seqlens() != layout.cu_seqlens()
+                    || schedule.document_workspace_starts() != layout.workspace_starts.as_slice()
+                {
+                    return Err(RuntimeError::input(
+                        "schedule",
+                        "a schedule of other documents or another workspace layout",
+                        "the layout's cu_seqlens in the dense workspace layout (CpLayout::local_schedule)",
+                    ));
+                }
+                if schedule.query_rows() != layout.token_rows(rank) {
+                    return Err(RuntimeError::input(
+                        "schedule",
+                        format!("query rows {:?}", schedule.query_rows()),
+                        format!("rank {rank}'s token rows {:?}", layout.token_rows(rank)),
+                    ));
+                }
+                Ok(BackwardSchedule::Host(schedule))
+            }
+            CpSchedule::Device(s) => {
+                if s.cu_seqlens != layout.cu_seqlens() {
+                    return Err(RuntimeError::input(
+                        "schedule",
+                        "a rank schedule of other documents",
+                        "one made for this layout (RankSchedule::new)",
+                    ));
+                }
+                if s.rank != rank {
+                    return Err(RuntimeError::input(
+                        "schedule",
+                        format!("rank {}'s schedule", s.rank),
+                        format!("rank {rank}'s (the communicator's rank)"),
+                    ));
+                }
+                Ok(BackwardSchedule::Device(&s.resident))
+            }
+        }
+    }
+}
+
 /// The buffers of one rank's context-parallel backward (see the module docs for the shapes).
 #[derive(Debug, Clone, Copy)]
 pub struct CpBuffers {
@@ -400,39 +548,27 @@ impl<B: Backend> CpBackward<B> {
     }
 
     /// The rank `comm.rank()`'s backward of `layout` on `schedule` (its
-    /// [`CpLayout::local_schedule`]): all-gather K/V, the local backward, reduce-scatter of
-    /// the fp32 dK/dV, postprocess (see the module docs). Every rank of the group must call it
-    /// with the same layout.
+    /// [`CpLayout::local_schedule`], or its [`RankSchedule`] built on the device): all-gather
+    /// K/V, the local backward, reduce-scatter of the fp32 dK/dV, postprocess (see the module
+    /// docs). Every rank of the group must call it with the same layout.
     ///
     /// # Errors
     /// [`RuntimeError::Input`] when the group, the layout, the schedule and the buffers do not
     /// match (checked before anything is issued), and the backend's and the collective's
     /// errors.
-    pub fn run_on<C: Collective<B>>(
+    pub fn run_on<'s, C: Collective<B>>(
         &mut self,
         backend: &mut B,
         comm: &mut C,
         layout: &CpLayout,
         io: &CpBuffers,
-        schedule: &Schedule,
-    ) -> Result<(), RuntimeError> {
+        schedule: impl Into<CpSchedule<'s, B>>,
+    ) -> Result<(), RuntimeError>
+    where
+        B: 's,
+    {
         let rank = check_group(comm, layout)?;
-        if schedule.cu_seqlens() != layout.cu_seqlens()
-            || schedule.document_workspace_starts() != layout.workspace_starts.as_slice()
-        {
-            return Err(RuntimeError::input(
-                "schedule",
-                "a schedule of other documents or another workspace layout",
-                "the layout's cu_seqlens in the dense workspace layout (CpLayout::local_schedule)",
-            ));
-        }
-        if schedule.query_rows() != layout.token_rows(rank) {
-            return Err(RuntimeError::input(
-                "schedule",
-                format!("query rows {:?}", schedule.query_rows()),
-                format!("rank {rank}'s token rows {:?}", layout.token_rows(rank)),
-            ));
-        }
+        let schedule = schedule.into().checked(layout, rank)?;
         let s = layout.slice_rows();
         let g = layout.gathered_rows();
         for (field, span) in [
@@ -461,7 +597,7 @@ impl<B: Backend> CpBackward<B> {
         // Every check of the local backward before the gather is issued. The gather then
         // overlaps the preprocess, the zeroing and the task build (none reads K/V); the main
         // kernel waits for it.
-        self.backward.check_to_pools(backend, &bio, schedule, g)?;
+        self.backward.check_to_pools(backend, &bio, &schedule, g)?;
         comm.all_gather_bf16(backend, io.k_slice, k_all)?;
         comm.all_gather_bf16(backend, io.v_slice, v_all)?;
         let (dk_pool, dv_pool) =
@@ -553,25 +689,7 @@ impl<B: Backend> CpForward<B> {
         let rows = layout.token_rows(rank);
         let t = rows.len();
         let schedule = layout.local_schedule(rank, q2k_local, QUERIES_PER_WORK)?;
-        let s = layout.slice_rows();
-        for (field, span) in [("k_slice", io.k_slice), ("v_slice", io.v_slice)] {
-            check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
-        }
-        check_len("q", io.q.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
-        check_len("out", io.out.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
-        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T_r, 64] f32")?;
-        // Null, misaligned or overlapping buffers, before any collective is issued.
-        check_regions(
-            &[
-                Region::input("q", io.q)?,
-                Region::input("k_slice", io.k_slice)?,
-                Region::input("v_slice", io.v_slice)?,
-                Region::output("out", io.out)?,
-                Region::output("lse", io.lse)?,
-            ],
-            false,
-            "no in-place forward",
-        )?;
+        check_forward_io(layout, rank, io, None)?;
         // One upload: q2k_local, cu_seqlens [D+1], the workspace starts [D], a zero status
         // word (the host validated the selection, so no row is flagged).
         let cu = layout.cu_seqlens();
@@ -613,6 +731,79 @@ impl<B: Backend> CpForward<B> {
         comm.wait(backend)?;
         MsaForward.launch(backend, &fio, t, w, &qrows)?;
         Ok(schedule)
+    }
+}
+
+/// The checks of a rank's forward buffers (and of `q2k_local` on the device), before any
+/// collective is issued: lengths, then null, misaligned or overlapping buffers.
+fn check_forward_io(
+    layout: &CpLayout,
+    rank: usize,
+    io: &CpForwardBuffers,
+    q2k_local: Option<Span<i32>>,
+) -> Result<(), RuntimeError> {
+    let t = layout.token_rows(rank).len();
+    let s = layout.slice_rows();
+    for (field, span) in [("k_slice", io.k_slice), ("v_slice", io.v_slice)] {
+        check_len(field, span.len, s * KV_ROW, "[S, 4, 128] bf16")?;
+    }
+    check_len("q", io.q.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
+    check_len("out", io.out.len, t * Q_ROW, "[T_r, 64, 128] bf16")?;
+    check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T_r, 64] f32")?;
+    let mut regions = vec![
+        Region::input("q", io.q)?,
+        Region::input("k_slice", io.k_slice)?,
+        Region::input("v_slice", io.v_slice)?,
+        Region::output("out", io.out)?,
+        Region::output("lse", io.lse)?,
+    ];
+    if let Some(q2k) = q2k_local {
+        let len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
+        check_len("q2k_local", q2k.len, len, "[4, T_r, 16] int32")?;
+        regions.push(Region::input("q2k_local", q2k)?);
+    }
+    check_regions(&regions, false, "no in-place forward")
+}
+
+impl<B: Backend> CpForward<B> {
+    /// [`CpForward::run_on`] with the rank's rows of the selection on the device, `q2k_local
+    /// [4, T_r, 16]`: builds `schedule` (rank `comm.rank()`'s [`RankSchedule`] of `layout`)
+    /// from it on the device, all-gathers K/V and runs the forward kernel on the rank's rows.
+    /// No host sync and no upload. A bad selection is flagged on the device: every row of the
+    /// rank gets `out = 0`, `lse = −∞`, the backward on `schedule` has no work (zero
+    /// gradients), and [`RankSchedule::status`] names the fault.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when the group, the layout, the schedule and the buffers do not
+    /// match (all checked before anything is issued), and the backend's and the collective's
+    /// errors.
+    pub fn run_on_device<C: Collective<B>>(
+        &mut self,
+        backend: &mut B,
+        comm: &mut C,
+        layout: &CpLayout,
+        io: &CpForwardBuffers,
+        q2k_local: Span<i32>,
+        schedule: &mut RankSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        let rank = check_group(comm, layout)?;
+        CpSchedule::Device(schedule).checked(layout, rank)?;
+        check_forward_io(layout, rank, io, Some(q2k_local))?;
+        schedule.build(backend, q2k_local)?;
+        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
+        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
+        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
+        comm.wait(backend)?;
+        let w = layout.workspace_rows();
+        let fio = ForwardBuffers {
+            q: io.q,
+            k_aligned: k_all.prefix(w * KV_ROW),
+            v_aligned: v_all.prefix(w * KV_ROW),
+            q2k: q2k_local,
+            out: io.out,
+            lse: io.lse,
+        };
+        MsaForward.run_on(backend, &fio, &schedule.resident)
     }
 }
 

@@ -112,14 +112,18 @@ impl MsaForward {
                 "one built on this backend's device",
             ));
         }
+        // A context-parallel rank's schedule (`ResidentSchedule::new_for_rows`) covers the
+        // query rows it was made for: the kernel runs those, searching the documents at
+        // their packed positions.
         let refs = schedule.refs();
+        let q = schedule.query_rows();
         let rows = QueryRows {
-            cu_seqlens: Span::new(refs.cu_seqlens, z.num_documents + 1),
+            cu_seqlens: Span::new(schedule.cu_seqlens_ptr().addr(), z.num_documents + 1),
             ws_starts: Span::new(refs.ws_starts, z.num_documents),
             status: schedule.status_ptr(),
-            first_token: 0,
+            first_token: q.start,
         };
-        self.launch(backend, io, z.num_tokens, z.workspace_rows, &rows)
+        self.launch(backend, io, q.len(), z.workspace_rows, &rows)
     }
 
     /// The checks and the launch of [`MsaForward::run_on`], for `t` query rows (tokens

@@ -204,7 +204,10 @@ pub use backward::{
     run_backward_raw, BackwardBuffers, BackwardSchedule, Gradients, MsaBackward,
 };
 pub use contract::*;
-pub use cp::{Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, HostGroup};
+pub use cp::{
+    Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, CpSchedule,
+    HostGroup, RankSchedule,
+};
 pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;

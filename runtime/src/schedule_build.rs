@@ -39,12 +39,13 @@
 //! non-blocking `poll`/`wait`) turn the flags into [`RuntimeError::ScheduleFlagged`], whose
 //! [`ScheduleError`] is the one `build_schedule` returns for the same input.
 
-use crate::backend::{from_bytes, Backend, Ptr, PtrMut, Span};
+use crate::backend::{bytes_of, from_bytes, Backend, Ptr, PtrMut, Span};
 use crate::contract::{BLOCK_SIZE, MAX_TOKENS, NUM_INDEX_HEADS, QUERY_CHUNK, TOPK_BLOCKS};
 use crate::error::RuntimeError;
 use crate::kernels::{schedule_count, schedule_order, schedule_scatter};
 use crate::schedule::{Schedule, ScheduleError, SelectionFault, METADATA_COLUMNS};
 use crate::tasks::ScheduleRefs;
+use std::ops::Range;
 
 mod stream;
 pub use stream::StatusReadback;
@@ -203,6 +204,8 @@ struct Layout {
     metadata: usize,
     work_count: usize,
     cu: usize,
+    /// `cu_seqlens − query_rows.start` for the task build of a row-restricted schedule.
+    cu_rows: usize,
     ws: usize,
     status: usize,
     doc_blocks: usize,
@@ -236,6 +239,7 @@ impl Layout {
             metadata: take(METADATA_COLUMNS.len() * z.work_capacity),
             work_count: take(1),
             cu: take(d + 1),
+            cu_rows: take(d + 1),
             ws: take(d),
             status: take(STATUS_WORDS),
             doc_blocks: take(d),
@@ -265,6 +269,7 @@ impl Layout {
 /// [`run_backward`](crate::run_backward).
 pub struct ResidentSchedule<B: Backend> {
     sizes: ScheduleBuildSizes,
+    query_rows: Range<usize>,
     layout: Layout,
     base: u64,
     memory_space: u64,
@@ -277,6 +282,7 @@ impl<B: Backend> std::fmt::Debug for ResidentSchedule<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResidentSchedule")
             .field("sizes", &self.sizes)
+            .field("query_rows", &self.query_rows)
             .field("base", &format_args!("{:#x}", self.base))
             .finish()
     }
@@ -330,6 +336,69 @@ impl<B: Backend> ResidentSchedule<B> {
     /// Allocates the schedule and its scratch for `sizes` (the only allocation: everything
     /// after it is stream-ordered kernel work, so it is the `reserve` step before a capture).
     pub fn new(backend: &mut B, sizes: ScheduleBuildSizes) -> Result<Self, RuntimeError> {
+        Self::allocate(backend, sizes, 0..sizes.num_tokens)
+    }
+
+    /// [`ResidentSchedule::new`] for the queries of the compact rows `rows` only, against
+    /// every document's key blocks: a context-parallel rank's schedule (`crate::cp`), the
+    /// device counterpart of [`build_schedule_for_rows`](crate::schedule::build_schedule_for_rows).
+    /// Its builds read `q2k [4, rows.len(), 16]` (row `i` is compact row `rows.start + i`);
+    /// the tables are those of the whole `cu_seqlens` with edges from `rows` only, and the
+    /// backward's query-side buffers hold `rows`. `cu_seqlens` (on the host: the documents
+    /// the builds will be given) fixes the row offset the task build applies.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when `rows` is empty or not inside `0..T`, or `cu_seqlens` does
+    /// not hold `D + 1` values ending at `T`.
+    pub fn new_for_rows(
+        backend: &mut B,
+        sizes: ScheduleBuildSizes,
+        rows: Range<usize>,
+        cu_seqlens: &[i32],
+    ) -> Result<Self, RuntimeError> {
+        let t = sizes.num_tokens;
+        if rows.is_empty() || rows.end > t {
+            return Err(RuntimeError::input(
+                "rows",
+                format!("{rows:?}"),
+                format!("a non-empty range inside 0..{t} (T)"),
+            ));
+        }
+        if cu_seqlens.len() != sizes.num_documents + 1 || cu_seqlens.last() != Some(&(t as i32)) {
+            return Err(RuntimeError::input(
+                "cu_seqlens",
+                format!(
+                    "{} values ending at {:?}",
+                    cu_seqlens.len(),
+                    cu_seqlens.last()
+                ),
+                format!(
+                    "D + 1 = {} values ending at T = {t}",
+                    sizes.num_documents + 1
+                ),
+            ));
+        }
+        let s = Self::allocate(backend, sizes, rows.clone())?;
+        // The task build computes a task's row as cu_seqlens[doc] + q and uses cu_seqlens
+        // otherwise only in differences, so it gets cu_seqlens − rows.start (wrapping as its
+        // 32-bit adds do) for query-side buffers whose row 0 is compact row rows.start.
+        let shifted: Vec<i32> = cu_seqlens
+            .iter()
+            .map(|&c| c.wrapping_sub(rows.start as i32))
+            .collect();
+        backend.upload(
+            "device schedule rows",
+            s.at(s.layout.cu_rows),
+            bytes_of(&shifted),
+        )?;
+        Ok(s)
+    }
+
+    fn allocate(
+        backend: &mut B,
+        sizes: ScheduleBuildSizes,
+        query_rows: Range<usize>,
+    ) -> Result<Self, RuntimeError> {
         let layout = Layout::new(&sizes);
         let storage = backend.alloc("device schedule", 4 * layout.words)?;
         let base = backend.address(&storage);
@@ -342,6 +411,7 @@ impl<B: Backend> ResidentSchedule<B> {
         )?;
         Ok(ResidentSchedule {
             sizes,
+            query_rows,
             layout,
             base,
             memory_space: backend.memory_space(),
@@ -352,6 +422,18 @@ impl<B: Backend> ResidentSchedule<B> {
     /// The sizes it was allocated for.
     pub fn sizes(&self) -> &ScheduleBuildSizes {
         &self.sizes
+    }
+
+    /// The compact rows whose queries it schedules (`0..T` unless made by
+    /// [`ResidentSchedule::new_for_rows`]); the backward's query-side buffers hold them.
+    pub fn query_rows(&self) -> Range<usize> {
+        self.query_rows.clone()
+    }
+
+    /// The build's copy of `cu_seqlens [D+1]` on the device (the documents' compact
+    /// boundaries, whatever the query rows).
+    pub fn cu_seqlens_ptr(&self) -> Ptr<i32> {
+        self.r(self.layout.cu)
     }
 
     /// The memory space (CUDA context or simulated device) it lives in.
@@ -377,15 +459,22 @@ impl<B: Backend> ResidentSchedule<B> {
     }
 
     /// The arrays and shape the task build reads: `rows` is the capacity `R` (its trailing
-    /// rows are empty), the edge and work capacities those of [`ScheduleBuildSizes`].
+    /// rows are empty), the edge and work capacities those of [`ScheduleBuildSizes`];
+    /// `cu_seqlens` is shifted by the first query row (see
+    /// [`ResidentSchedule::new_for_rows`]).
     pub fn refs(&self) -> ScheduleRefs {
         let l = &self.layout;
+        let cu = if self.query_rows.start == 0 {
+            l.cu
+        } else {
+            l.cu_rows
+        };
         ScheduleRefs {
             row_ptr: self.at(l.row_ptr),
             q_indices: self.at(l.q_indices),
             metadata: self.at(l.metadata),
             work_count: self.at(l.work_count),
-            cu_seqlens: self.at(l.cu),
+            cu_seqlens: self.at(cu),
             ws_starts: self.at(l.ws),
             rows: self.sizes.rows_capacity,
             edge_capacity: self.sizes.edge_capacity,
@@ -403,7 +492,8 @@ impl<B: Backend> ResidentSchedule<B> {
         ]
     }
 
-    /// Issues the three build launches from device `q2k [4, T, 16]` and `cu_seqlens [D+1]`
+    /// Issues the three build launches from device `q2k [4, T, 16]` (`[4, rows, 16]`, the
+    /// [`ResidentSchedule::query_rows`], for a row-restricted schedule) and `cu_seqlens [D+1]`
     /// (int32). No host sync, no allocation, no copy: capturable. The inputs are read only
     /// by these launches (`cu_seqlens` is copied), so they may be reused once they finish.
     ///
@@ -426,12 +516,18 @@ impl<B: Backend> ResidentSchedule<B> {
                 "the one the schedule was allocated in",
             ));
         }
-        let q2k_len = NUM_INDEX_HEADS * z.num_tokens * TOPK_BLOCKS;
+        let rows = self.query_rows.clone();
+        let q2k_len = NUM_INDEX_HEADS * rows.len() * TOPK_BLOCKS;
         if q2k.len != q2k_len {
+            let expected = if rows.len() == z.num_tokens {
+                format!("[4, T, 16] = {q2k_len} int32 (T = {})", z.num_tokens)
+            } else {
+                format!("[4, rows, 16] = {q2k_len} int32 (query rows {rows:?})")
+            };
             return Err(RuntimeError::input(
                 "q2k",
                 format!("{} elements", q2k.len),
-                format!("[4, T, 16] = {q2k_len} int32 (T = {})", z.num_tokens),
+                expected,
             ));
         }
         if cu_seqlens.len != z.num_documents + 1 {
@@ -502,6 +598,8 @@ impl<B: Backend> ResidentSchedule<B> {
                     rows_cap,
                     u(z.queries_per_work),
                     z.count_window.trailing_zeros(),
+                    u(rows.start),
+                    u(rows.len()),
                 ),
             ),
             (

@@ -12,7 +12,7 @@ use half::bf16;
 use msa_runtime::reference::{DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
     Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, CudaBackend,
-    HostGroup, RuntimeError, Span,
+    HostGroup, RankSchedule, RuntimeError, Span,
 };
 use msa_tests::cases::{docs, random_top16, to_f32, DeviceInputs, Problem, KV_ROW, Q_ROW};
 use msa_tests::{gpu_stream, Rng};
@@ -198,7 +198,8 @@ fn one_rank_through_nccl() {
 }
 
 /// Rank `rank`'s forward (`CpForward`), then its backward on the forward's `out`, `lse` and
-/// schedule; returns `out`, `lse` and the gradients.
+/// schedule (validated on the host, or with `device` built on the device from the rank's
+/// device rows of the selection); returns `out`, `lse` and the gradients.
 fn rank_chain(
     stream: &Arc<CudaStream>,
     comm: &mut HostGroup,
@@ -206,6 +207,7 @@ fn rank_chain(
     p: &Problem,
     q2k: &[i32],
     rank: usize,
+    device: bool,
 ) -> Result<(Vec<bf16>, Vec<f32>, RankGrads), RuntimeError> {
     let rows = layout.token_rows(rank);
     let (t, s) = (rows.len(), layout.slice_rows());
@@ -238,7 +240,16 @@ fn rank_chain(
             lse: lse_s,
         };
         let local_q2k = layout.rank_q2k(rank, q2k)?;
-        let schedule = CpForward::new().run_on(&mut backend, comm, layout, &fio, &local_q2k)?;
+        let d_q2k = stream.clone_htod(&local_q2k).unwrap();
+        let q2k_s = Span::<i32>::new(d_q2k.device_ptr(stream).0, d_q2k.len());
+        let (host, resident) = if device {
+            let mut rs = RankSchedule::new(&mut backend, layout, rank)?;
+            CpForward::new().run_on_device(&mut backend, comm, layout, &fio, q2k_s, &mut rs)?;
+            (None, Some(rs))
+        } else {
+            let schedule = CpForward::new().run_on(&mut backend, comm, layout, &fio, &local_q2k)?;
+            (Some(schedule), None)
+        };
         let io = CpBuffers {
             q: q_s,
             grad_out: sp(grad_out.device_ptr(stream).0, grad_out.len()),
@@ -250,23 +261,37 @@ fn rank_chain(
             dk_slice: sp(dk.device_ptr_mut(stream).0, nkv),
             dv_slice: sp(dv.device_ptr_mut(stream).0, nkv),
         };
-        CpBackward::new().run_on(&mut backend, comm, layout, &io, &schedule)?;
+        let mut backward = CpBackward::new();
+        match (&host, &resident) {
+            (Some(s), _) => backward.run_on(&mut backend, comm, layout, &io, s)?,
+            (None, Some(rs)) => {
+                backward.run_on(&mut backend, comm, layout, &io, rs)?;
+                rs.status(&mut backend)?;
+            }
+            (None, None) => unreachable!("one schedule"),
+        }
     }
     let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).unwrap();
     let lse = stream.clone_dtoh(&lse).unwrap();
     Ok((down(&out), lse, (down(&dq), down(&dk), down(&dv))))
 }
 
-#[test]
-fn forward_then_backward_over_two_logical_ranks() {
+/// The context-parallel forward, then the backward, over two logical ranks, with host or
+/// device rank schedules.
+fn forward_chain(device: bool) {
     let Some(stream) = gpu_stream() else { return };
-    let (name, lengths, ranks, seed) = ("packed 4 docs, forward", [1000, 3000, 2500, 1692], 2, 55);
+    let name = if device {
+        "packed 4 docs, forward (device schedules)"
+    } else {
+        "packed 4 docs, forward"
+    };
+    let (lengths, ranks, seed) = ([1000, 3000, 2500, 1692], 2, 55);
     let cu = docs(&lengths);
     let q2k = random_top16(&cu, &mut Rng::new(seed));
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed + 1);
     let layout = CpLayout::new(&cu, ranks).unwrap();
     let per_rank = on_ranks(&stream, ranks, |s, comm, rank| {
-        rank_chain(s, comm, &layout, &p, &q2k, rank).unwrap()
+        rank_chain(s, comm, &layout, &p, &q2k, rank, device).unwrap()
     });
     let out: Vec<bf16> = per_rank.iter().flat_map(|r| r.0.clone()).collect();
     let lse: Vec<f32> = per_rank.iter().flat_map(|r| r.1.clone()).collect();
@@ -286,4 +311,14 @@ fn forward_then_backward_over_two_logical_ranks() {
     println!("{name} over {ranks} ranks: out vs reference {stats}, lse max-abs {lse_err:.2e}");
     let grads: Vec<RankGrads> = per_rank.into_iter().map(|r| r.2).collect();
     check(&stream, &p, &layout, &grads, Some((&out, &lse)));
+}
+
+#[test]
+fn forward_then_backward_over_two_logical_ranks() {
+    forward_chain(false);
+}
+
+#[test]
+fn forward_then_backward_over_two_logical_ranks_on_device_schedules() {
+    forward_chain(true);
 }

@@ -49,6 +49,12 @@
 //! documents of two blocks would make it quadratic in the worst case.)
 //! All index arithmetic is `u32`; the host sizes every region from `T`, the document count and
 //! `W` alone and rejects shapes whose indices would not fit.
+//!
+//! [`COUNT`] reads the selection of the compact rows `query_first .. query_first +
+//! query_rows` only (`q2k [4, query_rows, 16]`); the other queries select nothing. With `0`
+//! and `T` that is the whole build; a context-parallel rank passes its token rows, and gets
+//! its local schedule against every document's key blocks. Faults are recorded, and named,
+//! at the query's compact row.
 
 use super::common::{div_ceil, load_if, load_u32, store_u32, warp_inclusive_scan, SCAN_PER_THREAD};
 use super::KernelDesc;
@@ -535,6 +541,7 @@ fn block_of_cta(b: &mut KernelBuilder, blk_doc: Reg<U64>) -> Block {
 }
 
 /// Thread 0 of the last [`COUNT`] CTA: the first fault, decoded into the status block.
+#[allow(clippy::too_many_arguments)] // the tables the decode reads, and q2k's rows
 fn decode_fault(
     b: &mut KernelBuilder,
     status: Reg<U64>,
@@ -543,6 +550,7 @@ fn decode_fault(
     nb_a: Reg<U64>,
     docs: Reg<U32>,
     tokens: Reg<U32>,
+    (qfirst, qrows): (Reg<U32>, Reg<U32>),
 ) {
     let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
     let cu_flag = b.and(flags, FLAG_CU_SEQLENS);
@@ -566,7 +574,13 @@ fn decode_fault(
         let ht = b.shr(lin, 4u32);
         let h = b.div(ht, tokens);
         let t = b.rem(ht, tokens);
-        let id = load_u32(b, q2k, lin);
+        // The entry's index in q2k, which holds rows query_first.. only (a fault is
+        // recorded only for a row it holds).
+        let t_local = b.sub(t, qfirst);
+        let hl = b.mad_lo(h, qrows, t_local);
+        let row_local = b.mul_lo(hl, TOPK);
+        let lin_local = b.add(row_local, slot);
+        let id = load_u32(b, q2k, lin_local);
         let d = last_le(b, cu, docs, t);
         let start = load_u32(b, cu, d);
         let q = b.sub(t, start);
@@ -577,7 +591,7 @@ fn decode_fault(
         let past = b.setp(Cmp::Ge, id, nb);
         let after = b.setp(Cmp::Gt, id, own);
         let first = b.mov::<U32>(0u32);
-        let list = b.sub(lin, slot);
+        let list = row_local;
         b.for_range(0u32, slot, 1, "first_slot", |b, s| {
             let e = b.add(list, s);
             let v = load_u32(b, q2k, e);
@@ -860,6 +874,11 @@ fn count(b: &mut KernelBuilder) {
     let rows_cap_p = b.param_u32("rows_capacity");
     let qpw_p = b.param_u32("queries_per_work");
     let window_bits_p = b.param_u32("window_bits");
+    // The compact rows `q2k` holds: row `i` of `q2k [4, query_rows, 16]` is query
+    // `query_first + i` (a context-parallel rank's rows; 0 and T on one device). The other
+    // queries select nothing, as if their rows were all -1.
+    let qfirst_p = b.param_u32("query_first");
+    let qrows_p = b.param_u32("query_rows");
     let mask_var = b.shared_array("mask", WINDOW * 16, 16);
     let elist_var = b.shared_array("entry_list", BLOCK_THREADS * TOPK * 4, 16);
     // [entries of the block, their list base, last CTA]
@@ -877,6 +896,7 @@ fn count(b: &mut KernelBuilder) {
     // Everything the handoff after `finish` reads is defined before the skip.
     let t0 = b.setp(Cmp::Eq, tid, 0u32);
     let q2k = b.ld_param_ptr(&q2k_p);
+    let (qfirst, qrows) = (b.ld_param(&qfirst_p), b.ld_param(&qrows_p));
     let ctr = b.ld_param_ptr(ctr_p);
 
     b.comment("grid-wide handoff: CTA (0, 0) does the documents step and publishes ST_READY;");
@@ -956,13 +976,19 @@ fn count(b: &mut KernelBuilder) {
     });
     b.predicated(t0, false, |b| b.st::<U32, _>(&shared(misc, 0), 0u32));
 
-    b.comment("load the 16 ids; padding (-1) and faults are no edge");
+    b.comment("load the 16 ids of a query q2k holds; padding (-1) and faults are no edge");
     let t = b.add(blk.start, q);
+    // Faults are recorded at the query's index in a whole [4, T, 16] selection.
     let ht = b.mad_lo(head, tokens, t);
     let lin0 = b.mul_lo(ht, TOPK);
+    let t_local = b.sub(t, qfirst); // wraps below query_first: then >= query_rows
+    let held = b.setp(Cmp::Lt, t_local, qrows);
+    let load = b.and_pred(live, held);
     let raw: Vec<Reg<U32>> = (0..TOPK).map(|_| b.mov::<U32>(u32::MAX)).collect();
-    b.if_then(live, "load_ids", |b| {
-        let base = b.mul_wide(lin0, 4u32);
+    b.if_then(load, "load_ids", |b| {
+        let hl = b.mad_lo(head, qrows, t_local);
+        let lin_local = b.mul_lo(hl, TOPK);
+        let base = b.mul_wide(lin_local, 4u32);
         let base = b.add(q2k, base);
         for c in 0..4 {
             let v: [Reg<U32>; 4] = b.ld_v(&global(base, 16 * c as i64));
@@ -1191,7 +1217,7 @@ fn count(b: &mut KernelBuilder) {
     let nb_a = b.ld_param_ptr(nb_p);
     let docs = b.ld_param(docs_p);
     b.if_then(t0, "decode", |b| {
-        decode_fault(b, status, q2k, cu, nb_a, docs, tokens);
+        decode_fault(b, status, q2k, cu, nb_a, docs, tokens, (qfirst, qrows));
     });
     let flags = b.ld::<U32, _>(&status_addr(status, ST_FLAGS));
     let work_count = b.ld_param_ptr(&work_count_p);

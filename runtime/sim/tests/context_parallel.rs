@@ -5,14 +5,16 @@
 //! boundary, one document split over two and three ranks, a rank holding a document's
 //! single short block, and the layout's and the flow's input checks. The context-parallel
 //! forward (`CpForward`) is checked the same way (out and lse against the reference), and
-//! chained: its out, lse and returned schedule feed the context-parallel backward.
+//! chained: its out, lse and returned schedule feed the context-parallel backward; and again
+//! with each rank's schedule built on the device (`RankSchedule`, `CpForward::run_on_device`),
+//! whose tables must equal the host's.
 
 use half::bf16;
 use msa_runtime::contract::BLOCK_SIZE;
 use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
     build_schedule, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, HostGroup,
-    MsaBackward, RuntimeError, Span,
+    MsaBackward, RankSchedule, RuntimeError, Span,
 };
 use msa_sim::backward::{cu_of, random_q2k, to_bf16, to_f32, Rng};
 use msa_sim::device::{Arch, SimDevice};
@@ -365,8 +367,15 @@ fn a_rank_schedule_is_the_whole_build_with_the_other_rows_silent() {
 type RankForward = (Vec<bf16>, Vec<f32>);
 
 /// Runs the context-parallel forward of `p` over `ranks` logical ranks on `arch`, then, on
-/// each rank, the context-parallel backward on the forward's own `out`, `lse` and schedule.
-fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, RankGrads)> {
+/// each rank, the context-parallel backward on the forward's own `out`, `lse` and schedule:
+/// the host-validated one, or with `device` the rank's schedule built on the device from its
+/// device rows of the selection (its tables checked against the host's first).
+fn run_cp_chain(
+    p: &Problem,
+    ranks: usize,
+    arch: Arch,
+    device: bool,
+) -> Vec<(RankForward, RankGrads)> {
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
     let s = layout.slice_rows();
     let layout = &layout;
@@ -385,10 +394,37 @@ fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, Rank
             lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
         };
         let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
-        let schedule = CpForward::<SimDevice>::new()
-            .run_on(&mut dev, comm, layout, &fio, &q2k)
-            .expect("cp forward");
-        assert_eq!(schedule.query_rows(), rows);
+        let host = layout
+            .local_schedule(rank, &q2k, 64)
+            .expect("local schedule");
+        let mut resident = None;
+        if device {
+            let d_q2k = up(&mut dev, "q2k_local", &q2k);
+            let mut rs = RankSchedule::new(&mut dev, layout, rank).expect("rank schedule");
+            CpForward::<SimDevice>::new()
+                .run_on_device(&mut dev, comm, layout, &fio, d_q2k, &mut rs)
+                .expect("cp forward on a device schedule");
+            rs.status(&mut dev).expect("a valid selection");
+            assert_eq!(rs.resident().query_rows(), rows);
+            // The device tables are the host's (the edge capacity aside: 16·T against 16·T_r).
+            let tables = rs.resident().read_tables(&mut dev).expect("tables");
+            let built = tables.to_schedule().expect("device tables validate");
+            assert_eq!(built.row_ptr(), host.row_ptr(), "rank {rank}: row_ptr");
+            assert_eq!(built.scheduler_metadata(), host.scheduler_metadata());
+            assert_eq!(built.work_count(), host.work_count());
+            for h in 0..4 {
+                for row in 0..host.rows() {
+                    assert_eq!(built.row_queries(h, row), host.row_queries(h, row));
+                }
+            }
+            resident = Some(rs);
+        } else {
+            let schedule = CpForward::<SimDevice>::new()
+                .run_on(&mut dev, comm, layout, &fio, &q2k)
+                .expect("cp forward");
+            assert_eq!(schedule.query_rows(), rows);
+            assert_eq!(schedule.row_ptr(), host.row_ptr());
+        }
         let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
         let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
         let bio = CpBuffers {
@@ -402,9 +438,12 @@ fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, Rank
             dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
             dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
         };
-        CpBackward::<SimDevice>::new()
-            .run_on(&mut dev, comm, layout, &bio, &schedule)
-            .expect("cp backward");
+        let mut backward = CpBackward::<SimDevice>::new();
+        match &resident {
+            Some(rs) => backward.run_on(&mut dev, comm, layout, &bio, rs),
+            None => backward.run_on(&mut dev, comm, layout, &bio, &host),
+        }
+        .expect("cp backward");
         let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
         (
             (out, lse),
@@ -416,12 +455,12 @@ fn run_cp_chain(p: &Problem, ranks: usize, arch: Arch) -> Vec<(RankForward, Rank
 /// The context-parallel forward of `lengths` over `ranks` ranks against the reference forward
 /// (out within the O tolerance, lse within 1e-3, empty rows exactly 0 and −∞), then the
 /// backward chained on it against the reference backward of the reference forward's outputs.
-fn check_forward(lengths: &[i32], ranks: usize, seed: u64, arch: Arch) {
+fn check_forward(lengths: &[i32], ranks: usize, seed: u64, arch: Arch, device: bool) {
     let p = problem(lengths, seed);
     let t = *p.cu.last().unwrap() as usize;
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
     let w = layout.workspace_rows();
-    let per_rank = run_cp_chain(&p, ranks, arch);
+    let per_rank = run_cp_chain(&p, ranks, arch, device);
     let out: Vec<f32> = to_f32(
         &per_rank
             .iter()
@@ -466,25 +505,105 @@ fn check_forward(lengths: &[i32], ranks: usize, seed: u64, arch: Arch) {
         }
     }
     println!(
-        "{arch:?} {lengths:?} over {ranks} ranks: forward {o}, lse max-abs {lse_err:.2e}; \
-         backward {:?}",
+        "{arch:?} {lengths:?} over {ranks} ranks (device schedules: {device}): forward {o}, \
+         lse max-abs {lse_err:.2e}; backward {:?}",
         stats.map(|s| s.map(|s| (s.max_abs, s.l2_rel)).ok())
     );
 }
 
 #[test]
 fn cp_forward_of_packed_documents_straddling_the_boundary_then_backward() {
-    check_forward(&[130, 250, 20], 2, 41, Arch::Sm90);
+    check_forward(&[130, 250, 20], 2, 41, Arch::Sm90, false);
+}
+
+#[test]
+fn device_rank_schedules_of_packed_documents_straddling_the_boundary() {
+    check_forward(&[130, 250, 20], 2, 45, Arch::Sm90, true);
+}
+
+#[test]
+fn device_rank_schedules_on_sm100_of_one_document_over_three_ranks() {
+    check_forward(&[384], 3, 46, Arch::Sm100, true);
+}
+
+#[test]
+fn a_bad_selection_on_a_device_rank_schedule_is_flagged_and_gives_empty_rows() {
+    let p = problem(&[130, 250, 20], 47);
+    let layout = CpLayout::new(&p.cu, 2).expect("layout");
+    let s = layout.slice_rows();
+    let layout = &layout;
+    let per_rank = on_ranks(2, |rank, comm| {
+        let rows = layout.token_rows(rank);
+        let t = rows.len();
+        let mut dev = SimDevice::new(Arch::Sm90, 3);
+        let mut q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
+        if rank == 1 {
+            // Head 0, the rank's first query: a block after its own one.
+            q2k[0] = 5;
+        }
+        let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+        let qr = rows.start * Q_ROW..rows.end * Q_ROW;
+        let fio = CpForwardBuffers {
+            q: up(&mut dev, "q", &p.q[qr.clone()]),
+            k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
+            v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
+            out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
+            lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
+        };
+        let d_q2k = up(&mut dev, "q2k_local", &q2k);
+        let mut rs = RankSchedule::new(&mut dev, layout, rank).expect("rank schedule");
+        CpForward::<SimDevice>::new()
+            .run_on_device(&mut dev, comm, layout, &fio, d_q2k, &mut rs)
+            .expect("a flagged selection is not a host error");
+        let verdict = rs.status(&mut dev);
+        let bio = CpBuffers {
+            q: fio.q,
+            grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
+            out: fio.out,
+            lse: fio.lse,
+            k_slice: fio.k_slice,
+            v_slice: fio.v_slice,
+            dq: up(&mut dev, "dq", &vec![bf16::from_f32(1.0); t * Q_ROW]),
+            dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+            dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+        };
+        CpBackward::<SimDevice>::new()
+            .run_on(&mut dev, comm, layout, &bio, &rs)
+            .expect("cp backward");
+        let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
+        let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
+        let dq = dev.read::<bf16>(bio.dq.addr, bio.dq.len).expect("read");
+        (verdict, out, lse, dq, rows)
+    });
+    let (ok, bad) = (&per_rank[0], &per_rank[1]);
+    assert!(ok.0.is_ok(), "rank 0's selection is valid");
+    let e = bad.0.as_ref().unwrap_err();
+    assert!(
+        matches!(e, RuntimeError::ScheduleFlagged(_))
+            && e.to_string()
+                .contains(&format!("compact query row {}", bad.4.start)),
+        "{e}"
+    );
+    // The flagged rank's rows are empty (never a wrong value), its dq zero.
+    assert!(bad.1.iter().all(|x| x.to_f32() == 0.0));
+    assert!(bad.2.iter().all(|&x| x == f32::NEG_INFINITY));
+    assert!(bad.3.iter().all(|x| x.to_bits() == 0));
+    // The other rank's rows are its real forward.
+    assert!(ok
+        .2
+        .iter()
+        .all(|x| x.is_finite() || *x == f32::NEG_INFINITY));
+    assert!(ok.1.iter().any(|x| x.to_f32() != 0.0));
 }
 
 #[test]
 fn cp_forward_of_one_document_over_three_ranks_then_backward() {
-    check_forward(&[384], 3, 42, Arch::Sm90);
+    check_forward(&[384], 3, 42, Arch::Sm90, false);
 }
 
 #[test]
 fn cp_forward_on_sm100_of_tiny_documents_over_two_ranks_then_backward() {
-    check_forward(&[1, 5, 127, 3, 9, 130], 2, 43, Arch::Sm100);
+    check_forward(&[1, 5, 127, 3, 9, 130], 2, 43, Arch::Sm100, false);
 }
 
 #[test]
