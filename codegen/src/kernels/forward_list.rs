@@ -11,6 +11,7 @@
 
 use super::common;
 use super::forward_sm90::ForwardParams;
+use crate::plan::smem::{Buf, BufferSpec};
 use crate::ptx::*;
 
 /// Byte offset of the entry count in a list.
@@ -25,6 +26,18 @@ pub const GB: u32 = QPOS + 4 * 8;
 pub const MASK: u32 = GB + 4 * 128;
 /// Bytes of one list (a multiple of 16).
 pub const BYTES: u32 = (MASK + 4 * 128).next_multiple_of(16);
+
+/// The buffers both forward kernels' shared layouts begin with: two stages each of K, V and Q
+/// (SW128 tiles), the item lists (two stages of [`BYTES`]) and the builder's scratch.
+pub fn buffers() -> Vec<BufferSpec> {
+    vec![
+        BufferSpec::tile(Buf::K, 2),
+        BufferSpec::tile(Buf::V, 2),
+        BufferSpec::tile(Buf::Q, 2),
+        BufferSpec::scalar(Buf::List, BYTES / 4, 2),
+        BufferSpec::scalar(Buf::ListScratch, SCRATCH_BYTES / 4, 1),
+    ]
+}
 /// Scratch: the 128 candidates, then the 8 slots' first global block (or `u32::MAX`).
 const RAW: u32 = 0;
 const QBASE: u32 = 4 * 128;

@@ -155,15 +155,12 @@ pub fn tmem_plan() -> Result<TmemPlan, PlanError> {
     )
 }
 
-/// The shared-memory plan: two stages each of K, V and Q, the lists, the builder's scratch,
-/// the stats stage, `barrier_slots` mbarriers and the TMEM address word.
+/// The shared-memory plan: the forwards' common buffers ([`list::buffers`]: two stages each
+/// of K, V and Q, the lists, the builder's scratch), the stats stage, `barrier_slots`
+/// mbarriers and the TMEM address word.
 pub fn smem_plan(barrier_slots: u32) -> Result<SmemPlan, PlanError> {
-    SmemPlan::layout(vec![
-        BufferSpec::tile(Buf::K, 2),
-        BufferSpec::tile(Buf::V, 2),
-        BufferSpec::tile(Buf::Q, 2),
-        BufferSpec::scalar(Buf::List, list::BYTES / 4, 2),
-        BufferSpec::scalar(Buf::ListScratch, list::SCRATCH_BYTES / 4, 1),
+    let mut specs = list::buffers();
+    specs.extend([
         BufferSpec::scalar(Buf::Stats, 2 * TILE_ROWS, 1),
         BufferSpec::barriers(barrier_slots),
         BufferSpec {
@@ -173,7 +170,8 @@ pub fn smem_plan(barrier_slots: u32) -> Result<SmemPlan, PlanError> {
             stages: 1,
             align: 4,
         },
-    ])
+    ]);
+    SmemPlan::layout(specs)
 }
 
 /// The GEMMs: `s` S = Q·Kᵀ (SS, both K-major) and `pv` O += P·V (TS, V MN-major) on the first

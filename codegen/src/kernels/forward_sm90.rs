@@ -143,17 +143,12 @@ pub fn warps() -> Result<Sm90Warps, PlanError> {
     Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)
 }
 
-/// The shared layout: two stages each of K, V and Q (SW128 tiles), the item lists (two
-/// stages of [`list::BYTES`]), the list builder's scratch, then the barrier array.
+/// The shared layout: the forwards' common buffers ([`list::buffers`]: K, V, Q, the item
+/// lists, the list builder's scratch), then the barrier array.
 pub fn smem_plan(barrier_slots: u32) -> Result<SmemPlan, PlanError> {
-    SmemPlan::layout(vec![
-        BufferSpec::tile(Buf::K, 2),
-        BufferSpec::tile(Buf::V, 2),
-        BufferSpec::tile(Buf::Q, 2),
-        BufferSpec::scalar(Buf::List, list::BYTES / 4, 2),
-        BufferSpec::scalar(Buf::ListScratch, list::SCRATCH_BYTES / 4, 1),
-        BufferSpec::barriers(barrier_slots),
-    ])
+    let mut specs = list::buffers();
+    specs.push(BufferSpec::barriers(barrier_slots));
+    SmemPlan::layout(specs)
 }
 
 /// The named barrier of the list warp alone (it orders the lanes' scratch stores and loads).

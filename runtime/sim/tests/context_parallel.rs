@@ -366,6 +366,26 @@ fn a_rank_schedule_is_the_whole_build_with_the_other_rows_silent() {
 /// One rank's forward outputs, `out` and `lse` of its tokens.
 type RankForward = (Vec<bf16>, Vec<f32>);
 
+/// Rank `rank`'s forward buffers on `dev`: its queries and K/V slices, and outputs filled with
+/// NaN (the forward must write every element).
+fn rank_forward_io(
+    dev: &mut SimDevice,
+    p: &Problem,
+    layout: &CpLayout,
+    rank: usize,
+) -> CpForwardBuffers {
+    let rows = layout.token_rows(rank);
+    let t = rows.len();
+    let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
+    CpForwardBuffers {
+        q: up(dev, "q", &p.q[rows.start * Q_ROW..rows.end * Q_ROW]),
+        k_slice: up(dev, "k_slice", &slice(&p.k_aligned)),
+        v_slice: up(dev, "v_slice", &slice(&p.v_aligned)),
+        out: up(dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
+        lse: up(dev, "lse", &vec![f32::NAN; t * 64]),
+    }
+}
+
 /// Runs the context-parallel forward of `p` over `ranks` logical ranks on `arch`, then, on
 /// each rank, the context-parallel backward on the forward's own `out`, `lse` and schedule:
 /// the host-validated one, or with `device` the rank's schedule built on the device from its
@@ -383,16 +403,8 @@ fn run_cp_chain(
         let rows = layout.token_rows(rank);
         let t = rows.len();
         let mut dev = SimDevice::new(arch, 3);
-        let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
         let qr = rows.start * Q_ROW..rows.end * Q_ROW;
-        // Garbage in the outputs: the forward must write every element.
-        let fio = CpForwardBuffers {
-            q: up(&mut dev, "q", &p.q[qr.clone()]),
-            k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
-            v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
-            out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
-            lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
-        };
+        let fio = rank_forward_io(&mut dev, p, layout, rank);
         let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
         let host = layout
             .local_schedule(rank, &q2k, 64)
@@ -541,15 +553,8 @@ fn a_bad_selection_on_a_device_rank_schedule_is_flagged_and_gives_empty_rows() {
             // Head 0, the rank's first query: a block after its own one.
             q2k[0] = 5;
         }
-        let slice = |x: &[bf16]| layout.rank_slice(rank, x).expect("slice");
         let qr = rows.start * Q_ROW..rows.end * Q_ROW;
-        let fio = CpForwardBuffers {
-            q: up(&mut dev, "q", &p.q[qr.clone()]),
-            k_slice: up(&mut dev, "k_slice", &slice(&p.k_aligned)),
-            v_slice: up(&mut dev, "v_slice", &slice(&p.v_aligned)),
-            out: up(&mut dev, "out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]),
-            lse: up(&mut dev, "lse", &vec![f32::NAN; t * 64]),
-        };
+        let fio = rank_forward_io(&mut dev, &p, layout, rank);
         let d_q2k = up(&mut dev, "q2k_local", &q2k);
         let mut rs = RankSchedule::new(&mut dev, layout, rank).expect("rank schedule");
         CpForward::<SimDevice>::new()
