@@ -57,6 +57,12 @@
 //! selections about one of them wants it (packed64k: 7.4 TFLOP executed for 3.6 useful; doc32k
 //! 6.3 for 2.1, the union growing with the document).
 //!
+//! Forcing the two consumers to alternate their GEMM issues (FlashAttention-3's ping-pong,
+//! named barriers around each GEMM batch) was measured 2.5-5.6 % slower
+//! (`bench/results/h200-2026-12-01-s6-forward-pingpong.md`): the consumers already overlap on
+//! their own, so the overlap the softmax lacks is inside a consumer (a second S accumulator,
+//! which the 232-register budget does not hold next to O and P).
+//!
 //! `bench/forward_model.py` bounds the alternatives (L2 bytes, executed FLOP, shared-memory
 //! operand bytes). A smaller item or a cluster alone keep the waste. Executing only selected
 //! (query, block) pairs needs the transposed orientation, `Sᵀ = K·Qᵀ` with M = 128 keys and
