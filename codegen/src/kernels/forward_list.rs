@@ -10,8 +10,9 @@
 //! compacts the first occurrences in entry order, so the walk order is deterministic.
 
 use super::common;
-use super::forward_sm90::ForwardParams;
-use crate::plan::smem::{Buf, BufferSpec};
+use super::forward_sm90::{ForwardParams, Items};
+use crate::plan::pipeline::{Barriers, Pipe};
+use crate::plan::smem::{Buf, BufferSpec, Placed};
 use crate::ptx::*;
 
 /// Byte offset of the entry count in a list.
@@ -60,6 +61,46 @@ pub struct ListArgs {
     pub num_tokens: Reg<U32>,
     /// The packed sequence's token of local row 0 (`ForwardParams::first_token`).
     pub first_token: Reg<U32>,
+}
+
+/// The list warp of both forward kernels: for each of the CTA's `items`, acquires a stage of
+/// the `list` pipeline, fills that stage of the `lists` buffer ([`build`], with `scratch`)
+/// and commits it. `warp_sync` is the building warp's own barrier (`tid` its threads' ids).
+#[allow(clippy::too_many_arguments)] // the kernel's placement of the pipeline and buffers
+pub fn warp(
+    b: &mut KernelBuilder,
+    p: &ForwardParams,
+    items: &Items,
+    list: &Pipe,
+    bars: &Barriers,
+    (lists, scratch): (&Placed, &Placed),
+    (base, tid): (Reg<U32>, Reg<U32>),
+    warp_sync: &dyn Fn(&mut KernelBuilder),
+) {
+    let lane = b.and(tid, 31u32);
+    let num_tokens = b.ld_param(&p.num_tokens);
+    let first_token = b.ld_param(&p.first_token);
+    let status = b.ld_param_ptr(&p.status);
+    let flags = b.ld::<U32, _>(&global(status, 0));
+    let scratch = b.add(base, scratch.offset);
+    b.for_range(0u32, items.count, 1, "list_item", |b, k| {
+        let item = items.item(b, k);
+        let st = list.producer_acquire(b, bars, k);
+        let lb = lists.emit_stage_addr(b, base, st.index);
+        let args = ListArgs {
+            list: lb,
+            scratch,
+            lane,
+            item,
+            flags,
+            num_tokens,
+            first_token,
+        };
+        build(b, p, &args, warp_sync);
+        list.producer_commit(b, bars, &st);
+        // The next item rewrites the scratch: every lane has finished reading it.
+        warp_sync(b);
+    });
 }
 
 /// Fills the list of `a.item`; `warp_sync` orders the lanes' scratch stores and loads (a

@@ -549,30 +549,16 @@ fn list_at(b: &mut KernelBuilder, ctx: &Ctx, index: Reg<U32>) -> (Reg<U32>, Reg<
 
 fn list_builder(b: &mut KernelBuilder, ctx: &Ctx) {
     let r = ctx.r;
-    let lane = b.and(ctx.tid, 31u32);
-    let num_tokens = b.ld_param(&ctx.p.num_tokens);
-    let first_token = b.ld_param(&ctx.p.first_token);
-    let status = b.ld_param_ptr(&ctx.p.status);
-    let flags = b.ld::<U32, _>(&global(status, 0));
-    let scratch = b.add(ctx.base, r.scratch.offset);
-    b.for_range(0u32, ctx.items.count, 1, "list_item", |b, k| {
-        let item = ctx.items.item(b, k);
-        let st = r.lst.producer_acquire(b, &ctx.bars, k);
-        let lb = r.list.emit_stage_addr(b, ctx.base, st.index);
-        let args = list::ListArgs {
-            list: lb,
-            scratch,
-            lane,
-            item,
-            flags,
-            num_tokens,
-            first_token,
-        };
-        list::build(b, ctx.p, &args, &|b| r.nb_list.sync(b));
-        r.lst.producer_commit(b, &ctx.bars, &st);
-        // The next item rewrites the scratch: every lane has finished reading it.
-        r.nb_list.sync(b);
-    });
+    list::warp(
+        b,
+        ctx.p,
+        &ctx.items,
+        &r.lst,
+        &ctx.bars,
+        (&r.list, &r.scratch),
+        (ctx.base, ctx.tid),
+        &|b| r.nb_list.sync(b),
+    );
 }
 
 // ---- load warp ---------------------------------------------------------------------------

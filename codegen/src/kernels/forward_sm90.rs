@@ -364,32 +364,18 @@ fn list_warp(
     tid: Reg<U32>,
     w: &Items,
 ) {
-    let list = &r.list_pipe;
     let bars = r.bars(b, base);
-    let lane = b.and(tid, 31u32);
-    let num_tokens = b.ld_param(&p.num_tokens);
-    let first_token = b.ld_param(&p.first_token);
-    let status = b.ld_param_ptr(&p.status);
-    let flags = b.ld::<U32, _>(&global(status, 0));
-    let scratch = b.add(base, r.scratch.offset);
-    b.for_range(0u32, w.count, 1, "list_item", |b, k| {
-        let item = w.item(b, k);
-        let st = list.producer_acquire(b, &bars, k);
-        let lb = r.list.emit_stage_addr(b, base, st.index);
-        let args = list::ListArgs {
-            list: lb,
-            scratch,
-            lane,
-            item,
-            flags,
-            num_tokens,
-            first_token,
-        };
-        list::build(b, p, &args, &|b| b.bar_sync(r.list_warp, Some(32)));
-        list.producer_commit(b, &bars, &st);
-        // The next item rewrites the scratch: every lane has finished reading it.
-        b.bar_sync(r.list_warp, Some(32));
-    });
+    let id = r.list_warp;
+    list::warp(
+        b,
+        p,
+        w,
+        &r.list_pipe,
+        &bars,
+        (&r.list, &r.scratch),
+        (base, tid),
+        &|b| b.bar_sync(id, Some(32)),
+    );
 }
 
 /// The TMA thread: per item its Q rows, then K and V of every list entry.
