@@ -386,6 +386,35 @@ fn rank_forward_io(
     }
 }
 
+/// Rank `rank`'s backward buffers on `dev` over its forward buffers `fio` (its out and lse as
+/// the backward's inputs): its grad_out, `dq` filled with `dq_fill`, zero dK/dV slices.
+fn rank_backward_io(
+    dev: &mut SimDevice,
+    p: &Problem,
+    layout: &CpLayout,
+    rank: usize,
+    fio: &CpForwardBuffers,
+    dq_fill: bf16,
+) -> CpBuffers {
+    let rows = layout.token_rows(rank);
+    let s = layout.slice_rows();
+    CpBuffers {
+        q: fio.q,
+        grad_out: up(
+            dev,
+            "grad_out",
+            &p.dout[rows.start * Q_ROW..rows.end * Q_ROW],
+        ),
+        out: fio.out,
+        lse: fio.lse,
+        k_slice: fio.k_slice,
+        v_slice: fio.v_slice,
+        dq: up(dev, "dq", &vec![dq_fill; rows.len() * Q_ROW]),
+        dk_slice: up(dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
+        dv_slice: up(dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
+    }
+}
+
 /// Runs the context-parallel forward of `p` over `ranks` logical ranks on `arch`, then, on
 /// each rank, the context-parallel backward on the forward's own `out`, `lse` and schedule:
 /// the host-validated one, or with `device` the rank's schedule built on the device from its
@@ -397,13 +426,10 @@ fn run_cp_chain(
     device: bool,
 ) -> Vec<(RankForward, RankGrads)> {
     let layout = CpLayout::new(&p.cu, ranks).expect("layout");
-    let s = layout.slice_rows();
     let layout = &layout;
     on_ranks(ranks, |rank, comm| {
         let rows = layout.token_rows(rank);
-        let t = rows.len();
         let mut dev = SimDevice::new(arch, 3);
-        let qr = rows.start * Q_ROW..rows.end * Q_ROW;
         let fio = rank_forward_io(&mut dev, p, layout, rank);
         let q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
         let host = layout
@@ -439,17 +465,7 @@ fn run_cp_chain(
         }
         let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
         let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
-        let bio = CpBuffers {
-            q: fio.q,
-            grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
-            out: fio.out,
-            lse: fio.lse,
-            k_slice: fio.k_slice,
-            v_slice: fio.v_slice,
-            dq: up(&mut dev, "dq", &vec![bf16::ZERO; t * Q_ROW]),
-            dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
-            dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
-        };
+        let bio = rank_backward_io(&mut dev, p, layout, rank, &fio, bf16::ZERO);
         let mut backward = CpBackward::<SimDevice>::new();
         match &resident {
             Some(rs) => backward.run_on(&mut dev, comm, layout, &bio, rs),
@@ -542,18 +558,15 @@ fn device_rank_schedules_on_sm100_of_one_document_over_three_ranks() {
 fn a_bad_selection_on_a_device_rank_schedule_is_flagged_and_gives_empty_rows() {
     let p = problem(&[130, 250, 20], 47);
     let layout = CpLayout::new(&p.cu, 2).expect("layout");
-    let s = layout.slice_rows();
     let layout = &layout;
     let per_rank = on_ranks(2, |rank, comm| {
         let rows = layout.token_rows(rank);
-        let t = rows.len();
         let mut dev = SimDevice::new(Arch::Sm90, 3);
         let mut q2k = layout.rank_q2k(rank, &p.q2k).unwrap();
         if rank == 1 {
             // Head 0, the rank's first query: a block after its own one.
             q2k[0] = 5;
         }
-        let qr = rows.start * Q_ROW..rows.end * Q_ROW;
         let fio = rank_forward_io(&mut dev, &p, layout, rank);
         let d_q2k = up(&mut dev, "q2k_local", &q2k);
         let mut rs = RankSchedule::new(&mut dev, layout, rank).expect("rank schedule");
@@ -561,17 +574,7 @@ fn a_bad_selection_on_a_device_rank_schedule_is_flagged_and_gives_empty_rows() {
             .run_on_device(&mut dev, comm, layout, &fio, d_q2k, &mut rs)
             .expect("a flagged selection is not a host error");
         let verdict = rs.status(&mut dev);
-        let bio = CpBuffers {
-            q: fio.q,
-            grad_out: up(&mut dev, "grad_out", &p.dout[qr]),
-            out: fio.out,
-            lse: fio.lse,
-            k_slice: fio.k_slice,
-            v_slice: fio.v_slice,
-            dq: up(&mut dev, "dq", &vec![bf16::from_f32(1.0); t * Q_ROW]),
-            dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
-            dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
-        };
+        let bio = rank_backward_io(&mut dev, &p, layout, rank, &fio, bf16::from_f32(1.0));
         CpBackward::<SimDevice>::new()
             .run_on(&mut dev, comm, layout, &bio, &rs)
             .expect("cp backward");
