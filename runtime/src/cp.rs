@@ -709,16 +709,6 @@ impl<B: Backend> CpForward<B> {
         let at = |i: usize| base + (i * word) as u64;
         let (q2k_at, cu_at) = (0, q2k_local.len());
         let (ws_at, status_at) = (cu_at + cu.len(), cu_at + cu.len() + starts.len());
-        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
-        let w = layout.workspace_rows();
-        let fio = ForwardBuffers {
-            q: io.q,
-            k_aligned: k_all.prefix(w * KV_ROW),
-            v_aligned: v_all.prefix(w * KV_ROW),
-            q2k: Span::new(at(q2k_at), q2k_local.len()),
-            out: io.out,
-            lse: io.lse,
-        };
         let qrows = QueryRows {
             cu_seqlens: Span::new(at(cu_at), cu.len()),
             ws_starts: Span::new(at(ws_at), starts.len()),
@@ -726,11 +716,63 @@ impl<B: Backend> CpForward<B> {
             first_token: rows.start,
         };
         backend.upload("cp forward tables", base, bytes_of(&words))?;
+        let q2k = Span::new(at(q2k_at), q2k_local.len());
+        let fio = self.gather(backend, comm, layout, io, q2k)?;
+        MsaForward.launch(backend, &fio, t, layout.workspace_rows(), &qrows)?;
+        Ok(schedule)
+    }
+
+    /// [`CpForward::run_on`] with the rank's rows of the selection on the device, `q2k_local
+    /// [4, T_r, 16]`: builds `schedule` (rank `comm.rank()`'s [`RankSchedule`] of `layout`)
+    /// from it on the device, all-gathers K/V and runs the forward kernel on the rank's rows.
+    /// No host sync and no upload. A bad selection is flagged on the device: every row of the
+    /// rank gets `out = 0`, `lse = −∞`, the backward on `schedule` has no work (zero
+    /// gradients), and [`RankSchedule::status`] names the fault.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] when the group, the layout, the schedule and the buffers do not
+    /// match (all checked before anything is issued), and the backend's and the collective's
+    /// errors.
+    pub fn run_on_device<C: Collective<B>>(
+        &mut self,
+        backend: &mut B,
+        comm: &mut C,
+        layout: &CpLayout,
+        io: &CpForwardBuffers,
+        q2k_local: Span<i32>,
+        schedule: &mut RankSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        let rank = check_group(comm, layout)?;
+        CpSchedule::Device(schedule).checked(layout, rank)?;
+        check_forward_io(layout, rank, io, Some(q2k_local))?;
+        schedule.build(backend, q2k_local)?;
+        let fio = self.gather(backend, comm, layout, io, q2k_local)?;
+        MsaForward.run_on(backend, &fio, &schedule.resident)
+    }
+
+    /// All-gathers K/V into the cached buffer and waits for them: the forward's buffers over
+    /// the whole sequence's aligned K/V, with the selection `q2k`.
+    fn gather<C: Collective<B>>(
+        &mut self,
+        backend: &mut B,
+        comm: &mut C,
+        layout: &CpLayout,
+        io: &CpForwardBuffers,
+        q2k: Span<i32>,
+    ) -> Result<ForwardBuffers, RuntimeError> {
+        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
         comm.all_gather_bf16(backend, io.k_slice, k_all)?;
         comm.all_gather_bf16(backend, io.v_slice, v_all)?;
         comm.wait(backend)?;
-        MsaForward.launch(backend, &fio, t, w, &qrows)?;
-        Ok(schedule)
+        let w = layout.workspace_rows();
+        Ok(ForwardBuffers {
+            q: io.q,
+            k_aligned: k_all.prefix(w * KV_ROW),
+            v_aligned: v_all.prefix(w * KV_ROW),
+            q2k,
+            out: io.out,
+            lse: io.lse,
+        })
     }
 }
 
@@ -763,48 +805,6 @@ fn check_forward_io(
         regions.push(Region::input("q2k_local", q2k)?);
     }
     check_regions(&regions, false, "no in-place forward")
-}
-
-impl<B: Backend> CpForward<B> {
-    /// [`CpForward::run_on`] with the rank's rows of the selection on the device, `q2k_local
-    /// [4, T_r, 16]`: builds `schedule` (rank `comm.rank()`'s [`RankSchedule`] of `layout`)
-    /// from it on the device, all-gathers K/V and runs the forward kernel on the rank's rows.
-    /// No host sync and no upload. A bad selection is flagged on the device: every row of the
-    /// rank gets `out = 0`, `lse = −∞`, the backward on `schedule` has no work (zero
-    /// gradients), and [`RankSchedule::status`] names the fault.
-    ///
-    /// # Errors
-    /// [`RuntimeError::Input`] when the group, the layout, the schedule and the buffers do not
-    /// match (all checked before anything is issued), and the backend's and the collective's
-    /// errors.
-    pub fn run_on_device<C: Collective<B>>(
-        &mut self,
-        backend: &mut B,
-        comm: &mut C,
-        layout: &CpLayout,
-        io: &CpForwardBuffers,
-        q2k_local: Span<i32>,
-        schedule: &mut RankSchedule<B>,
-    ) -> Result<(), RuntimeError> {
-        let rank = check_group(comm, layout)?;
-        CpSchedule::Device(schedule).checked(layout, rank)?;
-        check_forward_io(layout, rank, io, Some(q2k_local))?;
-        schedule.build(backend, q2k_local)?;
-        let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
-        comm.all_gather_bf16(backend, io.k_slice, k_all)?;
-        comm.all_gather_bf16(backend, io.v_slice, v_all)?;
-        comm.wait(backend)?;
-        let w = layout.workspace_rows();
-        let fio = ForwardBuffers {
-            q: io.q,
-            k_aligned: k_all.prefix(w * KV_ROW),
-            v_aligned: v_all.prefix(w * KV_ROW),
-            q2k: q2k_local,
-            out: io.out,
-            lse: io.lse,
-        };
-        MsaForward.run_on(backend, &fio, &schedule.resident)
-    }
 }
 
 /// `R` logical ranks in one process, each on its own thread and backend, exchanging through
