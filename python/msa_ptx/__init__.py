@@ -264,18 +264,19 @@ class MSABackwardSchedule:
 
 
 class _DeviceArray:
-    """An int32 device array of a resident schedule, for ``torch.as_tensor`` (zero-copy); the
-    tensor keeps this object, hence the schedule's memory, alive."""
+    """A device array of the runtime's memory for ``torch.as_tensor`` (zero-copy): a resident
+    schedule's int32 tables (the tensor keeps this object, hence ``owner``'s memory, alive),
+    or a buffer a collective reads or writes while the runtime holds it (``owner`` None)."""
 
-    def __init__(self, owner: Any, ptr: int, shape: Tuple[int, ...]):
+    def __init__(self, owner: Any, ptr: int, shape: Tuple[int, ...], typestr: str = "<i4"):
         self._owner = owner
         self.__cuda_array_interface__ = {
             "shape": tuple(shape),
-            "typestr": "<i4",
+            "typestr": typestr,
             "data": (ptr, False),
             "strides": None,
             "version": 3,
-            # Built on the current stream, which the tensor's users are ordered after.
+            # Written by work on the current stream, which the tensor's users are ordered after.
             "stream": None,
         }
 
@@ -475,22 +476,6 @@ def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any, *,
 # Context parallelism
 
 
-class _RawArray:
-    """``n`` elements of ``typestr`` at device address ``ptr`` (memory the runtime owns for
-    the duration of one collective), for ``torch.as_tensor`` (zero-copy)."""
-
-    def __init__(self, ptr: int, n: int, typestr: str):
-        self.__cuda_array_interface__ = {
-            "shape": (n,),
-            "typestr": typestr,
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-            # Written by work on the current stream, which the collective is ordered after.
-            "stream": None,
-        }
-
-
 def _group(group: Any) -> Tuple[int, int]:
     """``(rank, ranks)`` of ``group`` (``None``: the default process group)."""
     dist = _torch().distributed
@@ -507,12 +492,13 @@ def _collectives(group: Any, device: Any, rank: int, ranks: int):
     dist = torch.distributed
 
     def gather(send_ptr: int, nbytes: int, recv_ptr: int) -> None:
-        send = torch.as_tensor(_RawArray(send_ptr, nbytes, "|u1"), device=device)
-        recv = torch.as_tensor(_RawArray(recv_ptr, nbytes * ranks, "|u1"), device=device)
+        send = torch.as_tensor(_DeviceArray(None, send_ptr, (nbytes,), "|u1"), device=device)
+        recv = torch.as_tensor(_DeviceArray(None, recv_ptr, (nbytes * ranks,), "|u1"),
+                               device=device)
         dist.all_gather_into_tensor(recv, send, group=group)
 
     def reduce_scatter(ptr: int, n: int) -> None:
-        buf = torch.as_tensor(_RawArray(ptr, n, "<f4"), device=device)
+        buf = torch.as_tensor(_DeviceArray(None, ptr, (n,), "<f4"), device=device)
         m = n // ranks
         # In place: NCCL's reduce-scatter allows recvbuff = sendbuff + rank * recvcount.
         dist.reduce_scatter_tensor(buf[rank * m:(rank + 1) * m], buf, group=group)

@@ -105,7 +105,7 @@ impl CpLayoutPy {
     /// contiguous CPU int32 tensor), validated on the host.
     fn local_schedule(&self, rank: usize, q2k_local: &Bound<'_, PyAny>) -> PyResult<HostSchedule> {
         self.check_rank(rank)?;
-        let q2k = local_q2k(&self.inner, rank, q2k_local)?;
+        let q2k = local_q2k(&self.inner, rank, &Tensor::read("q2k_local", q2k_local)?)?;
         let inner = self
             .inner
             .local_schedule(rank, &q2k, msa_runtime::forward::QUERIES_PER_WORK)
@@ -115,15 +115,20 @@ impl CpLayoutPy {
 }
 
 /// The rank's selection rows, read from a CPU int32 `[4, T_r, 16]` tensor.
-fn local_q2k(layout: &CpLayout, rank: usize, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
-    let t = layout.token_rows(rank).len();
-    let x = Tensor::read("q2k_local", obj)?;
+fn local_q2k(layout: &CpLayout, rank: usize, x: &Tensor) -> PyResult<Vec<i32>> {
+    let (shape, text) = q2k_shape(layout, rank);
     x.expect_dtype(Dtype::I32)?;
-    x.expect_shape(
-        &[NUM_INDEX_HEADS, t, TOPK_BLOCKS],
-        &format!("[4, T_r, 16] with T_r = {t} (rank {rank}'s tokens)"),
-    )?;
+    x.expect_shape(&shape, &text)?;
     x.host_i32()
+}
+
+/// The shape of rank `rank`'s rows of the selection, `[4, T_r, 16]`, and its description.
+fn q2k_shape(layout: &CpLayout, rank: usize) -> (Vec<usize>, String) {
+    let t = layout.token_rows(rank).len();
+    (
+        vec![NUM_INDEX_HEADS, t, TOPK_BLOCKS],
+        format!("[4, T_r, 16] with T_r = {t} (rank {rank}'s tokens)"),
+    )
 }
 
 /// A rank's schedule built on the device (`msa_runtime::RankSchedule`), from a CUDA
@@ -305,7 +310,7 @@ pub fn cp_forward(
     let q2k = if on_device {
         Vec::new()
     } else {
-        local_q2k(l, rank, q2k_local)?
+        local_q2k(l, rank, &x)?
     };
     let (qs, ls, kvs, qt, kvt) = shapes(l, rank);
     let specs = [
@@ -316,14 +321,9 @@ pub fn cp_forward(
         ("lse", Dtype::F32, ls, qt),
     ];
     let (x, device) = if on_device {
-        let t = l.token_rows(rank).len();
+        let (shape, text) = q2k_shape(l, rank);
         let mut specs = specs.to_vec();
-        specs.push((
-            "q2k_local",
-            Dtype::I32,
-            vec![NUM_INDEX_HEADS, t, TOPK_BLOCKS],
-            format!("[4, T_r, 16] with T_r = {t} (rank {rank}'s tokens)"),
-        ));
+        specs.push(("q2k_local", Dtype::I32, shape, text));
         read_all(&specs, &[q, k_slice, v_slice, out, lse, q2k_local])?
     } else {
         read_all(&specs, &[q, k_slice, v_slice, out, lse])?
