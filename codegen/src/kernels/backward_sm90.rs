@@ -10,12 +10,12 @@
 //!   thread 0 issues every TMA load (K/V once per segment, Q/dO as 16-head × 64-d boxes,
 //!   32 per task; a −1 query row is out of bounds, so TMA zero-fills it), and its warp 1
 //!   gathers each task's row scalars (`−lse·log2e`, −∞ for an empty slot; delta; the slots'
-//!   query positions) into shared memory ahead of the softmax. Every consumer thread
-//!   releases the row scalars itself, right after its last read of them: the write-after-read
-//!   order of the next fill then rests on each reader's own `mbarrier.arrive` (release) and
-//!   the gather lanes' `try_wait` (acquire), which compute-sanitizer's racecheck follows; a
-//!   hand-off through `bar.sync` and one elected arrival is just as ordered by the PTX memory
-//!   model, but racecheck reports it as a hazard. Warpgroups 1 and 2 are
+//!   compact rows and query positions) into shared memory ahead of the softmax. Every consumer
+//!   thread releases the row scalars itself, right after its last read of them: the
+//!   write-after-read order of the next fill then rests on each reader's own `mbarrier.arrive`
+//!   (release) and the gather lanes' `try_wait` (acquire), which compute-sanitizer's racecheck
+//!   follows; a hand-off through `bar.sync` and one elected arrival is just as ordered by the
+//!   PTX memory model, but racecheck reports it as a hazard. Warpgroups 1 and 2 are
 //!   consumers (`setmaxnreg.inc`); consumer `c` owns keys `64c .. 64c+64`.
 //! - **Plan.** Every resource comes from the typed [`Sm90Plan`] (`crate::plan::sm90`), checked
 //!   at codegen time as the SM100 kernel's plan is: the `setmaxnreg` budgets, the
@@ -50,15 +50,20 @@
 //!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
 //!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ^T.
 //! - **Writes.** dQ^T columns come in head pairs (2m, 2m+1) in one thread, so each pair is
-//!   one `red.global.add.noftz.bf16x2` into the head-pair-interleaved pool, with an L2
-//!   evict_last policy. At a segment's end dK/dV are flushed with `red.global.add.v4.f32`
-//!   after a lane-pair exchange that gives each lane four consecutive head dims.
+//!   one bf16x2 word of the head-pair-interleaved pool. A shuffle between neighbouring quads
+//!   gives each lane two consecutive head dims of a word, so a lane issues one
+//!   `red.global.add.noftz.v2.bf16x2` (L2 evict_last) per pair of words: the consumers' dQ
+//!   loop was bound by the issue of its 32 scalar reductions per thread and task (on the H200,
+//!   halving them made doc32k and packed64k 4-5 % faster). The slots' compact rows, which
+//!   address the reductions, come from the gather warp's row stage, read before its release.
+//!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
+//!   exchange that gives each lane four consecutive head dims.
 //! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
 //!   computes each slot's inverse dQ unit from `a[t, g]` into the row stage, so that the
 //!   consumers only read eight words before they release it; dQ goes as integer-valued f32
 //!   head quads (`red.add.v4.f32`), dK/dV as i64 (`red.add.u64`) at a segment's end.
 
-use super::common::{self, elem_bytes, MainParams, Walk};
+use super::common::{self, MainParams, Walk};
 use super::fixed_point;
 use super::KernelDesc;
 use crate::plan::gemm::SmemDesc;
@@ -106,6 +111,7 @@ struct Resolved<'a> {
     ds: Placed,
     lse: Placed,
     delta: Placed,
+    qrows: Placed,
     qpos: Placed,
     dq_inv: Placed,
     barriers: u32,
@@ -132,6 +138,7 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
         ds: buf(Buf::PdS)?,
         lse: buf(Buf::Lse)?,
         delta: buf(Buf::Delta)?,
+        qrows: buf(Buf::QRows)?,
         qpos: buf(Buf::QPos)?,
         dq_inv: buf(Buf::DqInv)?,
         barriers: buf(Buf::Barriers)?.offset,
@@ -299,17 +306,18 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let qpos = b.ld_param_ptr(&p.qpos);
             let a = common::elem::<S32>(b, qpos, idx);
             let v = b.ld::<S32, _>(&a);
+            let qrows = b.ld_param_ptr(&p.qrows);
+            let a = common::elem::<S32>(b, qrows, idx);
+            let q = b.ld::<S32, _>(&a);
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
             b.st(&r.qpos.at(at, 0), v);
+            b.st(&r.qrows.at(at, 0), q);
             // Deterministic: slot `lane`'s inverse dQ unit from a[t, g], off the consumers'
             // path (an empty slot reads row 0; its reductions are skipped).
             if let Some(f) = &p.fixed {
                 let bounds = b.ld_param_ptr(&f.bounds);
                 let factor = fixed_point::dq_factor(b, bounds, m[1]);
-                let qrows = b.ld_param_ptr(&p.qrows);
-                let a = common::elem::<S32>(b, qrows, idx);
-                let q = b.ld::<S32, _>(&a);
                 let rc = b.max(q, 0i32);
                 let rc = b.bitcast::<U32, S32>(rc);
                 let inv = fixed_point::dq_row_inv_unit(b, f, rc, m[1], factor);
@@ -392,17 +400,14 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let key_pos = b.shl(kb, 7u32);
         let key_pos = b.add(key_pos, key_local);
         let key_pos8 = b.add(key_pos, 8u32);
-        // Slot words are re-read where needed (L1 hits) rather than held in 16 registers.
-        let slot_word = |b: &mut KernelBuilder, table: &ParamRef<U64>, slot: usize| {
-            let table = b.ld_param_ptr(table);
-            let a = elem_bytes(b, table, row, 32);
-            b.ld::<S32, _>(&a.offset(4 * slot as i64))
-        };
         let key_pos_s = b.bitcast::<S32, U32>(key_pos);
         let key_pos8_s = b.bitcast::<S32, U32>(key_pos8);
         let mut rows_stage = None;
         // Deterministic: the slots' inverse dQ units (the gather warp's), held to the dQ loop.
         let mut dq_invs: Option<Vec<Reg<F32>>> = None;
+        // The slots' compact query rows (the gather warp's), held to the dQ loop: a global
+        // load per slot there put an L2 round trip in front of each slot's reductions.
+        let mut slot_rows: Vec<Reg<S32>> = Vec::new();
 
         for half in 0..2u32 {
             b.comment(&format!(
@@ -485,6 +490,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
 
             if half == 1 {
+                b.comment("the slots' query rows for the dQ reductions, read before the release");
+                let at = r.qrows.at(base, 0);
+                let lo: [Reg<S32>; 4] = b.ld_v(&at);
+                let hi: [Reg<S32>; 4] = b.ld_v(&at.offset(16));
+                slot_rows = lo.into_iter().chain(hi).collect();
                 if p.fixed.is_some() {
                     b.comment("the slots' inverse dQ units, read before the release");
                     let at = r.dq_inv.at(base, 0);
@@ -554,6 +564,15 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let a_addr = b.add(a_addr, c_panel);
         let a0 = mn_major().emit(b, a_addr);
         let d_row = b.mad_lo(c, 64u32, row0);
+        // The first head dim of this lane's pair of dQ words (see the exchange below).
+        let odd_quad = {
+            let q1 = b.and(quad, 1u32);
+            b.setp(Cmp::Ne, q1, 0u32)
+        };
+        let d_pair = {
+            let up = b.selp(7u32, 0u32, odd_quad);
+            b.add(d_row, up)
+        };
         let policy = b.policy_evict_last(1.0);
         // Both 64-column halves of dQ^T in flight (64 accumulator registers next to dK/dV):
         // the reductions of the first half run while the tensor cores compute the second.
@@ -589,7 +608,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     // Columns of j = 2jj and 2jj+1: slot 4nh + jj, heads 2·pair, 2·pair+1 of
                     // the group, then the same + 8: one pool word (quad `pair`) per d.
                     let slot = (4 * nh + jj) as usize;
-                    let slot_qrow = slot_word(b, &p.qrows, slot);
+                    let slot_qrow = slot_rows[slot];
                     let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                     let r = b.bitcast::<U32, S32>(slot_qrow);
                     let word = fixed_point::dq_word(b, r, head, pair, d_row);
@@ -606,26 +625,33 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 }
                 continue;
             }
-            b.comment("dQ: head pairs to the bf16x2 pool");
+            b.comment("dQ: head pairs to the bf16x2 pool, two consecutive head dims per red");
             for j in 0..8u32 {
                 // Folded column 64nh + 8j + col0 (+1): slot 4nh + j/2, heads 2hp, 2hp+1.
                 let slot = (4 * nh + j / 2) as usize;
                 let hp = b.shl(head, 3u32);
                 let hp = b.add(hp, pair);
                 let hp = b.add(hp, 4 * (j % 2));
-                let slot_qrow = slot_word(b, &p.qrows, slot);
+                let slot_qrow = slot_rows[slot];
                 let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                 let r = b.bitcast::<U32, S32>(slot_qrow);
-                for rr in 0..2u32 {
-                    let i = (4 * j + 2 * rr) as usize;
-                    let packed = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
-                    let d = b.add(d_row, 8 * rr);
-                    let word = b.mad_lo(r, 32u32, hp);
-                    let word = b.mad_lo(word, 128u32, d);
-                    let dq = b.ld_param_ptr(&p.dq);
-                    let a = common::elem::<U32>(b, dq, word);
-                    b.predicated(live, false, |b| b.red_add_bf16x2(&a, packed, Some(policy)));
-                }
+                let i = (4 * j) as usize;
+                let w0 = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]); // head dim d_row
+                let w1 = b.cvt_bf16x2(dq_acc[i + 3], dq_acc[i + 2]); // d_row + 8
+                                                                     // Quads 2k and 2k+1 hold neighbouring head dims: the even lane keeps d_row
+                                                                     // and takes its partner's d_row + 1, the odd lane keeps d_row + 8 and takes
+                                                                     // the partner's d_row + 7.
+                let send = b.selp(w0, w1, odd_quad);
+                let got = b.shfl(Shfl::Bfly, send, 4u32, 0x1f);
+                let lo = b.selp(got, w0, odd_quad);
+                let hi = b.selp(w1, got, odd_quad);
+                let word = b.mad_lo(r, 32u32, hp);
+                let word = b.mad_lo(word, 128u32, d_pair);
+                let dq = b.ld_param_ptr(&p.dq);
+                let a = common::elem::<U32>(b, dq, word);
+                b.predicated(live, false, |b| {
+                    b.red_add_v2_bf16x2(&a, [lo, hi], Some(policy))
+                });
             }
         }
 

@@ -168,7 +168,8 @@ pub fn design_pipelines() -> Vec<Pipeline> {
 
 /// The shared layout for `pipelines`: sK, sV, sQ×2, sdO×2, sdS (the dS^T panels dQ^T reads),
 /// the barrier array, then one stage of the row scalars (`−lse·log2e` and delta per folded
-/// row, the slots' query positions and, in the deterministic mode, their inverse dQ units).
+/// row, the slots' compact query rows and positions and, in the deterministic mode, their
+/// inverse dQ units).
 pub fn design_smem(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (q_do, rows) = (stages("q_do")?, stages("rows")?);
@@ -181,6 +182,7 @@ pub fn design_smem(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
         BufferSpec::barriers(pipelines.barrier_slots()),
         BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::Delta, TILE_ROWS, rows),
+        BufferSpec::scalar(Buf::QRows, SLOTS, rows),
         BufferSpec::scalar(Buf::QPos, SLOTS, rows),
         BufferSpec::scalar(Buf::DqInv, SLOTS, rows),
     ])
@@ -319,8 +321,9 @@ mod tests {
         let smem = plan.smem();
         assert_eq!(smem.offset(Buf::DO).unwrap(), 4 * TILE_BYTES);
         assert_eq!(smem.offset(Buf::Barriers).unwrap(), 7 * TILE_BYTES);
-        // 7 tiles, 8 barriers, 2 × 128 + 8 + 8 row words (lse, delta, positions, dQ units).
-        assert_eq!(smem.total(), 7 * TILE_BYTES + 64 + 4 * (2 * 128 + 8 + 8));
+        // 7 tiles, 8 barriers, 2 × 128 + 3 × 8 row words (lse, delta, rows, positions, dQ
+        // units).
+        assert_eq!(smem.total(), 7 * TILE_BYTES + 64 + 4 * (2 * 128 + 3 * 8));
         assert_eq!(smem.offset(Buf::DqInv).unwrap(), smem.total() - 4 * 8);
         assert_eq!(plan.warps().threads(Role::Compute), 256);
         assert_eq!(plan.warps().threads(Role::Idle), 64);

@@ -1071,15 +1071,17 @@ fn decode_atom(atom: bool, m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> 
     m.finish()?;
     let float_ok = match ty {
         Ty::F32 => op == AtomOp::Add && !noftz,
-        Ty::Bf16 | Ty::Bf16x2 | Ty::F16 | Ty::F16x2 => op == AtomOp::Add && noftz && n == 1,
+        Ty::Bf16 | Ty::F16 => op == AtomOp::Add && noftz && n == 1,
+        // `.v2`/`.v4` of packed pairs: sm_90's vector reductions.
+        Ty::Bf16x2 | Ty::F16x2 => op == AtomOp::Add && noftz && matches!(n, 1 | 2 | 4),
         Ty::F64 => false,
         _ => true,
     };
     if !float_ok {
         return unsupported(format!("atomic {op:?} on {ty:?}"));
     }
-    if n > 1 && ty != Ty::F32 {
-        return unsupported("vector atomics other than .f32");
+    if n > 1 && !matches!(ty, Ty::F32 | Ty::Bf16x2 | Ty::F16x2) {
+        return unsupported("vector atomics other than .f32, .f16x2 and .bf16x2");
     }
     if n > 1 && space != Space::Global {
         return malformed("vector atomics need .global");

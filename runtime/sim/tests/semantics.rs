@@ -506,6 +506,41 @@ fn float_reductions() {
     assert_eq!(got[6], 0, "1e-39 + 1e-45: both subnormal, flushed");
 }
 
+#[test]
+fn vector_bf16x2_reductions() {
+    // sm_90's red.global.add.noftz.v2/.v4.bf16x2: each packed word adds into its own word,
+    // lane-wise (the backward's dQ reductions).
+    let body = r#"
+	mov.b32 %r1, 0x3f803f80;
+	mov.b32 %r2, 0x40004000;
+	createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %bd0, 0f3F800000;
+	red.global.add.noftz.L2::cache_hint.v2.bf16x2 [%o1], {%r1, %r2}, %bd0;
+	red.global.add.noftz.v4.bf16x2 [%o1+16], {%r2, %r1, %r2, %r1};
+	ld.global.v2.u32 {%r3, %r4}, [%o1];
+	ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%o1+16];
+	st.global.v2.u32 [%o0], {%r3, %r4};
+	st.global.v4.u32 [%o0+16], {%r5, %r6, %r7, %r8};
+"#;
+    let input = [
+        0x3f80_3f80, // (1, 1)
+        0xc000_4000, // (-2, 2)
+        0,
+        0,
+        0x3f80_3f80,
+        0x3f80_3f80,
+        0xc000_4000,
+        0,
+    ];
+    let got = run_grid(body, (1, 1), (1, 1), 8, &input);
+    // (1,1)+(1,1) = (2,2); (-2,2)+(2,2) = (0,4).
+    assert_eq!(got[..2], [0x4000_4000, 0x0000_4080]);
+    // (1,1)+(2,2) = (3,3); (1,1)+(1,1); (-2,2)+(2,2); (0,0)+(1,1).
+    assert_eq!(
+        got[4..8],
+        [0x4040_4040, 0x4000_4000, 0x0000_4080, 0x3f80_3f80]
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Barriers, memory forms, special registers
 // ---------------------------------------------------------------------------------------------

@@ -118,6 +118,27 @@ impl KernelBuilder {
         );
     }
 
+    /// `red.global.add.noftz.v2.bf16x2`: two consecutive packed words (8-B aligned) in one
+    /// reduction (sm_90, PTX 8.1).
+    pub fn red_add_v2_bf16x2(
+        &mut self,
+        addr: &GlobalAddr,
+        v: [Reg<Bf16x2>; 2],
+        policy: Option<Reg<B64>>,
+    ) {
+        let (hint, mut extra) = Self::policy(policy);
+        let mut ops = vec![
+            addr.operand(),
+            Operand::Vector(v.iter().map(|r| r.name()).collect()),
+        ];
+        ops.append(&mut extra);
+        self.push(
+            format!("red.global.add.noftz{hint}.v2.bf16x2"),
+            ops,
+            PtxVersion(8, 1),
+        );
+    }
+
     /// `red.global.add.noftz.bf16x2`: two packed bf16 additions in one 4-byte reduction.
     pub fn red_add_bf16x2(&mut self, addr: &GlobalAddr, v: Reg<Bf16x2>, policy: Option<Reg<B64>>) {
         let (hint, mut extra) = Self::policy(policy);
