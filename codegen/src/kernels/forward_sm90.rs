@@ -61,7 +61,11 @@
 //! named barriers around each GEMM batch) was measured 2.5-5.6 % slower
 //! (`bench/results/h200-2026-12-01-s6-forward-pingpong.md`): the consumers already overlap on
 //! their own, so the overlap the softmax lacks is inside a consumer (a second S accumulator,
-//! which the 232-register budget does not hold next to O and P).
+//! which the 232-register budget does not hold next to O and P). Three K/V stages (Q in one,
+//! to fit) were 3-4 % slower (`bench/results/h200-2026-12-02-s7-backward-dq.md`): the
+//! consumers' wait on K/V fills fell from 13.6 % to 9.8 % of their stall samples, but the
+//! single Q stage stalls each item's start, and since the consumers skip different blocks the
+//! shared ring couples them at any depth.
 //!
 //! `bench/forward_model.py` bounds the alternatives (L2 bytes, executed FLOP, shared-memory
 //! operand bytes). A smaller item or a cluster alone keep the waste. Executing only selected
