@@ -72,10 +72,58 @@ def unions(q2k, cu, size):
     return tot, int((q2k >= 0).sum())
 
 
+def coupling(q2k, cu):
+    """Per 8-query item of the current kernel, summed over index heads: the m64 tiles executed
+    with the fixed split (slots 0-3 to consumer 0, 4-7 to consumer 1) and with the best split
+    of the 8 queries into two groups of 4 (35 candidates), the union of the item's blocks (one
+    shared K/V ring: both consumers step through every block of it) and the larger of the two
+    consumers' own unions (what two independent rings would each walk)."""
+    import itertools
+
+    np = mi._np()
+    T = cu[-1]
+    base = np.zeros(T, dtype=np.int64)
+    off = 0
+    for d in range(len(cu) - 1):
+        base[cu[d]:cu[d + 1]] = off
+        off += (cu[d + 1] - cu[d] + mi.BLOCK - 1) // mi.BLOCK
+    splits = [c for c in itertools.combinations(range(8), 4) if 0 in c]
+    fixed = best = union = larger = 0
+    for h in range(mi.NUM_INDEX_HEADS):
+        g = np.where(q2k[h] >= 0, q2k[h] + base[:, None], -1)
+        for i in range(0, T, 8):
+            rows = [frozenset(int(x) for x in g[t] if x >= 0) for t in range(i, min(i + 8, T))]
+            rows += [frozenset()] * (8 - len(rows))
+
+            def split(c):
+                a = frozenset().union(*(rows[s] for s in c))
+                b = frozenset().union(*(rows[s] for s in range(8) if s not in c))
+                return a, b
+
+            a, b = split((0, 1, 2, 3))
+            fixed += len(a) + len(b)
+            union += len(a | b)
+            larger += max(len(a), len(b))
+            best += min(len(x) + len(y) for x, y in map(split, splits))
+    return fixed, best, union, larger
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="doc8k,doc32k,packed64k")
+    ap.add_argument("--coupling", action="store_true",
+                    help="only the consumer-split table of coupling() (pure Python, ~1 min/case)")
     a = ap.parse_args()
+    if a.coupling:
+        print("| case | m64 tiles, fixed split | best split of the 8 queries | item unions "
+              "(shared ring) | larger consumer union (independent rings) |")
+        print("|---|---|---|---|---|")
+        for name in a.cases.split(","):
+            q2k, cu = mi.make_q2k(mi.CASES[name])
+            fixed, best, union, larger = coupling(q2k, cu)
+            print(f"| {name} | {fixed} | {best} ({best / fixed - 1:+.1%}) | {union} | "
+                  f"{larger} ({larger / union - 1:+.1%}) |")
+        return
     print("| case | design | L2->smem GB | tensor TFLOP executed | smem operand GB | bound ms | "
           "bound useful TFLOP/s | limit |")
     print("|---|---|---|---|---|---|---|---|")
