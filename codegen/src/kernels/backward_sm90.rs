@@ -636,11 +636,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
                 let r = b.bitcast::<U32, S32>(slot_qrow);
                 let i = (4 * j) as usize;
-                let w0 = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]); // head dim d_row
-                let w1 = b.cvt_bf16x2(dq_acc[i + 3], dq_acc[i + 2]); // d_row + 8
-                                                                     // Quads 2k and 2k+1 hold neighbouring head dims: the even lane keeps d_row
-                                                                     // and takes its partner's d_row + 1, the odd lane keeps d_row + 8 and takes
-                                                                     // the partner's d_row + 7.
+                // w0: head dim d_row, w1: d_row + 8. Quads 2k and 2k+1 hold neighbouring
+                // head dims: the even lane keeps d_row and takes its partner's d_row + 1, the
+                // odd lane keeps d_row + 8 and takes the partner's d_row + 7.
+                let w0 = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
+                let w1 = b.cvt_bf16x2(dq_acc[i + 3], dq_acc[i + 2]);
                 let send = b.selp(w0, w1, odd_quad);
                 let got = b.shfl(Shfl::Bfly, send, 4u32, 0x1f);
                 let lo = b.selp(got, w0, odd_quad);

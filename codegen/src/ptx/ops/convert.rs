@@ -92,8 +92,14 @@ impl KernelBuilder {
 
     /// `dst = src` (re-assigns an existing register; loop-carried values).
     pub fn set<T: Ty>(&mut self, dst: Reg<T>, src: impl Src<T>) {
+        // bf16 values move as untyped bits (`mov.bf16x2` is not PTX).
+        let ty = if T::NAME.starts_with("bf16") {
+            T::DECL
+        } else {
+            T::NAME
+        };
         self.inst(
-            format!("mov.{}", T::NAME),
+            format!("mov.{ty}"),
             vec![Operand::Reg(dst.name()), src.operand()],
         );
     }
@@ -185,5 +191,27 @@ impl KernelBuilder {
             ],
         );
         d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ptx::testing::builder;
+    use crate::ptx::{print, Bf16x2, Reg, F32};
+
+    #[test]
+    fn bf16_registers_move_as_bits() {
+        let mut b = builder();
+        let x = b.mov::<F32>(1.0f32);
+        let packed = b.cvt_bf16x2(x, x);
+        let carried: Reg<Bf16x2> = b.reg();
+        b.set(carried, packed);
+        let text = print::body(&b.finish().unwrap());
+        assert!(
+            text.contains(&format!("mov.b32 {}, {};", carried.name(), packed.name())),
+            "{text}"
+        );
+        assert!(!text.contains("mov.bf16x2"), "{text}");
+        assert!(text.contains("mov.f32"), "{text}");
     }
 }
