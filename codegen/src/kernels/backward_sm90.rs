@@ -54,7 +54,7 @@
 //!   gives each lane two consecutive head dims of a word, so a lane issues one
 //!   `red.global.add.noftz.v2.bf16x2` (L2 evict_last) per pair of words: the consumers' dQ
 //!   loop was bound by the issue of its 32 scalar reductions per thread and task (on the H200,
-//!   halving them made doc32k and packed64k 4-5 % faster). The slots' compact rows, which
+//!   halving them made the bench cases 2-7 % faster). The slots' compact rows, which
 //!   address the reductions, come from the gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
