@@ -51,16 +51,24 @@ PV8_B = 2 * 128 * 128 * 2
 MEASURED = {"doc8k": 1.792, "doc32k": 14.613, "packed64k": 15.324}
 
 
+def block_base(cu):
+    """Per token, the global key block of its document's local block 0 (the documents'
+    blocks numbered in order)."""
+    np = mi._np()
+    base = np.zeros(cu[-1], dtype=np.int64)
+    off = 0
+    for d in range(len(cu) - 1):
+        base[cu[d]:cu[d + 1]] = off
+        off += (cu[d + 1] - cu[d] + mi.BLOCK - 1) // mi.BLOCK
+    return base
+
+
 def unions(q2k, cu, size):
     """Sum over index heads and groups of `size` consecutive queries of the number of distinct
     global blocks they selected; and the number of selections."""
     np = mi._np()
     T = cu[-1]
-    base = np.zeros(T, dtype=np.int64)
-    off = 0
-    for d in range(len(cu) - 1):
-        base[cu[d]:cu[d + 1]] = off
-        off += (cu[d + 1] - cu[d] + mi.BLOCK - 1) // mi.BLOCK
+    base = block_base(cu)
     tot = 0
     for h in range(mi.NUM_INDEX_HEADS):
         g = np.where(q2k[h] >= 0, q2k[h] + base[:, None], -1)
@@ -82,11 +90,7 @@ def coupling(q2k, cu):
 
     np = mi._np()
     T = cu[-1]
-    base = np.zeros(T, dtype=np.int64)
-    off = 0
-    for d in range(len(cu) - 1):
-        base[cu[d]:cu[d + 1]] = off
-        off += (cu[d + 1] - cu[d] + mi.BLOCK - 1) // mi.BLOCK
+    base = block_base(cu)
     splits = [c for c in itertools.combinations(range(8), 4) if 0 in c]
     fixed = best = union = larger = 0
     for h in range(mi.NUM_INDEX_HEADS):

@@ -105,17 +105,7 @@ impl KernelBuilder {
         v: [Reg<F32>; 4],
         policy: Option<Reg<B64>>,
     ) {
-        let (hint, mut extra) = Self::policy(policy);
-        let mut ops = vec![
-            addr.operand(),
-            Operand::Vector(v.iter().map(|r| r.name()).collect()),
-        ];
-        ops.append(&mut extra);
-        self.push(
-            format!("red.global.add{hint}.v4.f32"),
-            ops,
-            PtxVersion(8, 1),
-        );
+        self.red_add_vector("", addr, &v, policy);
     }
 
     /// `red.global.add.noftz.v2.bf16x2`: two consecutive packed words (8-B aligned) in one
@@ -126,6 +116,17 @@ impl KernelBuilder {
         v: [Reg<Bf16x2>; 2],
         policy: Option<Reg<B64>>,
     ) {
+        self.red_add_vector(".noftz", addr, &v, policy);
+    }
+
+    /// `red.global.add{noftz}{hint}.v{N}.{T}`, the vector reductions (PTX 8.1).
+    fn red_add_vector<T: Ty>(
+        &mut self,
+        noftz: &str,
+        addr: &GlobalAddr,
+        v: &[Reg<T>],
+        policy: Option<Reg<B64>>,
+    ) {
         let (hint, mut extra) = Self::policy(policy);
         let mut ops = vec![
             addr.operand(),
@@ -133,7 +134,7 @@ impl KernelBuilder {
         ];
         ops.append(&mut extra);
         self.push(
-            format!("red.global.add.noftz{hint}.v2.bf16x2"),
+            format!("red.global.add{noftz}{hint}.v{}.{}", v.len(), T::NAME),
             ops,
             PtxVersion(8, 1),
         );
