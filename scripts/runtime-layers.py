@@ -11,7 +11,7 @@ layers, bottom up, as the crate documentation of `msa_runtime` states them:
   2 backend: the `Backend` trait and its value types (backend, buffers)
   3 flow: the host flow, generic over `Backend` (ops, tasks, backward, schedule_build,
     aligned, forward, cp)
-  4 cuda: the CUDA backend on cudarc (cuda, device)
+  4 cuda: the CUDA backend on cudarc (cuda, device, timed)
   5 api: the cudarc convenience API (views, each flow module's `stream` child; cp's is
     its NCCL binding)
 
@@ -40,6 +40,7 @@ LAYERS = {
     "cp.rs": 3,
     "cuda.rs": 4,
     "device.rs": 4,
+    "timed.rs": 4,
     "views.rs": 5,
     "ops/stream.rs": 5,
     "tasks/stream.rs": 5,

@@ -44,10 +44,20 @@
 //!   sampled references (`msa_runtime::reference::sampled`): N random dq rows and N/100 random
 //!   key blocks of dk/dv, at the seed tolerances
 //!
-//! What is timed: one `MsaBackward::run` call (what `run_backward` runs) between two CUDA events on the stream: delta
-//! preprocess, pool zeroing, the schedule upload, the device task build, the main kernel and the
-//! postprocess, plus the stream-ordered allocation of the three outputs. The host-side
-//! `build_schedule` is not timed. Median and minimum over the timed calls.
+//! - `--sync-each`    read each call's events right after it (the host waits for the GPU once per
+//!   call; the timing of sessions before 2026-12-02) instead of once after the last call
+//! - `--breakdown`    after the timings, `reps` more calls of the host-schedule and the
+//!   device-schedule path through `msa_runtime::TimedBackend` (events around every kernel,
+//!   zeroing and upload, the events of all calls read at the end): each operation's median
+//!   ms, their sum, and the stream's idle time inside a call (its span minus that sum)
+//!
+//! What is timed: one `MsaBackward::run` call (what `run_backward` runs) between two CUDA events
+//! on the stream: delta preprocess, pool zeroing, the schedule upload, the device task build, the
+//! main kernel and the postprocess, plus the stream-ordered allocation of the three outputs. The
+//! host-side `build_schedule` is not timed. Median and minimum over the timed calls. As
+//! `bench/baselines.py` times the baselines, the events of all timed calls are read after one
+//! synchronize at the end, so the host enqueues a call while the GPU runs the ones before (as
+//! in a training step); a call's span still includes any wait of the GPU for the host inside it.
 //!
 //! Inputs: q, dO, out random bf16 uniform in [-√3, √3) (unit variance), k/v likewise, scattered
 //! into the aligned workspace with zero padding rows. `out` and `lse` are synthetic (not the
@@ -67,7 +77,7 @@
 //! Without a GPU (no libcuda, no device, or an error opening it) it says so and exits 0.
 
 use cudarc::driver::DevicePtr;
-use cudarc::driver::{sys, CudaSlice, CudaStream};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream};
 use half::bf16;
 use msa_runtime::contract::Locality;
 use msa_runtime::contract::{
@@ -75,8 +85,9 @@ use msa_runtime::contract::{
 };
 use msa_runtime::reference::{sampled, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
-    build_schedule, driver_present, run_backward, workspace_layout, CudaBackend, Device,
-    MsaBackward, ResidentSchedule, ScheduleBuildSizes, Span, MAX_BUILD_TOKENS,
+    build_schedule, driver_present, run_backward, workspace_layout, BackwardBuffers, CudaBackend,
+    Device, MsaBackward, ResidentSchedule, ScheduleBuildSizes, Span, TimedBackend,
+    MAX_BUILD_TOKENS,
 };
 use std::error::Error;
 use std::fmt::Write as _;
@@ -228,11 +239,13 @@ struct Options {
     device_schedule: bool,
     write_inputs: Option<String>,
     deterministic: bool,
+    sync_each: bool,
+    breakdown: bool,
 }
 
 const USAGE: &str = "usage: bench [--cases a,b] [--seed N] [--reps R] [--warmup W] [--inputs DIR] \
 [--json PATH] [--ceiling TFLOPS] [--no-flush] [--inputs-only] [--locality MIN,BLOCKS]... [--check N] \
-[--host-schedule-only] [--write-inputs DIR] [--deterministic]";
+[--host-schedule-only] [--write-inputs DIR] [--deterministic] [--sync-each] [--breakdown]";
 
 fn parse_args() -> Result<Options, String> {
     let mut o = Options {
@@ -250,6 +263,8 @@ fn parse_args() -> Result<Options, String> {
         device_schedule: true,
         deterministic: false,
         write_inputs: None,
+        sync_each: false,
+        breakdown: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -284,6 +299,8 @@ fn parse_args() -> Result<Options, String> {
                 );
             }
             "--no-flush" => o.flush = false,
+            "--sync-each" => o.sync_each = true,
+            "--breakdown" => o.breakdown = true,
             "--locality" => {
                 let v = value("--locality")?;
                 let parts: Vec<&str> = v.split(',').collect();
@@ -559,18 +576,18 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             &schedule,
         )
     };
-    // One timed call of `b` after the L2 flush, in ms (its gradients dropped).
+    // One timed call of `b` after the L2 flush: its two events (its gradients dropped,
+    // stream-ordered).
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut timed_call = |b: &mut MsaBackward| -> Res<f32> {
+    let mut timed_call = |b: &mut MsaBackward| -> Res<Pair> {
         if let Some(buf) = flush.as_mut() {
             stream.memset_zeros(buf)?;
         }
         let start = stream.record_event(timing)?;
         let grads = run(b)?;
         let end = stream.record_event(timing)?;
-        let ms = start.elapsed_ms(&end)?;
         drop(grads);
-        Ok(ms)
+        Ok((start, end))
     };
     // `warmup` untimed then `reps` timed calls with the locality rule `l`; returns the samples
     // and the backward (its workspace still allocated).
@@ -582,12 +599,11 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
             drop(run(&mut backward)?);
         }
         stream.synchronize()?;
-        let mut samples = Vec::with_capacity(o.reps);
+        let mut samples = Samples::new(o.sync_each);
         for _ in 0..o.reps {
-            samples.push(timed_call(&mut backward)?);
+            samples.push(timed_call(&mut backward)?)?;
         }
-        stream.synchronize()?;
-        Ok((samples, backward))
+        Ok((samples.finish(stream)?, backward))
     };
     let (samples, mut backward) = time_rule(o.localities[0], false)?;
     let workspace_bytes = backward.workspace_bytes();
@@ -652,11 +668,16 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         for _ in 0..o.warmup.max(1) {
             drop(run(&mut dflt)?);
         }
-        let mut pairs = Vec::with_capacity(o.reps);
+        let mut interleaved = Samples::new(o.sync_each);
         for _ in 0..o.reps {
-            pairs.push([timed_call(&mut dflt)?, timed_call(&mut b)?]);
+            interleaved.push(timed_call(&mut dflt)?)?;
+            interleaved.push(timed_call(&mut b)?)?;
         }
-        stream.synchronize()?;
+        let pairs = interleaved
+            .finish(stream)?
+            .chunks_exact(2)
+            .map(|p| [p[0], p[1]])
+            .collect();
         Some(DetTiming {
             median_ms: median(s.clone()),
             min_ms: s.iter().copied().fold(f32::INFINITY, f32::min),
@@ -667,6 +688,17 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
     } else {
         None
     };
+    if o.breakdown {
+        let io = Io {
+            q: &d_q,
+            k: &d_k,
+            v: &d_v,
+            grad_out: &d_dout,
+            lse: &d_lse,
+            out: &d_out,
+        };
+        breakdown(stream, &io, &schedule, case, o, flush.as_mut())?;
+    }
     let min_ms = samples.iter().copied().fold(f32::INFINITY, f32::min);
 
     // The device schedule build, sized from T, the document count and W alone; it covers
@@ -691,7 +723,7 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         // Warm-up calls run the same body (the backward's cached workspaces adapt to the
         // resident schedule's capacities there, not in a timed call).
         let mut timed = |with_backward: bool| -> Res<Vec<f32>> {
-            let mut samples = Vec::with_capacity(o.reps);
+            let mut samples = Samples::new(o.sync_each);
             for i in 0..o.warmup + o.reps {
                 if let Some(buf) = flush.as_mut() {
                     stream.memset_zeros(buf)?;
@@ -714,12 +746,11 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
                 };
                 let end = stream.record_event(timing)?;
                 if i >= o.warmup {
-                    samples.push(start.elapsed_ms(&end)?);
+                    samples.push((start, end))?;
                 }
                 drop(grads);
             }
-            stream.synchronize()?;
-            Ok(samples)
+            samples.finish(stream)
         };
         let sched = timed(false)?;
         let device_path = timed(true)?;
@@ -746,6 +777,153 @@ fn time_case(stream: &Arc<CudaStream>, case: &Case, o: &Options, seed: u64) -> R
         sweep,
         det,
     })
+}
+
+/// The backward's inputs on the device.
+struct Io<'a> {
+    q: &'a CudaSlice<bf16>,
+    k: &'a CudaSlice<bf16>,
+    v: &'a CudaSlice<bf16>,
+    grad_out: &'a CudaSlice<bf16>,
+    lse: &'a CudaSlice<f32>,
+    out: &'a CudaSlice<bf16>,
+}
+
+/// One call's operations through a [`TimedBackend`]: name, start (ms after the first
+/// operation of the batch), duration (ms).
+type Op<'a> = (&'a str, f32, f32);
+
+/// `--breakdown`: `reps` calls of each path through a [`TimedBackend`] after one warm-up,
+/// pipelined as the timed calls are; prints each operation's median ms in issue order, the
+/// sum of the medians and the median idle time of the stream inside a call.
+fn breakdown(
+    stream: &Arc<CudaStream>,
+    io: &Io<'_>,
+    schedule: &msa_runtime::Schedule,
+    case: &Case,
+    o: &Options,
+    mut flush: Option<&mut CudaSlice<u8>>,
+) -> Res<()> {
+    let span = |s: &CudaSlice<bf16>| Span::new(s.device_ptr(stream).0, s.len());
+    let (dq, dk, dv) = (
+        stream.alloc_zeros::<bf16>(io.q.len())?,
+        stream.alloc_zeros::<bf16>(io.k.len())?,
+        stream.alloc_zeros::<bf16>(io.v.len())?,
+    );
+    let buffers = BackwardBuffers {
+        q: span(io.q),
+        k_aligned: span(io.k),
+        v_aligned: span(io.v),
+        grad_out: span(io.grad_out),
+        lse: Span::new(io.lse.device_ptr(stream).0, io.lse.len()),
+        out: span(io.out),
+        dq: span(&dq),
+        dk_aligned: span(&dk),
+        dv_aligned: span(&dv),
+    };
+    let mut backend = TimedBackend::new(CudaBackend::new(stream)?);
+    let mut backward = MsaBackward::<TimedBackend>::new();
+    backward.set_locality(o.localities[0]);
+    let (t, w) = (schedule.num_tokens(), schedule.workspace_rows());
+    let mut resident = if o.device_schedule && t <= MAX_BUILD_TOKENS {
+        let sizes = ScheduleBuildSizes::new(t, case.cu.len() - 1, w, 64)?;
+        let r = ResidentSchedule::new(&mut backend, sizes)?;
+        let q2k = stream.clone_htod(&case.q2k)?;
+        let cu = stream.clone_htod(&case.cu)?;
+        Some((r, q2k, cu))
+    } else {
+        None
+    };
+    for device_path in [false, true] {
+        if device_path && resident.is_none() {
+            break;
+        }
+        for i in 0..=o.reps {
+            if i == 1 {
+                // The first call warms the workspaces up; the others are the samples.
+                stream.synchronize()?;
+                backend.clear();
+            }
+            if let Some(buf) = flush.as_deref_mut() {
+                stream.memset_zeros(buf)?;
+            }
+            match resident.as_mut().filter(|_| device_path) {
+                None => backward.run_on(&mut backend, &buffers, schedule)?,
+                Some((r, q2k, cu)) => {
+                    let q2k = Span::new(q2k.device_ptr(stream).0, q2k.len());
+                    let cu = Span::new(cu.device_ptr(stream).0, cu.len());
+                    r.build(&mut backend, q2k, cu)?;
+                    backward.run_on(&mut backend, &buffers, &*r)?;
+                }
+            }
+        }
+        let ops = backend.take()?;
+        if ops.is_empty() || ops.len() % o.reps != 0 {
+            return Err(format!("breakdown: {} operations in {} calls", ops.len(), o.reps).into());
+        }
+        let calls: Vec<&[Op<'_>]> = ops.chunks_exact(ops.len() / o.reps).collect();
+        let med = |f: &dyn Fn(&[Op<'_>]) -> f32| median(calls.iter().map(|c| f(c)).collect());
+        let mut line = format!(
+            "  breakdown ({} schedule, median of {}):",
+            if device_path { "device" } else { "host" },
+            o.reps
+        );
+        let mut sum = 0.0;
+        for k in 0..calls[0].len() {
+            let ms = med(&|c| c[k].2);
+            sum += ms;
+            let _ = write!(line, " {} {ms:.3};", calls[0][k].0);
+        }
+        let span_ms = med(&|c| c[c.len() - 1].1 + c[c.len() - 1].2 - c[0].1);
+        let idle = med(&|c| {
+            c[c.len() - 1].1 + c[c.len() - 1].2 - c[0].1 - c.iter().map(|x| x.2).sum::<f32>()
+        });
+        println!("{line} sum {sum:.3}; span {span_ms:.3}, idle inside it {idle:.3}");
+    }
+    Ok(())
+}
+
+/// The events before and after one timed call.
+type Pair = (CudaEvent, CudaEvent);
+
+/// The timed calls' event pairs. By default the host does not wait between calls, as
+/// `bench/baselines.py` times the baselines (events recorded around each call, one
+/// synchronize after the last): host enqueue time then overlaps the GPU's work of the calls
+/// before, as in a training step. `--sync-each` reads each pair right after its call instead
+/// (the host waits for the GPU once per call; the stream-ordered memory pool trims its free
+/// memory at that wait, so the next call's output allocation maps it again).
+struct Samples {
+    sync_each: bool,
+    pending: Vec<Pair>,
+    ms: Vec<f32>,
+}
+
+impl Samples {
+    fn new(sync_each: bool) -> Self {
+        Samples {
+            sync_each,
+            pending: Vec::new(),
+            ms: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, (start, end): Pair) -> Res<()> {
+        if self.sync_each {
+            self.ms.push(start.elapsed_ms(&end)?);
+        } else {
+            self.pending.push((start, end));
+        }
+        Ok(())
+    }
+
+    /// Every sample in ms, in call order, after one synchronize of `stream`.
+    fn finish(mut self, stream: &Arc<CudaStream>) -> Res<Vec<f32>> {
+        stream.synchronize()?;
+        for (start, end) in &self.pending {
+            self.ms.push(start.elapsed_ms(end)?);
+        }
+        Ok(self.ms)
+    }
 }
 
 /// A JSON number, or `null`.
@@ -929,12 +1107,13 @@ fn write_json(o: &Options, device: &str, entries: &[String]) -> Res<()> {
     let ceiling = o.ceiling.map_or("null".to_string(), |c| format!("{c:.2}"));
     let text = format!(
         "{{\n\"method\": \"msa_runtime::run_backward\",\n\"device\": {},\n\"reps\": {},\n\
-         \"warmup\": {},\n\"l2_flush\": {},\n\"matmul_ceiling_tflops\": {ceiling},\n\
+         \"warmup\": {},\n\"l2_flush\": {},\n\"sync_each\": {},\n\"matmul_ceiling_tflops\": {ceiling},\n\
          \"cases\": [\n{}\n]\n}}\n",
         json_str(device),
         o.reps,
         o.warmup,
         o.flush,
+        o.sync_each,
         entries.join(",\n")
     );
     std::fs::write(path, text).map_err(|e| format!("{path}: {e}"))?;
@@ -1110,10 +1289,15 @@ fn run(o: &Options) -> Res<()> {
     println!(
         "ms: median / min of {} run_backward calls after {} warm-up{}; useful and tile in TFLOP/s; \
          frac = useful / matmul ceiling; sched_ms: median device schedule build; dev_ms: median \
-         build + run_backward on it; sched% = sched_ms / ms_med",
+         build + run_backward on it; sched% = sched_ms / ms_med{}",
         o.reps,
         o.warmup,
-        if o.flush { ", L2 flushed before each" } else { "" }
+        if o.flush { ", L2 flushed before each" } else { "" },
+        if o.sync_each {
+            "; each call's events read right after it (--sync-each)"
+        } else {
+            "; events read after the last call (no host wait between calls)"
+        }
     );
     if failed > 0 {
         return Err(format!("{failed} case(s) failed").into());

@@ -255,6 +255,16 @@ pub trait Backend {
     /// Sets `bytes` bytes at `dst` to zero.
     fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError>;
 
+    /// Copies `bytes` bytes from device address `src` to `dst`, in queue order; the two
+    /// ranges do not overlap.
+    fn copy(
+        &mut self,
+        what: &'static str,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), RuntimeError>;
+
     /// Waits for everything issued so far, then copies `bytes` bytes at `src` to the host.
     fn download(
         &mut self,

@@ -48,11 +48,12 @@ const REGION_ALIGN: usize = 256;
 
 /// Byte offsets of the regions of the gradient workspace (`docs/design.md` §3.1), each rounded up to
 /// 256 bytes: the fp32 dK then dV pools `[W, 4, 128]`, delta fp32 `[T, 64]` and, only when
-/// asked for, the bf16 dQ pool `[T, 32, 128, 2]`.
+/// asked for, a bf16 dQ pool of `T · 64 · 128` elements.
 ///
-/// The main kernels normally reduce dQ straight into the caller's `dq` buffer, in the pool's
-/// head-pair-interleaved layout, and `bwd_postprocess` de-interleaves it in place
-/// (`docs/design.md` §3.6), so the workspace holds no dQ pool. A separate pool is needed only
+/// The main kernels normally reduce dQ straight into the caller's `dq` buffer (the Hopper
+/// kernel in its own layout, the Blackwell kernel head-pair-interleaved, which
+/// `bwd_postprocess` de-interleaves in place; `docs/design.md` §3.6), so the workspace holds
+/// no dQ pool. A separate pool is needed only
 /// when `dq` lies on an input the main kernel still reads (in-place use on `q` or `grad_out`,
 /// [`MsaBackward::allow_in_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,6 +406,26 @@ fn backward_kernels(deterministic: bool) -> [&'static KernelSpec; 6] {
         &task_scan_bins::KERNEL,
         &task_scatter_tables::KERNEL,
     ]
+}
+
+/// Where a default-mode main kernel reduces dQ (the deterministic kernels use fixed-point
+/// pools of their own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DqLayout {
+    /// `[T, 64, 128]`, the output's own layout (`msa_backward_sm90`).
+    Compact,
+    /// Head-pair-interleaved `[T, 32, 128, 2]` (`msa_backward_sm100`), de-interleaved by
+    /// `bwd_postprocess`.
+    HeadPairs,
+}
+
+/// The dQ layout `main` writes.
+fn dq_layout(main: &KernelSpec) -> DqLayout {
+    if main.name == msa_backward_sm90::KERNEL.name {
+        DqLayout::Compact
+    } else {
+        DqLayout::HeadPairs
+    }
 }
 
 /// The capabilities the main kernel has a variant for, for error messages.
@@ -872,8 +893,8 @@ impl<B: Backend> MsaBackward<B> {
         )?;
         // The deterministic mode's fixed-point pools and bounds (None in the default mode).
         let fixed = pools.fixed_point(tq, pool_rows);
-        // The main kernel reduces dQ into `io.dq` itself (interleaved; the postprocess
-        // de-interleaves it in place) unless `dq` lies on one of its inputs.
+        // The main kernel reduces dQ into `io.dq` itself (see `DqLayout`) unless `dq` lies on
+        // one of its inputs.
         let dq_pool = match pools.layout.dq_pool {
             Some(at) if separate_dq => pools.span::<bf16>(at, q_len),
             _ => io.dq,
@@ -983,6 +1004,22 @@ impl<B: Backend> MsaBackward<B> {
             // workspace built for `sizes`, whose grid bound is `grid`.
             unsafe { backend.launch(main, (grid, 1, 1), &args) }?;
         }
+        // dQ: the Hopper kernel's reductions land in `[T, 64, 128]` already, so only a
+        // separate pool needs a copy; the Blackwell kernel's head-pair-interleaved ones are
+        // de-interleaved by the postprocess (in place when the pool is `io.dq`).
+        let deinterleave = fixed.is_none() && dq_layout(main) == DqLayout::HeadPairs;
+        if fixed.is_none() && !deinterleave && dq_pool.addr != io.dq.addr {
+            backend.copy("dq", io.dq.addr, dq_pool.addr, 2 * q_len)?;
+        }
+        let (dq_from, dq_to, dq_tokens) = if deinterleave {
+            (dq_pool, io.dq, tq)
+        } else {
+            (
+                Span::<bf16>::new(dq_pool.addr, 0),
+                Span::<bf16>::new(io.dq.addr, 0),
+                0,
+            )
+        };
         let returned = match (kv_out, &fixed) {
             (KvOut::Aligned, Some(f)) => {
                 postprocess_deterministic(backend, f, io.dq, io.dk_aligned, io.dv_aligned, tq, w)?;
@@ -991,13 +1028,13 @@ impl<B: Backend> MsaBackward<B> {
             (KvOut::Aligned, None) => {
                 postprocess(
                     backend,
-                    dq_pool,
+                    dq_from,
                     dk_pool.prefix(kv_len),
                     dv_pool.prefix(kv_len),
-                    io.dq,
+                    dq_to,
                     io.dk_aligned,
                     io.dv_aligned,
-                    tq,
+                    dq_tokens,
                     w,
                 )?;
                 None
@@ -1008,7 +1045,7 @@ impl<B: Backend> MsaBackward<B> {
                     Span::<bf16>::new(io.dk_aligned.addr, 0),
                 );
                 postprocess(
-                    backend, dq_pool, none_f32, none_f32, io.dq, none, none, tq, 0,
+                    backend, dq_from, none_f32, none_f32, dq_to, none, none, dq_tokens, 0,
                 )?;
                 Some((dk_pool, dv_pool))
             }

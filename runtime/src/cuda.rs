@@ -154,6 +154,20 @@ impl Backend for CudaBackend {
             .map_err(RuntimeError::driver("cuMemsetD8Async"))
     }
 
+    fn copy(
+        &mut self,
+        _what: &'static str,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), RuntimeError> {
+        self.bind("cuCtxSetCurrent")?;
+        // SAFETY: `src` and `dst` address at least `bytes` bytes of this context's memory
+        // each, and do not overlap.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(RuntimeError::driver("cuMemcpyDtoDAsync"))
+    }
+
     fn download(
         &mut self,
         _what: &'static str,

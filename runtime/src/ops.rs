@@ -82,7 +82,9 @@ pub fn preprocess<B: Backend>(
 /// `[W, 4, 128]` to bf16 `dk`, `dv` with round-to-nearest-even. `W` must be a multiple of 128.
 ///
 /// `dq_pool` may be `dq` itself (same base): the de-interleave then runs in place, which is
-/// how the backward uses it. Otherwise no output may overlap another buffer.
+/// how the backward uses it with the Blackwell kernel's pool (the Hopper kernel writes
+/// `[T, 64, 128]` already: it passes `num_tokens = 0` and empty dQ spans, and only the dK/dV
+/// cast runs). Otherwise no output may overlap another buffer.
 ///
 /// # Errors
 /// [`RuntimeError::Input`] for a wrong length or `W`, [`RuntimeError::NullBuffer`] and

@@ -84,6 +84,10 @@ impl Backend for Recorder {
         Ok(())
     }
 
+    fn copy(&mut self, _: &'static str, _: u64, _: u64, _: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
     fn download(&mut self, _: &'static str, _: u64, bytes: usize) -> Result<Vec<u8>, RuntimeError> {
         Ok(vec![0; bytes])
     }

@@ -5,19 +5,16 @@
 //! skip without a GPU and fail with `REQUIRE_GPU=1`.
 
 use codegen::kernels::schedule_build as sb;
-use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use msa_runtime::backward::TileMapSpec;
 use msa_runtime::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
 use msa_runtime::reference;
 use msa_runtime::schedule_build as rs;
-use msa_runtime::tma::TensorMap;
 use msa_runtime::{
     build_schedule, max_workspace_rows, run_backward, workspace_layout, BackwardBuffers,
     CudaBackend, Gradients, MsaBackward, ResidentSchedule, RuntimeError, Schedule,
-    ScheduleBuildSizes, Span,
+    ScheduleBuildSizes, Span, TimedBackend,
 };
-use msa_runtime::{Backend, KernelArg, KernelSpec};
 use msa_tests::{gpu_stream, Rng};
 use std::sync::Arc;
 
@@ -145,75 +142,9 @@ fn build(stream: &Arc<CudaStream>, q2k: &[i32], cu: &[i32], w: usize) -> Built {
     }
 }
 
-/// A CUDA backend that times every launch with events (for the cost breakdown).
-struct Timed {
-    inner: CudaBackend,
-    launches: Vec<(&'static str, CudaEvent, CudaEvent)>,
-}
-
-impl Backend for Timed {
-    type Buffer = CudaSlice<u8>;
-    fn capability(&self) -> (i32, i32) {
-        self.inner.capability()
-    }
-    fn sm_count(&self) -> usize {
-        self.inner.sm_count()
-    }
-    fn ordinal(&self) -> usize {
-        self.inner.ordinal()
-    }
-    fn memory_space(&self) -> u64 {
-        self.inner.memory_space()
-    }
-    fn alloc(&mut self, what: &'static str, bytes: usize) -> Result<Self::Buffer, RuntimeError> {
-        self.inner.alloc(what, bytes)
-    }
-    fn address(&self, buffer: &Self::Buffer) -> u64 {
-        self.inner.address(buffer)
-    }
-    fn upload(&mut self, what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
-        self.inner.upload(what, dst, bytes)
-    }
-    fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError> {
-        self.inner.zero(what, dst, bytes)
-    }
-    fn download(
-        &mut self,
-        what: &'static str,
-        src: u64,
-        bytes: usize,
-    ) -> Result<Vec<u8>, RuntimeError> {
-        self.inner.download(what, src, bytes)
-    }
-    fn load(&mut self, kernel: &KernelSpec) -> Result<(), RuntimeError> {
-        self.inner.load(kernel)
-    }
-    fn tensor_map(&mut self, spec: &TileMapSpec, base: u64) -> Result<TensorMap, RuntimeError> {
-        self.inner.tensor_map(spec, base)
-    }
-    unsafe fn launch(
-        &mut self,
-        kernel: &KernelSpec,
-        grid: (u32, u32, u32),
-        args: &[KernelArg],
-    ) -> Result<(), RuntimeError> {
-        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let stream = self.inner.stream().clone();
-        let start = stream.record_event(flags).unwrap();
-        // SAFETY: forwarded unchanged from the caller, who upholds the contract.
-        unsafe { self.inner.launch(kernel, grid, args) }?;
-        let end = stream.record_event(flags).unwrap();
-        self.launches.push((kernel.name, start, end));
-        Ok(())
-    }
-}
-
 /// Per-kernel milliseconds of one warm build.
 fn breakdown(stream: &Arc<CudaStream>, q2k: &[i32], cu: &[i32], w: usize) -> String {
-    let mut backend = Timed {
-        inner: CudaBackend::new(stream).unwrap(),
-        launches: Vec::new(),
-    };
+    let mut backend = TimedBackend::new(CudaBackend::new(stream).unwrap());
     let sizes = ScheduleBuildSizes::new(q2k.len() / 64, cu.len() - 1, w, 64).unwrap();
     let mut schedule = ResidentSchedule::new(&mut backend, sizes).unwrap();
     let d_q2k = stream.clone_htod(q2k).unwrap();
@@ -222,13 +153,13 @@ fn breakdown(stream: &Arc<CudaStream>, q2k: &[i32], cu: &[i32], w: usize) -> Str
     let cs = Span::new(d_cu.device_ptr(stream).0, cu.len());
     schedule.build(&mut backend, qs, cs).unwrap();
     stream.synchronize().unwrap();
-    backend.launches.clear();
+    backend.clear();
     schedule.build(&mut backend, qs, cs).unwrap();
-    stream.synchronize().unwrap();
     backend
-        .launches
+        .take()
+        .unwrap()
         .iter()
-        .map(|(n, a, b)| format!("{n} {:.4}", a.elapsed_ms(b).unwrap()))
+        .map(|(n, _, ms)| format!("{n} {ms:.4}"))
         .collect::<Vec<_>>()
         .join(", ")
 }

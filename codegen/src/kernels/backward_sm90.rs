@@ -40,22 +40,28 @@
 //!     descriptor over the same Q/dO bytes. dK/dV stay in registers across a segment.
 //!   - dS^T is also stored to shared memory (SW128, MN-major panels); after both consumers
 //!     have written it (`bar.sync` over both, the one consumer-wide wait of a task),
-//!     `dQ^T_c = K^T_c·dS^T` (two m64n64k16 passes over the folded halves, both operands
-//!     MN-major, 32 accumulator registers each; consumer `c` owns head dims `64c .. 64c+64`).
-//!     Both passes are issued before the first `wait_group`, so the reductions of the first
-//!     half run under the second's GEMM.
+//!     `dQ_c = dS·K_c` (two m64n64k16 passes over the folded halves, both operands MN-major:
+//!     A the dS^T panel, B the K panel; 32 accumulator registers each; consumer `c` owns head
+//!     dims `64c .. 64c+64`, warp `w` of half `h` the rows of slot `4h + w`). Both passes are
+//!     issued before the first `wait_group`, so the reductions of the first half run under
+//!     the second's GEMM. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
+//!     the same operands swapped, whose fragment its head-quad pool words follow.)
 //!   - The write-after-read order on the shared dS^T (the next task's stores after the other
 //!     consumer's dQ^T reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
 //!     other's instance once its dQ^T GEMMs have completed (not after the walk's last task),
 //!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
 //!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ^T.
-//! - **Writes.** dQ^T columns come in head pairs (2m, 2m+1) in one thread, so each pair is
-//!   one bf16x2 word of the head-pair-interleaved pool. A shuffle between neighbouring quads
-//!   gives each lane two consecutive head dims of a word, so a lane issues one
-//!   `red.global.add.noftz.v2.bf16x2` (L2 evict_last) per pair of words: the consumers' dQ
-//!   loop was bound by the issue of its 32 scalar reductions per thread and task (on the H200,
-//!   halving them made the bench cases 2-7 % faster). The slots' compact rows, which
-//!   address the reductions, come from the gather warp's row stage, read before its release.
+//! - **Writes.** dQ goes straight into `dq [T, 64, 128]` (no de-interleave in the
+//!   postprocess; `docs/design.md` §3.6): a thread holds two consecutive head dims of heads
+//!   `quad` and `quad + 8` of its warp's slot per 8-column group, and a 4×4 transpose inside
+//!   each quad (two butterfly shuffles per pair of words) gives lane `pair` eight consecutive
+//!   head dims of one head: one `red.global.add.noftz.v4.bf16x2` (L2 evict_last) per four
+//!   words, a quad 64 contiguous bytes of a row, 8 reductions per thread and task. (On the
+//!   H200 the earlier `dQ^T` fragment with a head-pair-interleaved pool, 16 `v2` reductions
+//!   per thread, was 0-1.5 % slower counting the de-interleave it needed; the same fragment
+//!   into `[T, 64, 128]`, four bytes per head and lane, was 1-4 % slower: twice the L2 lines
+//!   per reduction.) The slots' compact rows, which address the reductions, come from the
+//!   gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
 //! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
@@ -331,6 +337,78 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
 }
 
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
+/// The default kernel's dQ reductions of one 64-row half: the accumulator of `dQ_c = dS·K_c`
+/// (rows: this warp's slot, heads `quad` and `quad + 8`; columns: head dims
+/// `64c + 8j + 2·pair`, `+1`) into whole rows of `dq [T, 64, 128]` at query row `qrow`
+/// (skipped unless `live`). A 4×4 transpose within each quad (two butterfly exchanges)
+/// gives lane `pair` the eight consecutive head dims `64c + 8(4J + pair) ..` of a row, one
+/// `red.global.add.noftz.v4.bf16x2` each: a quad covers 64 contiguous bytes of a head.
+#[allow(clippy::too_many_arguments)]
+fn dq_rows_out(
+    b: &mut KernelBuilder,
+    p: &MainParams,
+    acc: &[Reg<F32>],
+    qrow: Reg<U32>,
+    live: Reg<Pred>,
+    group: Reg<U32>,
+    quad: Reg<U32>,
+    pair: Reg<U32>,
+    c: Reg<U32>,
+    policy: Reg<B64>,
+) {
+    let bit = |b: &mut KernelBuilder, v: u32| {
+        let x = b.and(pair, v);
+        b.setp(Cmp::Ne, x, 0u32)
+    };
+    let (p0, p1) = (bit(b, 1), bit(b, 2));
+    // Byte offset of (qrow, head 16·group + quad, head dim 64c + 32J... + 8·pair) before J.
+    let row = b.mad_lo(qrow, 64u32, quad);
+    let row = b.mad_lo(group, 16u32, row);
+    let col = b.mad_lo(c, 8u32, pair); // in 8-dim (16-byte) units
+    let unit = b.mad_lo(row, 16u32, col); // 16 units per 128-dim row
+    for (rr, j0) in [(0usize, 0u32), (0, 4), (1, 0), (1, 4)] {
+        // m[jj]: this lane's word of columns 8(j0 + jj) + 2·pair, row quad + 8·rr.
+        let m: Vec<Reg<Bf16x2>> = (0..4)
+            .map(|jj| {
+                let i = (4 * (j0 + jj)) as usize + 2 * rr;
+                b.cvt_bf16x2(acc[i + 1], acc[i])
+            })
+            .collect();
+        // Exchange 1 (lanes pair ^ 1): keep the columns jj with jj & 1 == pair & 1, send the
+        // others; then a_s, b_s = M[pair][2s + p0], M[pair ^ 1][2s + p0].
+        let mut ab = Vec::new();
+        for s in 0..2 {
+            let keep = b.selp(m[2 * s + 1], m[2 * s], p0);
+            let send = b.selp(m[2 * s], m[2 * s + 1], p0);
+            let got = b.shfl(Shfl::Bfly, send, 1u32, 0x1f);
+            ab.push((keep, got));
+        }
+        // Exchange 2 (lanes pair ^ 2): keep s = p1 (column jj = pair), send the other.
+        let keep_a = b.selp(ab[1].0, ab[0].0, p1);
+        let keep_b = b.selp(ab[1].1, ab[0].1, p1);
+        let send_a = b.selp(ab[0].0, ab[1].0, p1);
+        let send_b = b.selp(ab[0].1, ab[1].1, p1);
+        let got_a = b.shfl(Shfl::Bfly, send_a, 2u32, 0x1f);
+        let got_b = b.shfl(Shfl::Bfly, send_b, 2u32, 0x1f);
+        // Column pair's words from lanes pair, pair ^ 1, pair ^ 2, pair ^ 3: in lane order.
+        let x0 = b.selp(keep_b, keep_a, p0);
+        let x1 = b.selp(keep_a, keep_b, p0);
+        let y0 = b.selp(got_b, got_a, p0);
+        let y1 = b.selp(got_a, got_b, p0);
+        let w = [
+            b.selp(y0, x0, p1),
+            b.selp(y1, x1, p1),
+            b.selp(x0, y0, p1),
+            b.selp(x1, y1, p1),
+        ];
+        // Row quad + 8·rr (8 heads = 128 units further), columns j0 / 4 of 2 (4 units).
+        let at = b.add(unit, 128 * rr as u32 + j0);
+        let dq = b.ld_param_ptr(&p.dq);
+        let a = common::elem_bytes(b, dq, at, 16);
+        b.predicated(live, false, |b| b.red_add_v4_bf16x2(&a, w, Some(policy)));
+    }
+}
+
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
 }
@@ -556,32 +634,32 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         b.bar_sync_reg(wg_bar, 128);
         b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
 
-        b.comment("dQ^T_c = K^T_c*dS^T once both consumers stored dS^T");
+        let fixed = p.fixed.is_some();
+        b.comment(if fixed {
+            "dQ^T_c = K^T_c*dS^T once both consumers stored dS^T"
+        } else {
+            "dQ_c = dS*K_c once both consumers stored dS^T"
+        });
         b.fence_proxy_async_shared();
         r.consumers.sync(b);
-        // Two 64-column halves of dQ^T keep the accumulator at 32 registers next to dK/dV.
-        let a_addr = b.add(base, r.k.offset);
-        let a_addr = b.add(a_addr, c_panel);
-        let a0 = mn_major().emit(b, a_addr);
-        let d_row = b.mad_lo(c, 64u32, row0);
-        // The first head dim of this lane's pair of dQ words (see the exchange below).
-        let odd_quad = {
-            let q1 = b.and(quad, 1u32);
-            b.setp(Cmp::Ne, q1, 0u32)
-        };
-        let d_pair = {
-            let up = b.selp(7u32, 0u32, odd_quad);
-            b.add(d_row, up)
-        };
+        // K_c, head dims 64c..64c+64: A of dQ^T, B of dQ (MN-major either way: d contiguous).
+        let k_addr = b.add(base, r.k.offset);
+        let k_addr = b.add(k_addr, c_panel);
+        let k0 = mn_major().emit(b, k_addr);
         let policy = b.policy_evict_last(1.0);
-        // Both 64-column halves of dQ^T in flight (64 accumulator registers next to dK/dV):
-        // the reductions of the first half run while the tensor cores compute the second.
+        // Both 64-row halves of the folded rows in flight (64 accumulator registers next to
+        // dK/dV): the reductions of the first half run while the tensor cores compute the
+        // second. The default kernel computes dQ (rows × head dims: a warp's accumulator
+        // rows are one slot's 16 heads, so its reductions land in whole rows of dq
+        // [T, 64, 128]); the deterministic one dQ^T (head dims × rows), whose fragment its
+        // head-quad pool words are laid out for.
         let dq_accs: Vec<Vec<Reg<F32>>> =
             (0..2).map(|_| (0..32).map(|_| b.reg()).collect()).collect();
         b.wgmma_fence();
         for (nh, dq_acc) in dq_accs.iter().enumerate() {
-            let b_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
-            let b0 = mn_major().emit(b, b_addr);
+            let ds_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
+            let ds0 = mn_major().emit(b, ds_addr);
+            let (a0, b0) = if fixed { (k0, ds0) } else { (ds0, k0) };
             for k in 0..8u32 {
                 let a_desc = mn_major().emit_step(b, a0, k);
                 let b_desc = mn_major().emit_step(b, b0, k);
@@ -590,6 +668,21 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
             b.wgmma_commit();
         }
+        // Default kernel: this warp's slot in each half (4nh + warp) and its query row.
+        let warp_rows: Vec<Reg<S32>> = if fixed {
+            Vec::new()
+        } else {
+            let is = [1u32, 2, 3].map(|w| b.setp(Cmp::Eq, warp, w));
+            (0..2)
+                .map(|nh| {
+                    let s = &slot_rows[4 * nh..4 * nh + 4];
+                    let lo = b.selp(s[1], s[0], is[0]);
+                    let hi = b.selp(s[3], s[2], is[2]);
+                    let two = b.selp(hi, lo, is[1]);
+                    b.selp(hi, two, is[2])
+                })
+                .collect()
+        };
         for nh in 0..2u32 {
             let dq_acc = &dq_accs[nh as usize];
             b.wgmma_wait(1 - nh);
@@ -604,6 +697,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
 
             if let Some(invs) = &dq_invs {
                 b.comment("dQ: fixed-point head quads to the f32 pool [T][4][4][128][4]");
+                let d_row = b.mad_lo(c, 64u32, row0);
                 for jj in 0..4u32 {
                     // Columns of j = 2jj and 2jj+1: slot 4nh + jj, heads 2·pair, 2·pair+1 of
                     // the group, then the same + 8: one pool word (quad `pair`) per d.
@@ -625,34 +719,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 }
                 continue;
             }
-            b.comment("dQ: head pairs to the bf16x2 pool, two consecutive head dims per red");
-            for j in 0..8u32 {
-                // Folded column 64nh + 8j + col0 (+1): slot 4nh + j/2, heads 2hp, 2hp+1.
-                let slot = (4 * nh + j / 2) as usize;
-                let hp = b.shl(head, 3u32);
-                let hp = b.add(hp, pair);
-                let hp = b.add(hp, 4 * (j % 2));
-                let slot_qrow = slot_rows[slot];
-                let live = b.setp(Cmp::Ge, slot_qrow, 0i32);
-                let r = b.bitcast::<U32, S32>(slot_qrow);
-                let i = (4 * j) as usize;
-                // w0: head dim d_row, w1: d_row + 8. Quads 2k and 2k+1 hold neighbouring
-                // head dims: the even lane keeps d_row and takes its partner's d_row + 1, the
-                // odd lane keeps d_row + 8 and takes the partner's d_row + 7.
-                let w0 = b.cvt_bf16x2(dq_acc[i + 1], dq_acc[i]);
-                let w1 = b.cvt_bf16x2(dq_acc[i + 3], dq_acc[i + 2]);
-                let send = b.selp(w0, w1, odd_quad);
-                let got = b.shfl(Shfl::Bfly, send, 4u32, 0x1f);
-                let lo = b.selp(got, w0, odd_quad);
-                let hi = b.selp(w1, got, odd_quad);
-                let word = b.mad_lo(r, 32u32, hp);
-                let word = b.mad_lo(word, 128u32, d_pair);
-                let dq = b.ld_param_ptr(&p.dq);
-                let a = common::elem::<U32>(b, dq, word);
-                b.predicated(live, false, |b| {
-                    b.red_add_v2_bf16x2(&a, [lo, hi], Some(policy))
-                });
-            }
+            b.comment("dQ: eight consecutive head dims of one head per lane into dq [T, 64, 128]");
+            let qrow = warp_rows[nh as usize];
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let qrow = b.bitcast::<U32, S32>(qrow);
+            dq_rows_out(b, p, dq_acc, qrow, live, head, quad, pair, c, policy);
         }
 
         b.if_then(is_end, "flush", |b| {

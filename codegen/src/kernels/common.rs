@@ -67,6 +67,11 @@ pub const SCAN_THREADS: u32 = 1024;
 /// Entries each scan thread owns per tile.
 pub const SCAN_PER_THREAD: u32 = 8;
 
+/// `prmt.b32` selector of the lower halves of two words: `(b.lo << 16) | a.lo`.
+pub const PRMT_LOW_HALVES: u32 = 0x5410;
+/// `prmt.b32` selector of the upper halves of two words: `(b.hi << 16) | a.hi`.
+pub const PRMT_HIGH_HALVES: u32 = 0x7632;
+
 /// Address of element `idx` of an array of `T` at `base`.
 pub fn elem<T: Ty>(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>) -> GlobalAddr {
     elem_bytes(b, base, idx, T::BYTES)
@@ -318,8 +323,9 @@ pub struct MainParams {
     pub qpos: ParamRef<U64>,
     /// The CTA-walk descriptor `int32[8]`.
     pub desc: ParamRef<U64>,
-    /// The bf16 dQ pool `[T, 32, 128, 2]` (the backward passes its `dq` output, which
-    /// `bwd_postprocess` then de-interleaves in place).
+    /// The bf16 dQ pool, usually the backward's `dq` output itself: `[T, 64, 128]` for the
+    /// Hopper kernel, head-pair-interleaved `[T, 32, 128, 2]` for the Blackwell kernel, which
+    /// `bwd_postprocess` then de-interleaves in place (`docs/design.md` §3.6).
     pub dq: ParamRef<U64>,
     /// The fp32 dK pool `[W, 4, 128]`.
     pub dk: ParamRef<U64>,

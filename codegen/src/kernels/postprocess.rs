@@ -17,6 +17,7 @@
 //!
 //! Grid `[max(2·T, W/2), 2]`, 256 threads; CTAs past their half's work return at once.
 
+use super::common;
 use super::fixed_point as fp;
 use super::KernelDesc;
 use crate::ptx::*;
@@ -45,10 +46,6 @@ const THREADS: u32 = 256;
 pub const DQ_ROWS_PER_CTA: u32 = THREADS / 16;
 /// fp32 pool elements per CTA.
 pub const KV_ELEMS_PER_CTA: u32 = THREADS * 8;
-/// Selects the lower halves of two words: `(b.lo << 16) | a.lo`.
-const PRMT_LOW_HALVES: u32 = 0x5410;
-/// Selects the upper halves of two words: `(b.hi << 16) | a.hi`.
-const PRMT_HIGH_HALVES: u32 = 0x7632;
 
 fn describe(b: &mut KernelBuilder) {
     b.grid("[max(2 * num_tokens, workspace_rows / 2), 2, 1]");
@@ -89,9 +86,9 @@ fn describe(b: &mut KernelBuilder) {
             let w1: [Reg<Bf16x2>; 4] = b.ld_v(&global(src, 16));
             let w = [w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]];
             let even: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], PRMT_LOW_HALVES));
+                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], common::PRMT_LOW_HALVES));
             let odd: [Reg<Bf16x2>; 4] =
-                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], PRMT_HIGH_HALVES));
+                std::array::from_fn(|i| b.prmt(w[2 * i], w[2 * i + 1], common::PRMT_HIGH_HALVES));
             // dq row (t, 2hp) starts at 2·row·256 bytes; head 2hp+1 follows 256 bytes later.
             let head_bytes = b.mul_wide(row, 512u32);
             let lane_out = b.mul_wide(lane, 16u32);

@@ -228,6 +228,22 @@ impl Backend for SimDevice {
             .map_err(|e| simulated(what, e))
     }
 
+    fn copy(
+        &mut self,
+        what: &'static str,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    ) -> Result<(), RuntimeError> {
+        let data = self
+            .gpu
+            .read::<u8>(DevPtr(src), bytes)
+            .map_err(|e| simulated(what, e))?;
+        self.gpu
+            .write(DevPtr(dst), &data)
+            .map_err(|e| simulated(what, e))
+    }
+
     fn download(
         &mut self,
         what: &'static str,

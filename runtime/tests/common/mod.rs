@@ -97,6 +97,10 @@ impl Backend for Recorder {
         self.issued.push(what);
         Ok(())
     }
+    fn copy(&mut self, what: &'static str, _: u64, _: u64, _: usize) -> Result<(), RuntimeError> {
+        self.issued.push(what);
+        Ok(())
+    }
     fn download(&mut self, _: &'static str, _: u64, b: usize) -> Result<Vec<u8>, RuntimeError> {
         Ok(vec![0; b])
     }

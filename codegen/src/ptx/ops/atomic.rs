@@ -119,6 +119,17 @@ impl KernelBuilder {
         self.red_add_vector(".noftz", addr, &v, policy);
     }
 
+    /// `red.global.add.noftz.v4.bf16x2`: eight packed bf16 additions (16 bytes) in one
+    /// reduction (PTX 8.1, sm_90).
+    pub fn red_add_v4_bf16x2(
+        &mut self,
+        addr: &GlobalAddr,
+        v: [Reg<Bf16x2>; 4],
+        policy: Option<Reg<B64>>,
+    ) {
+        self.red_add_vector(".noftz", addr, &v, policy);
+    }
+
     /// `red.global.add{noftz}{hint}.v{N}.{T}`, the vector reductions (PTX 8.1).
     fn red_add_vector<T: Ty>(
         &mut self,
