@@ -4,7 +4,7 @@
 //! Layer 4 of the crate (the CUDA backend): it uses layers 1 and 2 only.
 
 use crate::backend::{Backend, KernelArg, KernelSpec, TileMapSpec};
-use crate::device::{driver_present, Device};
+use crate::device::{driver_present, Device, STAGED_UPLOAD_MIN};
 use crate::error::RuntimeError;
 use crate::tma::TensorMap;
 use cudarc::driver::{
@@ -140,9 +140,15 @@ impl Backend for CudaBackend {
 
     fn upload(&mut self, _what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
         self.bind("cuCtxSetCurrent")?;
-        // SAFETY: `dst` addresses at least `bytes.len()` bytes of this context's memory (the
-        // host flow's own allocations). From pageable memory the call returns once `bytes`
-        // has been staged, so the slice may be dropped afterwards.
+        // SAFETY (both copies): `dst` addresses at least `bytes.len()` bytes of this
+        // context's memory (the host flow's own allocations), and the context is current.
+        if bytes.len() >= STAGED_UPLOAD_MIN
+            && unsafe { self.device.upload_staged(&self.stream, dst, bytes) }?
+        {
+            return Ok(());
+        }
+        // From pageable memory the call returns once `bytes` has been staged, so the slice
+        // may be dropped afterwards.
         unsafe { result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
             .map_err(RuntimeError::driver("cuMemcpyHtoDAsync"))
     }

@@ -190,3 +190,46 @@ fn jit_failures_carry_the_driver_log_and_unknown_archs_are_named() {
     }
     println!("device: capability {cc:?}, {} SMs", dev.sm_count());
 }
+
+#[test]
+fn staged_uploads_arrive_whole_and_in_order() {
+    use cudarc::driver::DevicePtr;
+    use msa_runtime::{Backend, CudaBackend};
+    let Some(stream) = gpu_stream() else { return };
+    let mut backend = CudaBackend::new(&stream).unwrap();
+    // Below the staging threshold, one chunk, several chunks, and enough uploads to go round
+    // the staging ring more than once before the stream runs them (the host must wait for a
+    // buffer's previous copy before refilling it).
+    let sizes = [
+        100_000usize,
+        (1 << 20) + 3,
+        (8 << 20) - 1,
+        (8 << 20) + 5,
+        (20 << 20) + 7,
+        (3 << 20) + 1,
+        (9 << 20) + 2,
+    ];
+    let mut rng = Rng::new(20_261_202);
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.next_u64() as u8).collect())
+        .collect();
+    let bufs: Vec<_> = sizes
+        .iter()
+        .map(|&n| stream.alloc_zeros::<u8>(n).unwrap())
+        .collect();
+    for round in 0..2 {
+        for (d, b) in data.iter().zip(&bufs) {
+            // The host copy is dropped right after the call: the upload must not read it later.
+            let host: Vec<u8> = d.iter().map(|x| x.wrapping_add(round)).collect();
+            backend
+                .upload("staged", b.device_ptr(&stream).0, &host)
+                .unwrap();
+        }
+        for (d, b) in data.iter().zip(&bufs) {
+            let got = stream.clone_dtoh(b).unwrap();
+            let want: Vec<u8> = d.iter().map(|x| x.wrapping_add(round)).collect();
+            assert!(got == want, "{} bytes, round {round}: differ", d.len());
+        }
+    }
+}

@@ -55,12 +55,15 @@
 //!   postprocess; `docs/design.md` §3.6): a thread holds two consecutive head dims of heads
 //!   `quad` and `quad + 8` of its warp's slot per 8-column group, and a 4×4 transpose inside
 //!   each quad (two butterfly shuffles per pair of words) gives lane `pair` eight consecutive
-//!   head dims of one head: one `red.global.add.noftz.v4.bf16x2` (L2 evict_last) per four
-//!   words, a quad 64 contiguous bytes of a row, 8 reductions per thread and task. (On the
-//!   H200 the earlier `dQ^T` fragment with a head-pair-interleaved pool, 16 `v2` reductions
-//!   per thread, was 0-1.5 % slower counting the de-interleave it needed; the same fragment
-//!   into `[T, 64, 128]`, four bytes per head and lane, was 1-4 % slower: twice the L2 lines
-//!   per reduction.) The slots' compact rows, which address the reductions, come from the
+//!   head dims of one head, and a swap between quads `2k` and `2k + 1` puts a whole 128-byte
+//!   row segment (one L2 line) under the eight lanes of a quad pair: one
+//!   `red.global.add.noftz.v4.bf16x2` (L2 evict_last) per four words, 8 reductions per thread
+//!   and task, 4 lines per warp instruction. (On the H200, alternating rounds against the
+//!   earlier kernels: the `dQ^T` fragment with a head-pair-interleaved pool, 16 `v2`
+//!   reductions per thread plus the de-interleave, was 1-2.5 % slower than the quad-only
+//!   transpose into `[T, 64, 128]` (8 lines of 64 bytes per instruction), which was 1.4-2.6 %
+//!   slower than this; the `dQ^T` fragment straight into `[T, 64, 128]`, 4 bytes per head and
+//!   lane, was 1-4 % slower than the interleaved pool.) The slots' compact rows, which address the reductions, come from the
 //!   gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
@@ -341,8 +344,10 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
 /// (rows: this warp's slot, heads `quad` and `quad + 8`; columns: head dims
 /// `64c + 8j + 2·pair`, `+1`) into whole rows of `dq [T, 64, 128]` at query row `qrow`
 /// (skipped unless `live`). A 4×4 transpose within each quad (two butterfly exchanges)
-/// gives lane `pair` the eight consecutive head dims `64c + 8(4J + pair) ..` of a row, one
-/// `red.global.add.noftz.v4.bf16x2` each: a quad covers 64 contiguous bytes of a head.
+/// gives lane `pair` the eight consecutive head dims `64c + 8(4J + pair) ..` of its row for
+/// each `J`; then quads `2k` and `2k + 1` swap halves so that the eight lanes of a quad
+/// pair cover one row's 64 head dims (128 contiguous bytes, a whole L2 line) per
+/// `red.global.add.noftz.v4.bf16x2`.
 #[allow(clippy::too_many_arguments)]
 fn dq_rows_out(
     b: &mut KernelBuilder,
@@ -356,57 +361,91 @@ fn dq_rows_out(
     c: Reg<U32>,
     policy: Reg<B64>,
 ) {
-    let bit = |b: &mut KernelBuilder, v: u32| {
-        let x = b.and(pair, v);
+    let bit = |b: &mut KernelBuilder, v: Reg<U32>, m: u32| {
+        let x = b.and(v, m);
         b.setp(Cmp::Ne, x, 0u32)
     };
-    let (p0, p1) = (bit(b, 1), bit(b, 2));
-    // Byte offset of (qrow, head 16·group + quad, head dim 64c + 32J... + 8·pair) before J.
-    let row = b.mad_lo(qrow, 64u32, quad);
+    let (p0, p1, odd_quad) = (bit(b, pair, 1), bit(b, pair, 2), bit(b, quad, 1));
+    // 16-byte unit of (qrow, head 16·group + (quad & ~1), head dim 64c + 8·(4·(quad & 1)
+    // + pair)): this lane's part of the even quad's row; the odd quad's row is 16 units on.
+    let even_quad = b.and(quad, 6u32);
+    let row = b.mad_lo(qrow, 64u32, even_quad);
     let row = b.mad_lo(group, 16u32, row);
-    let col = b.mad_lo(c, 8u32, pair); // in 8-dim (16-byte) units
-    let unit = b.mad_lo(row, 16u32, col); // 16 units per 128-dim row
-    for (rr, j0) in [(0usize, 0u32), (0, 4), (1, 0), (1, 4)] {
-        // m[jj]: this lane's word of columns 8(j0 + jj) + 2·pair, row quad + 8·rr.
-        let m: Vec<Reg<Bf16x2>> = (0..4)
-            .map(|jj| {
-                let i = (4 * (j0 + jj)) as usize + 2 * rr;
-                b.cvt_bf16x2(acc[i + 1], acc[i])
+    let half = b.and(quad, 1u32);
+    let col = b.mad_lo(half, 4u32, pair);
+    let col = b.mad_lo(c, 8u32, col);
+    let unit = b.mad_lo(row, 16u32, col);
+    for rr in 0..2usize {
+        // v[J]: after the quad transpose, this lane's eight head dims 64c + 8(4J + pair) of
+        // its row quad + 8·rr, as four words in head-dim order.
+        let v: Vec<[Reg<Bf16x2>; 4]> = [0u32, 4]
+            .map(|j0| {
+                // m[jj]: this lane's word of columns 8(j0 + jj) + 2·pair.
+                let m: Vec<Reg<Bf16x2>> = (0..4)
+                    .map(|jj| {
+                        let i = (4 * (j0 + jj)) as usize + 2 * rr;
+                        b.cvt_bf16x2(acc[i + 1], acc[i])
+                    })
+                    .collect();
+                quad_transpose(b, &m, p0, p1)
             })
+            .into_iter()
             .collect();
-        // Exchange 1 (lanes pair ^ 1): keep the columns jj with jj & 1 == pair & 1, send the
-        // others; then a_s, b_s = M[pair][2s + p0], M[pair ^ 1][2s + p0].
-        let mut ab = Vec::new();
-        for s in 0..2 {
+        // Quads 2k, 2k + 1 swap: the even one keeps J = 0 and takes its partner's J = 0
+        // (the odd row's first half), the odd one keeps J = 1 and takes the even row's
+        // second half.
+        let send: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(v[0][k], v[1][k], odd_quad));
+        let got = send.map(|x| b.shfl(Shfl::Bfly, x, 4u32, 0x1f));
+        let even_row: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(got[k], v[0][k], odd_quad));
+        let odd_row: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(v[1][k], got[k], odd_quad));
+        let dq = b.ld_param_ptr(&p.dq);
+        for (r, words) in [(0u32, even_row), (1, odd_row)] {
+            // Row + 8·rr heads (128 units), + r for the odd quad's row (16 units).
+            let at = b.add(unit, 128 * rr as u32 + 16 * r);
+            let a = common::elem_bytes(b, dq, at, 16);
+            b.predicated(live, false, |b| {
+                b.red_add_v4_bf16x2(&a, words, Some(policy))
+            });
+        }
+    }
+}
+
+/// A 4×4 transpose of 32-bit words over the lanes of a quad: `m[jj]` of lane `pair` becomes
+/// word `pair` of lane `jj`'s result (lane `pair` returns the `m[pair]` of lanes 0..4, in lane
+/// order). `p0`, `p1`: bits 0 and 1 of `pair`.
+fn quad_transpose(
+    b: &mut KernelBuilder,
+    m: &[Reg<Bf16x2>],
+    p0: Reg<Pred>,
+    p1: Reg<Pred>,
+) -> [Reg<Bf16x2>; 4] {
+    // Exchange 1 (lanes pair ^ 1): keep the columns jj with jj & 1 == pair & 1, send the
+    // others; then (a_s, b_s) = (M[pair][2s + p0], M[pair ^ 1][2s + p0]).
+    let ab: Vec<(Reg<Bf16x2>, Reg<Bf16x2>)> = (0..2)
+        .map(|s| {
             let keep = b.selp(m[2 * s + 1], m[2 * s], p0);
             let send = b.selp(m[2 * s], m[2 * s + 1], p0);
-            let got = b.shfl(Shfl::Bfly, send, 1u32, 0x1f);
-            ab.push((keep, got));
-        }
-        // Exchange 2 (lanes pair ^ 2): keep s = p1 (column jj = pair), send the other.
-        let keep_a = b.selp(ab[1].0, ab[0].0, p1);
-        let keep_b = b.selp(ab[1].1, ab[0].1, p1);
-        let send_a = b.selp(ab[0].0, ab[1].0, p1);
-        let send_b = b.selp(ab[0].1, ab[1].1, p1);
-        let got_a = b.shfl(Shfl::Bfly, send_a, 2u32, 0x1f);
-        let got_b = b.shfl(Shfl::Bfly, send_b, 2u32, 0x1f);
-        // Column pair's words from lanes pair, pair ^ 1, pair ^ 2, pair ^ 3: in lane order.
-        let x0 = b.selp(keep_b, keep_a, p0);
-        let x1 = b.selp(keep_a, keep_b, p0);
-        let y0 = b.selp(got_b, got_a, p0);
-        let y1 = b.selp(got_a, got_b, p0);
-        let w = [
-            b.selp(y0, x0, p1),
-            b.selp(y1, x1, p1),
-            b.selp(x0, y0, p1),
-            b.selp(x1, y1, p1),
-        ];
-        // Row quad + 8·rr (8 heads = 128 units further), columns j0 / 4 of 2 (4 units).
-        let at = b.add(unit, 128 * rr as u32 + j0);
-        let dq = b.ld_param_ptr(&p.dq);
-        let a = common::elem_bytes(b, dq, at, 16);
-        b.predicated(live, false, |b| b.red_add_v4_bf16x2(&a, w, Some(policy)));
-    }
+            (keep, b.shfl(Shfl::Bfly, send, 1u32, 0x1f))
+        })
+        .collect();
+    // Exchange 2 (lanes pair ^ 2): keep s = p1 (column jj = pair), send the other.
+    let keep_a = b.selp(ab[1].0, ab[0].0, p1);
+    let keep_b = b.selp(ab[1].1, ab[0].1, p1);
+    let send_a = b.selp(ab[0].0, ab[1].0, p1);
+    let send_b = b.selp(ab[0].1, ab[1].1, p1);
+    let got_a = b.shfl(Shfl::Bfly, send_a, 2u32, 0x1f);
+    let got_b = b.shfl(Shfl::Bfly, send_b, 2u32, 0x1f);
+    // Column pair's words from lanes pair, pair ^ 1, pair ^ 2, pair ^ 3: in lane order.
+    let x0 = b.selp(keep_b, keep_a, p0);
+    let x1 = b.selp(keep_a, keep_b, p0);
+    let y0 = b.selp(got_b, got_a, p0);
+    let y1 = b.selp(got_a, got_b, p0);
+    [
+        b.selp(y0, x0, p1),
+        b.selp(y1, x1, p1),
+        b.selp(x0, y0, p1),
+        b.selp(x1, y1, p1),
+    ]
 }
 
 fn k_major() -> SmemDesc {
