@@ -53,9 +53,8 @@ const REGION_ALIGN: usize = 256;
 /// The main kernels normally reduce dQ straight into the caller's `dq` buffer (the Hopper
 /// kernel in its own layout, the Blackwell kernel head-pair-interleaved, which
 /// `bwd_postprocess` de-interleaves in place; `docs/design.md` §3.6), so the workspace holds
-/// no dQ pool. A separate pool is needed only
-/// when `dq` lies on an input the main kernel still reads (in-place use on `q` or `grad_out`,
-/// [`MsaBackward::allow_in_place`]).
+/// no dQ pool. A separate pool is needed only when `dq` lies on an input the main kernel still
+/// reads (in-place use on `q` or `grad_out`, [`MsaBackward::allow_in_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolLayout {
     /// Tokens `T` the regions are sized for.

@@ -57,7 +57,7 @@ pub struct Device {
 /// ([`Device::upload_staged`]): from pageable memory the driver stages the copy itself at a
 /// fraction of the link's rate while the stream waits (2.3 ms for the host schedule of the
 /// 64K-token bench case on the H200).
-pub const STAGED_UPLOAD_MIN: usize = 1 << 20;
+pub(crate) const STAGED_UPLOAD_MIN: usize = 1 << 20;
 /// Bytes of one staging buffer; a larger upload takes several in turn.
 const STAGING_CHUNK: usize = 8 << 20;
 /// Staging buffers per device (so at most `STAGING_BUFFERS · STAGING_CHUNK` = 32 MiB of
