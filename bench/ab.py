@@ -8,8 +8,11 @@ different commits) on the same cases, in one GPU session, and one table of the r
 Each round runs every variant once, in the order given (`bench --cases C --reps R --warmup W
 --json DIR/<variant>_r<round>.json`), so slow drifts of the clock or the temperature fall on
 all variants alike. The table has, per case and variant, the useful TFLOP/s of each round
-and the ratio of the rounds' mean to the first variant's. Variants must see the same
-selections: the table refuses cases whose q2k checksums differ between files.
+and the ratio of the rounds' mean to the first variant's: one table for the host-schedule
+calls (`bench`'s `ms` column) and one for the device-schedule path (`dev_ms`: the schedule
+built on the device, then the backward; no upload), which compares the kernels alone when
+the variants differ in the upload. Variants must see the same selections: the table refuses
+cases whose q2k checksums differ between files.
 """
 import argparse
 import json
@@ -37,7 +40,9 @@ def run(args):
 
 
 def load(directory, names):
-    """{variant: {case: [(round, useful TFLOP/s, checksum)]}} from DIR/<variant>_r<k>.json."""
+    """{path: {variant: {case: [(round, useful TFLOP/s, checksum)]}}} from
+    DIR/<variant>_r<k>.json, for the paths "host" and "device" (absent where the file has no
+    device-path time)."""
     got = {}
     for f in sorted(os.listdir(directory)):
         stem, ext = os.path.splitext(f)
@@ -49,15 +54,31 @@ def load(directory, names):
         with open(os.path.join(directory, f)) as fh:
             d = json.load(fh)
         for c in d.get("cases", []):
-            got.setdefault(name, {}).setdefault(c["name"], []).append(
-                (int(rnd), c["useful_tflops"], c["q2k_checksum"]))
+            rates = {"host": c["useful_tflops"]}
+            dev_ms = c.get("device_path_ms_median")
+            if dev_ms:
+                rates["device"] = c["useful_flop"] / (dev_ms * 1e-3) / 1e12
+            for path, rate in rates.items():
+                got.setdefault(path, {}).setdefault(name, {}).setdefault(c["name"], []).append(
+                    (int(rnd), rate, c["q2k_checksum"]))
     return got
+
+
+def tables(got, order):
+    """The host-path table, then the device-path one where the files have it."""
+    if not got.get("host"):
+        sys.exit("no <variant>_r<round>.json files")
+    out = []
+    for path, title in (("host", "host schedule (`ms`)"), ("device", "device schedule (`dev_ms`)")):
+        if got.get(path):
+            out.append(f"{title}:\n\n" + table(got[path], order))
+    return "\n\n".join(out) + (
+        "\n\nuseful TFLOP/s per round; in brackets the mean of the rounds over the first "
+        "variant's.")
 
 
 def table(got, order):
     names = order or sorted(got)
-    if not names:
-        sys.exit("no <variant>_r<round>.json files")
     cases = []
     for n in names:
         for c in got.get(n, {}):
@@ -80,9 +101,7 @@ def table(got, order):
             vals = " / ".join(f"{t:.1f}" for _, t, _ in runs)
             cells.append(vals if n == names[0] else f"{vals} ({mean / base:.3f})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (
-        "\n\nuseful TFLOP/s per round; in brackets the mean of the rounds over the first "
-        "variant's.")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -96,12 +115,12 @@ def main(argv=None):
     ap.add_argument("--summarize", metavar="DIR", help="only print the table of DIR's files")
     a = ap.parse_args(argv)
     if a.summarize:
-        print(table(load(a.summarize, None), None))
+        print(tables(load(a.summarize, None), None))
         return
     if not a.variants:
         ap.error("give at least one NAME=PATH")
     names = run(a)
-    print(table(load(a.out, set(names)), names))
+    print(tables(load(a.out, set(names)), names))
 
 
 if __name__ == "__main__":
