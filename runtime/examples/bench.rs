@@ -874,10 +874,10 @@ fn breakdown(
             sum += ms;
             let _ = write!(line, " {} {ms:.3};", calls[0][k].0);
         }
-        let span_ms = med(&|c| c[c.len() - 1].1 + c[c.len() - 1].2 - c[0].1);
-        let idle = med(&|c| {
-            c[c.len() - 1].1 + c[c.len() - 1].2 - c[0].1 - c.iter().map(|x| x.2).sum::<f32>()
-        });
+        // A call's span: its first operation's start to its last one's end.
+        let span_of = |c: &[Op<'_>]| c[c.len() - 1].1 + c[c.len() - 1].2 - c[0].1;
+        let span_ms = med(&|c| span_of(c));
+        let idle = med(&|c| span_of(c) - c.iter().map(|x| x.2).sum::<f32>());
         println!("{line} sum {sum:.3}; span {span_ms:.3}, idle inside it {idle:.3}");
     }
     Ok(())

@@ -169,22 +169,16 @@ impl Device {
             return Ok(false);
         }
         let mut ring = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        if ring.buffers.is_empty() {
-            // SAFETY: `u8` has no invalid bit patterns; the buffer is written before a copy
-            // reads it.
-            match unsafe { self.ctx.alloc_pinned::<u8>(STAGING_CHUNK) } {
-                Ok(host) => ring.buffers.push(Staging { host, copied: None }),
-                Err(_) => return Ok(false),
-            }
-        }
         for (k, chunk) in bytes.chunks(STAGING_CHUNK).enumerate() {
             let mut i = ring.next.min(ring.buffers.len());
             if i == ring.buffers.len() {
                 // Grow the ring while it is short; without more pinned memory, reuse the
-                // first buffer.
-                // SAFETY: as above.
+                // first buffer, or (no buffer at all, so nothing is issued yet) decline.
+                // SAFETY: `u8` has no invalid bit patterns; the buffer is written before a
+                // copy reads it.
                 match unsafe { self.ctx.alloc_pinned::<u8>(STAGING_CHUNK) } {
                     Ok(host) => ring.buffers.push(Staging { host, copied: None }),
+                    Err(_) if ring.buffers.is_empty() => return Ok(false),
                     Err(_) => i = 0,
                 }
             }

@@ -63,8 +63,8 @@
 //!   reductions per thread plus the de-interleave, was 1-2.5 % slower than the quad-only
 //!   transpose into `[T, 64, 128]` (8 lines of 64 bytes per instruction), which was 1.4-2.6 %
 //!   slower than this; the `dQ^T` fragment straight into `[T, 64, 128]`, 4 bytes per head and
-//!   lane, was 1-4 % slower than the interleaved pool.) The slots' compact rows, which address the reductions, come from the
-//!   gather warp's row stage, read before its release.
+//!   lane, was 1-4 % slower than the interleaved pool.) The slots' compact rows, which
+//!   address the reductions, come from the gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
 //! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
@@ -339,7 +339,6 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     });
 }
 
-/// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
 /// The default kernel's dQ reductions of one 64-row half: the accumulator of `dQ_c = dS·K_c`
 /// (rows: this warp's slot, heads `quad` and `quad + 8`; columns: head dims
 /// `64c + 8j + 2·pair`, `+1`) into whole rows of `dq [T, 64, 128]` at query row `qrow`
@@ -448,6 +447,7 @@ fn quad_transpose(
     ]
 }
 
+/// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
 }

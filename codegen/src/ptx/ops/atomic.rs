@@ -108,17 +108,6 @@ impl KernelBuilder {
         self.red_add_vector("", addr, &v, policy);
     }
 
-    /// `red.global.add.noftz.v2.bf16x2`: two consecutive packed words (8-B aligned) in one
-    /// reduction (sm_90, PTX 8.1).
-    pub fn red_add_v2_bf16x2(
-        &mut self,
-        addr: &GlobalAddr,
-        v: [Reg<Bf16x2>; 2],
-        policy: Option<Reg<B64>>,
-    ) {
-        self.red_add_vector(".noftz", addr, &v, policy);
-    }
-
     /// `red.global.add.noftz.v4.bf16x2`: eight packed bf16 additions (16 bytes) in one
     /// reduction (PTX 8.1, sm_90).
     pub fn red_add_v4_bf16x2(
