@@ -34,7 +34,7 @@ pub mod bwd_preprocess {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(num_tokens / 128), 64, 1].
+    /// Grid: [ceil(num_tokens / 2), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         out: Ptr<bf16>,

@@ -64,17 +64,12 @@ pub fn preprocess<B: Backend>(
     if num_tokens == 0 {
         return Ok(());
     }
-    let blocks = grid_dim("num_tokens", num_tokens.div_ceil(128))?;
+    // One CTA per 128 rows (t, h): two tokens.
+    let blocks = grid_dim("num_tokens", num_tokens.div_ceil(2))?;
     backend.load(&bwd_preprocess::KERNEL)?;
     let args = bwd_preprocess::args(out.ptr(), dout.ptr(), delta.ptr_mut(), tokens);
     // SAFETY: every buffer length was checked against num_tokens above.
-    unsafe {
-        backend.launch(
-            &bwd_preprocess::KERNEL,
-            (blocks, NUM_Q_HEADS as u32, 1),
-            &args,
-        )
-    }
+    unsafe { backend.launch(&bwd_preprocess::KERNEL, (blocks, 1, 1), &args) }
 }
 
 /// Finishes the gradients on any [`Backend`]: de-interleaves the bf16 dQ pool

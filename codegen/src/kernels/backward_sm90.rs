@@ -38,19 +38,28 @@
 //!   - `dV_c += P^T·dO_h` and `dK_c += dS^T·Q_h`: m64n128k16 with A from registers (the
 //!     accumulator layout of S^T is the wgmma A-fragment layout) and B an MN-major
 //!     descriptor over the same Q/dO bytes. dK/dV stay in registers across a segment.
+//!   - In half 1, half 0's dV/dK group is still in flight: S^T is queued behind it and dP^T
+//!     issued once it has completed (`wait_group 1`), so the tensor cores do not drain
+//!     between the halves while the registers of half 0's A fragments are freed before
+//!     dP^T's accumulators need them (168 registers, no spills). Session 10's rounds on
+//!     the H200 (`bench/results/h200-2026-12-02-s10-backward.md`): this with the dQ GEMM
+//!     below and the preprocess of `bwd_preprocess` in memory order, +2.5-3.9 % on the
+//!     device-schedule path.
 //!   - dS^T is also stored to shared memory (SW128, MN-major panels); after both consumers
-//!     have written it (`bar.sync` over both, the one consumer-wide wait of a task),
-//!     `dQ_c = dS·K_c` (two m64n64k16 passes over the folded halves, both operands MN-major:
-//!     A the dS^T panel, B the K panel; 32 accumulator registers each; consumer `c` owns head
-//!     dims `64c .. 64c+64`, warp `w` of half `h` the rows of slot `4h + w`). Both passes are
-//!     issued before the first `wait_group`, so the reductions of the first half run under
-//!     the second's GEMM. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
-//!     the same operands swapped, whose fragment its head-quad pool words follow.)
+//!     have written it (`bar.sync` over both, the one consumer-wide wait of a task, reached
+//!     while half 1's dV/dK still runs), `dQ_c = dS_c·K`: one m64n128k16 GEMM per consumer
+//!     over its folded half `c` (slots `4c .. 4c+4`) and all 128 head dims, A the dS^T panel
+//!     of that half, B the whole K tile, both MN-major; 64 accumulator registers. Warp `w`
+//!     then holds the rows of one slot, `4c + w`. Against two m64n64 passes (consumer `c`
+//!     owning head dims `64c..`) it reads 48 KB of shared memory per task and consumer
+//!     instead of 64 KB. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
+//!     two m64n64 passes over the folded halves with the first half's reductions under the
+//!     second's GEMM, whose fragment its head-quad pool words follow.)
 //!   - The write-after-read order on the shared dS^T (the next task's stores after the other
-//!     consumer's dQ^T reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
-//!     other's instance once its dQ^T GEMMs have completed (not after the walk's last task),
+//!     consumer's dQ reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
+//!     other's instance once its dQ GEMM has completed (not after the walk's last task),
 //!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
-//!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ^T.
+//!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ.
 //! - **Writes.** dQ goes straight into `dq [T, 64, 128]` (no de-interleave in the
 //!   postprocess; `docs/design.md` §3.6): a thread holds two consecutive head dims of heads
 //!   `quad` and `quad + 8` of its warp's slot per 8-column group, and a 4×4 transpose inside
@@ -536,10 +545,18 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let dp_acc: Vec<Reg<F32>> = (0..32).map(|_| b.reg()).collect();
             b.wgmma_fence();
             // S^T and dP^T in two commit groups: the exponentials of P^T run while the
-            // tensor cores still compute dP^T.
-            for (acc, a_tile, b_tile) in
+            // tensor cores still compute dP^T. In half 1, half 0's dV/dK group is still in
+            // flight: S^T queues behind it, and dP^T is issued once it has completed (its A
+            // fragments then free their registers for dP^T's accumulators).
+            for (gi, (acc, a_tile, b_tile)) in
                 [(&s_acc, r.k.offset, q_base), (&dp_acc, r.v.offset, do_base)]
+                    .into_iter()
+                    .enumerate()
             {
+                if half == 1 && gi == 1 {
+                    b.wgmma_wait(1);
+                    b.wgmma_fence();
+                }
                 let a_addr = b.add(base, a_tile);
                 let a_addr = b.add(a_addr, c_rows);
                 let a0 = k_major().emit(b, a_addr);
@@ -570,9 +587,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let slot = 4 * half + j / 2;
                 let slot_qpos = b.ld::<S32, _>(&r.qpos.at(base, 0).offset(4 * slot as i64));
                 // −lse·log2e (−∞ for an empty slot), gathered into shared memory.
-                let nl: Vec<Reg<F32>> = (0..2u32)
-                    .map(|e| b.ld::<F32, _>(&r.lse.at(at, 0).offset(4 * folded(j, e) as i64)))
-                    .collect();
+                let nl: [Reg<F32>; 2] = b.ld_v(&r.lse.at(at, 0).offset(4 * folded(j, 0) as i64));
                 for rr in 0..2usize {
                     let kp = if rr == 0 { key_pos_s } else { key_pos8_s };
                     let seen = b.setp(Cmp::Ge, slot_qpos, kp);
@@ -589,9 +604,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let mut p_frag = Vec::new();
             let mut ds_frag = Vec::new();
             for j in 0..8u32 {
-                let dl: Vec<Reg<F32>> = (0..2u32)
-                    .map(|e| b.ld::<F32, _>(&r.delta.at(at, 0).offset(4 * folded(j, e) as i64)))
-                    .collect();
+                let dl: [Reg<F32>; 2] = b.ld_v(&r.delta.at(at, 0).offset(4 * folded(j, 0) as i64));
                 for rr in 0..2usize {
                     let mut ds_pair = Vec::new();
                     for (e, &dl) in dl.iter().enumerate() {
@@ -607,11 +620,23 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
 
             if half == 1 {
-                b.comment("the slots' query rows for the dQ reductions, read before the release");
-                let at = r.qrows.at(base, 0);
-                let lo: [Reg<S32>; 4] = b.ld_v(&at);
-                let hi: [Reg<S32>; 4] = b.ld_v(&at.offset(16));
-                slot_rows = lo.into_iter().chain(hi).collect();
+                if p.fixed.is_some() {
+                    b.comment(
+                        "the slots' query rows for the dQ reductions, read before the release",
+                    );
+                    let at = r.qrows.at(base, 0);
+                    let lo: [Reg<S32>; 4] = b.ld_v(&at);
+                    let hi: [Reg<S32>; 4] = b.ld_v(&at.offset(16));
+                    slot_rows = lo.into_iter().chain(hi).collect();
+                } else {
+                    b.comment(
+                        "this warp's slot's query row (slot 4c + warp), read before the release",
+                    );
+                    let slot = b.mad_lo(c, 4u32, warp);
+                    let off = b.shl(slot, 2u32);
+                    let at = b.add(base, off);
+                    slot_rows = vec![b.ld::<S32, _>(&r.qrows.at(at, 0))];
+                }
                 if p.fixed.is_some() {
                     b.comment("the slots' inverse dQ units, read before the release");
                     let at = r.dq_inv.at(base, 0);
@@ -665,13 +690,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.wgmma_rs(acc, a, b_desc, acc_p, true);
                 }
             }
+            // No wait: half 0's group drains under half 1's S^T, half 1's under dQ's first
+            // GEMM.
             b.wgmma_commit();
-            b.wgmma_wait(0);
         }
-
-        b.comment("release the Q/dO stage once the whole warpgroup is done");
-        b.bar_sync_reg(wg_bar, 128);
-        b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
 
         let fixed = p.fixed.is_some();
         b.comment(if fixed {
@@ -681,60 +703,88 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         });
         b.fence_proxy_async_shared();
         r.consumers.sync(b);
-        // K_c, head dims 64c..64c+64: A of dQ^T, B of dQ (MN-major either way: d contiguous).
-        let k_addr = b.add(base, r.k.offset);
-        let k_addr = b.add(k_addr, c_panel);
-        let k0 = mn_major().emit(b, k_addr);
-        let policy = b.policy_evict_last(1.0);
-        // Both 64-row halves of the folded rows in flight (64 accumulator registers next to
-        // dK/dV): the reductions of the first half run while the tensor cores compute the
-        // second. The default kernel computes dQ (rows × head dims: a warp's accumulator
-        // rows are one slot's 16 heads, so its reductions land in whole rows of dq
-        // [T, 64, 128]); the deterministic one dQ^T (head dims × rows), whose fragment its
-        // head-quad pool words are laid out for.
-        let dq_accs: Vec<Vec<Reg<F32>>> =
-            (0..2).map(|_| (0..32).map(|_| b.reg()).collect()).collect();
-        b.wgmma_fence();
-        for (nh, dq_acc) in dq_accs.iter().enumerate() {
-            let ds_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
+        if !fixed {
+            // One m64n128 GEMM per consumer: its folded half (slots 4c..4c+4) × all 128 head
+            // dims, dQ = dS_c·K (A: the consumer's own dS^T panel, B: the whole K tile, both
+            // MN-major). Against two m64n64 passes over both halves it reads 48 KB of shared
+            // memory instead of 64 KB, and each warp's rows are one slot: one query row.
+            b.wgmma_wait(0);
+            b.comment("release the Q/dO stage once the whole warpgroup is done");
+            b.bar_sync_reg(wg_bar, 128);
+            b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
+            let ds_addr = b.add(base, r.ds.offset);
+            let ds_addr = b.add(ds_addr, c_panel);
             let ds0 = mn_major().emit(b, ds_addr);
-            let (a0, b0) = if fixed { (k0, ds0) } else { (ds0, k0) };
+            let k_addr = b.add(base, r.k.offset);
+            let k0 = mn_major().emit(b, k_addr);
+            let dq_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+            b.wgmma_fence();
             for k in 0..8u32 {
-                let a_desc = mn_major().emit_step(b, a0, k);
-                let b_desc = mn_major().emit_step(b, b0, k);
+                let a_desc = mn_major().emit_step(b, ds0, k);
+                let b_desc = mn_major().emit_step(b, k0, k);
                 let acc_p = if k == 0 { never } else { always };
-                b.wgmma_ss(dq_acc, a_desc, b_desc, acc_p, true, true);
+                b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
             }
             b.wgmma_commit();
-        }
-        // Default kernel: this warp's slot in each half (4nh + warp) and its query row.
-        let warp_rows: Vec<Reg<S32>> = if fixed {
-            Vec::new()
-        } else {
-            let is = [1u32, 2, 3].map(|w| b.setp(Cmp::Eq, warp, w));
-            (0..2)
-                .map(|nh| {
-                    let s = &slot_rows[4 * nh..4 * nh + 4];
-                    let lo = b.selp(s[1], s[0], is[0]);
-                    let hi = b.selp(s[3], s[2], is[2]);
-                    let two = b.selp(hi, lo, is[1]);
-                    b.selp(hi, two, is[2])
-                })
-                .collect()
-        };
-        for nh in 0..2u32 {
-            let dq_acc = &dq_accs[nh as usize];
-            b.wgmma_wait(1 - nh);
-            if nh == 1 {
-                b.comment(
-                    "this consumer's reads of sdS are done: the other may overwrite its rows",
-                );
-                b.unless(last_task, "ds_free_arrive", |b| {
-                    b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
-                });
+            b.wgmma_wait(0);
+            b.comment("this consumer's reads of sdS are done: the other may overwrite its rows");
+            b.unless(last_task, "ds_free_arrive", |b| {
+                b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
+            });
+            b.comment("dQ: eight consecutive head dims of one head per lane into dq [T, 64, 128]");
+            let policy = b.policy_evict_last(1.0);
+            let qrow = slot_rows[0];
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let qrow = b.bitcast::<U32, S32>(qrow);
+            let one = b.mov::<U32>(1u32);
+            for (dh, d_half) in [zero, one].into_iter().enumerate() {
+                let acc = &dq_acc[32 * dh..32 * dh + 32];
+                dq_rows_out(b, p, acc, qrow, live, head, quad, pair, d_half, policy);
             }
-
-            if let Some(invs) = &dq_invs {
+        } else {
+            // K_c, head dims 64c..64c+64, A of dQ^T_c = K^T_c·dS^T (MN-major: d contiguous),
+            // whose fragment the head-quad pool words follow. Both 64-row halves of the
+            // folded rows in flight (64 accumulator registers next to dK/dV): the reductions
+            // of the first half run while the tensor cores compute the second.
+            let k_addr = b.add(base, r.k.offset);
+            let k_addr = b.add(k_addr, c_panel);
+            let k0 = mn_major().emit(b, k_addr);
+            let policy = b.policy_evict_last(1.0);
+            let invs = dq_invs.as_deref().expect("read in half 1");
+            let dq_accs: Vec<Vec<Reg<F32>>> =
+                (0..2).map(|_| (0..32).map(|_| b.reg()).collect()).collect();
+            b.wgmma_fence();
+            for (nh, dq_acc) in dq_accs.iter().enumerate() {
+                if nh == 1 {
+                    // Half 1's dV/dK group (queued before dQ^T's first) is done: its A
+                    // fragments are free, and the warpgroup's reads of this Q/dO stage are over.
+                    b.wgmma_wait(1);
+                    b.comment("release the Q/dO stage once the whole warpgroup is done");
+                    b.bar_sync_reg(wg_bar, 128);
+                    b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
+                    b.wgmma_fence();
+                }
+                let ds_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
+                let ds0 = mn_major().emit(b, ds_addr);
+                for k in 0..8u32 {
+                    let a_desc = mn_major().emit_step(b, k0, k);
+                    let b_desc = mn_major().emit_step(b, ds0, k);
+                    let acc_p = if k == 0 { never } else { always };
+                    b.wgmma_ss(dq_acc, a_desc, b_desc, acc_p, true, true);
+                }
+                b.wgmma_commit();
+            }
+            for nh in 0..2u32 {
+                let dq_acc = &dq_accs[nh as usize];
+                b.wgmma_wait(1 - nh);
+                if nh == 1 {
+                    b.comment(
+                        "this consumer's reads of sdS are done: the other may overwrite its rows",
+                    );
+                    b.unless(last_task, "ds_free_arrive", |b| {
+                        b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
+                    });
+                }
                 b.comment("dQ: fixed-point head quads to the f32 pool [T][4][4][128][4]");
                 let d_row = b.mad_lo(c, 64u32, row0);
                 for jj in 0..4u32 {
@@ -756,15 +806,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                         b.predicated(live, false, |b| b.red_add_v4_f32(&at, vals, Some(policy)));
                     }
                 }
-                continue;
             }
-            b.comment("dQ: eight consecutive head dims of one head per lane into dq [T, 64, 128]");
-            let qrow = warp_rows[nh as usize];
-            let live = b.setp(Cmp::Ge, qrow, 0i32);
-            let qrow = b.bitcast::<U32, S32>(qrow);
-            dq_rows_out(b, p, dq_acc, qrow, live, head, quad, pair, c, policy);
         }
-
         b.if_then(is_end, "flush", |b| {
             b.comment("segment end: dK/dV to the fp32 pools, four head dims per lane");
             let odd = b.and(lane, 1u32);

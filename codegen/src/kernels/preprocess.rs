@@ -1,9 +1,11 @@
 //! `bwd_preprocess`: `delta[t, h] = Σ_d O[t, h, d] · dO[t, h, d]` in fp32 (`docs/design.md` §3.2).
 //!
-//! Grid `[ceil(T/128), 64]`, 256 threads: one CTA reduces 128 rows of one head. A row is
-//! 128 bf16 = 256 bytes, read by 16 lanes with one 16-byte load each of O and dO; the 16
-//! partial sums meet in a butterfly over lane distances 1, 2, 4, 8. 256 threads cover 16 rows
-//! per pass, so 8 passes cover the CTA's 128 rows; rows past T are skipped.
+//! Grid `[ceil(T/2)]`, 256 threads: one CTA reduces 128 consecutive rows `(t, h)` of the
+//! `[T·64, 128]` inputs (two tokens), so that each CTA reads two contiguous 32 KiB spans. A
+//! row is 128 bf16 = 256 bytes, read by 16 lanes with one 16-byte load each of O and dO; the
+//! 16 partial sums meet in a butterfly over lane distances 1, 2, 4, 8. 256 threads cover 16
+//! rows per pass; all 8 passes' loads are issued before the first sum (one CTA keeps 64 KiB
+//! in flight), and rows past the end are loaded clamped and not stored.
 
 use super::fixed_point::{self as fp, abs_bits};
 use super::KernelDesc;
@@ -36,8 +38,11 @@ const ROWS_PER_PASS: u32 = THREADS / LANES_PER_ROW;
 const HEADS: u32 = 64;
 const HEAD_DIM: u32 = 128;
 
+/// One lane's 16 bytes of a row.
+type Words = [Reg<Bf16x2>; 4];
+
 fn describe(b: &mut KernelBuilder) {
-    b.grid("[ceil(num_tokens / 128), 64, 1]");
+    b.grid("[ceil(num_tokens / 2), 1, 1]");
     let out_p = b.param_ptr("out", HostElem::Bf16, false);
     let dout_p = b.param_ptr("dout", HostElem::Bf16, false);
     let delta_p = b.param_ptr("delta", HostElem::F32, true);
@@ -49,47 +54,52 @@ fn describe(b: &mut KernelBuilder) {
     let tokens = b.ld_param(&tokens_p);
     let tid = b.sreg(SReg::TidX);
     let block = b.sreg(SReg::CtaidX);
-    let head = b.sreg(SReg::CtaidY);
 
+    // Rows (t, h) in memory order, t·64 + h: a CTA streams 32 KiB of each input.
+    let rows = b.mul_lo(tokens, HEADS);
+    let last = b.sub(rows, 1u32);
     let part = b.and(tid, LANES_PER_ROW - 1);
     let sub_row = b.shr(tid, 4u32);
     let first = b.mul_lo(block, ROWS_PER_CTA);
     let first = b.add(first, sub_row);
-    // Byte offset of this lane's 8 elements inside a (t, h) row.
+    // Byte offset of this lane's 8 elements inside a row.
     let lane_bytes = b.shl(part, 4u32);
     let lane_bytes = b.cvt::<U64, U32>(lane_bytes);
     let leader = b.setp(Cmp::Eq, part, 0u32);
 
-    for pass in 0..ROWS_PER_CTA / ROWS_PER_PASS {
-        b.comment(&format!("rows first + {}", pass * ROWS_PER_PASS));
-        let t = b.add(first, pass * ROWS_PER_PASS);
-        let live = b.setp(Cmp::Lt, t, tokens);
-        // (t * 64 + head) is the row index of both O and dO, and the delta index.
-        let row = b.mad_lo(t, HEADS, head);
-        let sum = b.mov::<F32>(0.0f32);
-        b.if_then(live, "row_loaded", |b| {
+    // Every load first (16 × 16 B per lane in flight): a row past the end loads the last row
+    // instead (no branch around the loads), and its sum is not stored.
+    let passes = ROWS_PER_CTA / ROWS_PER_PASS;
+    let row_of: Vec<Reg<U32>> = (0..passes)
+        .map(|pass| b.add(first, pass * ROWS_PER_PASS))
+        .collect();
+    let loads: Vec<(Words, Words)> = row_of
+        .iter()
+        .map(|&row| {
+            let row = b.min(row, last);
             let row_bytes = b.mul_wide(row, HEAD_DIM * 2);
             let off = b.add(row_bytes, lane_bytes);
             let o_addr = b.add(out, off);
             let d_addr = b.add(dout, off);
-            let o: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(o_addr, 0));
-            let d: [Reg<Bf16x2>; 4] = b.ld_global_nc_v(&global(d_addr, 0));
-            let mut acc = b.mov::<F32>(0.0f32);
-            for i in 0..4 {
-                let (o_lo, o_hi) = b.bf16x2_to_f32(o[i]);
-                let (d_lo, d_hi) = b.bf16x2_to_f32(d[i]);
-                acc = b.fma(o_lo, d_lo, acc);
-                acc = b.fma(o_hi, d_hi, acc);
-            }
-            b.set(sum, acc);
-        });
-        // The butterfly runs in every lane: a warp holds two rows, and when only the first
-        // is below T the other half-warp must still take part in the full-mask shuffles.
-        let mut acc = sum;
+            (
+                b.ld_global_nc_v(&global(o_addr, 0)),
+                b.ld_global_nc_v(&global(d_addr, 0)),
+            )
+        })
+        .collect();
+    for (&row, (o, d)) in row_of.iter().zip(loads) {
+        let mut acc = b.mov::<F32>(0.0f32);
+        for i in 0..4 {
+            let (o_lo, o_hi) = b.bf16x2_to_f32(o[i]);
+            let (d_lo, d_hi) = b.bf16x2_to_f32(d[i]);
+            acc = b.fma(o_lo, d_lo, acc);
+            acc = b.fma(o_hi, d_hi, acc);
+        }
         for dist in [1u32, 2, 4, 8] {
             let other = b.shfl(Shfl::Bfly, acc, dist, 0x1f);
             acc = b.add(acc, other);
         }
+        let live = b.setp(Cmp::Lt, row, rows);
         let store = b.and_pred(live, leader);
         let row_f32 = b.mul_wide(row, 4u32);
         let dst = b.add(delta, row_f32);

@@ -55,11 +55,7 @@ fn run_on_issues_the_documented_sequence_and_geometry() {
         // Seed-design §3.1 / §2.4: the grids of the launch sequence.
         let capacity = TaskBuildSizes::new(&c.schedule, sms).unwrap().capacity;
         let l = dev.launches();
-        assert_eq!(
-            l[0].grid,
-            (t.div_ceil(128) as u32, 64, 1),
-            "preprocess grid"
-        );
+        assert_eq!(l[0].grid, (t.div_ceil(2) as u32, 1, 1), "preprocess grid");
         assert_eq!(l[1].grid, (1, 1, 1), "task_scan_work grid");
         assert_eq!(l[3].grid, (1, 1, 1), "task_scan_bins grid");
         assert_eq!(
