@@ -583,9 +583,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let folded = |j: u32, e: u32| 16 * (4 * half + j / 2) + 8 * (j % 2) + e;
             b.comment("P^T = exp2(S^T*scale*log2e - lse*log2e) under the causal predicate");
             let mut p_val = Vec::new();
+            // The query positions of this half's four slots, one vector load.
+            let qpos: [Reg<S32>; 4] = b.ld_v(&r.qpos.at(base, 0).offset(16 * half as i64));
             for j in 0..8u32 {
-                let slot = 4 * half + j / 2;
-                let slot_qpos = b.ld::<S32, _>(&r.qpos.at(base, 0).offset(4 * slot as i64));
+                let slot_qpos = qpos[(j / 2) as usize];
                 // −lse·log2e (−∞ for an empty slot), gathered into shared memory.
                 let nl: [Reg<F32>; 2] = b.ld_v(&r.lse.at(at, 0).offset(4 * folded(j, 0) as i64));
                 for rr in 0..2usize {
@@ -709,9 +710,6 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             // MN-major). Against two m64n64 passes over both halves it reads 48 KB of shared
             // memory instead of 64 KB, and each warp's rows are one slot: one query row.
             b.wgmma_wait(0);
-            b.comment("release the Q/dO stage once the whole warpgroup is done");
-            b.bar_sync_reg(wg_bar, 128);
-            b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
             let ds_addr = b.add(base, r.ds.offset);
             let ds_addr = b.add(ds_addr, c_panel);
             let ds0 = mn_major().emit(b, ds_addr);
@@ -726,6 +724,12 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
             }
             b.wgmma_commit();
+            // Every warp has waited for its dV/dK group before issuing dQ: once all four
+            // meet, the warpgroup's reads of this Q/dO stage are over (the meeting runs under
+            // the dQ GEMM).
+            b.comment("release the Q/dO stage once the whole warpgroup is done");
+            b.bar_sync_reg(wg_bar, 128);
+            b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
             b.wgmma_wait(0);
             b.comment("this consumer's reads of sdS are done: the other may overwrite its rows");
             b.unless(last_task, "ds_free_arrive", |b| {
