@@ -252,6 +252,22 @@ pub trait Backend {
     /// Copies `bytes` to device address `dst`.
     fn upload(&mut self, what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
 
+    /// Lets the [`upload`](Backend::upload)s issued from now until
+    /// [`join_uploads`](Backend::join_uploads) run beside the work issued in between: they
+    /// still follow everything issued before this call, and everything issued after the
+    /// join follows them. The caller must not issue, in between, work that touches their
+    /// destinations. A backend with one queue keeps the default, which keeps the uploads in
+    /// queue order.
+    fn fork_uploads(&mut self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    /// Ends [`fork_uploads`](Backend::fork_uploads): the work issued from now on follows the
+    /// forked uploads.
+    fn join_uploads(&mut self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
     /// Sets `bytes` bytes at `dst` to zero.
     fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError>;
 

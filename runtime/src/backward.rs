@@ -918,43 +918,55 @@ impl<B: Backend> MsaBackward<B> {
 
         // 5. The launch sequence (`docs/design.md` §3.1). The schedule copy follows the first
         // launches so that the GPU has work while the host stages it.
-        match &fixed {
-            Some(f) => {
-                // The preprocess stores every a[t, g]; only the group maxima, which its CTAs
-                // fold in with atomic max, start from zero.
-                backend.zero("bounds", f.bounds.addr, 4 * f.bounds.len)?;
-                preprocess_deterministic(
-                    backend,
-                    io.out,
-                    io.grad_out,
-                    io.q,
-                    io.k_aligned,
-                    io.v_aligned,
-                    delta,
-                    f,
-                    tq,
-                    w,
-                )?;
-                backend.zero("dq pool", f.dq.addr, 4 * f.dq.len)?;
-                backend.zero("dk pool", f.dk.addr, 4 * f.dk.len)?;
-                backend.zero("dv pool", f.dv.addr, 4 * f.dv.len)?;
-            }
-            None => {
-                preprocess(backend, io.out, io.grad_out, delta, tq)?;
-                // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
-                backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
-                backend.zero("dk pool", dk_pool.addr, 4 * pool_len)?;
-                backend.zero("dv pool", dv_pool.addr, 4 * pool_len)?;
-            }
+        // The copy runs beside the preprocess and the zeroing (`fork_uploads`: on the CUDA
+        // backend, the device's upload stream) and is joined before the task build reads it.
+        if upload.is_some() {
+            backend.fork_uploads()?;
         }
-        let refs: ScheduleRefs = match (&upload, &schedule) {
-            (Some((s, d)), _) => {
-                d.write(backend, s)?;
-                d.refs()
+        let issued = (|| -> Result<ScheduleRefs, RuntimeError> {
+            match &fixed {
+                Some(f) => {
+                    // The preprocess stores every a[t, g]; only the group maxima, which its CTAs
+                    // fold in with atomic max, start from zero.
+                    backend.zero("bounds", f.bounds.addr, 4 * f.bounds.len)?;
+                    preprocess_deterministic(
+                        backend,
+                        io.out,
+                        io.grad_out,
+                        io.q,
+                        io.k_aligned,
+                        io.v_aligned,
+                        delta,
+                        f,
+                        tq,
+                        w,
+                    )?;
+                    backend.zero("dq pool", f.dq.addr, 4 * f.dq.len)?;
+                    backend.zero("dk pool", f.dk.addr, 4 * f.dk.len)?;
+                    backend.zero("dv pool", f.dv.addr, 4 * f.dv.len)?;
+                }
+                None => {
+                    preprocess(backend, io.out, io.grad_out, delta, tq)?;
+                    // After the preprocess: `dq` may lie on `out` (in place), which only it reads.
+                    backend.zero("dq pool", dq_pool.addr, 2 * q_len)?;
+                    backend.zero("dk pool", dk_pool.addr, 4 * pool_len)?;
+                    backend.zero("dv pool", dv_pool.addr, 4 * pool_len)?;
+                }
             }
-            (None, BackwardSchedule::Device(s)) => s.refs(),
-            (None, BackwardSchedule::Host(_)) => unreachable!("host schedules are uploaded"),
-        };
+            Ok(match (&upload, &schedule) {
+                (Some((s, d)), _) => {
+                    d.write(backend, s)?;
+                    d.refs()
+                }
+                (None, BackwardSchedule::Device(s)) => s.refs(),
+                (None, BackwardSchedule::Host(_)) => unreachable!("host schedules are uploaded"),
+            })
+        })();
+        // Joined whatever happened, so that neither later work nor a graph being captured is
+        // left with an unjoined upload.
+        let joined = backend.join_uploads();
+        let refs = issued?;
+        joined?;
         tasks.build_from(backend, &refs)?;
         // The caller's last step before the main kernel, the first reader of K/V (the
         // context-parallel gather's wait).

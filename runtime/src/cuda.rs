@@ -22,6 +22,8 @@ pub struct CudaBackend {
     // `cuStreamGetId`: unique over the process, also for the legacy and per-thread default
     // streams (whose handles are shared by every context or thread).
     stream_id: u64,
+    // Between `fork_uploads` and `join_uploads`: the stream uploads go to.
+    uploads: Option<Arc<CudaStream>>,
 }
 
 impl CudaBackend {
@@ -39,6 +41,7 @@ impl CudaBackend {
             stream: stream.clone(),
             device: Device::of(stream.context())?,
             stream_id: stream_id(stream.cu_stream())?,
+            uploads: None,
         })
     }
 
@@ -86,6 +89,13 @@ impl CudaBackend {
     /// The stream work is issued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The stream an upload issued now goes to: the device's upload stream between
+    /// [`Backend::fork_uploads`] and [`Backend::join_uploads`], [`CudaBackend::stream`]
+    /// otherwise.
+    pub(crate) fn upload_queue(&self) -> &Arc<CudaStream> {
+        self.uploads.as_ref().unwrap_or(&self.stream)
     }
 
     /// The device.
@@ -138,18 +148,48 @@ impl Backend for CudaBackend {
         buffer.device_ptr(&self.stream).0
     }
 
+    fn fork_uploads(&mut self) -> Result<(), RuntimeError> {
+        self.bind("cuCtxSetCurrent")?;
+        // Under a graph capture the uploads stay on the stream: the shared upload stream
+        // would otherwise join the capture (and could join two at once).
+        let capture = self
+            .stream
+            .capture_status()
+            .map_err(RuntimeError::driver("cuStreamIsCapturing"))?;
+        if self.uploads.is_none()
+            && capture == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        {
+            let side = self.device.upload_stream()?;
+            side.join(&self.stream)
+                .map_err(RuntimeError::driver("cuStreamWaitEvent"))?;
+            self.uploads = Some(side);
+        }
+        Ok(())
+    }
+
+    fn join_uploads(&mut self) -> Result<(), RuntimeError> {
+        if let Some(side) = self.uploads.take() {
+            self.bind("cuCtxSetCurrent")?;
+            self.stream
+                .join(&side)
+                .map_err(RuntimeError::driver("cuStreamWaitEvent"))?;
+        }
+        Ok(())
+    }
+
     fn upload(&mut self, _what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
         self.bind("cuCtxSetCurrent")?;
+        let stream = self.upload_queue();
         // SAFETY (both copies): `dst` addresses at least `bytes.len()` bytes of this
         // context's memory (the host flow's own allocations), and the context is current.
         if bytes.len() >= STAGED_UPLOAD_MIN
-            && unsafe { self.device.upload_staged(&self.stream, dst, bytes) }?
+            && unsafe { self.device.upload_staged(stream, dst, bytes) }?
         {
             return Ok(());
         }
         // From pageable memory the call returns once `bytes` has been staged, so the slice
         // may be dropped afterwards.
-        unsafe { result::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }
+        unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }
             .map_err(RuntimeError::driver("cuMemcpyHtoDAsync"))
     }
 

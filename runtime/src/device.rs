@@ -51,6 +51,8 @@ pub struct Device {
     // Loaded entry functions by kernel name (each keeps its module alive).
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
     staging: Mutex<StagingRing>,
+    // The stream of forked uploads (`Backend::fork_uploads`), made on first use.
+    upload_stream: Mutex<Option<Arc<CudaStream>>>,
 }
 
 /// Uploads of at least this many bytes go through the device's pinned staging ring
@@ -142,7 +144,31 @@ impl Device {
             sm_count: sm_count.max(1) as usize,
             functions: Mutex::new(HashMap::new()),
             staging: Mutex::default(),
+            upload_stream: Mutex::default(),
         })
+    }
+
+    /// The stream that forked uploads run on ([`crate::Backend::fork_uploads`]), one per
+    /// device, made on first use and kept for the process, as the device is. Made through
+    /// the driver rather than cudarc's `new_stream`, which would switch the context into
+    /// cudarc's multi-stream mode (an event recorded per buffer use). Backends of several
+    /// streams share it: each caller's own events order its uploads, so sharing can only
+    /// make one caller's uploads wait for another's.
+    pub(crate) fn upload_stream(&self) -> Result<Arc<CudaStream>, RuntimeError> {
+        let mut side = self.upload_stream.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = side.as_ref() {
+            return Ok(s.clone());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(RuntimeError::driver("cuCtxSetCurrent"))?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(RuntimeError::driver("cuStreamCreate"))?;
+        // SAFETY: `raw` is a stream of this context that is never destroyed: it lives as
+        // long as the device, that is, as the process.
+        let s = unsafe { self.ctx.wrap_borrowed_stream(raw) };
+        *side = Some(s.clone());
+        Ok(s)
     }
 
     /// Copies `bytes` to device address `dst` on `stream` through the pinned staging ring, one

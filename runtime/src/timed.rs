@@ -69,17 +69,26 @@ impl TimedBackend {
             .collect()
     }
 
-    /// Records `issue` between two events under `name`.
+    /// Records `issue` between two events under `name`, on the stream it goes to (the
+    /// upload stream for a forked upload).
     fn timed(
         &mut self,
         name: OpName,
+        upload: bool,
         issue: impl FnOnce(&mut CudaBackend) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let record = || RuntimeError::driver("cuEventRecord");
-        let start = self.inner.stream().record_event(flags).map_err(record())?;
+        let stream = |b: &CudaBackend| {
+            if upload {
+                b.upload_queue().clone()
+            } else {
+                b.stream().clone()
+            }
+        };
+        let start = stream(&self.inner).record_event(flags).map_err(record())?;
         issue(&mut self.inner)?;
-        let end = self.inner.stream().record_event(flags).map_err(record())?;
+        let end = stream(&self.inner).record_event(flags).map_err(record())?;
         self.ops.push((name, start, end));
         Ok(())
     }
@@ -117,11 +126,19 @@ impl Backend for TimedBackend {
     }
 
     fn upload(&mut self, what: &'static str, dst: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
-        self.timed(what, |b| b.upload(what, dst, bytes))
+        self.timed(what, true, |b| b.upload(what, dst, bytes))
+    }
+
+    fn fork_uploads(&mut self) -> Result<(), RuntimeError> {
+        self.inner.fork_uploads()
+    }
+
+    fn join_uploads(&mut self) -> Result<(), RuntimeError> {
+        self.inner.join_uploads()
     }
 
     fn zero(&mut self, what: &'static str, dst: u64, bytes: usize) -> Result<(), RuntimeError> {
-        self.timed(what, |b| b.zero(what, dst, bytes))
+        self.timed(what, false, |b| b.zero(what, dst, bytes))
     }
 
     fn copy(
@@ -131,7 +148,7 @@ impl Backend for TimedBackend {
         src: u64,
         bytes: usize,
     ) -> Result<(), RuntimeError> {
-        self.timed(what, |b| b.copy(what, dst, src, bytes))
+        self.timed(what, false, |b| b.copy(what, dst, src, bytes))
     }
 
     fn download(
@@ -158,6 +175,8 @@ impl Backend for TimedBackend {
         args: &[KernelArg],
     ) -> Result<(), RuntimeError> {
         // SAFETY: forwarded unchanged; the caller upholds `launch`'s contract.
-        self.timed(kernel.name, |b| unsafe { b.launch(kernel, grid, args) })
+        self.timed(kernel.name, false, |b| unsafe {
+            b.launch(kernel, grid, args)
+        })
     }
 }

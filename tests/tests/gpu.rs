@@ -233,3 +233,36 @@ fn staged_uploads_arrive_whole_and_in_order() {
         }
     }
 }
+
+#[test]
+fn forked_uploads_follow_earlier_work_and_precede_work_after_the_join() {
+    use cudarc::driver::DevicePtr;
+    use msa_runtime::{Backend, CudaBackend};
+    let Some(stream) = gpu_stream() else { return };
+    let mut backend = CudaBackend::new(&stream).unwrap();
+    let n = (12 << 20) + 9; // two staging chunks and a tail
+    let mut rng = Rng::new(20_261_210);
+    let host: Vec<u8> = (0..n).map(|_| (rng.next_u64() as u8) | 1).collect();
+    let dst = stream.alloc_zeros::<u8>(n).unwrap();
+    let seen = stream.alloc_zeros::<u8>(n).unwrap();
+    let other = stream.alloc_zeros::<u8>(64 << 20).unwrap();
+    let (dst_p, seen_p) = (dst.device_ptr(&stream).0, seen.device_ptr(&stream).0);
+    let other_p = other.device_ptr(&stream).0;
+    for round in 0..3u8 {
+        let bytes: Vec<u8> = host.iter().map(|x| x.wrapping_add(2 * round)).collect();
+        // Before the fork, on the stream: the upload must land after this zeroing.
+        backend.zero("dst", dst_p, n).unwrap();
+        backend.fork_uploads().unwrap();
+        backend.upload("forked", dst_p, &bytes).unwrap();
+        // Work between fork and join that leaves `dst` alone (as the preprocess does).
+        backend.zero("other", other_p, 64 << 20).unwrap();
+        backend.join_uploads().unwrap();
+        // After the join, on the stream: this copy must see the whole upload.
+        backend.copy("seen", seen_p, dst_p, n).unwrap();
+        let got = stream.clone_dtoh(&seen).unwrap();
+        let wrong = got.iter().zip(&bytes).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "round {round}: {wrong} of {n} bytes differ");
+    }
+    // Joining without a fork is a no-op.
+    backend.join_uploads().unwrap();
+}
