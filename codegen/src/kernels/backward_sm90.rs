@@ -52,7 +52,8 @@
 //!     of that half, B the whole K tile, both MN-major; 64 accumulator registers. Warp `w`
 //!     then holds the rows of one slot, `4c + w`. Against two m64n64 passes (consumer `c`
 //!     owning head dims `64c..`) it reads 48 KB of shared memory per task and consumer
-//!     instead of 64 KB. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
+//!     instead of 64 KB. It is issued once half 1's dV/dK has drained; the warpgroup's
+//!     meeting before the Q/dO release then runs under it. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
 //!     two m64n64 passes over the folded halves with the first half's reductions under the
 //!     second's GEMM, whose fragment its head-quad pool words follow.)
 //!   - The write-after-read order on the shared dS^T (the next task's stores after the other
