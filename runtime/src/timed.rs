@@ -79,16 +79,15 @@ impl TimedBackend {
     ) -> Result<(), RuntimeError> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let record = || RuntimeError::driver("cuEventRecord");
-        let stream = |b: &CudaBackend| {
-            if upload {
-                b.upload_queue().clone()
-            } else {
-                b.stream().clone()
-            }
-        };
-        let start = stream(&self.inner).record_event(flags).map_err(record())?;
+        let stream = if upload {
+            self.inner.upload_queue()
+        } else {
+            self.inner.stream()
+        }
+        .clone();
+        let start = stream.record_event(flags).map_err(record())?;
         issue(&mut self.inner)?;
-        let end = stream(&self.inner).record_event(flags).map_err(record())?;
+        let end = stream.record_event(flags).map_err(record())?;
         self.ops.push((name, start, end));
         Ok(())
     }

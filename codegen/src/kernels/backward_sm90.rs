@@ -563,12 +563,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let a0 = k_major().emit(b, a_addr);
                 let b_addr = b.add(b_tile, half * 64 * 128);
                 let b0 = k_major().emit(b, b_addr);
-                for k in 0..8u32 {
-                    let a_desc = k_major().emit_step(b, a0, k);
-                    let b_desc = k_major().emit_step(b, b0, k);
-                    let acc_p = if k == 0 { never } else { always };
-                    b.wgmma_ss(acc, a_desc, b_desc, acc_p, false, false);
-                }
+                common::wgmma_ss_k128(b, acc, Major::K, (a0, b0), (never, always));
                 b.wgmma_commit();
             }
             b.wgmma_wait(1);
@@ -630,6 +625,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let lo: [Reg<S32>; 4] = b.ld_v(&at);
                     let hi: [Reg<S32>; 4] = b.ld_v(&at.offset(16));
                     slot_rows = lo.into_iter().chain(hi).collect();
+                    b.comment("the slots' inverse dQ units, read before the release");
+                    let at = r.dq_inv.at(base, 0);
+                    let lo: [Reg<F32>; 4] = b.ld_v(&at);
+                    let hi: [Reg<F32>; 4] = b.ld_v(&at.offset(16));
+                    dq_invs = Some(lo.into_iter().chain(hi).collect());
                 } else {
                     b.comment(
                         "this warp's slot's query row (slot 4c + warp), read before the release",
@@ -638,13 +638,6 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let off = b.shl(slot, 2u32);
                     let at = b.add(base, off);
                     slot_rows = vec![b.ld::<S32, _>(&r.qrows.at(at, 0))];
-                }
-                if p.fixed.is_some() {
-                    b.comment("the slots' inverse dQ units, read before the release");
-                    let at = r.dq_inv.at(base, 0);
-                    let lo: [Reg<F32>; 4] = b.ld_v(&at);
-                    let hi: [Reg<F32>; 4] = b.ld_v(&at.offset(16));
-                    dq_invs = Some(lo.into_iter().chain(hi).collect());
                 }
                 b.comment("this thread's last read of the row scalars is done: release them");
                 let rst = rows_stage.as_ref().expect("waited in half 0");
@@ -707,8 +700,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         r.consumers.sync(b);
         if !fixed {
             // One m64n128 GEMM per consumer: its folded half (slots 4c..4c+4) × all 128 head
-            // dims, dQ = dS_c·K (A: the consumer's own dS^T panel, B: the whole K tile, both
-            // MN-major). Against two m64n64 passes over both halves it reads 48 KB of shared
+            // dims, dQ = dS_c·K (A: the dS^T panel of that half, written by both consumers;
+            // B: the whole K tile; both MN-major). Against two m64n64 passes over both halves it reads 48 KB of shared
             // memory instead of 64 KB, and each warp's rows are one slot: one query row.
             b.wgmma_wait(0);
             let ds_addr = b.add(base, r.ds.offset);
@@ -718,12 +711,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let k0 = mn_major().emit(b, k_addr);
             let dq_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
             b.wgmma_fence();
-            for k in 0..8u32 {
-                let a_desc = mn_major().emit_step(b, ds0, k);
-                let b_desc = mn_major().emit_step(b, k0, k);
-                let acc_p = if k == 0 { never } else { always };
-                b.wgmma_ss(&dq_acc, a_desc, b_desc, acc_p, true, true);
-            }
+            common::wgmma_ss_k128(b, &dq_acc, Major::MN, (ds0, k0), (never, always));
             b.wgmma_commit();
             // Every warp has waited for its dV/dK group before issuing dQ: once all four
             // meet, the warpgroup's reads of this Q/dO stage are over (the meeting runs under
@@ -771,12 +759,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 }
                 let ds_addr = b.add(base, r.ds.offset + nh as u32 * PANEL_BYTES);
                 let ds0 = mn_major().emit(b, ds_addr);
-                for k in 0..8u32 {
-                    let a_desc = mn_major().emit_step(b, k0, k);
-                    let b_desc = mn_major().emit_step(b, ds0, k);
-                    let acc_p = if k == 0 { never } else { always };
-                    b.wgmma_ss(dq_acc, a_desc, b_desc, acc_p, true, true);
-                }
+                common::wgmma_ss_k128(b, dq_acc, Major::MN, (k0, ds0), (never, always));
                 b.wgmma_commit();
             }
             for nh in 0..2u32 {

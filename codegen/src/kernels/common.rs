@@ -1,7 +1,9 @@
 //! Building blocks shared by kernel descriptions: element addressing, the CTA-wide scan, and
 //! the CTA-walk rule mirrored from the host contract.
 
+use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline};
+use crate::plan::smem::Major;
 use crate::ptx::*;
 use crate::target::Target;
 
@@ -569,4 +571,25 @@ pub fn load_if(
         b.set(out, v);
     });
     out
+}
+
+/// One Hopper wgmma GEMM over K = 128 with both operands in shared memory: eight k16 steps
+/// over the SW128 tile views (`major`; MN-major operands are transposed) whose descriptors
+/// start at `a0` and `b0`, committed by the caller. The first step overwrites `acc`
+/// (`never` is a false predicate), the others accumulate (`always`, a true one).
+pub fn wgmma_ss_k128(
+    b: &mut KernelBuilder,
+    acc: &[Reg<F32>],
+    major: Major,
+    (a0, b0): (Reg<B64>, Reg<B64>),
+    (never, always): (Reg<Pred>, Reg<Pred>),
+) {
+    let desc = SmemDesc::sw128_tile(Target::Sm90a, major);
+    let transpose = major == Major::MN;
+    for k in 0..8u32 {
+        let a_desc = desc.emit_step(b, a0, k);
+        let b_desc = desc.emit_step(b, b0, k);
+        let acc_p = if k == 0 { never } else { always };
+        b.wgmma_ss(acc, a_desc, b_desc, acc_p, transpose, transpose);
+    }
 }

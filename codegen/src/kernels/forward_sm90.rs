@@ -511,12 +511,7 @@ fn consumer(
                 b.wgmma_fence();
                 let a0 = k_major().emit(b, a_base);
                 let b0 = k_major().emit(b, k_addr);
-                for kk in 0..8u32 {
-                    let a_desc = k_major().emit_step(b, a0, kk);
-                    let b_desc = k_major().emit_step(b, b0, kk);
-                    let acc_p = if kk == 0 { never } else { always };
-                    b.wgmma_ss(&s_acc, a_desc, b_desc, acc_p, false, false);
-                }
+                common::wgmma_ss_k128(b, &s_acc, Major::K, (a0, b0), (never, always));
                 b.wgmma_commit();
                 b.wgmma_wait(0);
 
