@@ -52,28 +52,34 @@
 //!     of that half, B the whole K tile, both MN-major; 64 accumulator registers. Warp `w`
 //!     then holds the rows of one slot, `4c + w`. Against two m64n64 passes (consumer `c`
 //!     owning head dims `64c..`) it reads 48 KB of shared memory per task and consumer
-//!     instead of 64 KB. It is issued once half 1's dV/dK has drained; the warpgroup's
-//!     meeting before the Q/dO release then runs under it. (The deterministic kernel computes `dQ^T_c = K^T_c·dS^T` instead,
+//!     instead of 64 KB. It is issued once half 1's dV/dK has drained. (The deterministic
+//!     kernel computes `dQ^T_c = K^T_c·dS^T` instead,
 //!     two m64n64 passes over the folded halves with the first half's reductions under the
 //!     second's GEMM, whose fragment its head-quad pool words follow.)
+//!   - dS^T goes to its panel with `stmatrix.x4` (four per half and thread: the accumulator
+//!     fragment is the 8×8 `stmatrix` layout, rows = keys), not 16 scalar stores with their
+//!     address arithmetic each.
 //!   - The write-after-read order on the shared dS^T (the next task's stores after the other
-//!     consumer's dQ reads) is a split barrier, `ds_free`: a consumer `bar.arrive`s on the
-//!     other's instance once its dQ GEMM has completed (not after the walk's last task),
+//!     consumer's last reads of it) is a split barrier, `ds_free`: a consumer `bar.arrive`s on
+//!     the other's instance once it is done with the panel (not after the walk's last task),
 //!     and `bar.sync`s on its own instance just before its next dS^T stores (not before the
 //!     walk's first task), instead of a second consumer-wide `bar.sync` after dQ.
 //! - **Writes.** dQ goes straight into `dq [T, 64, 128]` (no de-interleave in the
-//!   postprocess; `docs/design.md` §3.6): a thread holds two consecutive head dims of heads
-//!   `quad` and `quad + 8` of its warp's slot per 8-column group, and a 4×4 transpose inside
-//!   each quad (two butterfly shuffles per pair of words) gives lane `pair` eight consecutive
-//!   head dims of one head, and a swap between quads `2k` and `2k + 1` puts a whole 128-byte
-//!   row segment (one L2 line) under the eight lanes of a quad pair: one
-//!   `red.global.add.noftz.v4.bf16x2` (L2 evict_last) per four words, 8 reductions per thread
-//!   and task, 4 lines per warp instruction. (On the H200, alternating rounds against the
-//!   earlier kernels: the `dQ^T` fragment with a head-pair-interleaved pool, 16 `v2`
-//!   reductions per thread plus the de-interleave, was 1-2.5 % slower than the quad-only
-//!   transpose into `[T, 64, 128]` (8 lines of 64 bytes per instruction), which was 1.4-2.6 %
-//!   slower than this; the `dQ^T` fragment straight into `[T, 64, 128]`, 4 bytes per head and
-//!   lane, was 1-4 % slower than the interleaved pool.) The slots' compact rows, which
+//!   postprocess; `docs/design.md` §3.6). Once its dQ GEMM has completed and the warpgroup has
+//!   met (so no warp's part of the GEMM still reads panel `c`), each warp stages its 16 rows
+//!   (its slot's 16 heads × 128 head dims, bf16) in its own 4 KB of that panel with eight
+//!   `stmatrix.x4`, 16-byte chunks XOR-swizzled by row, and reads them back with eight
+//!   `ld.shared.v4`: eight lanes per 128-byte row half, so each
+//!   `red.global.add.noftz.v4.bf16x2` (L2 evict_last) covers four whole L2 lines, 8 per thread
+//!   and task. The loads all come first and the reductions follow under one branch (ptxas
+//!   turns a predicated reduction into a branch, and then waited on each load in turn). Only
+//!   then does the consumer arrive on `ds_free`. Session 11 (`bench/results/h200-2026-12-02-s11-backward.md`):
+//!   this replaced a 4×4 transpose in each quad and a swap between quads (48 shuffles and
+//!   about 250 more instructions per thread and task), 1.3-1.8 % faster alone and, with the
+//!   task metadata loaded one task ahead (its global load had been on the path to each task's
+//!   first GEMM), 3-8 % faster than session 10's kernel. Deferring the reductions into the
+//!   next task (after its S^T/dP^T issue, or after its half-0 exponentials) was 2-7 % slower
+//!   than doing them here: they then delay the dS that feeds its first dV/dK. The slots' compact rows, which
 //!   address the reductions, come from the gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
@@ -349,112 +355,107 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     });
 }
 
-/// The default kernel's dQ reductions of one 64-row half: the accumulator of `dQ_c = dS·K_c`
-/// (rows: this warp's slot, heads `quad` and `quad + 8`; columns: head dims
-/// `64c + 8j + 2·pair`, `+1`) into whole rows of `dq [T, 64, 128]` at query row `qrow`
-/// (skipped unless `live`). A 4×4 transpose within each quad (two butterfly exchanges)
-/// gives lane `pair` the eight consecutive head dims `64c + 8(4J + pair) ..` of its row for
-/// each `J`; then quads `2k` and `2k + 1` swap halves so that the eight lanes of a quad
-/// pair cover one row's 64 head dims (128 contiguous bytes, a whole L2 line) per
-/// `red.global.add.noftz.v4.bf16x2`.
-#[allow(clippy::too_many_arguments)]
-fn dq_rows_out(
-    b: &mut KernelBuilder,
-    p: &MainParams,
-    acc: &[Reg<F32>],
-    qrow: Reg<U32>,
-    live: Reg<Pred>,
-    group: Reg<U32>,
-    quad: Reg<U32>,
-    pair: Reg<U32>,
-    c: Reg<U32>,
-    policy: Reg<B64>,
-) {
-    let bit = |b: &mut KernelBuilder, v: Reg<U32>, m: u32| {
-        let x = b.and(v, m);
-        b.setp(Cmp::Ne, x, 0u32)
-    };
-    let (p0, p1, odd_quad) = (bit(b, pair, 1), bit(b, pair, 2), bit(b, quad, 1));
-    // 16-byte unit of (qrow, head 16·group + (quad & ~1), head dim 64c + 8·(4·(quad & 1)
-    // + pair)): this lane's part of the even quad's row; the odd quad's row is 16 units on.
-    let even_quad = b.and(quad, 6u32);
-    let row = b.mad_lo(qrow, 64u32, even_quad);
-    let row = b.mad_lo(group, 16u32, row);
-    let half = b.and(quad, 1u32);
-    let col = b.mad_lo(half, 4u32, pair);
-    let col = b.mad_lo(c, 8u32, col);
-    let unit = b.mad_lo(row, 16u32, col);
-    for rr in 0..2usize {
-        // v[J]: after the quad transpose, this lane's eight head dims 64c + 8(4J + pair) of
-        // its row quad + 8·rr, as four words in head-dim order.
-        let v: Vec<[Reg<Bf16x2>; 4]> = [0u32, 4]
-            .map(|j0| {
-                // m[jj]: this lane's word of columns 8(j0 + jj) + 2·pair.
-                let m: Vec<Reg<Bf16x2>> = (0..4)
-                    .map(|jj| {
-                        let i = (4 * (j0 + jj)) as usize + 2 * rr;
-                        b.cvt_bf16x2(acc[i + 1], acc[i])
-                    })
-                    .collect();
-                quad_transpose(b, &m, p0, p1)
-            })
-            .into_iter()
-            .collect();
-        // Quads 2k, 2k + 1 swap: the even one keeps J = 0 and takes its partner's J = 0
-        // (the odd row's first half), the odd one keeps J = 1 and takes the even row's
-        // second half.
-        let send: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(v[0][k], v[1][k], odd_quad));
-        let got = send.map(|x| b.shfl(Shfl::Bfly, x, 4u32, 0x1f));
-        let even_row: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(got[k], v[0][k], odd_quad));
-        let odd_row: [Reg<Bf16x2>; 4] = std::array::from_fn(|k| b.selp(v[1][k], got[k], odd_quad));
-        let dq = b.ld_param_ptr(&p.dq);
-        for (r, words) in [(0u32, even_row), (1, odd_row)] {
-            // Row + 8·rr heads (128 units), + r for the odd quad's row (16 units).
-            let at = b.add(unit, 128 * rr as u32 + 16 * r);
-            let a = common::elem_bytes(b, dq, at, 16);
-            b.predicated(live, false, |b| {
-                b.red_add_v4_bf16x2(&a, words, Some(policy))
-            });
+/// A lane's part in `stmatrix.x4` of the fragment's 8×8 matrices `(j, rr)` = `(2s, 0)`,
+/// `(2s, 1)`, `(2s + 1, 0)`, `(2s + 1, 1)` of instruction `s` into rows with an SW128-style
+/// XOR of 16-byte chunks by `row & 7`: lane `8·mi + r` gives row `r + 8·(mi & 1)` of the
+/// matrix, whose chunk is `(2s + (mi >> 1)) ^ r` = `2·(s ^ h2) + ((mi >> 1) ^ r) & 1`.
+struct StmatrixLane {
+    /// The matrix row this lane addresses, `r + 8·(mi & 1)` (0..16).
+    row: Reg<U32>,
+    /// `16·(((mi >> 1) ^ r) & 1)`: the byte offset of the chunk's odd bit.
+    half_chunk: Reg<U32>,
+    /// `r >> 1`, XORed into `s`.
+    h2: Reg<U32>,
+}
+
+impl StmatrixLane {
+    fn new(b: &mut KernelBuilder, lane: Reg<U32>) -> Self {
+        let mi = b.shr(lane, 3u32);
+        let r = b.and(lane, 7u32);
+        let rr = b.and(mi, 1u32);
+        let row = b.mad_lo(rr, 8u32, r);
+        let a = b.shr(mi, 1u32);
+        let odd = b.xor(a, r);
+        let odd = b.and(odd, 1u32);
+        let half_chunk = b.shl(odd, 4u32);
+        let h2 = b.shr(r, 1u32);
+        StmatrixLane {
+            row,
+            half_chunk,
+            h2,
         }
     }
 }
 
-/// A 4×4 transpose of 32-bit words over the lanes of a quad: `m[jj]` of lane `pair` becomes
-/// word `pair` of lane `jj`'s result (lane `pair` returns the `m[pair]` of lanes 0..4, in lane
-/// order). `p0`, `p1`: bits 0 and 1 of `pair`.
-fn quad_transpose(
+/// The default kernel's dQ reductions: the accumulator of `dQ_c = dS_c·K` (m64n128; this
+/// warp's 16 rows are the 16 heads of its slot, row `qrow` of `dq [T, 64, 128]`, skipped
+/// unless `live`) is staged as bf16 in the warp's 4 KB at `stage` (16 rows of 256 bytes, the
+/// 16-byte chunk `k` of row `h` at `k ^ (h & 7)`: conflict-free both ways) with eight
+/// `stmatrix.x4`, then read back as one 128-byte row half per eight lanes: each
+/// `red.global.add.noftz.v4.bf16x2` covers four whole L2 lines, with no shuffles.
+#[allow(clippy::too_many_arguments)]
+fn dq_rows_staged(
     b: &mut KernelBuilder,
-    m: &[Reg<Bf16x2>],
-    p0: Reg<Pred>,
-    p1: Reg<Pred>,
-) -> [Reg<Bf16x2>; 4] {
-    // Exchange 1 (lanes pair ^ 1): keep the columns jj with jj & 1 == pair & 1, send the
-    // others; then (a_s, b_s) = (M[pair][2s + p0], M[pair ^ 1][2s + p0]).
-    let ab: Vec<(Reg<Bf16x2>, Reg<Bf16x2>)> = (0..2)
-        .map(|s| {
-            let keep = b.selp(m[2 * s + 1], m[2 * s], p0);
-            let send = b.selp(m[2 * s], m[2 * s + 1], p0);
-            (keep, b.shfl(Shfl::Bfly, send, 1u32, 0x1f))
-        })
+    p: &MainParams,
+    acc: &[Reg<F32>],
+    stage: Reg<U32>,
+    lane: Reg<U32>,
+    qrow: Reg<U32>,
+    live: Reg<Pred>,
+    group: Reg<U32>,
+) {
+    // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1.
+    let word = |b: &mut KernelBuilder, j: u32, rr: u32| {
+        let i = (4 * j + 2 * rr) as usize;
+        b.cvt_bf16x2(acc[i + 1], acc[i])
+    };
+    let sm = StmatrixLane::new(b, lane);
+    let lane_at = b.mad_lo(sm.row, 256u32, sm.half_chunk);
+    let lane_at = b.add(lane_at, stage);
+    for s in 0..8u32 {
+        let v = [
+            word(b, 2 * s, 0),
+            word(b, 2 * s, 1),
+            word(b, 2 * s + 1, 0),
+            word(b, 2 * s + 1, 1),
+        ];
+        let x = b.xor(sm.h2, s);
+        let addr = b.mad_lo(x, 32u32, lane_at);
+        b.stmatrix_x4(&shared(addr, 0), v);
+    }
+    b.bar_warp_sync();
+    // Read i: row h = 4·(i % 4) + (lane >> 3), head dims 64·(i / 4) + 8·(lane & 7) ..+8,
+    // stored at chunk 8·(i / 4) + ((lane & 7) ^ (lane >> 3) ^ 4·(i % 2)).
+    let lq = b.shr(lane, 3u32);
+    let m = b.and(lane, 7u32);
+    let x0 = b.xor(m, lq);
+    let row_at = b.mad_lo(lq, 256u32, stage);
+    let at: [Reg<U32>; 2] = [0u32, 4].map(|flip| {
+        let x = b.xor(x0, flip);
+        b.mad_lo(x, 16u32, row_at)
+    });
+    // 16-byte unit (qrow, head 16·group + lq, head dims 8m ..) of dq; read i adds
+    // 4·(i % 4) heads and 64·(i / 4) head dims: 1024·(i % 4) + 128·(i / 4) bytes, the same
+    // offset as in the staging rows.
+    let unit = b.mad_lo(qrow, 64u32, lq);
+    let unit = b.mad_lo(group, 16u32, unit);
+    let unit = b.mad_lo(unit, 16u32, m);
+    let dq = b.ld_param_ptr(&p.dq);
+    let row_a = common::elem_bytes(b, dq, unit, 16);
+    let policy = b.policy_evict_last(1.0);
+    // All eight loads first, then the reductions under one branch: a predicated reduction
+    // becomes a branch in ptxas, which then waited on each load in turn.
+    let offs: Vec<i64> = (0..8u32)
+        .map(|i| i64::from(1024 * (i % 4) + 128 * (i / 4)))
         .collect();
-    // Exchange 2 (lanes pair ^ 2): keep s = p1 (column jj = pair), send the other.
-    let keep_a = b.selp(ab[1].0, ab[0].0, p1);
-    let keep_b = b.selp(ab[1].1, ab[0].1, p1);
-    let send_a = b.selp(ab[0].0, ab[1].0, p1);
-    let send_b = b.selp(ab[0].1, ab[1].1, p1);
-    let got_a = b.shfl(Shfl::Bfly, send_a, 2u32, 0x1f);
-    let got_b = b.shfl(Shfl::Bfly, send_b, 2u32, 0x1f);
-    // Column pair's words from lanes pair, pair ^ 1, pair ^ 2, pair ^ 3: in lane order.
-    let x0 = b.selp(keep_b, keep_a, p0);
-    let x1 = b.selp(keep_a, keep_b, p0);
-    let y0 = b.selp(got_b, got_a, p0);
-    let y1 = b.selp(got_a, got_b, p0);
-    [
-        b.selp(y0, x0, p1),
-        b.selp(y1, x1, p1),
-        b.selp(x0, y0, p1),
-        b.selp(x1, y1, p1),
-    ]
+    let rows: Vec<[Reg<Bf16x2>; 4]> = (0..8)
+        .map(|i| b.ld_v(&shared(at[i % 2], offs[i])))
+        .collect();
+    b.if_then(live, "dq_red", |b| {
+        for (v, &off) in rows.iter().zip(&offs) {
+            b.red_add_v4_bf16x2(&row_a.offset(off), *v, Some(policy));
+        }
+    });
 }
 
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
@@ -480,6 +481,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let col0 = b.shl(pair, 1u32); // first column of this thread inside an 8-column group
     let row0 = b.mad_lo(warp, 16u32, quad); // accumulator row (and row + 8)
     let key_local = b.mad_lo(c, 64u32, row0); // key inside the block (and + 8)
+    let c_rows_keys = b.sub(key_local, quad); // this warp's first key, 64c + 16·warp
     let elected = b.setp(Cmp::Eq, tw, 0u32);
     let wg_bar = b.add(c, r.consumer_wg.first); // one consumer warpgroup
                                                 // ds_free: this consumer's instance (it waits there) and the other's (it arrives there).
@@ -504,21 +506,35 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
 
+    // The task's (index head, kblock), loaded one task ahead: the load's latency was on the
+    // path to each task's first GEMM.
+    let next_head = b.mov::<U32>(0u32);
+    let next_kb = b.mov::<U32>(0u32);
+    let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
+    b.if_then(any, "first_meta", |b| {
+        let m = common::task_meta(b, p, walk.lo);
+        b.set(next_head, m[1]);
+        b.set(next_kb, m[2]);
+    });
+
     b.for_range(walk.lo, walk.hi, 1, "task", |b, row| {
-        let m = common::task_meta(b, p, row);
-        let head = m[1];
-        let kb = m[2];
-        let cur = common::bucket(b, &m);
+        let head = b.mov::<U32>(next_head);
+        let kb = b.mov::<U32>(next_kb);
+        let cur = common::bucket(b, &[zero, head, kb, zero]);
         // `same` also marks the segment's first task, whose first dV/dK MMA overwrites.
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_wait", |b| {
             kv.consumer_wait(b, &bars, segments);
             b.set(prev, cur);
         });
-        let is_end = common::segment_ends(b, p, walk, row, cur);
         let first_task = b.setp(Cmp::Eq, row, walk.lo);
         let next_row = b.add(row, 1u32);
         let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
+        b.unless(last_task, "next_meta", |b| {
+            let m = common::task_meta(b, p, next_row);
+            b.set(next_head, m[1]);
+            b.set(next_kb, m[2]);
+        });
 
         let qst = qdo.consumer_wait(b, &bars, tasks);
         let q_base = r.q.emit_stage_addr(b, base, qst.index);
@@ -650,22 +666,23 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.bar_sync_reg(ds_mine, 2 * WarpgroupBarrier::THREADS);
                 });
             }
-            b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded]");
-            for j in 0..8u32 {
-                for rr in 0..2u32 {
-                    // Row = key (64c + row0 + 8rr); column = folded 64·half + 8j + col0.
-                    let key = b.add(key_local, 8 * rr);
-                    let row_off = b.shl(key, 7u32);
-                    let chunk = b.and(key, 7u32);
-                    let chunk = b.xor(chunk, j);
-                    let chunk = b.shl(chunk, 4u32);
-                    let within = b.shl(col0, 1u32);
-                    let off = b.add(row_off, chunk);
-                    let off = b.add(off, within);
-                    let off = b.add(off, r.ds.offset + half * PANEL_BYTES);
-                    let addr = b.add(base, off);
-                    b.st(&shared(addr, 0), ds_frag[(2 * j + rr) as usize]);
-                }
+            b.comment("dS^T to shared memory: SW128 panels [folded/64][key][64 folded], stmatrix");
+            // Instruction `s` stores the 8×8 matrices (j, rr) = (2s, 0), (2s, 1), (2s + 1, 0),
+            // (2s + 1, 1) of the fragment: row `key_local + 8rr + r` (r = lane & 7, given by lane
+            // 8·mi + r), 16-byte chunk `j ^ r` of the SW128 row (128 B per key).
+            let sm = StmatrixLane::new(b, lane);
+            let key = b.add(c_rows_keys, sm.row);
+            let ds_lane = b.mad_lo(key, 128u32, sm.half_chunk);
+            let ds_lane = b.add(ds_lane, base);
+            for s4 in 0..4u32 {
+                let x = b.xor(sm.h2, s4);
+                let addr = b.mad_lo(x, 32u32, ds_lane);
+                let at = shared(addr, i64::from(r.ds.offset + half * PANEL_BYTES));
+                let f = (4 * s4) as usize;
+                b.stmatrix_x4(
+                    &at,
+                    [ds_frag[f], ds_frag[f + 1], ds_frag[f + 2], ds_frag[f + 3]],
+                );
             }
 
             b.comment("dV += P^T*dO_h, dK += dS^T*Q_h (A from registers, B MN-major)");
@@ -713,27 +730,23 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             b.wgmma_fence();
             common::wgmma_ss_k128(b, &dq_acc, Major::MN, (ds0, k0), (never, always));
             b.wgmma_commit();
-            // Every warp has waited for its dV/dK group before issuing dQ: once all four
-            // meet, the warpgroup's reads of this Q/dO stage are over (the meeting runs under
-            // the dQ GEMM).
+            b.wgmma_wait(0);
+            // Every warp has waited for its dV/dK group before issuing dQ, and for its dQ: once
+            // all four meet, the warpgroup's reads of this Q/dO stage and of dS^T panel `c`
+            // are over (the GEMM reads every key row of the panel for each warp's rows).
             b.comment("release the Q/dO stage once the whole warpgroup is done");
             b.bar_sync_reg(wg_bar, 128);
             b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
-            b.wgmma_wait(0);
+            b.comment("dQ: staged in dS^T panel c, then whole 128-byte rows into dq [T, 64, 128]");
+            let qrow = slot_rows[0];
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let qrow = b.bitcast::<U32, S32>(qrow);
+            let stage = b.mad_lo(warp, 16 * 256u32, ds_addr);
+            dq_rows_staged(b, p, &dq_acc, stage, lane, qrow, live, head);
             b.comment("this consumer's reads of sdS are done: the other may overwrite its rows");
             b.unless(last_task, "ds_free_arrive", |b| {
                 b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
             });
-            b.comment("dQ: eight consecutive head dims of one head per lane into dq [T, 64, 128]");
-            let policy = b.policy_evict_last(1.0);
-            let qrow = slot_rows[0];
-            let live = b.setp(Cmp::Ge, qrow, 0i32);
-            let qrow = b.bitcast::<U32, S32>(qrow);
-            let one = b.mov::<U32>(1u32);
-            for (dh, d_half) in [zero, one].into_iter().enumerate() {
-                let acc = &dq_acc[32 * dh..32 * dh + 32];
-                dq_rows_out(b, p, acc, qrow, live, head, quad, pair, d_half, policy);
-            }
         } else {
             // K_c, head dims 64c..64c+64, A of dQ^T_c = K^T_c·dS^T (MN-major: d contiguous),
             // whose fragment the head-quad pool words follow. Both 64-row halves of the
@@ -796,6 +809,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 }
             }
         }
+        // The segment ends with the walk or where the next task is another bucket.
+        let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
+        let other_bucket = b.setp(Cmp::Ne, next, cur);
+        let is_end = b.or_pred(other_bucket, last_task);
         b.if_then(is_end, "flush", |b| {
             b.comment("segment end: dK/dV to the fp32 pools, four head dims per lane");
             let odd = b.and(lane, 1u32);

@@ -805,6 +805,47 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 mask: ctx.src(&ops[4], u32t)?,
             }
         }
+        "bar" if m.list.first() == Some(&"warp") => {
+            m.take("warp");
+            if !m.take("sync") {
+                return unsupported("bar.warp other than bar.warp.sync");
+            }
+            m.finish()?;
+            arity(ops, 1)?;
+            Op::WarpSync {
+                mask: ctx.src(&ops[0], Ty::B(32))?,
+            }
+        }
+        "stmatrix" => {
+            if !(m.take("sync") && m.take("aligned")) {
+                return malformed("stmatrix needs .sync.aligned");
+            }
+            if !m.take("m8n8") {
+                return unsupported("stmatrix shape (only .m8n8 is modelled)");
+            }
+            let n = match m.take_any(&["x1", "x2", "x4"]) {
+                Some("x1") => 1,
+                Some("x2") => 2,
+                Some(_) => 4,
+                None => return malformed("stmatrix needs .x1, .x2 or .x4"),
+            };
+            if m.take("trans") {
+                return unsupported("stmatrix.trans");
+            }
+            if !(m.take("shared") || m.take("shared::cta")) {
+                return unsupported("stmatrix outside the .shared space");
+            }
+            let ty = m.one_type()?;
+            m.finish()?;
+            if ty != Ty::B(16) {
+                return malformed("stmatrix.m8n8 is .b16");
+            }
+            arity(ops, 2)?;
+            Op::Stmatrix {
+                addr: ctx.addr(&ops[0])?,
+                src: ctx.srcs(&ops[1], n, Ty::B(32))?,
+            }
+        }
         "bar" | "barrier" => {
             m.take("cta");
             let kind = if m.take("sync") {

@@ -1078,9 +1078,11 @@ impl<'a> Cta<'a> {
             Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
                 self.step_memory(pcu, w, exec, op)?
             }
-            Op::Shfl { .. } | Op::Elect { .. } | Op::Ballot { .. } => {
-                self.step_warp(pcu, w, group, exec, op)?
-            }
+            Op::Shfl { .. }
+            | Op::Elect { .. }
+            | Op::Ballot { .. }
+            | Op::Stmatrix { .. }
+            | Op::WarpSync { .. } => self.step_warp(pcu, w, group, exec, op)?,
             Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
             Op::MbarrierInit { .. }
             | Op::MbarrierArrive { .. }

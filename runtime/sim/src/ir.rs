@@ -1020,6 +1020,20 @@ pub enum Op {
         /// The member mask.
         mask: Src,
     },
+    /// `stmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16 [addr], {r..}`: the warp stores
+    /// `src.len()` 8×8 b16 matrices held in the mma fragment layout; lane `8·i + row` gives
+    /// the address of `row` of matrix `i`.
+    Stmatrix {
+        /// Each lane's row address (shared space).
+        addr: Addr,
+        /// One 32-bit register per matrix.
+        src: Vec<Src>,
+    },
+    /// `bar.warp.sync membermask`: the lanes of the mask meet.
+    WarpSync {
+        /// The member mask.
+        mask: Src,
+    },
     /// A `tcgen05` instruction.
     Tcgen05(Box<Tcgen05>),
     /// `trap`: aborts the launch.
@@ -1192,6 +1206,11 @@ impl Op {
                 src(out, &a.src);
                 src(out, mask);
             }
+            Op::Stmatrix { addr: a, src: v } => {
+                addr(out, a);
+                v.iter().for_each(|x| src(out, x));
+            }
+            Op::WarpSync { mask } => src(out, mask),
             Op::Tcgen05(t) => match &**t {
                 Tcgen05::Alloc { dst, ncols } => {
                     addr(out, dst);

@@ -207,6 +207,69 @@ $L_3_join:
 // Bit manipulation and conversions
 // ---------------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------------
+// stmatrix, bar.warp.sync
+// ---------------------------------------------------------------------------------------------
+
+/// `stmatrix.m8n8.x4`: lane `l` holds register `i` = `(i << 16) | l` and gives the row address
+/// `16·((5l) mod 32)`; each lane then reads back the 16 bytes at `16·lane`. The PTX ISA's
+/// layout: row `r` of matrix `i` goes to the address of lane `8i + r`, and word `k` of it is
+/// register `i` of lane `4r + k`.
+#[test]
+fn stmatrix_x4_stores_rows_from_the_fragment_layout() {
+    let body = "\tmov.u32 %r0, %laneid;\n\tor.b32 %r1, %r0, 0x0;\n\tor.b32 %r2, %r0, 0x10000;\n\
+                \tor.b32 %r3, %r0, 0x20000;\n\tor.b32 %r4, %r0, 0x30000;\n\
+                \tmul.lo.u32 %r5, %r0, 5;\n\tand.b32 %r5, %r5, 31;\n\tshl.b32 %r5, %r5, 4;\n\
+                \tmov.u32 %r6, sbuf;\n\tadd.u32 %r6, %r6, %r5;\n\
+                \tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r6], {%r1, %r2, %r3, %r4};\n\
+                \tbar.warp.sync 0xffffffff;\n\
+                \tshl.b32 %r7, %r0, 4;\n\tmov.u32 %r8, sbuf;\n\tadd.u32 %r8, %r8, %r7;\n\
+                \tld.shared.v4.u32 {%r9, %r10, %r11, %r12}, [%r8];\n\
+                \tst.global.v4.u32 [%o0], {%r9, %r10, %r11, %r12};";
+    let out = run(body, 32, 4);
+    for q in 0..32u32 {
+        // The lane whose row address is slot q: 5l = q (mod 32), 5·13 = 1 (mod 32).
+        let l = 13 * q % 32;
+        let (i, r) = (l / 8, l % 8);
+        for k in 0..4u32 {
+            let want = (i << 16) | (4 * r + k);
+            assert_eq!(out[(4 * q + k) as usize], want, "slot {q}, word {k}");
+        }
+    }
+}
+
+/// A `stmatrix` that part of the warp skips is an error, not a partial store.
+#[test]
+fn stmatrix_in_a_partial_warp_is_reported() {
+    let text = r#".version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry t()
+{
+	.reg .pred %p<2>;
+	.reg .u32 %r<8>;
+	.shared .align 16 .b8 sbuf[512];
+	mov.u32 %r0, %laneid;
+	setp.ge.u32 %p0, %r0, 16;
+	@%p0 bra $L_end;
+	shl.b32 %r1, %r0, 4;
+	mov.u32 %r2, sbuf;
+	add.u32 %r2, %r2, %r1;
+	stmatrix.sync.aligned.m8n8.x4.shared.b16 [%r2], {%r0, %r0, %r0, %r0};
+$L_end:
+	ret;
+}
+"#;
+    let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
+    let mut gpu = Gpu::new();
+    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1));
+    let e = gpu
+        .launch(m.kernel("t").unwrap(), &cfg, &[])
+        .expect_err("half a warp executed stmatrix")
+        .to_string();
+    assert!(e.contains("stmatrix") && e.contains("lane 16"), "{e}");
+}
+
 #[test]
 fn prmt_default_mode() {
     let body = r#"

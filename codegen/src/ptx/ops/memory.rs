@@ -132,6 +132,21 @@ impl KernelBuilder {
         );
     }
 
+    /// `stmatrix.sync.aligned.m8n8.x4.shared.b16` (PTX 7.8, sm_90): the warp stores four 8×8
+    /// b16 matrices held in the mma fragment layout (register `i` of lane `4·row + k` holds
+    /// columns `2k, 2k + 1` of `row` of matrix `i`); lane `8·i + row` gives the 16-byte
+    /// aligned address of `row` of matrix `i`. Every lane of the warp must execute it.
+    pub fn stmatrix_x4(&mut self, addr: &SharedAddr, v: [Reg<Bf16x2>; 4]) {
+        self.push(
+            "stmatrix.sync.aligned.m8n8.x4.shared.b16".into(),
+            vec![
+                addr.operand(),
+                Operand::Vector(v.iter().map(|r| r.name()).collect()),
+            ],
+            PtxVersion(7, 8),
+        );
+    }
+
     /// A 3-D TMA tile load of the box at `coords` (innermost first) into `dst`, completing
     /// its bytes on `bar`.
     pub fn tma_load_3d(

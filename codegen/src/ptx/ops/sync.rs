@@ -104,6 +104,12 @@ impl KernelBuilder {
         );
     }
 
+    /// `bar.warp.sync 0xffffffff`: every lane of the warp meets, and their shared-memory
+    /// accesses before it are ordered before those after it.
+    pub fn bar_warp_sync(&mut self) {
+        self.inst("bar.warp.sync".into(), vec![Operand::Hex(0xffff_ffff)]);
+    }
+
     /// `bar.arrive id, threads`: signals without waiting.
     pub fn bar_arrive(&mut self, id: u32, threads: u32) {
         self.check_barrier(id, Some(threads));

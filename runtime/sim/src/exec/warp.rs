@@ -1,9 +1,9 @@
-//! The warp collectives `shfl.sync`, `elect.sync` and `vote.sync.ballot`, and their membermask
-//! contract.
+//! The warp collectives `shfl.sync`, `elect.sync`, `vote.sync.ballot`, `bar.warp.sync` and
+//! `stmatrix`, and their membermask contract.
 
-use super::{lanes, Cta, Flow};
-use crate::error::{FaultKind, SimError};
-use crate::ir::{Dst, Op, Reg, ShflMode, Src};
+use super::{lanes, Cta, Flow, Place};
+use crate::error::{FaultKind, MemoryFault, MemoryFaultKind, SimError};
+use crate::ir::{Addr, Dst, Op, Reg, ShflMode, Space, Src};
 use crate::numeric::shfl_source;
 
 impl Cta<'_> {
@@ -37,6 +37,13 @@ impl Cta<'_> {
                     }
                 }
             }
+            Op::WarpSync { mask } => {
+                if exec != 0 {
+                    let mk = self.gather(w, *mask);
+                    self.check_membermask(pcu, w, group, exec, &mk, "bar.warp.sync")?;
+                }
+            }
+            Op::Stmatrix { addr, src } => self.stmatrix(pcu, w, group, exec, addr, src)?,
             _ => unreachable!("step dispatches only warp instructions here"),
         }
         Ok(Flow::Advance)
@@ -160,6 +167,72 @@ impl Cta<'_> {
         }
         if let Some(r) = p {
             self.put(w, r, exec, &pv, 1);
+        }
+        Ok(())
+    }
+
+    /// `stmatrix.m8n8.x{1,2,4}`: matrix `i`'s row `r` (16 bytes at the address of lane
+    /// `8i + r`) is register `i` of lanes `4r .. 4r + 4`, in lane order. The whole warp
+    /// executes it (`.aligned`).
+    fn stmatrix(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        addr: &Addr,
+        src: &[Src],
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        if exec != u32::MAX {
+            let l = (!exec).trailing_zeros() as usize;
+            let why = self.absence(w, l, group);
+            return Err(self.fault(
+                pc,
+                w,
+                exec.trailing_zeros() as usize,
+                FaultKind::Sync(format!(
+                    "stmatrix (.sync.aligned) without lane {l}: it {why}"
+                )),
+            ));
+        }
+        let vals: Vec<[u64; 32]> = src.iter().map(|s| self.gather(w, *s)).collect();
+        for (i, v) in vals.iter().enumerate() {
+            for r in 0..8usize {
+                let l = 8 * i + r;
+                let at = self.lane_addr(w, l, addr);
+                let misaligned = !at.is_multiple_of(16);
+                let place = self
+                    .locate(Space::Shared, at, 16, "store")
+                    .map_err(|f| self.fault(pc, w, l, FaultKind::Memory(f)))?;
+                let Place::Shared(off) = place else {
+                    unreachable!("a shared-space access locates in shared memory")
+                };
+                if misaligned {
+                    return Err(self.fault(
+                        pc,
+                        w,
+                        l,
+                        FaultKind::Memory(MemoryFault {
+                            kind: MemoryFaultKind::Misaligned,
+                            access: "store",
+                            space: Space::Shared,
+                            address: at,
+                            size: 16,
+                            detail: "a stmatrix row address must be 16-byte aligned".to_string(),
+                        }),
+                    ));
+                }
+                // Word k of the row comes from lane 4r + k, which is charged with its store.
+                for k in 0..4usize {
+                    let from = 4 * r + k;
+                    self.generic_shared_store(pc, w, from, off + 4 * k, 4)?;
+                    let word = (v[from] as u32).to_le_bytes();
+                    self.write_bytes(Place::Shared(off + 4 * k), &word);
+                }
+            }
         }
         Ok(())
     }
