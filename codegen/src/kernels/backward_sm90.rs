@@ -79,7 +79,10 @@
 //!   task metadata loaded one task ahead (its global load had been on the path to each task's
 //!   first GEMM), 3-8 % faster than session 10's kernel. Deferring the reductions into the
 //!   next task (after its S^T/dP^T issue, or after its half-0 exponentials) was 2-7 % slower
-//!   than doing them here: they then delay the dS that feeds its first dV/dK. The slots' compact rows, which
+//!   than doing them here: they then delay the dS that feeds its first dV/dK. Letting the
+//!   consumers drift apart instead (each one's dQ over the panel the other completes in its
+//!   first pass, a split readiness barrier per direction for the consumer-wide one) was 1-4 %
+//!   slower: the single-buffered panels bound the offset. The slots' compact rows, which
 //!   address the reductions, come from the gather warp's row stage, read before its release.
 //!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
 //!   exchange that gives each lane four consecutive head dims.
