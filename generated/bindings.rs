@@ -733,13 +733,14 @@ pub mod msa_backward_sm90 {
         dq_pool: PtrMut<bf16>,
         dk_pool: PtrMut<f32>,
         dv_pool: PtrMut<f32>,
+        tmap_dq: &TensorMap,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_do), KernelArg::from(tmap_k),
             KernelArg::from(tmap_v), KernelArg::from(lse), KernelArg::from(delta),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(dq_pool),
-            KernelArg::from(dk_pool), KernelArg::from(dv_pool)
+            KernelArg::from(dk_pool), KernelArg::from(dv_pool), KernelArg::from(tmap_dq)
         ]
     }
 }
@@ -782,13 +783,14 @@ pub mod msa_backward_sm100 {
         dq_pool: PtrMut<bf16>,
         dk_pool: PtrMut<f32>,
         dv_pool: PtrMut<f32>,
+        tmap_dq: &TensorMap,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_do), KernelArg::from(tmap_k),
             KernelArg::from(tmap_v), KernelArg::from(lse), KernelArg::from(delta),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(dq_pool),
-            KernelArg::from(dk_pool), KernelArg::from(dv_pool)
+            KernelArg::from(dk_pool), KernelArg::from(dv_pool), KernelArg::from(tmap_dq)
         ]
     }
 }

@@ -904,6 +904,9 @@ impl<B: Backend> MsaBackward<B> {
             pools.span::<f32>(pools.layout.dv_pool, pool_len),
             pools.span::<f32>(pools.layout.delta, tq * NUM_Q_HEADS),
         );
+        // The default kernels' dQ pool as a TMA reduce-add target, Q's geometry (the Hopper
+        // kernel reduces through it; the Blackwell kernel takes it unused).
+        let tmap_dq = backend.tensor_map(&TileMapSpec::query_rows("dq", tq)?, dq_pool.addr)?;
         let tasks = ensure_tasks(
             &mut self.tasks,
             &mut self.allocations,
@@ -1006,6 +1009,7 @@ impl<B: Backend> MsaBackward<B> {
                     dq_pool.ptr_mut(),
                     dk_pool.ptr_mut(),
                     dv_pool.ptr_mut(),
+                    &tmap_dq,
                 ),
             };
             // SAFETY: both main kernels take these parameters (the parameter lists are one

@@ -250,7 +250,8 @@ fn dsl_coverage_assembles_for_every_target() {
 fn the_main_kernels_take_one_parameter_list_per_mode() {
     // The runtime launches either main kernel of a mode with one argument list (built by the
     // sm90 binding), so their parameters must be the same names and kinds in the same order;
-    // the deterministic list is the default one (with fixed-point pools) plus two at the end.
+    // the deterministic list is the default one (with fixed-point pools) without the default
+    // mode's last parameter, the dQ pool's tensor map, and with two others at the end.
     let params = |name: &str| -> Vec<(String, String)> {
         let k = codegen::build_all()
             .unwrap()
@@ -271,6 +272,7 @@ fn the_main_kernels_take_one_parameter_list_per_mode() {
     assert_eq!(det90, det100);
     let names = |v: &[(String, String)]| v.iter().map(|p| p.0.clone()).collect::<Vec<_>>();
     let mut expected = names(&sm90);
+    assert_eq!(expected.pop().as_deref(), Some("tmap_dq"));
     expected.extend(["row_bounds".to_string(), "bounds".to_string()]);
     assert_eq!(names(&det90), expected);
 }

@@ -68,24 +68,31 @@
 //!   postprocess; `docs/design.md` §3.6). Once its dQ GEMM has completed and the warpgroup has
 //!   met (so no warp's part of the GEMM still reads panel `c`), each warp stages its 16 rows
 //!   (its slot's 16 heads × 128 head dims, bf16) in its own 4 KB of that panel with eight
-//!   `stmatrix.x4`, 16-byte chunks XOR-swizzled by row, and reads them back with eight
-//!   `ld.shared.v4`: eight lanes per 128-byte row half, so each
-//!   `red.global.add.noftz.v4.bf16x2` (L2 evict_last) covers four whole L2 lines, 8 per thread
-//!   and task. The loads all come first and the reductions follow under one branch (ptxas
-//!   turns a predicated reduction into a branch, and then waited on each load in turn). Only
-//!   then does the consumer arrive on `ds_free`. Session 11 (`bench/results/h200-2026-12-02-s11-backward.md`):
-//!   this replaced a 4×4 transpose in each quad and a swap between quads (48 shuffles and
-//!   about 250 more instructions per thread and task), 1.3-1.8 % faster alone and, with the
-//!   task metadata loaded one task ahead (its global load had been on the path to each task's
-//!   first GEMM), 3-8 % faster than session 10's kernel. Deferring the reductions into the
-//!   next task (after its S^T/dP^T issue, or after its half-0 exponentials) was 2-7 % slower
-//!   than doing them here: they then delay the dS that feeds its first dV/dK. Letting the
-//!   consumers drift apart instead (each one's dQ over the panel the other completes in its
-//!   first pass, a split readiness barrier per direction for the consumer-wide one) was 1-4 %
-//!   slower: the single-buffered panels bound the offset. The slots' compact rows, which
-//!   address the reductions, come from the gather warp's row stage, read before its release.
-//!   At a segment's end dK/dV are flushed with `red.global.add.v4.f32` after a lane-pair
-//!   exchange that gives each lane four consecutive head dims.
+//!   `stmatrix.x4`, as the two SW128 boxes (16 heads × 64 head dims) of the `tmap_dq` tensor
+//!   map, which has Q's geometry. Each lane fences its stores for the async proxy, the warp
+//!   meets, and lane 0 issues two `cp.reduce.async.bulk.tensor.3d ... .add` (bf16 adds in
+//!   L2) and waits for them to have read the boxes (`cp.async.bulk.wait_group.read`) before
+//!   the consumer's `ds_free` arrival lets the panel be overwritten.
+//!
+//!   Session 11's H200 rounds (`bench/results/h200-2026-12-02-s11-backward.md`):
+//!   - The staging replaced a 4×4 transpose in each quad and a swap between quads: 48
+//!     shuffles and about 250 more instructions per thread and task.
+//!   - Staged rows read back with `ld.shared.v4` and reduced with eight
+//!     `red.global.add.noftz.v4.bf16x2` per thread, with the task metadata loaded one task
+//!     ahead (its load had been on the path to each task's first GEMM), were 3-8 % faster than
+//!     session 10's kernel. The TMA reduction is 1-2 % faster again: it takes the reductions
+//!     off the registers and the LSU.
+//!   - Deferring the reductions into the next task (after its S^T/dP^T issue, or after its
+//!     half-0 exponentials) was 2-7 % slower: they then delay the dS that feeds its first
+//!     dV/dK.
+//!   - Letting the consumers drift apart (each one's dQ over the panel the other completes in
+//!     its first pass, a split readiness barrier per direction instead of the consumer-wide
+//!     one) was 1-4 % slower: the single-buffered panels bound the offset.
+//!
+//!   The slots' compact rows, which address the reductions, come from the gather warp's row
+//!   stage, read before its release. At a segment's end dK/dV are flushed with
+//!   `red.global.add.v4.f32` after a lane-pair exchange that gives each lane four consecutive
+//!   head dims.
 //! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
 //!   computes each slot's inverse dQ unit from `a[t, g]` into the row stage, so that the
 //!   consumers only read eight words before they release it; dQ goes as integer-valued f32
@@ -390,30 +397,19 @@ impl StmatrixLane {
     }
 }
 
-/// The default kernel's dQ reductions: the accumulator of `dQ_c = dS_c·K` (m64n128; this
-/// warp's 16 rows are the 16 heads of its slot, row `qrow` of `dq [T, 64, 128]`, skipped
-/// unless `live`) is staged as bf16 in the warp's 4 KB at `stage` (16 rows of 256 bytes, the
-/// 16-byte chunk `k` of row `h` at `k ^ (h & 7)`: conflict-free both ways) with eight
-/// `stmatrix.x4`, then read back as one 128-byte row half per eight lanes: each
-/// `red.global.add.noftz.v4.bf16x2` covers four whole L2 lines, with no shuffles.
-#[allow(clippy::too_many_arguments)]
-fn dq_rows_staged(
-    b: &mut KernelBuilder,
-    p: &MainParams,
-    acc: &[Reg<F32>],
-    stage: Reg<U32>,
-    lane: Reg<U32>,
-    qrow: Reg<U32>,
-    live: Reg<Pred>,
-    group: Reg<U32>,
-) {
-    // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1.
+/// The default kernel's dQ staging: the accumulator of `dQ_c = dS_c·K` (m64n128; this warp's
+/// 16 rows are the 16 heads of its slot) as bf16 into the warp's 4 KB at `stage`, as the two
+/// boxes a TMA reduce-add of 16 heads × 64 head dims reads (`[16 heads][128 B]` each, SW128:
+/// the 16-byte chunk `k` of row `h` at `k ^ (h & 7)`), with eight `stmatrix.x4`,
+/// conflict-free.
+fn dq_stage(b: &mut KernelBuilder, acc: &[Reg<F32>], stage: Reg<U32>, lane: Reg<U32>) {
+    // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1; box j / 8, chunk j % 8.
     let word = |b: &mut KernelBuilder, j: u32, rr: u32| {
         let i = (4 * j + 2 * rr) as usize;
         b.cvt_bf16x2(acc[i + 1], acc[i])
     };
     let sm = StmatrixLane::new(b, lane);
-    let lane_at = b.mad_lo(sm.row, 256u32, sm.half_chunk);
+    let lane_at = b.mad_lo(sm.row, 128u32, sm.half_chunk);
     let lane_at = b.add(lane_at, stage);
     for s in 0..8u32 {
         let v = [
@@ -422,43 +418,11 @@ fn dq_rows_staged(
             word(b, 2 * s + 1, 0),
             word(b, 2 * s + 1, 1),
         ];
-        let x = b.xor(sm.h2, s);
+        // Chunks 2(s % 4) and 2(s % 4) + 1 of box s / 4.
+        let x = b.xor(sm.h2, s % 4);
         let addr = b.mad_lo(x, 32u32, lane_at);
-        b.stmatrix_x4(&shared(addr, 0), v);
+        b.stmatrix_x4(&shared(addr, i64::from(2048 * (s / 4))), v);
     }
-    b.bar_warp_sync();
-    // Read i: row h = 4·(i % 4) + (lane >> 3), head dims 64·(i / 4) + 8·(lane & 7) ..+8,
-    // stored at chunk 8·(i / 4) + ((lane & 7) ^ (lane >> 3) ^ 4·(i % 2)).
-    let lq = b.shr(lane, 3u32);
-    let m = b.and(lane, 7u32);
-    let x0 = b.xor(m, lq);
-    let row_at = b.mad_lo(lq, 256u32, stage);
-    let at: [Reg<U32>; 2] = [0u32, 4].map(|flip| {
-        let x = b.xor(x0, flip);
-        b.mad_lo(x, 16u32, row_at)
-    });
-    // 16-byte unit (qrow, head 16·group + lq, head dims 8m ..) of dq; read i adds
-    // 4·(i % 4) heads and 64·(i / 4) head dims: 1024·(i % 4) + 128·(i / 4) bytes, the same
-    // offset as in the staging rows.
-    let unit = b.mad_lo(qrow, 64u32, lq);
-    let unit = b.mad_lo(group, 16u32, unit);
-    let unit = b.mad_lo(unit, 16u32, m);
-    let dq = b.ld_param_ptr(&p.dq);
-    let row_a = common::elem_bytes(b, dq, unit, 16);
-    let policy = b.policy_evict_last(1.0);
-    // All eight loads first, then the reductions under one branch: a predicated reduction
-    // becomes a branch in ptxas, which then waited on each load in turn.
-    let offs: Vec<i64> = (0..8u32)
-        .map(|i| i64::from(1024 * (i % 4) + 128 * (i / 4)))
-        .collect();
-    let rows: Vec<[Reg<Bf16x2>; 4]> = (0..8)
-        .map(|i| b.ld_v(&shared(at[i % 2], offs[i])))
-        .collect();
-    b.if_then(live, "dq_red", |b| {
-        for (v, &off) in rows.iter().zip(&offs) {
-            b.red_add_v4_bf16x2(&row_a.offset(off), *v, Some(policy));
-        }
-    });
 }
 
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
@@ -740,12 +704,35 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             b.comment("release the Q/dO stage once the whole warpgroup is done");
             b.bar_sync_reg(wg_bar, 128);
             b.predicated(elected, false, |b| qdo.consumer_release(b, &bars, &qst));
-            b.comment("dQ: staged in dS^T panel c, then whole 128-byte rows into dq [T, 64, 128]");
+            b.comment("dQ: staged in dS^T panel c as two SW128 boxes, TMA reduce-add into dq");
             let qrow = slot_rows[0];
             let live = b.setp(Cmp::Ge, qrow, 0i32);
-            let qrow = b.bitcast::<U32, S32>(qrow);
             let stage = b.mad_lo(warp, 16 * 256u32, ds_addr);
-            dq_rows_staged(b, p, &dq_acc, stage, lane, qrow, live, head);
+            dq_stage(b, &dq_acc, stage, lane);
+            // The async proxy reads the staged rows: each lane's stores are fenced, then the
+            // warp meets before its lane 0 issues.
+            b.fence_proxy_async_shared();
+            b.bar_warp_sync();
+            let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+            let issue = b.and_pred(lane0, live);
+            let tmap_dq = p
+                .tmap_dq
+                .as_ref()
+                .expect("the default kernel declares tmap_dq");
+            b.if_then(issue, "dq_tma", |b| {
+                let map = b.tensor_map_addr(tmap_dq);
+                let h16 = b.shl(head, 4u32);
+                let h16 = b.bitcast::<S32, U32>(h16);
+                for (box_, d0) in [(0u32, 0i32), (1, 64)] {
+                    let d0 = b.mov::<S32>(d0);
+                    let src = shared(stage, i64::from(2048 * box_));
+                    b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
+                }
+                b.bulk_commit_group();
+                // The panel may be overwritten (the other consumer, after the arrival below;
+                // this consumer, after its next `ds_free` meeting) once the boxes are read.
+                b.bulk_wait_group_read(0);
+            });
             b.comment("this consumer's reads of sdS are done: the other may overwrite its rows");
             b.unless(last_task, "ds_free_arrive", |b| {
                 b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);

@@ -872,6 +872,32 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
         }
         "atom" | "red" => decode_atom(name == "atom", &mut m, ops, ctx)?,
         "mbarrier" => decode_mbarrier(&mut m, ops, ctx)?,
+        "cp" if m.list.first() == Some(&"reduce") => decode_tma_reduce(&mut m, ops, ctx)?,
+        "cp" if m
+            .list
+            .iter()
+            .any(|x| *x == "commit_group" || *x == "wait_group") =>
+        {
+            if !(m.take("async") && m.take("bulk")) {
+                return unsupported("only cp.async.bulk bulk groups are modelled");
+            }
+            if m.take("commit_group") {
+                m.finish()?;
+                arity(ops, 0)?;
+                Op::BulkCommit
+            } else {
+                m.take("wait_group");
+                // `.read` (the sources are read) is what the model tracks; without it the
+                // writes are also done, which the model's immediate reduce already is.
+                m.take("read");
+                m.finish()?;
+                arity(ops, 1)?;
+                let Operand::Int(n @ 0..=63) = ops[0] else {
+                    return malformed("cp.async.bulk.wait_group takes an immediate 0..63");
+                };
+                Op::BulkWait { n: n as u32 }
+            }
+        }
         "cp" => decode_tma(&mut m, ops, ctx)?,
         "wgmma" => decode_wgmma(&mut m, ops, ctx)?,
         "tcgen05" => Op::Tcgen05(Box::new(decode_tcgen05(&mut m, ops, ctx)?)),
@@ -1294,6 +1320,50 @@ fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
                 .collect::<Result<_>>()?,
         },
         mbar: ctx.addr(&ops[2])?,
+    })))
+}
+
+fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    if !(m.take("reduce") && m.take("async") && m.take("bulk") && m.take("tensor")) {
+        return unsupported("only cp.reduce.async.bulk.tensor is modelled among bulk reductions");
+    }
+    let rank = match m.take_any(&["1d", "2d", "3d", "4d", "5d"]) {
+        Some(d) => d.as_bytes()[0] - b'0',
+        None => return malformed("cp.reduce.async.bulk.tensor needs a dimension"),
+    };
+    if !m.take("global") || !m.take("shared::cta") {
+        return unsupported("only shared-to-global tensor reductions are modelled");
+    }
+    if !m.take("add") {
+        return unsupported("only the .add tensor reduction is modelled");
+    }
+    m.take("tile");
+    if !m.take("bulk_group") {
+        return unsupported("only .bulk_group completion is modelled for tensor reductions");
+    }
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    arity(ops, 2)?;
+    let Operand::Tensor(map, coords) = &ops[0] else {
+        return malformed("expected a tensor operand [map, {c0, ...}]");
+    };
+    if coords.len() != rank as usize {
+        return malformed(format!(
+            "a {rank}d reduction with {} coordinates",
+            coords.len()
+        ));
+    }
+    Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
+        src: ctx.addr(&ops[1])?,
+        tensor: TensorRef {
+            map: ctx.addr_of(map)?,
+            coords: coords
+                .iter()
+                .map(|c| ctx.src(c, Ty::S(32)))
+                .collect::<Result<_>>()?,
+        },
     })))
 }
 

@@ -376,6 +376,11 @@ struct Cta<'a> {
     mbar_wait: Vec<(u32, u8)>,
     mbars: Vec<mbarrier::Mbarrier>,
     tmas: Vec<mbarrier::PendingTma>,
+    /// Shared sources of TMA reductions that may still be read (until the issuing thread's
+    /// `cp.async.bulk.wait_group.read` retires their group).
+    bulk_reads: Vec<mbarrier::BulkRead>,
+    /// Per thread: bulk groups committed so far.
+    bulk_groups: Vec<u64>,
     tma_completion: TmaCompletion,
     wgs: Vec<wgmma::Warpgroup>,
     /// Per-thread registers at launch (what `setmaxnreg` starts from).
@@ -473,6 +478,8 @@ impl<'a> Cta<'a> {
             mbar_wait: vec![(0, 0); nwarps * 32],
             mbars: Vec::new(),
             tmas: Vec::new(),
+            bulk_reads: Vec::new(),
+            bulk_groups: vec![0; nwarps * 32],
             tma_completion: limits.tma_completion,
             wgs: vec![wgmma::Warpgroup::default(); nwarps.div_ceil(4)],
             launch_regs: wgmma::launch_registers(k, nthreads as u32, limits.register_pool),
@@ -1089,6 +1096,9 @@ impl<'a> Cta<'a> {
             | Op::MbarrierExpectTx { .. }
             | Op::MbarrierTryWait { .. }
             | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
+            Op::TmaReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
+                self.step_bulk(pcu, w, exec, op)?
+            }
             Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {
                 self.collective(pcu, w, group, exec)?;
                 Flow::Moved

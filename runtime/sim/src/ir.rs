@@ -584,6 +584,16 @@ pub struct TmaLoad {
     pub mbar: Addr,
 }
 
+/// `cp.reduce.async.bulk.tensor.Nd.global.shared::cta.add.tile.bulk_group [map, coords], [src]`:
+/// the shared box at `src` added elementwise into the tensor (2-byte elements as bf16).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TmaReduce {
+    /// The shared-memory source.
+    pub src: Addr,
+    /// The tensor map and the box coordinates.
+    pub tensor: TensorRef,
+}
+
 /// The A operand of `tcgen05.mma`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Tc05A {
@@ -988,6 +998,16 @@ pub enum Op {
     },
     /// A TMA tile load.
     CpAsyncBulkTensor(Box<TmaLoad>),
+    /// A TMA reduce-add from shared memory, tracked by the thread's bulk groups.
+    TmaReduceAdd(Box<TmaReduce>),
+    /// `cp.async.bulk.commit_group`
+    BulkCommit,
+    /// `cp.async.bulk.wait_group{.read} n`: at most `n` of the thread's committed bulk groups
+    /// remain (reading their sources, with `.read`).
+    BulkWait {
+        /// Groups that may remain.
+        n: u32,
+    },
     /// `wgmma.mma_async`: a warpgroup-collective asynchronous MMA.
     Wgmma(Box<Wgmma>),
     /// `wgmma.fence` / `commit_group` / `wait_group`.
@@ -1181,6 +1201,12 @@ impl Op {
                 addr(out, a);
                 src(out, parity);
             }
+            Op::TmaReduceAdd(t) => {
+                addr(out, &t.src);
+                addr(out, &t.tensor.map);
+                t.tensor.coords.iter().for_each(|x| src(out, x));
+            }
+            Op::BulkCommit | Op::BulkWait { .. } => {}
             Op::CpAsyncBulkTensor(t) => {
                 addr(out, &t.dst);
                 addr(out, &t.tensor.map);

@@ -153,6 +153,29 @@ fn missing_proxy_fence_before_the_dq_wgmma_is_reported() {
 }
 
 #[test]
+fn missing_proxy_fence_before_the_dq_reduction_is_reported() {
+    // The second fence: each lane's staged dQ rows before lane 0's TMA reduce-add reads them.
+    let text = planted("fence.proxy.async.shared::cta;", 1, |_| String::new());
+    expect_error(
+        &text,
+        Limits::default(),
+        fault(|k| matches!(k, FaultKind::Proxy(_))),
+        "without a fence.proxy.async before it",
+    );
+}
+
+#[test]
+fn overwriting_the_dq_staging_before_its_reduction_read_it_is_reported() {
+    let text = planted("cp.async.bulk.wait_group.read", 0, |_| String::new());
+    expect_error(
+        &text,
+        Limits::default(),
+        fault(|k| matches!(k, FaultKind::Proxy(_))),
+        "not yet retired by cp.async.bulk.wait_group.read",
+    );
+}
+
+#[test]
 fn expect_tx_short_of_the_copies_is_reported() {
     // The Q/dO stage expects one 2 KiB box less than its 32 copies carry.
     let text = planted("mbarrier.arrive.expect_tx", 1, |l| {

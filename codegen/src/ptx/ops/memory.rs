@@ -167,6 +167,45 @@ impl KernelBuilder {
         );
     }
 
+    /// A 3-D TMA reduce-add of the shared box at `src` into the tensor at `coords`
+    /// (innermost first), elementwise in the tensor map's type, tracked by the thread's bulk
+    /// groups (PTX 8.0, sm_90). `src` must stay unchanged until `cp.async.bulk.wait_group.read`.
+    pub fn tma_reduce_add_3d(
+        &mut self,
+        src: &SharedAddr,
+        tensor_map: Reg<U64>,
+        coords: [Reg<S32>; 3],
+    ) {
+        self.push(
+            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group".into(),
+            vec![
+                Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
+                src.operand(),
+            ],
+            PtxVersion(8, 0),
+        );
+    }
+
+    /// `cp.async.bulk.commit_group`: closes the thread's bulk copies issued since the last
+    /// commit into a group.
+    pub fn bulk_commit_group(&mut self) {
+        self.push(
+            "cp.async.bulk.commit_group".into(),
+            vec![],
+            PtxVersion(8, 0),
+        );
+    }
+
+    /// `cp.async.bulk.wait_group.read n`: waits until at most `n` of the thread's bulk groups
+    /// still read their shared sources.
+    pub fn bulk_wait_group_read(&mut self, n: u32) {
+        self.push(
+            "cp.async.bulk.wait_group.read".into(),
+            vec![Operand::Int(n as i64)],
+            PtxVersion(8, 0),
+        );
+    }
+
     /// The `.L2::cache_hint` qualifier and its operand, when a policy is given.
     pub(super) fn policy(policy: Option<Reg<B64>>) -> (&'static str, Vec<Operand>) {
         match policy {

@@ -23,7 +23,8 @@
 
 use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
-use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TmaLoad, SHARED_WINDOW};
+use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TmaLoad, TmaReduce, SHARED_WINDOW};
+use crate::numeric::{bf16_rne, bf16_to_f32};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
 /// Largest arrival count and transaction count of one operation (2^20 − 1).
@@ -47,6 +48,19 @@ pub(super) struct Mbarrier {
 
 /// A TMA copy issued and not yet landed.
 #[derive(Debug, Clone)]
+/// The shared source of a TMA reduction, protected until its group is retired.
+pub(super) struct BulkRead {
+    /// The issuing thread (`32·warp + lane`).
+    pub thread: usize,
+    /// Its bulk group, once committed.
+    pub group: Option<u64>,
+    /// `[lo, hi)` in shared memory.
+    pub lo: u32,
+    pub hi: u32,
+    /// The issuing instruction.
+    pub pc: usize,
+}
+
 pub(super) struct PendingTma {
     pub pc: usize,
     pub warp: usize,
@@ -591,6 +605,151 @@ impl Cta<'_> {
         self.settle(i).map_err(|msg| fault(self, msg))
     }
 
+    /// `cp.reduce.async.bulk.tensor ... .add` (executed at issue: the sum lands before any
+    /// later wait could observe it), `cp.async.bulk.commit_group` and
+    /// `cp.async.bulk.wait_group{.read}`. The source must hold no unfenced generic store, and
+    /// stays protected against generic stores until its group is retired.
+    pub(super) fn step_bulk(
+        &mut self,
+        pc: usize,
+        w: usize,
+        exec: u32,
+        op: &Op,
+    ) -> Result<Flow, SimError> {
+        for l in lanes(exec) {
+            let t = w * 32 + l;
+            match op {
+                Op::TmaReduceAdd(r) => self.tma_reduce(pc, w, l, r)?,
+                Op::BulkCommit => {
+                    self.bulk_groups[t] += 1;
+                    let g = self.bulk_groups[t];
+                    for b in self.bulk_reads.iter_mut().filter(|b| b.thread == t) {
+                        b.group.get_or_insert(g);
+                    }
+                }
+                Op::BulkWait { n } => {
+                    let newest = self.bulk_groups[t];
+                    self.bulk_reads.retain(|b| {
+                        b.thread != t || b.group.is_none_or(|g| g + u64::from(*n) > newest)
+                    });
+                }
+                _ => unreachable!("step dispatches only bulk instructions here"),
+            }
+        }
+        Ok(Flow::Advance)
+    }
+
+    fn tma_reduce(&mut self, pc: usize, w: usize, l: usize, r: &TmaReduce) -> Result<(), SimError> {
+        let tma = |msg: String| FaultKind::Tma(msg);
+        let map_at = self.lane_addr(w, l, &r.tensor.map);
+        let m = self
+            .read_map(map_at)
+            .and_then(|b| SimTensorMap::from_bytes(&b))
+            .map_err(|e| self.fault(pc, w, l, tma(e)))?;
+        let rank = m.rank as usize;
+        if rank != r.tensor.coords.len() || m.elem_bytes != 2 {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "a {}d add through a rank-{} map of {}-byte elements (the model adds bf16)",
+                    r.tensor.coords.len(),
+                    m.rank,
+                    m.elem_bytes
+                )),
+            ));
+        }
+        let mut c = [0i64; 5];
+        for (d, s) in r.tensor.coords.iter().enumerate() {
+            c[d] = self.gather(w, *s)[l] as u32 as i32 as i64;
+        }
+        let src = self.lane_addr(w, l, &r.src);
+        let bytes = m.shared_bytes();
+        if !src.is_multiple_of(128) || src + bytes > self.shared.len() as u64 {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "source shared [{src:#x}, +{bytes}) must be 128-byte aligned and inside the \
+                     CTA's {} bytes of shared memory",
+                    self.shared.len()
+                )),
+            ));
+        }
+        let src = src as u32;
+        if self.unfenced_total > 0 {
+            let lo = src as usize / 4;
+            let hi = (src as u64 + bytes) as usize / 4;
+            if let Some(word) = (lo..hi).find(|&i| self.unfenced[i] != 0) {
+                let by = self.unfenced[word] - 1;
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Proxy(format!(
+                        "the TMA reduction reads shared {:#x}, stored by thread {by} (pc {}) \
+                         without a fence.proxy.async before it",
+                        word * 4,
+                        self.unfenced_pc[word]
+                    )),
+                ));
+            }
+        }
+        let n = m.box_elements();
+        let in_dim = |d: usize, g: i64| g >= 0 && (g as u64) < m.global_dim[d];
+        let coord = |d: usize, i: u32| c[d] + i as i64 * m.element_strides[d] as i64;
+        let pitch = m.row_pitch() as u32;
+        let mut row = 0u32;
+        for i4 in 0..n[4] {
+            for i3 in 0..n[3] {
+                for i2 in 0..n[2] {
+                    for i1 in 0..n[1] {
+                        let outer = [0, i1, i2, i3, i4];
+                        let mut row_ok = true;
+                        let mut row_base = m.base as i128;
+                        for (d, &i) in outer.iter().enumerate().take(rank).skip(1) {
+                            let g = coord(d, i);
+                            row_ok &= in_dim(d, g);
+                            row_base += g as i128 * m.global_strides[d - 1] as i128;
+                        }
+                        for i0 in 0..n[0] {
+                            let g0 = coord(0, i0);
+                            if !(row_ok && in_dim(0, g0)) {
+                                continue;
+                            }
+                            let at = (row_base + g0 as i128 * 2) as u64;
+                            let s_at = m.swizzle.apply(src + row * pitch + i0 * 2) as usize;
+                            let add =
+                                u16::from_le_bytes([self.shared[s_at], self.shared[s_at + 1]]);
+                            let Some(dst) = self.mem.slice_mut(at, 2) else {
+                                let msg = format!(
+                                    "the reduction at coordinates {:?} writes global [{at:#x}, +2): {}",
+                                    &c[..rank],
+                                    self.mem.describe(at)
+                                );
+                                return Err(self.fault(pc, w, l, tma(msg)));
+                            };
+                            let old = u16::from_le_bytes([dst[0], dst[1]]);
+                            let sum = bf16_rne(bf16_to_f32(old) + bf16_to_f32(add));
+                            dst.copy_from_slice(&sum.to_le_bytes());
+                        }
+                        row += 1;
+                    }
+                }
+            }
+        }
+        self.bulk_reads.push(BulkRead {
+            thread: w * 32 + l,
+            group: None,
+            lo: src,
+            hi: src + bytes as u32,
+            pc,
+        });
+        Ok(())
+    }
+
     /// A generic-proxy store of `len` bytes at shared `off` by lane `l` of warp `w`: no live
     /// mbarrier may be overwritten, and the bytes stay "unfenced" for the async proxy until the
     /// thread executes `fence.proxy.async`.
@@ -615,6 +774,22 @@ impl Cta<'_> {
                     "a generic store to shared [{off:#x}, +{len}) overwrites the live mbarrier at \
                      {:#x}",
                     m.addr
+                )),
+            ));
+        }
+        if let Some(b) = self
+            .bulk_reads
+            .iter()
+            .find(|b| (b.lo as usize) < off + len && off < b.hi as usize)
+        {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                FaultKind::Proxy(format!(
+                    "a generic store to shared [{off:#x}, +{len}) overwrites the source of a TMA \
+                     reduction (pc {}, thread {}) not yet retired by cp.async.bulk.wait_group.read",
+                    b.pc, b.thread
                 )),
             ));
         }
