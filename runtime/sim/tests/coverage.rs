@@ -87,6 +87,11 @@ fn the_sm90_kernel_uses_the_async_machinery_and_parses() {
         "setmaxnreg.inc",
         "setmaxnreg.dec",
         "fence.proxy.async",
+        "stmatrix.sync.aligned.m8n8.x4",
+        "bar.warp.sync",
+        "cp.reduce.async.bulk.tensor.3d",
+        "cp.async.bulk.commit_group",
+        "cp.async.bulk.wait_group.read",
     ] {
         assert!(
             all.keys().any(|op| op.starts_with(family)),
@@ -96,7 +101,8 @@ fn the_sm90_kernel_uses_the_async_machinery_and_parses() {
     }
     let m = Module::parse(&text).expect("every instruction is modelled");
     let k = m.kernel(SM90_KERNEL).expect("entry");
-    assert_eq!(k.params().len(), 13);
+    // 13 shared with the deterministic kernel, then the dQ pool's tensor map.
+    assert_eq!(k.params().len(), 14);
     assert_eq!(k.params()[0].size, 128);
     assert_eq!(k.params()[0].align, 64);
     assert_eq!(k.dynamic_shared_base(), Some(0));
