@@ -395,6 +395,29 @@ impl StmatrixLane {
             h2,
         }
     }
+
+    /// `count` `stmatrix.x4` of a warp's fragment into 128-byte SW128 rows, this lane's
+    /// addressed row being `row` at `base + 128·row`: instruction `s` stores the words of
+    /// column groups `2s`, `2s + 1` (`words(b, s)`, in the order above), chunks `2(s % 4)`,
+    /// `+1` of box `s / 4` (boxes of 16 rows, 2048 bytes apart), `offset` bytes further.
+    fn store_sw128(
+        &self,
+        b: &mut KernelBuilder,
+        row: Reg<U32>,
+        base: Reg<U32>,
+        offset: u32,
+        count: u32,
+        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<Bf16x2>; 4],
+    ) {
+        let lane_at = b.mad_lo(row, 128u32, self.half_chunk);
+        let lane_at = b.add(lane_at, base);
+        for s in 0..count {
+            let v = words(b, s);
+            let x = b.xor(self.h2, s % 4);
+            let addr = b.mad_lo(x, 32u32, lane_at);
+            b.stmatrix_x4(&shared(addr, i64::from(offset + 2048 * (s / 4))), v);
+        }
+    }
 }
 
 /// The default kernel's dQ staging: the accumulator of `dQ_c = dS_c·K` (m64n128; this warp's
@@ -409,20 +432,14 @@ fn dq_stage(b: &mut KernelBuilder, acc: &[Reg<F32>], stage: Reg<U32>, lane: Reg<
         b.cvt_bf16x2(acc[i + 1], acc[i])
     };
     let sm = StmatrixLane::new(b, lane);
-    let lane_at = b.mad_lo(sm.row, 128u32, sm.half_chunk);
-    let lane_at = b.add(lane_at, stage);
-    for s in 0..8u32 {
-        let v = [
+    sm.store_sw128(b, sm.row, stage, 0, 8, |b, s| {
+        [
             word(b, 2 * s, 0),
             word(b, 2 * s, 1),
             word(b, 2 * s + 1, 0),
             word(b, 2 * s + 1, 1),
-        ];
-        // Chunks 2(s % 4) and 2(s % 4) + 1 of box s / 4.
-        let x = b.xor(sm.h2, s % 4);
-        let addr = b.mad_lo(x, 32u32, lane_at);
-        b.stmatrix_x4(&shared(addr, i64::from(2048 * (s / 4))), v);
-    }
+        ]
+    });
 }
 
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
@@ -639,18 +656,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             // 8·mi + r), 16-byte chunk `j ^ r` of the SW128 row (128 B per key).
             let sm = StmatrixLane::new(b, lane);
             let key = b.add(c_rows_keys, sm.row);
-            let ds_lane = b.mad_lo(key, 128u32, sm.half_chunk);
-            let ds_lane = b.add(ds_lane, base);
-            for s4 in 0..4u32 {
-                let x = b.xor(sm.h2, s4);
-                let addr = b.mad_lo(x, 32u32, ds_lane);
-                let at = shared(addr, i64::from(r.ds.offset + half * PANEL_BYTES));
-                let f = (4 * s4) as usize;
-                b.stmatrix_x4(
-                    &at,
-                    [ds_frag[f], ds_frag[f + 1], ds_frag[f + 2], ds_frag[f + 3]],
-                );
-            }
+            let panel = r.ds.offset + half * PANEL_BYTES;
+            sm.store_sw128(b, key, base, panel, 4, |_, s| {
+                let f = (4 * s) as usize;
+                [ds_frag[f], ds_frag[f + 1], ds_frag[f + 2], ds_frag[f + 3]]
+            });
 
             b.comment("dV += P^T*dO_h, dK += dS^T*Q_h (A from registers, B MN-major)");
             b.wgmma_fence();
