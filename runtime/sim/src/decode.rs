@@ -1287,10 +1287,7 @@ fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
     if !(m.take("async") && m.take("bulk") && m.take("tensor")) {
         return unsupported("only cp.async.bulk.tensor is modelled among cp instructions");
     }
-    let rank = match m.take_any(&["1d", "2d", "3d", "4d", "5d"]) {
-        Some(d) => d.as_bytes()[0] - b'0',
-        None => return malformed("cp.async.bulk.tensor needs a dimension"),
-    };
+    let rank = take_rank(m, "cp.async.bulk.tensor")?;
     if m.take_any(&["shared::cluster", "shared::cta"]).is_none() || !m.take("global") {
         return unsupported("only global-to-shared tensor copies are modelled");
     }
@@ -1304,21 +1301,9 @@ fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
     };
     m.finish()?;
     arity(ops, 3 + hint as usize)?;
-    let Operand::Tensor(map, coords) = &ops[1] else {
-        return malformed("expected a tensor operand [map, {c0, ...}]");
-    };
-    if coords.len() != rank as usize {
-        return malformed(format!("a {rank}d copy with {} coordinates", coords.len()));
-    }
     Ok(Op::CpAsyncBulkTensor(Box::new(TmaLoad {
         dst: ctx.addr(&ops[0])?,
-        tensor: TensorRef {
-            map: ctx.addr_of(map)?,
-            coords: coords
-                .iter()
-                .map(|c| ctx.src(c, Ty::S(32)))
-                .collect::<Result<_>>()?,
-        },
+        tensor: tensor_ref(&ops[1], rank, "copy", ctx)?,
         mbar: ctx.addr(&ops[2])?,
     })))
 }
@@ -1327,10 +1312,7 @@ fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result
     if !(m.take("reduce") && m.take("async") && m.take("bulk") && m.take("tensor")) {
         return unsupported("only cp.reduce.async.bulk.tensor is modelled among bulk reductions");
     }
-    let rank = match m.take_any(&["1d", "2d", "3d", "4d", "5d"]) {
-        Some(d) => d.as_bytes()[0] - b'0',
-        None => return malformed("cp.reduce.async.bulk.tensor needs a dimension"),
-    };
+    let rank = take_rank(m, "cp.reduce.async.bulk.tensor")?;
     if !m.take("global") || !m.take("shared::cta") {
         return unsupported("only shared-to-global tensor reductions are modelled");
     }
@@ -1346,25 +1328,35 @@ fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result
     };
     m.finish()?;
     arity(ops, 2)?;
-    let Operand::Tensor(map, coords) = &ops[0] else {
+    Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
+        src: ctx.addr(&ops[1])?,
+        tensor: tensor_ref(&ops[0], rank, "reduction", ctx)?,
+    })))
+}
+
+/// The `.Nd` of a bulk tensor instruction (`what`).
+fn take_rank(m: &mut Mods<'_>, what: &str) -> Result<u8> {
+    match m.take_any(&["1d", "2d", "3d", "4d", "5d"]) {
+        Some(d) => Ok(d.as_bytes()[0] - b'0'),
+        None => malformed(format!("{what} needs a dimension")),
+    }
+}
+
+/// A tensor operand `[map, {c0, ...}]` of a `rank`-dimensional `op` ("copy", "reduction").
+fn tensor_ref(o: &Operand, rank: u8, op: &str, ctx: &Ctx<'_>) -> Result<TensorRef> {
+    let Operand::Tensor(map, coords) = o else {
         return malformed("expected a tensor operand [map, {c0, ...}]");
     };
     if coords.len() != rank as usize {
-        return malformed(format!(
-            "a {rank}d reduction with {} coordinates",
-            coords.len()
-        ));
+        return malformed(format!("a {rank}d {op} with {} coordinates", coords.len()));
     }
-    Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
-        src: ctx.addr(&ops[1])?,
-        tensor: TensorRef {
-            map: ctx.addr_of(map)?,
-            coords: coords
-                .iter()
-                .map(|c| ctx.src(c, Ty::S(32)))
-                .collect::<Result<_>>()?,
-        },
-    })))
+    Ok(TensorRef {
+        map: ctx.addr_of(map)?,
+        coords: coords
+            .iter()
+            .map(|c| ctx.src(c, Ty::S(32)))
+            .collect::<Result<_>>()?,
+    })
 }
 
 fn imm_of(op: &Operand, allowed: &[i128], what: &str) -> Result<i128> {

@@ -261,6 +261,43 @@ impl SimTensorMap {
         row.max(self.swizzle.span() as u64)
     }
 
+    /// The global coordinate of box element `i` along dimension `d`, for a box at `coords`.
+    pub fn coord(&self, coords: &[i64; 5], d: usize, i: u32) -> i64 {
+        coords[d] + i as i64 * self.element_strides[d] as i64
+    }
+
+    /// Whether global coordinate `g` lies inside dimension `d`.
+    pub fn in_dim(&self, d: usize, g: i64) -> bool {
+        g >= 0 && (g as u64) < self.global_dim[d]
+    }
+
+    /// The box's rows at `coords`, in shared-memory order (row `i` at `i · row_pitch`): whether
+    /// every outer coordinate of the row is in bounds, and the global byte address of its
+    /// inner coordinate 0.
+    pub fn box_rows(&self, coords: &[i64; 5]) -> Vec<(bool, i128)> {
+        let n = self.box_elements();
+        let rank = self.rank as usize;
+        let mut rows = Vec::new();
+        for i4 in 0..n[4] {
+            for i3 in 0..n[3] {
+                for i2 in 0..n[2] {
+                    for i1 in 0..n[1] {
+                        let outer = [0, i1, i2, i3, i4];
+                        let mut ok = true;
+                        let mut base = self.base as i128;
+                        for (d, &i) in outer.iter().enumerate().take(rank).skip(1) {
+                            let g = self.coord(coords, d, i);
+                            ok &= self.in_dim(d, g);
+                            base += g as i128 * self.global_strides[d - 1] as i128;
+                        }
+                        rows.push((ok, base));
+                    }
+                }
+            }
+        }
+        rows
+    }
+
     /// Bytes of shared memory a copy spans: the box's rows at [`SimTensorMap::row_pitch`].
     pub fn shared_bytes(&self) -> u64 {
         let rows: u64 = self.box_elements()[1..].iter().map(|&n| n as u64).product();

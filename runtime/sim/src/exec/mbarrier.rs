@@ -23,7 +23,7 @@
 
 use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
-use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TmaLoad, TmaReduce, SHARED_WINDOW};
+use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce, SHARED_WINDOW};
 use crate::numeric::{bf16_rne, bf16_to_f32};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
@@ -395,51 +395,9 @@ impl Cta<'_> {
         let coords: Vec<[u64; 32]> = t.tensor.coords.iter().map(|c| self.gather(w, *c)).collect();
         for l in lanes(exec) {
             let tma = |msg: String| FaultKind::Tma(msg);
-            let map_at = self.lane_addr(w, l, &t.tensor.map);
-            let map = self
-                .read_map(map_at)
-                .and_then(|b| SimTensorMap::from_bytes(&b))
-                .map_err(|e| self.fault(pc, w, l, tma(e)))?;
-            if map.rank as usize != coords.len() {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "a {}d copy through a rank-{} tensor map",
-                        coords.len(),
-                        map.rank
-                    )),
-                ));
-            }
-            let inner = coords[0][l] as u32 as i32 as i64 * map.elem_bytes as i64;
-            if inner % 16 != 0 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "the inner coordinate {} is {inner} bytes into the row, not a multiple of \
-                         16 (an H200 raises an illegal instruction)",
-                        coords[0][l] as u32 as i32
-                    )),
-                ));
-            }
-            let dst = self.lane_addr(w, l, &t.dst);
+            let lane_coords: Vec<u64> = coords.iter().map(|c| c[l]).collect();
+            let (map, c, dst) = self.tma_box(pc, w, l, &t.tensor, &lane_coords, &t.dst, "copy")?;
             let bytes = map.shared_bytes();
-            if !dst.is_multiple_of(128) || dst + bytes > self.shared.len() as u64 {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "destination shared [{dst:#x}, +{bytes}) must be 128-byte aligned and \
-                         inside the CTA's {} bytes of shared memory",
-                        self.shared.len()
-                    )),
-                ));
-            }
-            let dst = dst as u32;
             if let Some(m) = self
                 .mbars
                 .iter()
@@ -457,10 +415,6 @@ impl Cta<'_> {
             }
             let mbar = self.mbar_offset(pc, w, l, Space::Shared, &t.mbar)?;
             let i = self.mbar_live(pc, w, l, mbar)?;
-            let mut c = [0i64; 5];
-            for (d, v) in coords.iter().enumerate() {
-                c[d] = v[l] as u32 as i32 as i64;
-            }
             let pending = PendingTma {
                 pc,
                 warp: w,
@@ -477,6 +431,79 @@ impl Cta<'_> {
             }
         }
         Ok(())
+    }
+
+    /// The checks a TMA box operation (`op`: "copy", "reduction") of lane `l` shares: its map
+    /// decodes and has one dimension per coordinate (`coords`: the lane's values, read as
+    /// s32), the inner coordinate is 16-byte aligned, and the box's shared side at `smem` is
+    /// 128-byte aligned and inside the CTA's shared memory. Returns the map, the coordinates
+    /// and the shared offset.
+    #[allow(clippy::too_many_arguments)]
+    fn tma_box(
+        &self,
+        pc: usize,
+        w: usize,
+        l: usize,
+        tensor: &TensorRef,
+        coords: &[u64],
+        smem: &Addr,
+        op: &str,
+    ) -> Result<(SimTensorMap, [i64; 5], u32), SimError> {
+        let tma = |msg: String| FaultKind::Tma(msg);
+        let map_at = self.lane_addr(w, l, &tensor.map);
+        let map = self
+            .read_map(map_at)
+            .and_then(|b| SimTensorMap::from_bytes(&b))
+            .map_err(|e| self.fault(pc, w, l, tma(e)))?;
+        if map.rank as usize != coords.len() {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "a {}d {op} through a rank-{} tensor map",
+                    coords.len(),
+                    map.rank
+                )),
+            ));
+        }
+        let mut c = [0i64; 5];
+        for (d, &v) in coords.iter().enumerate() {
+            c[d] = v as u32 as i32 as i64;
+        }
+        let inner = c[0] * map.elem_bytes as i64;
+        if inner % 16 != 0 {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "the inner coordinate {} is {inner} bytes into the row, not a multiple of \
+                     16 (an H200 raises an illegal instruction)",
+                    c[0]
+                )),
+            ));
+        }
+        let at = self.lane_addr(w, l, smem);
+        let bytes = map.shared_bytes();
+        if !at.is_multiple_of(128) || at + bytes > self.shared.len() as u64 {
+            let side = if op == "copy" {
+                "destination"
+            } else {
+                "source"
+            };
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "{side} shared [{at:#x}, +{bytes}) must be 128-byte aligned and inside the \
+                     CTA's {} bytes of shared memory",
+                    self.shared.len()
+                )),
+            ));
+        }
+        Ok((map, c, at as u32))
     }
 
     /// Lands every copy in flight to the mbarrier at `off`, in issue order.
@@ -511,74 +538,53 @@ impl Cta<'_> {
             OobFill::Zero => [0u8; 8],
             OobFill::Nan => OobFill::nan_bits(es),
         };
-        let in_dim = |d: usize, g: i64| g >= 0 && (g as u64) < m.global_dim[d];
-        let coord = |d: usize, i: u32| t.coords[d] + i as i64 * m.element_strides[d] as i64;
+        let in_dim = |d: usize, g: i64| m.in_dim(d, g);
+        let coord = |d: usize, i: u32| m.coord(&t.coords, d, i);
         let pitch = m.row_pitch() as u32;
-        let mut row = 0u32;
         let mut elem = [0u8; 8];
-        for i4 in 0..n[4] {
-            for i3 in 0..n[3] {
-                for i2 in 0..n[2] {
-                    for i1 in 0..n[1] {
-                        let outer = [0, i1, i2, i3, i4];
-                        let mut row_ok = true;
-                        let mut row_base = m.base as i128;
-                        for (d, &i) in outer.iter().enumerate().take(rank).skip(1) {
-                            let g = coord(d, i);
-                            row_ok &= in_dim(d, g);
-                            row_base += g as i128 * m.global_strides[d - 1] as i128;
-                        }
-                        // The in-bounds run of the row, read as one slice.
-                        let run: Vec<u32> = if row_ok {
-                            (0..n[0]).filter(|&i| in_dim(0, coord(0, i))).collect()
-                        } else {
-                            Vec::new()
-                        };
-                        let src = match (run.first(), run.last()) {
-                            (Some(&a), Some(&b)) => {
-                                let lo = coord(0, a);
-                                let len = (coord(0, b) - lo + 1) as usize * es;
-                                let at = (row_base + lo as i128 * es as i128) as u64;
-                                match self.mem.slice(at, len) {
-                                    Some(s) => Some((lo, s.to_vec())),
-                                    None => {
-                                        let msg = format!(
-                                            "box row at coordinates {:?} reads global \
+        for (row, (row_ok, row_base)) in (0u32..).zip(m.box_rows(&t.coords)) {
+            // The in-bounds run of the row, read as one slice.
+            let run: Vec<u32> = if row_ok {
+                (0..n[0]).filter(|&i| in_dim(0, coord(0, i))).collect()
+            } else {
+                Vec::new()
+            };
+            let src = match (run.first(), run.last()) {
+                (Some(&a), Some(&b)) => {
+                    let lo = coord(0, a);
+                    let len = (coord(0, b) - lo + 1) as usize * es;
+                    let at = (row_base + lo as i128 * es as i128) as u64;
+                    match self.mem.slice(at, len) {
+                        Some(s) => Some((lo, s.to_vec())),
+                        None => {
+                            let msg = format!(
+                                "box row at coordinates {:?} reads global \
                                              [{at:#x}, +{len}): {}",
-                                            &t.coords[..rank],
-                                            self.mem.describe(at)
-                                        );
-                                        return Err(self.fault(
-                                            t.pc,
-                                            t.warp,
-                                            t.lane,
-                                            FaultKind::Tma(msg),
-                                        ));
-                                    }
-                                }
-                            }
-                            _ => None,
-                        };
-                        for i0 in 0..n[0] {
-                            let g0 = coord(0, i0);
-                            match &src {
-                                Some((lo, s)) if row_ok && in_dim(0, g0) => {
-                                    let o = (g0 - lo) as usize * es;
-                                    elem[..es].copy_from_slice(&s[o..o + es]);
-                                }
-                                _ => elem[..es].copy_from_slice(&fill[..es]),
-                            }
-                            let off = row * pitch + i0 * es as u32;
-                            let at = m.swizzle.apply(t.dst + off) as usize;
-                            self.shared[at..at + es].copy_from_slice(&elem[..es]);
-                            if self.unfenced_total > 0 && self.unfenced[at / 4] != 0 {
-                                // The box replaces a generic store still pending there.
-                                self.unfenced[at / 4] = 0;
-                                self.unfenced_total -= 1;
-                            }
+                                &t.coords[..rank],
+                                self.mem.describe(at)
+                            );
+                            return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
                         }
-                        row += 1;
                     }
+                }
+                _ => None,
+            };
+            for i0 in 0..n[0] {
+                let g0 = coord(0, i0);
+                match &src {
+                    Some((lo, s)) if row_ok && in_dim(0, g0) => {
+                        let o = (g0 - lo) as usize * es;
+                        elem[..es].copy_from_slice(&s[o..o + es]);
+                    }
+                    _ => elem[..es].copy_from_slice(&fill[..es]),
+                }
+                let off = row * pitch + i0 * es as u32;
+                let at = m.swizzle.apply(t.dst + off) as usize;
+                self.shared[at..at + es].copy_from_slice(&elem[..es]);
+                if self.unfenced_total > 0 && self.unfenced[at / 4] != 0 {
+                    // The box replaces a generic store still pending there.
+                    self.unfenced[at / 4] = 0;
+                    self.unfenced_total -= 1;
                 }
             }
         }
@@ -641,44 +647,26 @@ impl Cta<'_> {
 
     fn tma_reduce(&mut self, pc: usize, w: usize, l: usize, r: &TmaReduce) -> Result<(), SimError> {
         let tma = |msg: String| FaultKind::Tma(msg);
-        let map_at = self.lane_addr(w, l, &r.tensor.map);
-        let m = self
-            .read_map(map_at)
-            .and_then(|b| SimTensorMap::from_bytes(&b))
-            .map_err(|e| self.fault(pc, w, l, tma(e)))?;
-        let rank = m.rank as usize;
-        if rank != r.tensor.coords.len() || m.elem_bytes != 2 {
+        let coords: Vec<u64> = r
+            .tensor
+            .coords
+            .iter()
+            .map(|c| self.gather(w, *c)[l])
+            .collect();
+        let (m, c, src) = self.tma_box(pc, w, l, &r.tensor, &coords, &r.src, "reduction")?;
+        if m.elem_bytes != 2 {
             return Err(self.fault(
                 pc,
                 w,
                 l,
                 tma(format!(
-                    "a {}d add through a rank-{} map of {}-byte elements (the model adds bf16)",
-                    r.tensor.coords.len(),
-                    m.rank,
+                    "a reduction through a map of {}-byte elements (the model adds bf16)",
                     m.elem_bytes
                 )),
             ));
         }
-        let mut c = [0i64; 5];
-        for (d, s) in r.tensor.coords.iter().enumerate() {
-            c[d] = self.gather(w, *s)[l] as u32 as i32 as i64;
-        }
-        let src = self.lane_addr(w, l, &r.src);
+        let rank = m.rank as usize;
         let bytes = m.shared_bytes();
-        if !src.is_multiple_of(128) || src + bytes > self.shared.len() as u64 {
-            return Err(self.fault(
-                pc,
-                w,
-                l,
-                tma(format!(
-                    "source shared [{src:#x}, +{bytes}) must be 128-byte aligned and inside the \
-                     CTA's {} bytes of shared memory",
-                    self.shared.len()
-                )),
-            ));
-        }
-        let src = src as u32;
         if self.unfenced_total > 0 {
             let lo = src as usize / 4;
             let hi = (src as u64 + bytes) as usize / 4;
@@ -698,46 +686,27 @@ impl Cta<'_> {
             }
         }
         let n = m.box_elements();
-        let in_dim = |d: usize, g: i64| g >= 0 && (g as u64) < m.global_dim[d];
-        let coord = |d: usize, i: u32| c[d] + i as i64 * m.element_strides[d] as i64;
         let pitch = m.row_pitch() as u32;
-        let mut row = 0u32;
-        for i4 in 0..n[4] {
-            for i3 in 0..n[3] {
-                for i2 in 0..n[2] {
-                    for i1 in 0..n[1] {
-                        let outer = [0, i1, i2, i3, i4];
-                        let mut row_ok = true;
-                        let mut row_base = m.base as i128;
-                        for (d, &i) in outer.iter().enumerate().take(rank).skip(1) {
-                            let g = coord(d, i);
-                            row_ok &= in_dim(d, g);
-                            row_base += g as i128 * m.global_strides[d - 1] as i128;
-                        }
-                        for i0 in 0..n[0] {
-                            let g0 = coord(0, i0);
-                            if !(row_ok && in_dim(0, g0)) {
-                                continue;
-                            }
-                            let at = (row_base + g0 as i128 * 2) as u64;
-                            let s_at = m.swizzle.apply(src + row * pitch + i0 * 2) as usize;
-                            let add =
-                                u16::from_le_bytes([self.shared[s_at], self.shared[s_at + 1]]);
-                            let Some(dst) = self.mem.slice_mut(at, 2) else {
-                                let msg = format!(
-                                    "the reduction at coordinates {:?} writes global [{at:#x}, +2): {}",
-                                    &c[..rank],
-                                    self.mem.describe(at)
-                                );
-                                return Err(self.fault(pc, w, l, tma(msg)));
-                            };
-                            let old = u16::from_le_bytes([dst[0], dst[1]]);
-                            let sum = bf16_rne(bf16_to_f32(old) + bf16_to_f32(add));
-                            dst.copy_from_slice(&sum.to_le_bytes());
-                        }
-                        row += 1;
-                    }
+        for (row, (row_ok, row_base)) in (0u32..).zip(m.box_rows(&c)) {
+            for i0 in 0..n[0] {
+                let g0 = m.coord(&c, 0, i0);
+                if !(row_ok && m.in_dim(0, g0)) {
+                    continue;
                 }
+                let at = (row_base + g0 as i128 * 2) as u64;
+                let s_at = m.swizzle.apply(src + row * pitch + i0 * 2) as usize;
+                let add = u16::from_le_bytes([self.shared[s_at], self.shared[s_at + 1]]);
+                let Some(dst) = self.mem.slice_mut(at, 2) else {
+                    let msg = format!(
+                        "the reduction at coordinates {:?} writes global [{at:#x}, +2): {}",
+                        &c[..rank],
+                        self.mem.describe(at)
+                    );
+                    return Err(self.fault(pc, w, l, tma(msg)));
+                };
+                let old = u16::from_le_bytes([dst[0], dst[1]]);
+                let sum = bf16_rne(bf16_to_f32(old) + bf16_to_f32(add));
+                dst.copy_from_slice(&sum.to_le_bytes());
             }
         }
         self.bulk_reads.push(BulkRead {
