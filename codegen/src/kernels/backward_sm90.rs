@@ -71,8 +71,12 @@
 //!   `stmatrix.x4`, as the two SW128 boxes (16 heads × 64 head dims) of the `tmap_dq` tensor
 //!   map, which has Q's geometry. Each lane fences its stores for the async proxy, the warp
 //!   meets, and lane 0 issues two `cp.reduce.async.bulk.tensor.3d ... .add` (bf16 adds in
-//!   L2) and waits for them to have read the boxes (`cp.async.bulk.wait_group.read`) before
-//!   the consumer's `ds_free` arrival lets the panel be overwritten.
+//!   L2). Lane 0 waits for them to have read the boxes (`cp.async.bulk.wait_group.read`)
+//!   only in the next task, once its half-0 S^T/dP^T are issued; the warp then meets and the
+//!   consumer's `ds_free` arrival lets the panel be overwritten. After the walk's last task
+//!   the wait comes before the CTA exits. The TMA unit serves these reads behind the
+//!   producer's Q/dO loads, so a wait right after the issue kept both consumers (in step
+//!   since the barrier before dQ) off the tensor cores.
 //!
 //!   Session 11's H200 rounds (`bench/results/h200-2026-12-02-s11-backward.md`):
 //!   - The staging replaced a 4×4 transpose in each quad and a swap between quads: 48
@@ -82,6 +86,11 @@
 //!     ahead (its load had been on the path to each task's first GEMM), were 3-8 % faster than
 //!     session 10's kernel. The TMA reduction is 1-2 % faster again: it takes the reductions
 //!     off the registers and the LSU.
+//!   - Session 12 (`bench/results/h200-2026-12-02-s12-backward.md`): the read wait moved
+//!     into the next task, as above, was 3-7 % faster, and with the K/V stage released
+//!     before the segment's dK/dV flush (below) 4.6-12 %; ncu puts the tensor pipe at 70 % of
+//!     the cycles (63 % before). Walking 128, 256 or 512 task rows per CTA instead of 64 was
+//!     0-5 % slower.
 //!   - Deferring the reductions into the next task (after its S^T/dP^T issue, or after its
 //!     half-0 exponentials) was 2-7 % slower: they then delay the dS that feeds its first
 //!     dV/dK.
@@ -90,9 +99,10 @@
 //!     one) was 1-4 % slower: the single-buffered panels bound the offset.
 //!
 //!   The slots' compact rows, which address the reductions, come from the gather warp's row
-//!   stage, read before its release. At a segment's end dK/dV are flushed with
-//!   `red.global.add.v4.f32` after a lane-pair exchange that gives each lane four consecutive
-//!   head dims.
+//!   stage, read before its release. At a segment's end the warpgroup meets and releases the
+//!   K/V stage (every GEMM of the segment has completed), so that the next segment's K/V load
+//!   runs under the flush; dK/dV are then flushed with `red.global.add.v4.f32` after a
+//!   lane-pair exchange that gives each lane four consecutive head dims.
 //! - **Deterministic mode** (`msa_backward_sm90_det`, `fixed_point`): the gather warp also
 //!   computes each slot's inverse dQ unit from `a[t, g]` into the row stage, so that the
 //!   consumers only read eight words before they release it; dQ goes as integer-valued f32
@@ -566,6 +576,18 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 common::wgmma_ss_k128(b, acc, Major::K, (a0, b0), (never, always));
                 b.wgmma_commit();
             }
+            if half == 0 && p.fixed.is_none() {
+                // The previous task's dQ boxes: panel `c` may be overwritten (by the other
+                // consumer after the arrival; by this one after its `ds_free` meeting) once
+                // the TMA has read them. Waited here, with this task's first GEMMs in flight,
+                // not on the path from the dQ GEMM to them.
+                b.unless(first_task, "ds_free_arrive", |b| {
+                    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+                    b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
+                    b.bar_warp_sync();
+                    b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
+                });
+            }
             b.wgmma_wait(1);
             if half == 0 {
                 b.comment("the gather warp's row scalars for this task");
@@ -739,13 +761,6 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
                 }
                 b.bulk_commit_group();
-                // The panel may be overwritten (the other consumer, after the arrival below;
-                // this consumer, after its next `ds_free` meeting) once the boxes are read.
-                b.bulk_wait_group_read(0);
-            });
-            b.comment("this consumer's reads of sdS are done: the other may overwrite its rows");
-            b.unless(last_task, "ds_free_arrive", |b| {
-                b.bar_arrive_reg(ds_other, 2 * WarpgroupBarrier::THREADS);
             });
         } else {
             // K_c, head dims 64c..64c+64, A of dQ^T_c = K^T_c·dS^T (MN-major: d contiguous),
@@ -814,6 +829,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let other_bucket = b.setp(Cmp::Ne, next, cur);
         let is_end = b.or_pred(other_bucket, last_task);
         b.if_then(is_end, "flush", |b| {
+            // Every GEMM of the segment has been waited for: once the warpgroup meets, its
+            // reads of K/V are over, and the next segment's loads run under the flush.
+            b.bar_sync_reg(wg_bar, 128);
+            let st = kv.locate(b, &bars, segments.into());
+            b.predicated(elected, false, |b| kv.consumer_release(b, &bars, &st));
             b.comment("segment end: dK/dV to the fp32 pools, four head dims per lane");
             let odd = b.and(lane, 1u32);
             let is_odd = b.setp(Cmp::Ne, odd, 0u32);
@@ -872,13 +892,15 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
                 }
             }
-            b.bar_sync_reg(wg_bar, 128);
-            let st = kv.locate(b, &bars, segments.into());
-            b.predicated(elected, false, |b| kv.consumer_release(b, &bars, &st));
             let next = b.add(segments, 1u32);
             b.set(segments, next);
         });
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
+    if p.fixed.is_none() {
+        b.comment("the walk's last dQ boxes are read before the CTA's shared memory goes");
+        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
+    }
 }

@@ -333,11 +333,11 @@ pub struct MainParams {
     pub dk: ParamRef<U64>,
     /// The fp32 dV pool `[W, 4, 128]`.
     pub dv: ParamRef<U64>,
-    /// The deterministic variant's extra parameters (its pools then hold fixed-point values:
-    /// dQ integer-valued f32 `[T, 4, 4, 128, 4]`, dK/dV one signed 64-bit word per element).
     /// The default mode's `dq [T, 64, 128]` as a TMA reduce-add target (Q's geometry: boxes
     /// of 16 heads × 64 d, SW128); the Hopper kernel reduces dQ through it.
     pub tmap_dq: Option<TensorMapRef>,
+    /// The deterministic variant's extra parameters (its pools then hold fixed-point values:
+    /// dQ integer-valued f32 `[T, 4, 4, 128, 4]`, dK/dV one signed 64-bit word per element).
     pub fixed: Option<FixedParams>,
 }
 
@@ -376,14 +376,13 @@ pub fn main_params(b: &mut KernelBuilder, deterministic: bool) -> MainParams {
         tmap_dq: None,
         fixed: None,
     };
-    if !deterministic {
-        p.tmap_dq = Some(b.param_tensor_map("tmap_dq"));
-    }
     if deterministic {
         p.fixed = Some(FixedParams {
             row_bounds: b.param_ptr("row_bounds", HostElem::I32, false),
             bounds: b.param_ptr("bounds", HostElem::I32, false),
         });
+    } else {
+        p.tmap_dq = Some(b.param_tensor_map("tmap_dq"));
     }
     p
 }
