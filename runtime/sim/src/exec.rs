@@ -556,6 +556,8 @@ impl<'a> Cta<'a> {
         self.thread_steps = 0;
         self.mbars.clear();
         self.tmas.clear();
+        self.bulk_reads.clear();
+        self.bulk_groups.fill(0);
         let regs = self.launch_regs;
         for g in &mut self.wgs {
             *g = wgmma::Warpgroup::new(regs);

@@ -73,7 +73,7 @@
 //! [`SimTensorMap`], the simulator's stand-in for a `CUtensorMap`), `cp.reduce.async.bulk.tensor
 //! ... .add.tile.bulk_group` (a bf16 box added at issue; its shared source must be fenced and
 //! stays guarded against generic stores until `cp.async.bulk.wait_group.read` retires its
-//! `cp.async.bulk.commit_group`), `stmatrix.m8n8`, `bar.warp.sync`, `wgmma.{fence,
+//! `cp.async.bulk.commit_group`, and a CTA that ends before then is a fault), `stmatrix.m8n8`, `bar.warp.sync`, `wgmma.{fence,
 //! mma_async,commit_group,wait_group}` (m64nNk16, bf16/f16 → f32, SS and RS, 128B-swizzled
 //! descriptors), `setmaxnreg`, `fence.proxy.async`, `fence.mbarrier_init`, `elect.sync`,
 //! `trap`, and the Blackwell `tcgen05` family with `cta_group::1`: tensor memory (`alloc`,

@@ -438,3 +438,15 @@ fn overwriting_ds_before_the_other_consumer_read_it_is_caught_with_one_consumer_
         }
     }
 }
+
+#[test]
+fn leaving_the_cta_before_its_last_dq_reduction_read_the_staging_is_reported() {
+    // The second wait: after the walk, before the CTA's shared memory goes.
+    let text = planted("cp.async.bulk.wait_group.read", 1, |_| String::new());
+    expect_error(
+        &text,
+        Limits::default(),
+        fault(|k| matches!(k, FaultKind::Proxy(_))),
+        "TMA reductions may still read shared memory; this one",
+    );
+}

@@ -46,9 +46,8 @@ pub(super) struct Mbarrier {
     pub phase: u64,
 }
 
-/// A TMA copy issued and not yet landed.
-#[derive(Debug, Clone)]
 /// The shared source of a TMA reduction, protected until its group is retired.
+#[derive(Debug, Clone)]
 pub(super) struct BulkRead {
     /// The issuing thread (`32·warp + lane`).
     pub thread: usize,
@@ -61,6 +60,8 @@ pub(super) struct BulkRead {
     pub pc: usize,
 }
 
+/// A TMA copy issued and not yet landed.
+#[derive(Debug, Clone)]
 pub(super) struct PendingTma {
     pub pc: usize,
     pub warp: usize,
@@ -827,6 +828,18 @@ impl Cta<'_> {
                 t.mbar
             );
             return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
+        }
+        if let Some(b) = self.bulk_reads.first() {
+            // The CTA's shared memory goes to the next CTA while the TMA unit may still read it.
+            let msg = format!(
+                "the CTA finished while {} TMA reductions may still read shared memory; this one \
+                 (source [{:#x}, {:#x})) was not retired by cp.async.bulk.wait_group.read",
+                self.bulk_reads.len(),
+                b.lo,
+                b.hi
+            );
+            let (w, l) = (b.thread / 32, b.thread % 32);
+            return Err(self.fault(b.pc, w, l, FaultKind::Proxy(msg)));
         }
         self.check_wgmma_exit()?;
         self.check_tcgen05_exit()
