@@ -19,6 +19,7 @@ pub fn runtime(e: RuntimeError) -> PyErr {
         | RuntimeError::Overlap { .. }
         | RuntimeError::Schedule(_)
         | RuntimeError::ScheduleFlagged(_)
+        | RuntimeError::CpRankFlagged { .. }
         | RuntimeError::TensorMap { .. } => PyValueError::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }

@@ -17,6 +17,9 @@
 //!
 //! # The flow ([`CpBackward::run_on`])
 //! 1. All-gather K and V (bf16): every rank then holds the whole aligned K/V, `R·S` rows.
+//!    Every rank's schedule verdict (a device-built schedule's flags word, zero for a host
+//!    schedule) is gathered beside them, so that [`CpBackward::status`] reports a flagged
+//!    rank on every rank: its queries are missing from every rank's dK/dV.
 //! 2. The local backward: the local schedule ([`CpLayout::local_schedule`], the rank's
 //!    queries against the CSR rows of every document, [`Schedule::restrict_queries`]) runs
 //!    the usual preprocess, task build and main kernel; dQ is local and final. dK/dV stay in
@@ -363,7 +366,9 @@ fn gathered_kv<B: Backend>(
 /// selection, with no host sync: a [`ResidentSchedule::new_for_rows`] over the layout's
 /// documents and the rank's token rows. Its tables equal [`CpLayout::local_schedule`]'s except
 /// the edge capacity (`16·T`, the whole sequence's); a bad selection is flagged on the device
-/// (the backward then has no work: zero gradients; [`RankSchedule::status`] names the fault).
+/// (the rank's backward then has no work: its dq is zero and its queries contribute nothing
+/// to any rank's dK/dV; [`RankSchedule::status`] names the fault, and every rank's
+/// [`CpBackward::status`] names the flagged ranks).
 pub struct RankSchedule<B: Backend> {
     rank: usize,
     cu_seqlens: Vec<i32>,
@@ -530,6 +535,11 @@ pub struct CpBuffers {
 pub struct CpBackward<B: Backend> {
     backward: MsaBackward<B>,
     gathered: Option<(B::Buffer, usize)>,
+    /// Every rank's schedule flags word, gathered by the last call (`R` words), then the zero
+    /// word a host schedule sends.
+    flags: Option<(B::Buffer, usize)>,
+    /// Ranks of the last call (0 before the first).
+    flag_ranks: usize,
 }
 
 impl<B: Backend> Default for CpBackward<B> {
@@ -537,6 +547,8 @@ impl<B: Backend> Default for CpBackward<B> {
         CpBackward {
             backward: MsaBackward::new(),
             gathered: None,
+            flags: None,
+            flag_ranks: 0,
         }
     }
 }
@@ -568,7 +580,14 @@ impl<B: Backend> CpBackward<B> {
         B: 's,
     {
         let rank = check_group(comm, layout)?;
-        let schedule = schedule.into().checked(layout, rank)?;
+        let schedule = schedule.into();
+        // A device-built schedule's flags word (the build's verdict); a host schedule was
+        // validated before it existed and sends a zero word.
+        let status = match &schedule {
+            CpSchedule::Device(rs) => Some(rs.resident().status_ptr().addr()),
+            CpSchedule::Host(_) => None,
+        };
+        let schedule = schedule.checked(layout, rank)?;
         let s = layout.slice_rows();
         let g = layout.gathered_rows();
         for (field, span) in [
@@ -581,6 +600,13 @@ impl<B: Backend> CpBackward<B> {
         }
         // The gathered K/V, `2·R·S` rows, reused while it fits.
         let (k_all, v_all) = gathered_kv(backend, &mut self.gathered, layout)?;
+        let ranks = layout.ranks();
+        let flags = cached(
+            backend,
+            &mut self.flags,
+            "rank schedule flags",
+            4 * (ranks + 1),
+        )?;
 
         let w = layout.workspace_rows();
         let bio = BackwardBuffers {
@@ -598,6 +624,18 @@ impl<B: Backend> CpBackward<B> {
         // overlaps the preprocess, the zeroing and the task build (none reads K/V); the main
         // kernel waits for it.
         self.backward.check_to_pools(backend, &bio, &schedule, g)?;
+        // Every rank's verdict to every rank (a flagged rank's queries contribute nothing to
+        // any rank's dK/dV): two bf16 lanes carry each int32 word bit for bit.
+        let send = match status {
+            Some(at) => at,
+            None => {
+                let zero = flags + 4 * ranks as u64;
+                backend.zero("rank schedule flags", zero, 4)?;
+                zero
+            }
+        };
+        comm.all_gather_bf16(backend, Span::new(send, 2), Span::new(flags, 2 * ranks))?;
+        self.flag_ranks = ranks;
         comm.all_gather_bf16(backend, io.k_slice, k_all)?;
         comm.all_gather_bf16(backend, io.v_slice, v_all)?;
         let (dk_pool, dv_pool) =
@@ -623,6 +661,38 @@ impl<B: Backend> CpBackward<B> {
             0,
             s,
         )
+    }
+
+    /// The group's verdict on the last [`CpBackward::run_on`]: `Ok` when no rank's schedule
+    /// was flagged, else [`RuntimeError::CpRankFlagged`] naming every flagged rank, on every
+    /// rank. A flagged rank's queries contribute nothing to any rank's dK/dV, so its fault
+    /// concerns the whole group, not only the rank whose [`RankSchedule::status`] names it.
+    /// Synchronizes.
+    ///
+    /// # Errors
+    /// [`RuntimeError::CpRankFlagged`] as above, [`RuntimeError::Input`] before the first
+    /// call, and the backend's download errors.
+    pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
+        let Some((buf, _)) = self.flags.as_ref().filter(|_| self.flag_ranks > 0) else {
+            return Err(RuntimeError::input(
+                "CpBackward::status",
+                "no call yet",
+                "a CpBackward that has run",
+            ));
+        };
+        let at = backend.address(buf);
+        let bytes = backend.download("rank schedule flags", at, 4 * self.flag_ranks)?;
+        let ranks: Vec<usize> = bytes
+            .chunks_exact(4)
+            .enumerate()
+            .filter(|(_, w)| w.iter().any(|&b| b != 0))
+            .map(|(r, _)| r)
+            .collect();
+        if ranks.is_empty() {
+            Ok(())
+        } else {
+            Err(RuntimeError::CpRankFlagged { ranks })
+        }
     }
 }
 

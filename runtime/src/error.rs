@@ -135,6 +135,18 @@ pub enum RuntimeError {
     /// schedule has no work, so a backward run on it wrote zero gradients.
     #[error("the device schedule build rejected its input: {0}")]
     ScheduleFlagged(crate::schedule::ScheduleError),
+    /// A context-parallel backward ran in a group where these ranks' device-built schedules
+    /// were flagged: their queries contributed nothing to any rank's dK/dV, so every rank's
+    /// dK/dV lacks them ([`crate::cp::CpBackward::status`]).
+    #[error(
+        "context-parallel backward: the device schedule of rank(s) {ranks:?} rejected its \
+         selection, so their queries contributed nothing to any rank's dK/dV; each such \
+         rank's RankSchedule::status names the fault"
+    )]
+    CpRankFlagged {
+        /// The flagged ranks, ascending.
+        ranks: Vec<usize>,
+    },
     /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.
     #[error("tensor map `{map}`: {what} is {found}, expected {expected}")]
     TensorMap {

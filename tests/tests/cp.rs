@@ -63,7 +63,10 @@ fn rank_run<C: Collective<CudaBackend>>(
             dv_slice: sp(dv.device_ptr_mut(stream).0, nkv),
         };
         let mut backend = CudaBackend::new(stream)?;
-        CpBackward::new().run_on(&mut backend, comm, layout, &io, &schedule)?;
+        let mut backward = CpBackward::new();
+        backward.run_on(&mut backend, comm, layout, &io, &schedule)?;
+        // The group's gathered verdicts: every host schedule sends a zero word.
+        backward.status(&mut backend)?;
     }
     let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).unwrap();
     Ok((down(&dq), down(&dk), down(&dv)))
@@ -270,6 +273,7 @@ fn rank_chain(
             }
             (None, None) => unreachable!("one schedule"),
         }
+        backward.status(&mut backend)?;
     }
     let down = |x: &cudarc::driver::CudaSlice<bf16>| stream.clone_dtoh(x).unwrap();
     let lse = stream.clone_dtoh(&lse).unwrap();

@@ -113,9 +113,11 @@ fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
             dk_slice: up(&mut dev, "dk_slice", &vec![bf16::ZERO; s * KV_ROW]),
             dv_slice: up(&mut dev, "dv_slice", &vec![bf16::ZERO; s * KV_ROW]),
         };
-        CpBackward::<SimDevice>::new()
+        let mut backward = CpBackward::<SimDevice>::new();
+        backward
             .run_on(&mut dev, comm, layout, &io, &schedule)
             .expect("cp backward");
+        backward.status(&mut dev).expect("no rank is flagged");
         let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
         (read(io.dq), read(io.dk_slice), read(io.dv_slice))
     })
@@ -472,6 +474,7 @@ fn run_cp_chain(
             None => backward.run_on(&mut dev, comm, layout, &bio, &host),
         }
         .expect("cp backward");
+        backward.status(&mut dev).expect("no rank is flagged");
         let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
         (
             (out, lse),
@@ -575,14 +578,28 @@ fn a_bad_selection_on_a_device_rank_schedule_is_flagged_and_gives_empty_rows() {
             .expect("a flagged selection is not a host error");
         let verdict = rs.status(&mut dev);
         let bio = rank_backward_io(&mut dev, &p, layout, rank, &fio, bf16::from_f32(1.0));
-        CpBackward::<SimDevice>::new()
+        let mut backward = CpBackward::<SimDevice>::new();
+        let before = backward.status(&mut dev);
+        backward
             .run_on(&mut dev, comm, layout, &bio, &rs)
             .expect("cp backward");
+        let group = backward.status(&mut dev);
+        assert!(
+            matches!(before, Err(RuntimeError::Input { .. })),
+            "status before any call: {before:?}"
+        );
         let out = dev.read::<bf16>(fio.out.addr, fio.out.len).expect("read");
         let lse = dev.read::<f32>(fio.lse.addr, fio.lse.len).expect("read");
         let dq = dev.read::<bf16>(bio.dq.addr, bio.dq.len).expect("read");
-        (verdict, out, lse, dq, rows)
+        (verdict, out, lse, dq, rows, group)
     });
+    // Rank 1's fault reaches every rank: its queries are missing from every rank's dK/dV.
+    for (rank, r) in per_rank.iter().enumerate() {
+        match &r.5 {
+            Err(RuntimeError::CpRankFlagged { ranks }) => assert_eq!(ranks, &[1], "rank {rank}"),
+            other => panic!("rank {rank}: the group's verdict is {other:?}"),
+        }
+    }
     let (ok, bad) = (&per_rank[0], &per_rank[1]);
     assert!(ok.0.is_ok(), "rank 0's selection is valid");
     let e = bad.0.as_ref().unwrap_err();
