@@ -994,3 +994,50 @@ pub mod msa_forward_sm100 {
         ]
     }
 }
+/// `msa_forward_kv_sm90`: KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V, its sum and the row maximum added into f32 pools against a caller's upper bound R.
+pub mod msa_forward_kv_sm90 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_forward_kv_sm90";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (384, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 132736;
+    /// PTX of `msa_forward_kv_sm90` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_sm90.sm_90a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        reference: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        o_pool: PtrMut<f32>,
+        l_pool: PtrMut<f32>,
+        m_pool: PtrMut<u32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
+            KernelArg::from(reference), KernelArg::from(task_meta),
+            KernelArg::from(task_qrows), KernelArg::from(task_qpos),
+            KernelArg::from(desc), KernelArg::from(o_pool), KernelArg::from(l_pool),
+            KernelArg::from(m_pool)
+        ]
+    }
+}

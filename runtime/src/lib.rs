@@ -153,6 +153,7 @@ pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod forward;
+pub mod forward_kv;
 pub mod ops;
 pub mod reference;
 pub mod schedule;

@@ -268,7 +268,12 @@ pub fn cta_walk(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
 /// `(batch, index_head, kblock, valid)` of task row `row`, with the table's pointer re-read
 /// from the parameter bank (holding it across a loop costs a register pair).
 pub fn task_meta(b: &mut KernelBuilder, p: &MainParams, row: Reg<U32>) -> [Reg<U32>; 4] {
-    let meta = b.ld_param_ptr(&p.meta);
+    task_meta_at(b, &p.meta, row)
+}
+
+/// [`task_meta`] from the `task_meta` table parameter `meta` of any kernel that walks it.
+pub fn task_meta_at(b: &mut KernelBuilder, meta: &ParamRef<U64>, row: Reg<U32>) -> [Reg<U32>; 4] {
+    let meta = b.ld_param_ptr(meta);
     let a = elem_bytes(b, meta, row, 16);
     b.ld_v(&a)
 }
@@ -416,14 +421,15 @@ pub fn load_kv_tiles(
     }
 }
 
-/// TMA of one task's Q and dO: for each of the 8 query slots and both 64-d halves, one box of
-/// the 16 heads of index head `meta[1]` (a −1 query row is out of bounds, so TMA zero-fills
-/// it), 32 boxes in all, completing on `bar`. Slot `s` of d-half `p` lands at
-/// `p·16 KiB + s·2 KiB` of its tile. Shared by both main kernels.
-pub fn load_qdo_tiles(
+/// TMA of one task's query-row tiles (Q and dO for the backward, Q alone for the KV-parallel
+/// forward): for each of the 8 query slots, both 64-d halves and each of the `N` maps, one box
+/// of the 16 heads of index head `meta[1]` (a −1 query row is out of bounds, so TMA
+/// zero-fills it), `16·N` boxes in all, completing on `bar`. Slot `s` of d-half `p` lands at
+/// `p·16 KiB + s·2 KiB` of its tile.
+pub fn load_qdo_tiles<const N: usize>(
     b: &mut KernelBuilder,
-    maps: [Reg<U64>; 2],
-    tiles: [SharedAddr; 2],
+    maps: [Reg<U64>; N],
+    tiles: [SharedAddr; N],
     qrows: Reg<U64>,
     row: Reg<U32>,
     meta: &[Reg<U32>; 4],

@@ -5,6 +5,7 @@ pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
 pub mod fixed_point;
+pub mod forward_kv_sm90;
 pub mod forward_list;
 pub mod forward_sm100;
 pub mod forward_sm90;
@@ -66,5 +67,6 @@ pub fn all() -> &'static [KernelDesc] {
         backward_sm100::DETERMINISTIC,
         forward_sm90::DESC,
         forward_sm100::DESC,
+        forward_kv_sm90::DESC,
     ]
 }

@@ -1,0 +1,654 @@
+//! `msa_forward_kv_sm90`: the KV-parallel MSA forward for Hopper (sm_90a), on the backward's
+//! task tables. Experimental: built and checked against the CPU reference on the simulator,
+//! not yet timed on the H200 and not behind `run_forward`.
+//!
+//! # Why
+//! `msa_forward_sm90` is Q-parallel: an m64 tile holds 4 queries, so with random selections it
+//! executes a tile for every block any of them chose (packed64k: 7.4 TFLOP executed for 3.6
+//! useful). The backward's task tables hold only selected (block, query) pairs: one task row
+//! is 128 keys of one block × 8 query slots × 16 heads, so no tensor work is wasted. What they
+//! lack for a forward is each row's softmax normaliser before its blocks' `P·V` are summed.
+//!
+//! # Design
+//! One pass with a fixed reference per row instead of the online maximum. The caller gives
+//! `reference [T, 64]` (natural-log units of `S·scale`), an upper bound of every logit of the
+//! row, e.g. `scale·‖q‖·max‖k‖` (Cauchy-Schwarz). Each task then adds, for each of its rows,
+//! - `Σ_k exp(S·scale − R)·v_k` into `o_pool [T, 64, 128]` f32,
+//! - `Σ_k exp(S·scale − R)` into `l_pool [T, 64]` f32,
+//! - `max_k S·scale·log2e` into `m_pool [T, 64]` (an order-preserving u32 key, 0 = untouched),
+//!
+//! and a combine gives `out = o/l`, `lse = R + ln l`. Every term is at most 1 (R bounds the
+//! logits), so nothing overflows; the row maximum tells the combine how far below R the row
+//! lies (`R − M`): terms under f32's range (`exp(−87)` relative to R) are lost, which is
+//! harmless while `R − M` stays well under 87 and must otherwise be recomputed with `R = M`.
+//!
+//! - **Warpgroups.** 384 threads, the backward's roles: warp 0's lane 0 issues the TMA loads
+//!   (K/V once per segment, Q per task as 16 boxes of 16 heads × 64 d, a −1 query row
+//!   zero-filled); warp 1 gathers each task's row scalars (`−R·log2e`, −∞ for an empty slot;
+//!   the slots' compact rows and positions); warpgroups 1 and 2 consume. Consumer `c` owns
+//!   folded rows `64c .. 64c+64` (slots `4c .. 4c+4`), warp `w` exactly slot `4c + w`'s 16
+//!   heads, and all 128 keys: no consumer waits for the other.
+//! - **Per task** (wgmma m64, bf16 in, f32 accumulators in registers): `S = Q_c·Kᵀ`
+//!   (m64n128k16 × 8, both operands K-major SW128); the causal predicate `qpos ≥ key` in
+//!   workspace coordinates; `P = exp2(S·scale·log2e − R·log2e)`; `O = P·V` with P rounded to
+//!   bf16 in registers as the A fragment and V an MN-major descriptor; then the warp's row
+//!   sums and maxima (quad shuffles) and its 16 rows of O (`red.global.add.v4.f32` after a
+//!   lane-pair exchange) go to the pools. An empty slot's warp skips its reductions.
+//! - **Plan.** [`plan`]: the register budgets, the shared layout ([`SmemPlan`]: K, V, Q × 2,
+//!   the barriers, the row scalars) and the pipelines ([`PipelinePlan`]: K/V one stage
+//!   released by each consumer warp at a segment's end, Q two stages released by each consumer
+//!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
+//!   its own last read), checked at codegen time.
+
+use super::common;
+use super::KernelDesc;
+use crate::plan::gemm::SmemDesc;
+use crate::plan::pipeline::{Barriers, Pipe, Pipeline, PipelinePlan, TmaBox};
+use crate::plan::roles::Role;
+use crate::plan::sm90::{Sm90Plan, Sm90Warps, SLOTS};
+use crate::plan::smem::{Buf, BufferSpec, Major, Placed, SmemPlan, TILE_BYTES, TILE_ROWS};
+use crate::plan::PlanError;
+use crate::ptx::*;
+use crate::target::Target;
+
+/// Threads per CTA: one producer warpgroup and two consumer warpgroups.
+pub const THREADS: u32 = crate::plan::sm90::THREADS;
+/// Registers of the producer warpgroup after `setmaxnreg.dec`.
+pub const PRODUCER_REGS: u32 = 40;
+/// Registers of each consumer warpgroup after `setmaxnreg.inc` (40·128 + 232·256 ≤ 64 Ki).
+pub const CONSUMER_REGS: u32 = 232;
+
+/// The kernel.
+pub const DESC: KernelDesc = KernelDesc {
+    name: "msa_forward_kv_sm90",
+    about: "KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V, \
+            its sum and the row maximum added into f32 pools against a caller's upper bound R",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe,
+};
+
+fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
+    vec![
+        TmaBox {
+            dims: dims.to_vec(),
+            elem_bytes: 2,
+        };
+        n
+    ]
+}
+
+/// K/V: one stage of two 128-key × 64-d boxes each of K and V, released by each consumer
+/// warp (8 arrivals) at a segment's end.
+pub fn kv_pipeline() -> Pipeline {
+    Pipeline {
+        tx: boxes([64, 1, 128], 4),
+        declared_tx: Some(2 * TILE_BYTES),
+        fills: vec![Buf::K, Buf::V],
+        ..Pipeline::new("kv", 1, Role::Load, &[Role::Compute], 1, 8)
+    }
+}
+
+/// Q: two stages of 8 slots × 2 d-halves of 16 heads × 64 d, released by each consumer warp
+/// once its S GEMM has completed.
+pub fn q_pipeline() -> Pipeline {
+    Pipeline {
+        tx: boxes([64, 16, 1], 16),
+        declared_tx: Some(TILE_BYTES),
+        fills: vec![Buf::Q],
+        ..Pipeline::new("q", 2, Role::Load, &[Role::Compute], 1, 8)
+    }
+}
+
+/// The row scalars: one stage, filled by the gather warp's 32 lanes, released by each of the
+/// 256 consumer threads after its own last read.
+pub fn rows_pipeline() -> Pipeline {
+    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 256)
+}
+
+/// The shared layout: K, V, Q (one tile per stage), the barriers, then the row scalars
+/// (`−R·log2e` per folded row, the slots' compact rows and positions).
+pub fn smem_plan(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
+    let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
+    let (q, rows) = (stages("q")?, stages("rows")?);
+    SmemPlan::layout(vec![
+        BufferSpec::tile(Buf::K, 1),
+        BufferSpec::tile(Buf::V, 1),
+        BufferSpec::tile(Buf::Q, q),
+        BufferSpec::barriers(pipelines.barrier_slots()),
+        BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
+        BufferSpec::scalar(Buf::QRows, SLOTS, rows),
+        BufferSpec::scalar(Buf::QPos, SLOTS, rows),
+    ])
+}
+
+/// The whole plan, checked: budgets, pipelines against the roles, the layout against the
+/// TMA fills.
+pub fn plan() -> Result<Sm90Plan, PlanError> {
+    let warps = Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)?;
+    let pipelines = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), rows_pipeline()], &warps)?;
+    let smem = smem_plan(&pipelines)?;
+    Sm90Plan::new(warps, smem, pipelines, Vec::new(), Vec::new())
+}
+
+/// Dynamic shared memory requested: the layout and 1 KiB of slack for aligning the base to
+/// the 1024-B swizzle atom at run time.
+pub fn smem_bytes(plan: &Sm90Plan) -> u32 {
+    plan.smem().total() + 1024
+}
+
+/// The kernel's parameters.
+pub struct ForwardKvParams {
+    /// Q `[T, 64, 128]` bf16, boxes of 16 heads × 64 d.
+    pub tmap_q: TensorMapRef,
+    /// K `[W, 4, 128]` bf16 (aligned), boxes of 128 keys × 64 d.
+    pub tmap_k: TensorMapRef,
+    /// V, as K.
+    pub tmap_v: TensorMapRef,
+    /// `reference [T, 64]` f32: an upper bound of `S·scale` over the row's keys.
+    pub reference: ParamRef<U64>,
+    /// `task_meta [capacity, 4]`.
+    pub meta: ParamRef<U64>,
+    /// `task_qrows [capacity, 8]`.
+    pub qrows: ParamRef<U64>,
+    /// `task_qpos [capacity, 8]`.
+    pub qpos: ParamRef<U64>,
+    /// The CTA-walk descriptor.
+    pub desc: ParamRef<U64>,
+    /// `o_pool [T, 64, 128]` f32, zeroed by the caller.
+    pub o_pool: ParamRef<U64>,
+    /// `l_pool [T, 64]` f32, zeroed by the caller.
+    pub l_pool: ParamRef<U64>,
+    /// `m_pool [T, 64]` u32 order-preserving keys of the row maxima (log2 units), zeroed.
+    pub m_pool: ParamRef<U64>,
+}
+
+fn params(b: &mut KernelBuilder) -> ForwardKvParams {
+    ForwardKvParams {
+        tmap_q: b.param_tensor_map("tmap_q"),
+        tmap_k: b.param_tensor_map("tmap_k"),
+        tmap_v: b.param_tensor_map("tmap_v"),
+        reference: b.param_ptr("reference", HostElem::F32, false),
+        meta: b.param_ptr("task_meta", HostElem::I32, false),
+        qrows: b.param_ptr("task_qrows", HostElem::I32, false),
+        qpos: b.param_ptr("task_qpos", HostElem::I32, false),
+        desc: b.param_ptr("desc", HostElem::I32, false),
+        o_pool: b.param_ptr("o_pool", HostElem::F32, true),
+        l_pool: b.param_ptr("l_pool", HostElem::F32, true),
+        m_pool: b.param_ptr("m_pool", HostElem::U32, true),
+    }
+}
+
+/// The plan resolved for the roles, looked up once.
+struct Resolved<'a> {
+    k: Placed,
+    v: Placed,
+    q: Placed,
+    neg_ref: Placed,
+    qrows: Placed,
+    qpos: Placed,
+    barriers: u32,
+    kv: Pipe<'a>,
+    q_pipe: Pipe<'a>,
+    rows: Pipe<'a>,
+}
+
+fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
+    let smem = plan.smem();
+    let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
+    let pipe = |name| plan.pipelines().get(name).map_err(|e| e.to_string());
+    let r = Resolved {
+        k: buf(Buf::K)?,
+        v: buf(Buf::V)?,
+        q: buf(Buf::Q)?,
+        neg_ref: buf(Buf::Lse)?,
+        qrows: buf(Buf::QRows)?,
+        qpos: buf(Buf::QPos)?,
+        barriers: buf(Buf::Barriers)?.offset,
+        kv: pipe("kv")?,
+        q_pipe: pipe("q")?,
+        rows: pipe("rows")?,
+    };
+    // K/V and the row scalars are addressed at stage 0.
+    for pipe in [r.kv, r.rows] {
+        if pipe.pipeline.stages != 1 {
+            return Err(format!(
+                "pipeline `{}` has {} stages; the kernel addresses its buffers as one stage",
+                pipe.pipeline.name, pipe.pipeline.stages
+            ));
+        }
+    }
+    Ok(r)
+}
+
+/// What every role reads.
+struct Ctx<'a> {
+    r: &'a Resolved<'a>,
+    p: &'a ForwardKvParams,
+    base: Reg<U32>,
+    bars: Barriers,
+    walk: common::Walk,
+}
+
+fn describe(b: &mut KernelBuilder) {
+    b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
+    b.min_ctas_per_sm(1);
+    let p = params(b);
+    let plan = match plan() {
+        Ok(plan) => plan,
+        Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
+    };
+    let r = match resolve(&plan) {
+        Ok(r) => r,
+        Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
+    };
+    let smem = b.dynamic_shared("smem", smem_bytes(&plan), 1024);
+    let (_, base) = common::swizzle_aligned_base(b, &smem);
+    let tid = b.sreg(SReg::TidX);
+    let bars = common::sm90_barriers(b, base, r.barriers);
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
+    b.bar_sync(0, None);
+
+    b.comment("the CTA walk: this CTA's interval of task rows");
+    let desc = b.ld_param_ptr(&p.desc);
+    let walk = common::cta_walk(b, desc);
+    let ctx = Ctx {
+        r: &r,
+        p: &p,
+        base,
+        bars,
+        walk,
+    };
+
+    let wg = b.shr(tid, 7u32);
+    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
+    let consumers = b.label("consumers");
+    b.bra_unless(is_producer, &consumers);
+    plan.warps().emit_producer_setmaxnreg(b);
+    b.if_then(leader, "producer", |b| producer(b, &ctx));
+    let warp = b.shr(tid, 5u32);
+    let is_gather = b.setp(Cmp::Eq, warp, 1u32);
+    b.if_then(is_gather, "gather", |b| gather(b, &ctx, tid));
+    b.ret();
+
+    b.place(&consumers);
+    plan.warps().emit_consumer_setmaxnreg(b);
+    consumer(b, &ctx, tid);
+    b.ret();
+}
+
+/// Thread 0: K/V at each segment's start, Q for every task.
+fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
+    let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
+    let qrows = b.ld_param_ptr(&p.qrows);
+    let tq = b.tensor_map_addr(&p.tmap_q);
+    let tk = b.tensor_map_addr(&p.tmap_k);
+    let tv = b.tensor_map_addr(&p.tmap_v);
+    let prev = b.mov::<U32>(u32::MAX);
+    let segments = b.mov::<U32>(0u32);
+    let tasks = b.mov::<U32>(0u32);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
+        let m = common::task_meta_at(b, &p.meta, row);
+        let cur = common::bucket(b, &m);
+        let same = b.setp(Cmp::Eq, cur, prev);
+        b.unless(same, "kv_load", |b| {
+            let st = r.kv.producer_acquire(b, bars, segments);
+            let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
+            common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
+            let next = b.add(segments, 1u32);
+            b.set(segments, next);
+            b.set(prev, cur);
+        });
+        let st = r.q_pipe.producer_acquire(b, bars, tasks);
+        let q_tile = r.q.emit_stage_addr(b, base, st.index);
+        common::load_qdo_tiles(b, [tq], [shared(q_tile, 0)], qrows, row, &m, &st.full);
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}
+
+/// Warp 1: per task, `−R·log2e` of its 128 folded rows (−∞ for an empty slot) and the 8
+/// slots' compact rows and positions. Lane `4·slot + part` fills rows `4·lane .. 4·lane+4`.
+fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+    let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
+    let g = common::gather_lane(b, tid);
+    let neg_log2e = -(common::LOG2E as f32);
+    let tasks = b.mov::<U32>(0u32);
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "gather_row", |b, row| {
+        let st = r.rows.producer_acquire(b, bars, tasks);
+        let m = common::task_meta_at(b, &p.meta, row);
+        let row8 = b.shl(row, 3u32);
+        let idx = b.add(row8, g.slot);
+        let qrows = b.ld_param_ptr(&p.qrows);
+        let at_qrows = common::elem::<S32>(b, qrows, idx);
+        let qrow = b.ld::<S32, _>(&at_qrows);
+        let r4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
+        let valid = b.setp(Cmp::Ge, qrow, 0i32);
+        b.if_then(valid, "gather_ref", |b| {
+            let head16 = b.shl(m[1], 4u32);
+            let hcol = b.add(head16, g.part4);
+            let qr = b.bitcast::<U32, S32>(qrow);
+            let i = b.mad_lo(qr, 64u32, hcol);
+            let reference = b.ld_param_ptr(&p.reference);
+            let at_reference = common::elem::<F32>(b, reference, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&at_reference);
+            for (dst, x) in r4.iter().zip(v) {
+                let y = b.fmul(x, neg_log2e);
+                b.set(*dst, y);
+            }
+        });
+        let at = b.add(base, g.lane16);
+        b.st_v(&r.neg_ref.at(at, 0), r4);
+        b.if_then(g.word_lane, "gather_slots", |b| {
+            let idx = b.add(row8, g.lane);
+            let qpos = b.ld_param_ptr(&p.qpos);
+            let at_qpos = common::elem::<S32>(b, qpos, idx);
+            let v = b.ld::<S32, _>(&at_qpos);
+            let qrows = b.ld_param_ptr(&p.qrows);
+            let at_qrows = common::elem::<S32>(b, qrows, idx);
+            let q = b.ld::<S32, _>(&at_qrows);
+            let lane4 = b.shl(g.lane, 2u32);
+            let at = b.add(base, lane4);
+            b.st(&r.qpos.at(at, 0), v);
+            b.st(&r.qrows.at(at, 0), q);
+        });
+        r.rows.producer_commit(b, bars, &st);
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}
+
+fn k_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
+}
+
+fn mn_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
+}
+
+/// The order-preserving u32 key of an f32 (`u32` order = `f32` order, −0 below +0): the sign
+/// bit set for a non-negative value, every bit flipped for a negative one. 0 lies below every
+/// key of a non-NaN value, so a zeroed pool is below any maximum.
+fn order_key(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
+    let bits = b.bitcast::<S32, F32>(x);
+    let sign = b.shr(bits, 31u32);
+    let sign = b.bitcast::<U32, S32>(sign);
+    let mask = b.or(sign, 0x8000_0000u32);
+    let u = b.bitcast::<U32, F32>(x);
+    b.xor(u, mask)
+}
+
+#[allow(clippy::too_many_lines)]
+fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+    let (p, r, base, walk) = (ctx.p, ctx.r, ctx.base, &ctx.walk);
+    let bars = ctx.bars;
+    let t = b.sub(tid, 128u32);
+    let c = b.shr(t, 7u32); // consumer 0/1: folded rows 64c.., slots 4c..4c+4
+    let tw = b.and(t, 127u32);
+    let warp = b.shr(tw, 5u32);
+    let lane = b.and(tw, 31u32);
+    let quad = b.shr(lane, 2u32);
+    let pair = b.and(lane, 3u32);
+    let col0 = b.shl(pair, 1u32);
+    let slot = b.mad_lo(c, 4u32, warp);
+    let slot4 = b.shl(slot, 2u32);
+    // This thread's accumulator rows: folded rows 16·slot + quad and + 8 (heads quad, quad+8).
+    let frow = b.mad_lo(slot, 16u32, quad);
+    let frow4 = b.shl(frow, 2u32);
+    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+    let head_lane = b.setp(Cmp::Eq, pair, 0u32);
+    let odd = b.and(lane, 1u32);
+    let is_odd = b.setp(Cmp::Ne, odd, 0u32);
+    let zero = b.mov::<U32>(0u32);
+    let always = b.setp(Cmp::Eq, zero, 0u32);
+    let never = b.setp(Cmp::Ne, zero, 0u32);
+    let neg_inf = f32::NEG_INFINITY;
+    let scale_log2e = common::SCALE_LOG2E;
+    let c_rows = b.mul_lo(c, 64 * 128);
+
+    let (kv, qp, rows) = (r.kv, r.q_pipe, r.rows);
+    let prev = b.mov::<U32>(u32::MAX);
+    let segments = b.mov::<U32>(0u32);
+    let tasks = b.mov::<U32>(0u32);
+    // The task's (index head, kblock), loaded one task ahead.
+    let next_head = b.mov::<U32>(0u32);
+    let next_kb = b.mov::<U32>(0u32);
+    let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
+    b.if_then(any, "first_meta", |b| {
+        let m = common::task_meta_at(b, &p.meta, walk.lo);
+        b.set(next_head, m[1]);
+        b.set(next_kb, m[2]);
+    });
+
+    b.for_range(walk.lo, walk.hi, 1, "task", |b, row| {
+        let head = b.mov::<U32>(next_head);
+        let kb = b.mov::<U32>(next_kb);
+        let cur = common::bucket(b, &[zero, head, kb, zero]);
+        let same = b.setp(Cmp::Eq, cur, prev);
+        b.unless(same, "kv_wait", |b| {
+            kv.consumer_wait(b, &bars, segments);
+            b.set(prev, cur);
+        });
+        let next_row = b.add(row, 1u32);
+        let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
+        b.unless(last_task, "next_meta", |b| {
+            let m = common::task_meta_at(b, &p.meta, next_row);
+            b.set(next_head, m[1]);
+            b.set(next_kb, m[2]);
+        });
+
+        let qst = qp.consumer_wait(b, &bars, tasks);
+        let q_tile = r.q.emit_stage_addr(b, base, qst.index);
+        let a_base = b.add(q_tile, c_rows);
+        let k_addr = r.k.emit_stage_addr(b, base, zero);
+        let v_addr = r.v.emit_stage_addr(b, base, zero);
+
+        b.comment("S = Q_c*K^T");
+        let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+        b.wgmma_fence();
+        let a0 = k_major().emit(b, a_base);
+        let b0 = k_major().emit(b, k_addr);
+        common::wgmma_ss_k128(b, &s_acc, Major::K, (a0, b0), (never, always));
+        b.wgmma_commit();
+
+        b.comment("the gather warp's row scalars for this task");
+        let rst = rows.consumer_wait(b, &bars, tasks);
+        let at = b.add(base, frow4);
+        let neg_ref = [
+            b.ld::<F32, _>(&r.neg_ref.at(at, 0)),
+            b.ld::<F32, _>(&r.neg_ref.at(at, 0).offset(32)),
+        ];
+        let sat = b.add(base, slot4);
+        let qpos = b.ld::<S32, _>(&r.qpos.at(sat, 0));
+        let qrow = b.ld::<S32, _>(&r.qrows.at(sat, 0));
+        b.comment("this thread's last read of the row scalars");
+        rows.consumer_release(b, &bars, &rst);
+
+        b.wgmma_wait(0);
+        b.comment("this warp's wgmma reads of Q are complete: release the stage");
+        b.predicated(lane0, false, |b| qp.consumer_release(b, &bars, &qst));
+
+        b.comment("mask qpos >= key position; row maxima; P = exp2(S*scale*log2e - R*log2e)");
+        let key0 = b.shl(kb, 7u32);
+        let key0 = b.add(key0, col0);
+        let key0 = b.bitcast::<S32, U32>(key0);
+        let mut x = Vec::with_capacity(64);
+        for (i, s) in s_acc.iter().enumerate() {
+            let n = (8 * (i / 4) + i % 2) as i32;
+            let kp = b.add(key0, n);
+            let seen = b.setp(Cmp::Ge, qpos, kp);
+            let y = b.fmul(*s, scale_log2e);
+            x.push(b.selp(y, neg_inf, seen));
+        }
+        let mut row_max = Vec::with_capacity(2);
+        for rr in 0..2usize {
+            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+            let mut mx = x[idx[0]];
+            for &i in &idx[1..] {
+                mx = b.max(mx, x[i]);
+            }
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+                mx = b.max(mx, o);
+            }
+            row_max.push(mx);
+        }
+        let mut pv = Vec::with_capacity(64);
+        let mut sums: [Option<Reg<F32>>; 2] = [None, None];
+        for (i, xi) in x.iter().enumerate() {
+            let rr = (i / 2) % 2;
+            let d = b.add(*xi, neg_ref[rr]);
+            let pe = b.ex2_approx(d);
+            sums[rr] = Some(match sums[rr] {
+                None => pe,
+                Some(s) => b.add(s, pe),
+            });
+            pv.push(pe);
+        }
+        let mut frags = Vec::with_capacity(32);
+        for jj in 0..16usize {
+            for rr in 0..2usize {
+                let i = 4 * jj + 2 * rr;
+                frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
+            }
+        }
+
+        b.comment("O = P*V (A from registers, V MN-major)");
+        let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+        b.wgmma_fence();
+        let v0 = mn_major().emit(b, v_addr);
+        for kk in 0..8u32 {
+            let b_desc = mn_major().emit_step(b, v0, kk);
+            let a = std::array::from_fn(|e| frags[(4 * kk) as usize + e]);
+            b.wgmma_rs(
+                &o_acc,
+                a,
+                b_desc,
+                if kk == 0 { never } else { always },
+                true,
+            );
+        }
+        b.wgmma_commit();
+        let mut l_row = Vec::with_capacity(2);
+        for s in sums {
+            let mut l = s.expect("64 values");
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
+                l = b.add(l, o);
+            }
+            l_row.push(l);
+        }
+        b.wgmma_wait(0);
+
+        b.comment("segment end: this warp's reads of K/V are complete");
+        let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
+        let other_bucket = b.setp(Cmp::Ne, next, cur);
+        let is_end = b.or_pred(other_bucket, last_task);
+        b.if_then(is_end, "kv_release", |b| {
+            let st = kv.locate(b, &bars, segments.into());
+            b.predicated(lane0, false, |b| kv.consumer_release(b, &bars, &st));
+            let next = b.add(segments, 1u32);
+            b.set(segments, next);
+        });
+
+        b.comment("the warp's 16 rows into the pools (a -1 slot has none)");
+        let live = b.setp(Cmp::Ge, qrow, 0i32);
+        b.if_then(live, "pools", |b| {
+            let qr = b.bitcast::<U32, S32>(qrow);
+            let head16 = b.shl(head, 4u32);
+            let prow = b.mad_lo(qr, 64u32, head16);
+            let prow = b.add(prow, quad);
+            b.if_then(head_lane, "row_stats", |b| {
+                let l_pool = b.ld_param_ptr(&p.l_pool);
+                let m_pool = b.ld_param_ptr(&p.m_pool);
+                for rr in 0..2usize {
+                    let i = b.add(prow, 8 * rr as u32);
+                    let at_l_pool = common::elem::<F32>(b, l_pool, i);
+                    b.red_add_f32(&at_l_pool, l_row[rr]);
+                    let key = order_key(b, row_max[rr]);
+                    let at_m_pool = common::elem::<U32>(b, m_pool, i);
+                    b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
+                }
+            });
+            let o_pool = b.ld_param_ptr(&p.o_pool);
+            for j in 0..16u32 {
+                let i = (4 * j) as usize;
+                // Even lanes keep row r and take the partner's columns c+2, c+3; odd lanes
+                // keep row r+8 and take the partner's columns c-2, c-1.
+                let send0 = b.selp(o_acc[i], o_acc[i + 2], is_odd);
+                let send1 = b.selp(o_acc[i + 1], o_acc[i + 3], is_odd);
+                let got0 = b.shfl(Shfl::Bfly, send0, 1u32, 0x1f);
+                let got1 = b.shfl(Shfl::Bfly, send1, 1u32, 0x1f);
+                let w0 = b.selp(got0, o_acc[i], is_odd);
+                let w1 = b.selp(got1, o_acc[i + 1], is_odd);
+                let w2 = b.selp(o_acc[i + 2], got0, is_odd);
+                let w3 = b.selp(o_acc[i + 3], got1, is_odd);
+                let row_add = b.selp(8u32, 0u32, is_odd);
+                let orow = b.add(prow, row_add);
+                let col_sub = b.shl(odd, 1u32);
+                let col = b.add(col0, 8 * j);
+                let col = b.sub(col, col_sub);
+                let idx = b.mad_lo(orow, 128u32, col);
+                let a = common::elem::<F32>(b, o_pool, idx);
+                b.red_add_v4_f32(&a, [w0, w1, w2, w3], None);
+            }
+        });
+        let next = b.add(tasks, 1u32);
+        b.set(tasks, next);
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::pipeline::Side;
+
+    #[test]
+    fn the_plan_places_every_buffer_within_the_shared_memory() {
+        let plan = plan().unwrap();
+        let smem = plan.smem();
+        let at = |id| smem.offset(id).unwrap();
+        assert_eq!(
+            [at(Buf::K), at(Buf::V), at(Buf::Q)],
+            [0, TILE_BYTES, 2 * TILE_BYTES]
+        );
+        assert_eq!(at(Buf::Barriers), 4 * TILE_BYTES);
+        // kv one stage, q two, rows one: a full and an empty barrier per stage.
+        assert_eq!(plan.pipelines().barrier_slots(), 8);
+        assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
+    }
+
+    #[test]
+    fn the_plan_rejects_what_the_kernel_would_get_wrong() {
+        let warps = Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS).unwrap();
+        // A release count no role produces (the rows need each consumer thread's arrival).
+        let rows = Pipeline {
+            consumer_arrivals: 255,
+            ..rows_pipeline()
+        };
+        let e = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), rows], &warps).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                PlanError::Arrivals {
+                    side: Side::Consumer,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Two K/V stages: the kernel addresses K/V at stage 0, so resolving must refuse.
+        let kv = Pipeline {
+            stages: 2,
+            ..kv_pipeline()
+        };
+        let pipes = PipelinePlan::new(vec![kv, q_pipeline(), rows_pipeline()], &warps).unwrap();
+        let smem = smem_plan(&pipes).unwrap();
+        match Sm90Plan::new(warps, smem, pipes, Vec::new(), Vec::new()) {
+            Ok(plan) => assert!(resolve(&plan).is_err()),
+            Err(e) => assert!(matches!(e, PlanError::FillStages { .. }), "{e}"),
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! The KV-parallel forward's main pass (`msa_forward_kv_sm90`, experimental): on the
+//! backward's task tables, every selected (block, query slot) pair adds its rows'
+//! `Σ exp(S·scale − R)·v`, `Σ exp(S·scale − R)` and `max S·scale·log2e` into f32 pools,
+//! against a caller's per-row reference `R` (see the kernel's module docs for the design).
+//!
+//! [`MsaForwardKv::run_to_pools`] is the host flow against any [`Backend`]: checks, the task
+//! build from a [`ResidentSchedule`], the pools zeroed, one launch. The combine
+//! (`out = o/l`, `lse = R + ln l`, a row whose maximum lies far below `R` recomputed) and
+//! the bound `R` are not on the device yet: [`combine_row`] is the host form of the combine
+//! that the simulator tests use. Not timed on the H200 yet, and not behind
+//! [`run_forward`](crate::run_forward).
+
+use crate::backend::{Backend, Span, TileMapSpec};
+use crate::buffers::{check_regions, Region};
+use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
+use crate::error::RuntimeError;
+use crate::forward::{KV_ROW, Q_ROW};
+use crate::kernels::{
+    msa_forward_kv_sm90, task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables,
+};
+use crate::ops::check_len;
+use crate::schedule_build::ResidentSchedule;
+use crate::tasks::{ScheduleShape, TaskBuildSizes, TaskWorkspace};
+use half::bf16;
+
+/// The device buffers of one KV-parallel pass; `T` and `W` come from the schedule.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardKvBuffers {
+    /// `q [T, 64, 128]` bf16.
+    pub q: Span<bf16>,
+    /// `k_aligned [W, 4, 128]` bf16 in the schedule's aligned layout.
+    pub k_aligned: Span<bf16>,
+    /// `v_aligned`, as `k_aligned`.
+    pub v_aligned: Span<bf16>,
+    /// `reference [T, 64]` f32: per row, a value at or above every `S·scale` of its keys
+    /// (natural-log units), e.g. `scale·‖q‖·max‖k‖`.
+    pub reference: Span<f32>,
+    /// Output `o_pool [T, 64, 128]` f32: `Σ exp(S·scale − R)·v` per row.
+    pub o_pool: Span<f32>,
+    /// Output `l_pool [T, 64]` f32: `Σ exp(S·scale − R)` per row.
+    pub l_pool: Span<f32>,
+    /// Output `m_pool [T, 64]` u32: the order-preserving key ([`max_from_key`]) of the row's
+    /// largest `S·scale·log2e`; 0 for a row no task touched.
+    pub m_pool: Span<u32>,
+}
+
+/// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
+pub struct MsaForwardKv<B: Backend> {
+    tasks: Option<TaskWorkspace<B>>,
+}
+
+impl<B: Backend> Default for MsaForwardKv<B> {
+    fn default() -> Self {
+        MsaForwardKv { tasks: None }
+    }
+}
+
+impl<B: Backend> MsaForwardKv<B> {
+    /// A flow with no workspace yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Issues the pass on `backend`'s stream: the task build from `schedule` (built from the
+    /// same `q2k` and `cu_seqlens` earlier on this stream), the three pools zeroed, one launch.
+    /// No host sync.
+    ///
+    /// # Errors
+    /// - [`RuntimeError::Input`] naming the field for a wrong length or a schedule of another
+    ///   memory space or of context-parallel rows; [`RuntimeError::NullBuffer`];
+    ///   [`RuntimeError::Overlap`] for a pool on an input or another pool.
+    /// - [`RuntimeError::UnsupportedArch`] on any capability but 9.0.
+    /// - Tensor-map, JIT and launch errors from the backend.
+    pub fn run_to_pools(
+        &mut self,
+        backend: &mut B,
+        io: &ForwardKvBuffers,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        let z = *schedule.sizes();
+        if schedule.memory_space() != backend.memory_space() {
+            return Err(RuntimeError::input(
+                "schedule",
+                "a resident schedule of another memory space",
+                "one built on this backend's device",
+            ));
+        }
+        let rows = schedule.query_rows();
+        if rows.start != 0 || rows.len() != z.num_tokens {
+            return Err(RuntimeError::input(
+                "schedule",
+                format!("query rows {rows:?} of {} tokens", z.num_tokens),
+                "a schedule over every token (context-parallel ranks are not supported)",
+            ));
+        }
+        let (t, w) = (z.num_tokens, z.workspace_rows);
+        check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len(
+            "k_aligned",
+            io.k_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len(
+            "v_aligned",
+            io.v_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len(
+            "reference",
+            io.reference.len,
+            t * NUM_Q_HEADS,
+            "[T, 64] f32",
+        )?;
+        check_len("o_pool", io.o_pool.len, t * Q_ROW, "[T, 64, 128] f32")?;
+        check_len("l_pool", io.l_pool.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        check_len("m_pool", io.m_pool.len, t * NUM_Q_HEADS, "[T, 64] u32")?;
+        if t == 0 {
+            return Ok(());
+        }
+        if w == 0 || !w.is_multiple_of(BLOCK_SIZE) {
+            return Err(RuntimeError::input(
+                "schedule.workspace_rows",
+                w,
+                "a positive multiple of 128",
+            ));
+        }
+        check_regions(
+            &[
+                Region::input("q", io.q)?,
+                Region::input("k_aligned", io.k_aligned)?,
+                Region::input("v_aligned", io.v_aligned)?,
+                Region::input("reference", io.reference)?,
+                Region::output("o_pool", io.o_pool)?,
+                Region::output("l_pool", io.l_pool)?,
+                Region::output("m_pool", io.m_pool)?,
+            ],
+            false,
+            "no pool on an input or another pool",
+        )?;
+        let cc = backend.capability();
+        if cc != (9, 0) {
+            return Err(RuntimeError::UnsupportedArch {
+                kernel: "msa_forward_kv",
+                ordinal: backend.ordinal(),
+                major: cc.0,
+                minor: cc.1,
+                supported: "9.0 (msa_forward_kv_sm90)".into(),
+            });
+        }
+        let main = &msa_forward_kv_sm90::KERNEL;
+        for k in [
+            &task_scan_work::KERNEL,
+            &task_assign_segments::KERNEL,
+            &task_scan_bins::KERNEL,
+            &task_scatter_tables::KERNEL,
+            main,
+        ] {
+            backend.load(k)?;
+        }
+        let shape = ScheduleShape {
+            num_tokens: z.num_tokens,
+            num_docs: z.num_documents,
+            edge_capacity: z.edge_capacity,
+            work_capacity: z.work_capacity,
+        };
+        let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), Locality::default())?;
+        let grid = u32::try_from(sizes.grid_launch)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| {
+                RuntimeError::input(
+                    "schedule",
+                    format!("{} CTAs for the main kernel", sizes.grid_launch),
+                    "a grid of at most 2^31-1 CTAs",
+                )
+            })?;
+        let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
+        let tmap_k =
+            backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
+        let tmap_v =
+            backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
+        let tasks = match self.tasks.take() {
+            Some(ws) if ws.fits(&sizes, z.work_capacity) => ws,
+            old => {
+                drop(old);
+                TaskWorkspace::new(backend, sizes, z.work_capacity)?
+            }
+        };
+        let tasks = self.tasks.insert(tasks);
+        backend.zero("o_pool", io.o_pool.addr, 4 * io.o_pool.len)?;
+        backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
+        backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
+        tasks.build_from(backend, &schedule.refs())?;
+        if grid == 0 {
+            return Ok(());
+        }
+        let args = msa_forward_kv_sm90::args(
+            &tmap_q,
+            &tmap_k,
+            &tmap_v,
+            io.reference.ptr(),
+            tasks.task_meta(),
+            tasks.task_qrows(),
+            tasks.task_qpos(),
+            tasks.desc(),
+            io.o_pool.ptr_mut(),
+            io.l_pool.ptr_mut(),
+            io.m_pool.ptr_mut(),
+        );
+        // SAFETY: the maps span q [T,64,128] and k/v [W,4,128], whose lengths were checked;
+        // reference, l_pool and m_pool are [T,64], o_pool [T,64,128]; the task tables come
+        // from a workspace built for `sizes`, whose grid bound is `grid`.
+        unsafe { backend.launch(main, (grid, 1, 1), &args) }
+    }
+}
+
+/// The row maximum an `m_pool` key holds (log2 units of `S·scale`), or `None` for a row no
+/// task touched or whose every key was masked.
+pub fn max_from_key(key: u32) -> Option<f32> {
+    let bits = if key & 0x8000_0000 != 0 {
+        key & 0x7fff_ffff
+    } else {
+        !key
+    };
+    let m = f32::from_bits(bits);
+    (m.is_finite()).then_some(m)
+}
+
+/// How far below its reference a row's maximum may lie (natural-log units) before its terms
+/// lose range in f32: `exp(−87)` is f32's smallest normal, and a row sums up to 2048 terms.
+pub const MAX_REFERENCE_GAP: f32 = 60.0;
+
+/// One row of the combine: `(out, lse)` from its pools and its reference, `Ok(None)` for a
+/// row with no key (`out = 0`, `lse = −∞`), and `Err(gap)` for a row whose maximum lies more
+/// than [`MAX_REFERENCE_GAP`] below `reference` (or above it), which must be recomputed with a
+/// closer reference.
+#[allow(clippy::type_complexity)]
+pub fn combine_row(
+    o: &[f32],
+    l: f32,
+    m_key: u32,
+    reference: f32,
+) -> Result<Option<([f32; HEAD_DIM], f32)>, f32> {
+    let Some(m2) = max_from_key(m_key) else {
+        return Ok(None);
+    };
+    let m = m2 * std::f32::consts::LN_2;
+    let gap = reference - m;
+    if !(-1.0..=MAX_REFERENCE_GAP).contains(&gap) || l <= 0.0 {
+        return Err(gap);
+    }
+    let mut out = [0.0f32; HEAD_DIM];
+    for (dst, x) in out.iter_mut().zip(o) {
+        *dst = x / l;
+    }
+    Ok(Some((out, reference + l.ln())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(x: f32) -> u32 {
+        // The kernel's key: the sign bit set for a non-negative value, all bits flipped for a
+        // negative one.
+        let u = x.to_bits();
+        if u & 0x8000_0000 != 0 {
+            !u
+        } else {
+            u | 0x8000_0000
+        }
+    }
+
+    #[test]
+    fn keys_order_as_their_floats_and_decode() {
+        let xs = [f32::NEG_INFINITY, -3.5, -0.0, 0.0, 1e-30, 2.0, 77.25];
+        for w in xs.windows(2) {
+            assert!(key(w[0]) <= key(w[1]), "{} {}", w[0], w[1]);
+        }
+        assert!(
+            key(f32::NEG_INFINITY) > 0,
+            "a zeroed pool lies below every key"
+        );
+        assert_eq!(max_from_key(key(-3.5)), Some(-3.5));
+        assert_eq!(max_from_key(key(77.25)), Some(77.25));
+        assert_eq!(max_from_key(key(f32::NEG_INFINITY)), None);
+        assert_eq!(max_from_key(0), None);
+    }
+
+    #[test]
+    fn combine_rejects_a_reference_far_above_the_row() {
+        let o = [1.0f32; HEAD_DIM];
+        let m2 = 2.0 / std::f32::consts::LN_2; // a row maximum of 2 (natural log)
+        let (out, lse) = combine_row(&o, 4.0, key(m2), 10.0).unwrap().unwrap();
+        assert!((out[0] - 0.25).abs() < 1e-7);
+        assert!((lse - (10.0 + 4.0f32.ln())).abs() < 1e-6);
+        assert!(combine_row(&o, 4.0, key(m2), 70.0).is_err());
+        assert!(
+            combine_row(&o, 4.0, key(m2), 0.0).is_err(),
+            "R below the maximum"
+        );
+        assert_eq!(combine_row(&o, 0.0, 0, 10.0), Ok(None));
+    }
+}
