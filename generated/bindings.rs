@@ -994,6 +994,82 @@ pub mod msa_forward_sm100 {
         ]
     }
 }
+/// `fwd_kv_key_max`: the largest squared key norm of each KV head over the aligned K rows.
+pub mod fwd_kv_key_max {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_key_max";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_key_max` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_key_max.sm_90a.ptx");
+    /// PTX of `fwd_kv_key_max` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_key_max.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(workspace_rows * 4 / 8), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(k_aligned: Ptr<bf16>, kmax2: PtrMut<u32>, rows: u32) -> Vec<KernelArg> {
+        vec![KernelArg::from(k_aligned), KernelArg::from(kmax2), KernelArg::from(rows)]
+    }
+}
+/// `fwd_kv_bound`: per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits.
+pub mod fwd_kv_bound {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_bound";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_bound` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_bound.sm_90a.ptx");
+    /// PTX of `fwd_kv_bound` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_bound.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(T * 64 / 8), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        q: Ptr<bf16>,
+        kmax2: Ptr<u32>,
+        reference: PtrMut<f32>,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(q), KernelArg::from(kmax2), KernelArg::from(reference),
+            KernelArg::from(rows)
+        ]
+    }
+}
 /// `msa_forward_kv_sm90`: KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V, its sum and the row maximum added into f32 pools against a caller's upper bound R.
 pub mod msa_forward_kv_sm90 {
     use super::*;
@@ -1038,6 +1114,53 @@ pub mod msa_forward_kv_sm90 {
             KernelArg::from(task_qrows), KernelArg::from(task_qpos),
             KernelArg::from(desc), KernelArg::from(o_pool), KernelArg::from(l_pool),
             KernelArg::from(m_pool)
+        ]
+    }
+}
+/// `fwd_kv_combine`: out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of the reference's range get lse = NaN and are counted.
+pub mod fwd_kv_combine {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_combine";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_combine` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_combine.sm_90a.ptx");
+    /// PTX of `fwd_kv_combine` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_combine.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(T * 64 / 8), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        o_pool: Ptr<f32>,
+        l_pool: Ptr<f32>,
+        m_pool: Ptr<u32>,
+        reference: Ptr<f32>,
+        out: PtrMut<bf16>,
+        lse: PtrMut<f32>,
+        status: PtrMut<u32>,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
+            KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
+            KernelArg::from(status), KernelArg::from(rows)
         ]
     }
 }

@@ -147,6 +147,17 @@ pub enum RuntimeError {
         /// The flagged ranks, ascending.
         ranks: Vec<usize>,
     },
+    /// The KV-parallel forward ([`crate::forward_kv::MsaForwardKv`]) found rows whose maximum
+    /// logit lies too far from their reference for its f32 sums: their `lse` is NaN and their
+    /// `out` 0, never a wrong finite value.
+    #[error(
+        "KV-parallel forward: {rows} row(s) have a maximum logit outside [R - 60, R + 1] of \
+         their reference R (lse NaN, out 0); recompute them with a closer reference"
+    )]
+    ForwardReferenceRange {
+        /// How many rows.
+        rows: u32,
+    },
     /// A TMA descriptor's parameters violate the tensor-map rules; checked before encoding.
     #[error("tensor map `{map}`: {what} is {found}, expected {expected}")]
     TensorMap {

@@ -1,22 +1,27 @@
-//! The KV-parallel forward's main pass (`msa_forward_kv_sm90`, experimental): on the
-//! backward's task tables, every selected (block, query slot) pair adds its rows'
-//! `Σ exp(S·scale − R)·v`, `Σ exp(S·scale − R)` and `max S·scale·log2e` into f32 pools,
-//! against a caller's per-row reference `R` (see the kernel's module docs for the design).
+//! The KV-parallel forward (experimental): `msa_forward_kv_sm90` on the backward's task
+//! tables, where every selected (block, query slot) pair adds its rows'
+//! `Σ exp(S·scale − R)·v`, `Σ exp(S·scale − R)` and `max S·scale·log2e` into f32 pools
+//! against a per-row reference `R` (see the kernel's module docs for the design).
 //!
-//! [`MsaForwardKv::run_to_pools`] is the host flow against any [`Backend`]: checks, the task
-//! build from a [`ResidentSchedule`], the pools zeroed, one launch. The combine
-//! (`out = o/l`, `lse = R + ln l`, a row whose maximum lies far below `R` recomputed) and
-//! the bound `R` are not on the device yet: [`combine_row`] is the host form of the combine
-//! that the simulator tests use. Not timed on the H200 yet, and not behind
-//! [`run_forward`](crate::run_forward).
+//! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync: `fwd_kv_key_max`
+//!   and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖), the task build from a [`ResidentSchedule`],
+//!   the pass, `fwd_kv_combine` (`out = o/l`, `lse = R + ln l`). [`MsaForwardKv::status`]
+//!   then reports rows whose maximum lay too far below R ([`RuntimeError::ForwardReferenceRange`];
+//!   their `lse` is NaN and `out` 0): they are not recomputed yet.
+//! - [`MsaForwardKv::run_to_pools`]: the pass alone with the caller's R and pools, and
+//!   [`combine_row`], the combine's host form, for tests.
+//!
+//! Checked against the CPU reference on the simulator; not timed on the H200 yet, and not
+//! behind [`run_forward`](crate::run_forward).
 
 use crate::backend::{Backend, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
 use crate::error::RuntimeError;
-use crate::forward::{KV_ROW, Q_ROW};
+use crate::forward::{ForwardBuffers, KV_ROW, Q_ROW};
 use crate::kernels::{
-    msa_forward_kv_sm90, task_assign_segments, task_scan_bins, task_scan_work, task_scatter_tables,
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_key_max, msa_forward_kv_sm90, task_assign_segments,
+    task_scan_bins, task_scan_work, task_scatter_tables,
 };
 use crate::ops::check_len;
 use crate::schedule_build::ResidentSchedule;
@@ -47,18 +52,174 @@ pub struct ForwardKvBuffers {
 /// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
 pub struct MsaForwardKv<B: Backend> {
     tasks: Option<TaskWorkspace<B>>,
+    /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
+    /// their size in bytes.
+    work: Option<(B::Buffer, usize)>,
+    /// The status word of the last [`run_on`](MsaForwardKv::run_on).
+    status_at: Option<u64>,
 }
 
 impl<B: Backend> Default for MsaForwardKv<B> {
     fn default() -> Self {
-        MsaForwardKv { tasks: None }
+        MsaForwardKv {
+            tasks: None,
+            work: None,
+            status_at: None,
+        }
     }
+}
+
+/// Grid of a row kernel over `rows` 128-element rows (8 per CTA).
+fn row_grid(rows: usize) -> Result<u32, RuntimeError> {
+    u32::try_from(rows.div_ceil(8))
+        .ok()
+        .filter(|&g| g <= i32::MAX as u32)
+        .ok_or_else(|| RuntimeError::input("rows", rows, "at most 2^34 rows"))
+}
+
+/// `rows` as the row kernels' `u32` parameter.
+fn rows_u32(rows: usize) -> Result<u32, RuntimeError> {
+    u32::try_from(rows).map_err(|_| RuntimeError::input("rows", rows, "at most u32::MAX rows"))
 }
 
 impl<B: Backend> MsaForwardKv<B> {
     /// A flow with no workspace yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Issues the whole forward on `backend`'s stream, with no host sync: the reference
+    /// `R = scale·‖q‖·max‖k‖` per row, the task build, the pass into pools of its own, and the
+    /// combine into `io.out` and `io.lse` (`io.q2k` is the selection `schedule` was built
+    /// from; it is length-checked only). Then [`MsaForwardKv::status`] says whether every row
+    /// kept its range.
+    ///
+    /// # Errors
+    /// As [`MsaForwardKv::run_to_pools`], and [`RuntimeError::Overlap`] for an output on an
+    /// input or the other output.
+    pub fn run_on(
+        &mut self,
+        backend: &mut B,
+        io: &ForwardBuffers,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        let z = *schedule.sizes();
+        check_target(backend, schedule)?;
+        let (t, w) = (z.num_tokens, z.workspace_rows);
+        check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len(
+            "k_aligned",
+            io.k_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len(
+            "v_aligned",
+            io.v_aligned.len,
+            w * KV_ROW,
+            "[W, 4, 128] bf16",
+        )?;
+        check_len("q2k", io.q2k.len, 4 * t * 16, "[4, T, 16] int32")?;
+        check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        check_regions(
+            &[
+                Region::input("q", io.q)?,
+                Region::input("k_aligned", io.k_aligned)?,
+                Region::input("v_aligned", io.v_aligned)?,
+                Region::input("q2k", io.q2k)?,
+                Region::output("out", io.out)?,
+                Region::output("lse", io.lse)?,
+            ],
+            false,
+            "no in-place forward",
+        )?;
+        // One workspace: o [T, 64, 128], l, m and R [T, 64] each, kmax2 [4] and the status
+        // word, each region 256-byte aligned.
+        let rows = t * NUM_Q_HEADS;
+        let align = |x: usize| x.div_ceil(256) * 256;
+        let (o_b, r_b) = (align(4 * t * Q_ROW), align(4 * rows));
+        let bytes = o_b + 3 * r_b + 256;
+        if self.work.as_ref().is_none_or(|(_, have)| *have < bytes) {
+            self.work = None;
+            let buf = backend.alloc("forward_kv workspace", bytes)?;
+            self.work = Some((buf, bytes));
+        }
+        let base = backend.address(&self.work.as_ref().expect("allocated").0);
+        let pools = ForwardKvBuffers {
+            q: io.q,
+            k_aligned: io.k_aligned,
+            v_aligned: io.v_aligned,
+            reference: Span::new(base + (o_b + 2 * r_b) as u64, rows),
+            o_pool: Span::new(base, t * Q_ROW),
+            l_pool: Span::new(base + o_b as u64, rows),
+            m_pool: Span::new(base + (o_b + r_b) as u64, rows),
+        };
+        let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4);
+        let status = Span::<u32>::new(kmax2.addr + 16, 1);
+        self.status_at = None;
+        if t == 0 {
+            return Ok(());
+        }
+        for k in [
+            &fwd_kv_key_max::KERNEL,
+            &fwd_kv_bound::KERNEL,
+            &fwd_kv_combine::KERNEL,
+        ] {
+            backend.load(k)?;
+        }
+        backend.zero("forward_kv kmax2 and status", kmax2.addr, 32)?;
+        let key_rows = 4 * w;
+        let args = fwd_kv_key_max::args(io.k_aligned.ptr(), kmax2.ptr_mut(), rows_u32(key_rows)?);
+        // SAFETY: k_aligned is [W, 4, 128] (checked above) and kmax2 [4].
+        unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
+        let args = fwd_kv_bound::args(
+            io.q.ptr(),
+            kmax2.ptr(),
+            pools.reference.ptr_mut(),
+            rows_u32(rows)?,
+        );
+        // SAFETY: q is [T, 64, 128], kmax2 [4], the reference [T, 64].
+        unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
+        self.run_to_pools(backend, &pools, schedule)?;
+        let args = fwd_kv_combine::args(
+            pools.o_pool.ptr(),
+            pools.l_pool.ptr(),
+            pools.m_pool.ptr(),
+            pools.reference.ptr(),
+            io.out.ptr_mut(),
+            io.lse.ptr_mut(),
+            status.ptr_mut(),
+            rows_u32(rows)?,
+        );
+        // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
+        // checked to be [T, 64, 128] and [T, 64]; status is one word.
+        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
+        self.status_at = Some(status.addr);
+        Ok(())
+    }
+
+    /// The verdict on the last [`MsaForwardKv::run_on`]: `Ok` when every row kept its range.
+    /// Synchronizes.
+    ///
+    /// # Errors
+    /// [`RuntimeError::ForwardReferenceRange`] with the count of rows whose `lse` is NaN,
+    /// [`RuntimeError::Input`] before the first call, and the backend's download errors.
+    pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
+        let Some(at) = self.status_at else {
+            return Err(RuntimeError::input(
+                "MsaForwardKv::status",
+                "no completed call",
+                "an MsaForwardKv that has run",
+            ));
+        };
+        let word = backend.download("forward_kv status", at, 4)?;
+        let rows = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+        if rows == 0 {
+            Ok(())
+        } else {
+            Err(RuntimeError::ForwardReferenceRange { rows })
+        }
     }
 
     /// Issues the pass on `backend`'s stream: the task build from `schedule` (built from the
@@ -78,21 +239,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         let z = *schedule.sizes();
-        if schedule.memory_space() != backend.memory_space() {
-            return Err(RuntimeError::input(
-                "schedule",
-                "a resident schedule of another memory space",
-                "one built on this backend's device",
-            ));
-        }
-        let rows = schedule.query_rows();
-        if rows.start != 0 || rows.len() != z.num_tokens {
-            return Err(RuntimeError::input(
-                "schedule",
-                format!("query rows {rows:?} of {} tokens", z.num_tokens),
-                "a schedule over every token (context-parallel ranks are not supported)",
-            ));
-        }
+        check_target(backend, schedule)?;
         let (t, w) = (z.num_tokens, z.workspace_rows);
         check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
         check_len(
@@ -139,16 +286,6 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no pool on an input or another pool",
         )?;
-        let cc = backend.capability();
-        if cc != (9, 0) {
-            return Err(RuntimeError::UnsupportedArch {
-                kernel: "msa_forward_kv",
-                ordinal: backend.ordinal(),
-                major: cc.0,
-                minor: cc.1,
-                supported: "9.0 (msa_forward_kv_sm90)".into(),
-            });
-        }
         let main = &msa_forward_kv_sm90::KERNEL;
         for k in [
             &task_scan_work::KERNEL,
@@ -214,6 +351,41 @@ impl<B: Backend> MsaForwardKv<B> {
         // from a workspace built for `sizes`, whose grid bound is `grid`.
         unsafe { backend.launch(main, (grid, 1, 1), &args) }
     }
+}
+
+/// The checks on the device and the schedule both entry points make before any launch: a
+/// 9.0 device, a schedule of its memory space over every token.
+fn check_target<B: Backend>(
+    backend: &B,
+    schedule: &ResidentSchedule<B>,
+) -> Result<(), RuntimeError> {
+    let cc = backend.capability();
+    if cc != (9, 0) {
+        return Err(RuntimeError::UnsupportedArch {
+            kernel: "msa_forward_kv",
+            ordinal: backend.ordinal(),
+            major: cc.0,
+            minor: cc.1,
+            supported: "9.0 (msa_forward_kv_sm90)".into(),
+        });
+    }
+    if schedule.memory_space() != backend.memory_space() {
+        return Err(RuntimeError::input(
+            "schedule",
+            "a resident schedule of another memory space",
+            "one built on this backend's device",
+        ));
+    }
+    let rows = schedule.query_rows();
+    let t = schedule.sizes().num_tokens;
+    if rows.start != 0 || rows.len() != t {
+        return Err(RuntimeError::input(
+            "schedule",
+            format!("query rows {rows:?} of {t} tokens"),
+            "a schedule over every token (context-parallel ranks are not supported)",
+        ));
+    }
+    Ok(())
 }
 
 /// The row maximum an `m_pool` key holds (log2 units of `S·scale`), or `None` for a row no

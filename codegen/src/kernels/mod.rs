@@ -5,6 +5,7 @@ pub mod backward_sm100;
 pub mod backward_sm90;
 pub mod common;
 pub mod fixed_point;
+pub mod forward_kv_rows;
 pub mod forward_kv_sm90;
 pub mod forward_list;
 pub mod forward_sm100;
@@ -67,6 +68,9 @@ pub fn all() -> &'static [KernelDesc] {
         backward_sm100::DETERMINISTIC,
         forward_sm90::DESC,
         forward_sm100::DESC,
+        forward_kv_rows::KEY_MAX,
+        forward_kv_rows::BOUND,
         forward_kv_sm90::DESC,
+        forward_kv_rows::COMBINE,
     ]
 }

@@ -202,3 +202,104 @@ fn forward_kv_with_few_ctas_and_immediate_tma_and_any_reference() {
     let e = run(&cu, &q2k, &inp, &far, 2, limits).unwrap_err();
     assert!(e.contains("above its maximum"), "{e}");
 }
+
+/// The whole device flow (`MsaForwardKv::run_on`: bound, pass, combine) on a simulated H200:
+/// `out` (bf16) and `lse`, and the verdict.
+fn run_device(
+    cu: &[i32],
+    q2k: &[i32],
+    q: &[bf16],
+    ka: &[bf16],
+    va: &[bf16],
+) -> (Vec<f32>, Vec<f32>, Result<(), msa_runtime::RuntimeError>) {
+    let t = *cu.last().unwrap() as usize;
+    let w = ka.len() / KV_ROW;
+    let mut dev = SimDevice::new(Arch::Sm90, 132);
+    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
+    let mut s = ResidentSchedule::new(&mut dev, sizes).expect("schedule");
+    let q2k_d = dev.upload_new("q2k", q2k);
+    let cu_d = dev.upload_new("cu", cu);
+    let q2k_s = Span::new(q2k_d.ptr.addr(), q2k.len());
+    s.build(&mut dev, q2k_s, Span::new(cu_d.ptr.addr(), cu.len()))
+        .expect("build");
+    let q_d = dev.upload_new("q", q);
+    let k_d = dev.upload_new("k", ka);
+    let v_d = dev.upload_new("v", va);
+    let out_d = dev.upload_new("out", &vec![bf16::from_f32(f32::NAN); t * Q_ROW]);
+    let lse_d = dev.upload_new("lse", &vec![f32::NAN; t * 64]);
+    let io = msa_runtime::ForwardBuffers {
+        q: Span::new(q_d.ptr.addr(), q.len()),
+        k_aligned: Span::new(k_d.ptr.addr(), ka.len()),
+        v_aligned: Span::new(v_d.ptr.addr(), va.len()),
+        q2k: q2k_s,
+        out: Span::new(out_d.ptr.addr(), t * Q_ROW),
+        lse: Span::new(lse_d.ptr.addr(), t * 64),
+    };
+    let mut fwd = MsaForwardKv::new();
+    fwd.run_on(&mut dev, &io, &s).expect("forward");
+    let verdict = fwd.status(&mut dev);
+    let out: Vec<bf16> = dev.read(io.out.addr, t * Q_ROW).unwrap();
+    let lse: Vec<f32> = dev.read(io.lse.addr, t * 64).unwrap();
+    (out.iter().map(|x| x.to_f32()).collect(), lse, verdict)
+}
+
+#[test]
+fn forward_kv_device_flow_matches_the_reference() {
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = inputs(&cu, &q2k, 22);
+    let (out, lse, verdict) = run_device(&cu, &q2k, &inp.q, &inp.ka, &inp.va);
+    verdict.expect("every row in range");
+    let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("device flow: {e}"));
+    eprintln!("device flow: {stats}");
+}
+
+#[test]
+fn an_outlier_key_puts_its_groups_rows_out_of_range_and_is_reported() {
+    // One key of KV head 0 with a norm of ~2900 lifts the bound of every row of heads 0-15
+    // far above their logits: those rows cannot be summed in f32 against it. They come out
+    // as lse = NaN, out = 0, and the verdict counts them; the other groups are exact.
+    let cu = cu_of(&[200]);
+    let q2k = causal_support(&cu).unwrap();
+    let mut inp = inputs(&cu, &q2k, 23);
+    // Key 190 of head 0 (one document: the workspace row is the token), along d = 0.
+    for d in 0..128 {
+        inp.ka[190 * KV_ROW + d] = bf16::from_f32(if d == 0 { 256.0 } else { 0.0 });
+    }
+    let qs: Vec<f32> = inp.q.iter().map(|x| x.to_f32()).collect();
+    let ks: Vec<f32> = reference::from_aligned(
+        &inp.ka.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+        &cu,
+        4,
+    )
+    .unwrap();
+    let vs: Vec<f32> = reference::from_aligned(
+        &inp.va.iter().map(|x| x.to_f32()).collect::<Vec<_>>(),
+        &cu,
+        4,
+    )
+    .unwrap();
+    let want = reference::forward(&qs, &ks, &vs, &q2k, &cu).unwrap();
+    let (out, lse, verdict) = run_device(&cu, &q2k, &inp.q, &inp.ka, &inp.va);
+    let mut bad = 0u32;
+    for (row, &l) in lse.iter().enumerate() {
+        let h = row % 64;
+        if l.is_nan() {
+            assert!(h < 16, "row {row}: only group 0 may lose range");
+            assert!(out[row * 128..row * 128 + 128].iter().all(|&x| x == 0.0));
+            bad += 1;
+        } else if want.lse[row].is_finite() {
+            assert!(
+                (l - want.lse[row]).abs() < 1e-3,
+                "row {row}: {l} vs {}",
+                want.lse[row]
+            );
+        }
+    }
+    assert!(bad > 0, "the outlier must put rows out of range");
+    match verdict {
+        Err(msa_runtime::RuntimeError::ForwardReferenceRange { rows }) => assert_eq!(rows, bad),
+        other => panic!("verdict {other:?}"),
+    }
+}

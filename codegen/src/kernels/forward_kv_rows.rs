@@ -1,0 +1,215 @@
+//! The row kernels around `msa_forward_kv_sm90` (experimental): the reference `R` before the
+//! pass and the combine after it. One warp per 128-element row, each lane 4 elements.
+//!
+//! - `fwd_kv_key_max`: `kmax2[g] = max ‖k‖²` over the aligned K rows of KV head `g` (padding
+//!   rows are zeros), by `red.max.u32` on the f32 bits (non-negative floats order as their
+//!   bits). `kmax2` is zeroed by the caller.
+//! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·√kmax2[h/16]`, a Cauchy-Schwarz bound of the
+//!   row's logits `S·scale` (the square root as `exp2(lg2(x)/2)`: the pass is exact for any
+//!   `R` that keeps the row's terms in range, so R need not be rounded right).
+//! - `fwd_kv_combine`: `out = o/l` (bf16) and `lse = R + ln l`; a row with no key (`m_pool`
+//!   untouched, or its maximum −∞) gets `out = 0`, `lse = −∞`. A row whose maximum lies
+//!   outside `[R − 60, R + 1]` (natural-log units; its terms may have lost range in f32) gets
+//!   `out = 0`, `lse = NaN` and is counted in `status[0]`, never a wrong finite value.
+
+use super::common;
+use super::KernelDesc;
+use crate::ptx::*;
+use crate::target::Target;
+
+const THREADS: u32 = 256;
+/// Rows per CTA: one per warp.
+pub const ROWS_PER_CTA: u32 = THREADS / 32;
+/// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
+/// terms, each at least `exp(−gap)` of the largest, and f32's smallest normal is `exp(−87.3)`.
+pub const MAX_GAP: f32 = 60.0;
+/// How far the row maximum may lie above `R` (rounding of a tight bound).
+pub const MAX_EXCESS: f32 = 1.0;
+
+/// `‖k‖²` maxima per KV head.
+pub const KEY_MAX: KernelDesc = KernelDesc {
+    name: "fwd_kv_key_max",
+    about: "the largest squared key norm of each KV head over the aligned K rows",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_key_max,
+};
+
+/// The per-row reference.
+pub const BOUND: KernelDesc = KernelDesc {
+    name: "fwd_kv_bound",
+    about: "per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_bound,
+};
+
+/// The combine.
+pub const COMBINE: KernelDesc = KernelDesc {
+    name: "fwd_kv_combine",
+    about: "out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of \
+            the reference's range get lse = NaN and are counted",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_combine,
+};
+
+/// This thread's row (`ctaid·8 + warp`), its lane, and whether the row is inside `rows`.
+fn row_lane(b: &mut KernelBuilder, rows_p: &ParamRef<U32>) -> (Reg<U32>, Reg<U32>, Reg<Pred>) {
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let warp = b.shr(tid, 5u32);
+    let lane = b.and(tid, 31u32);
+    let row = b.mad_lo(cta, ROWS_PER_CTA, warp);
+    let rows = b.ld_param(rows_p);
+    let inside = b.setp(Cmp::Lt, row, rows);
+    (row, lane, inside)
+}
+
+/// The squared norm of the bf16 row at `base + 256·row`, summed over the warp (every lane
+/// gets it).
+fn row_norm2(b: &mut KernelBuilder, base: Reg<U64>, row: Reg<U32>, lane: Reg<U32>) -> Reg<F32> {
+    let idx = b.mad_lo(row, 32u32, lane);
+    let at = common::elem_bytes(b, base, idx, 8);
+    let v: [Reg<Bf16x2>; 2] = b.ld_global_nc_v(&at);
+    let mut acc = None;
+    for w in v {
+        let (lo, hi) = b.bf16x2_to_f32(w);
+        for x in [lo, hi] {
+            acc = Some(match acc {
+                None => b.fmul(x, x),
+                Some(a) => b.fma(x, x, a),
+            });
+        }
+    }
+    let mut s = acc.expect("four values");
+    for d in [16u32, 8, 4, 2, 1] {
+        let o = b.shfl(Shfl::Bfly, s, d, 0x1f);
+        s = b.add(s, o);
+    }
+    s
+}
+
+fn describe_key_max(b: &mut KernelBuilder) {
+    b.grid("[ceil(workspace_rows * 4 / 8), 1, 1]");
+    let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
+    let kmax_p = b.param_ptr("kmax2", HostElem::U32, true);
+    let rows_p = b.param_u32("rows");
+    let (row, lane, inside) = row_lane(b, &rows_p);
+    b.if_then(inside, "key", |b| {
+        let k = b.ld_param_ptr(&k_p);
+        let n2 = row_norm2(b, k, row, lane);
+        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        b.if_then(lane0, "key_max", |b| {
+            let g = b.and(row, 3u32);
+            let kmax = b.ld_param_ptr(&kmax_p);
+            let bits = b.bitcast::<U32, F32>(n2);
+            let at = common::elem::<U32>(b, kmax, g);
+            b.red::<U32, _>(AtomOp::Max, &at, bits);
+        });
+    });
+    b.ret();
+}
+
+fn describe_bound(b: &mut KernelBuilder) {
+    b.grid("[ceil(T * 64 / 8), 1, 1]");
+    let q_p = b.param_ptr("q", HostElem::Bf16, false);
+    let kmax_p = b.param_ptr("kmax2", HostElem::U32, false);
+    let r_p = b.param_ptr("reference", HostElem::F32, true);
+    let rows_p = b.param_u32("rows");
+    let (row, lane, inside) = row_lane(b, &rows_p);
+    b.if_then(inside, "bound", |b| {
+        let q = b.ld_param_ptr(&q_p);
+        let n2 = row_norm2(b, q, row, lane);
+        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        b.if_then(lane0, "store", |b| {
+            let h = b.and(row, 63u32);
+            let g = b.shr(h, 4u32);
+            let kmax = b.ld_param_ptr(&kmax_p);
+            let at = common::elem::<U32>(b, kmax, g);
+            let k2 = b.ld::<U32, _>(&at);
+            let k2 = b.bitcast::<F32, U32>(k2);
+            let p = b.fmul(n2, k2);
+            let lg = b.lg2_approx(p);
+            let half = b.fmul(lg, 0.5f32);
+            let norm = b.ex2_approx(half);
+            let r = b.fmul(norm, common::SCALE);
+            let rp = b.ld_param_ptr(&r_p);
+            let at = common::elem::<F32>(b, rp, row);
+            b.st(&at, r);
+        });
+    });
+    b.ret();
+}
+
+fn describe_combine(b: &mut KernelBuilder) {
+    b.grid("[ceil(T * 64 / 8), 1, 1]");
+    let o_p = b.param_ptr("o_pool", HostElem::F32, false);
+    let l_p = b.param_ptr("l_pool", HostElem::F32, false);
+    let m_p = b.param_ptr("m_pool", HostElem::U32, false);
+    let r_p = b.param_ptr("reference", HostElem::F32, false);
+    let out_p = b.param_ptr("out", HostElem::Bf16, true);
+    let lse_p = b.param_ptr("lse", HostElem::F32, true);
+    let status_p = b.param_ptr("status", HostElem::U32, true);
+    let rows_p = b.param_u32("rows");
+    let (row, lane, inside) = row_lane(b, &rows_p);
+    b.if_then(inside, "combine", |b| {
+        let lp = b.ld_param_ptr(&l_p);
+        let at = common::elem::<F32>(b, lp, row);
+        let l = b.ld::<F32, _>(&at);
+        let mp = b.ld_param_ptr(&m_p);
+        let at = common::elem::<U32>(b, mp, row);
+        let key = b.ld::<U32, _>(&at);
+        let rp = b.ld_param_ptr(&r_p);
+        let at = common::elem::<F32>(b, rp, row);
+        let r = b.ld::<F32, _>(&at);
+        b.comment("the row maximum from its order-preserving key (log2 units)");
+        let sign = b.and(key, 0x8000_0000u32);
+        let pos = b.setp(Cmp::Ne, sign, 0u32);
+        let low = b.and(key, 0x7fff_ffffu32);
+        let flipped = b.xor(key, u32::MAX);
+        let bits = b.selp(low, flipped, pos);
+        let m2 = b.bitcast::<F32, U32>(bits);
+        // Untouched (key 0 decodes to NaN) or every key masked (−∞): no key.
+        let some = b.setp(Cmp::Gt, m2, f32::NEG_INFINITY);
+        let m = b.fmul(m2, std::f32::consts::LN_2);
+        let gap = b.sub(r, m);
+        let lo_ok = b.setp(Cmp::Ge, gap, -MAX_EXCESS);
+        let hi_ok = b.setp(Cmp::Le, gap, MAX_GAP);
+        let l_ok = b.setp(Cmp::Gt, l, 0.0f32);
+        let in_range = b.and_pred(lo_ok, hi_ok);
+        let in_range = b.and_pred(in_range, l_ok);
+        let good = b.and_pred(some, in_range);
+        let inv = b.rcp_rn(l);
+        let inv = b.selp(inv, 0.0f32, good);
+        let lg = b.lg2_approx(l);
+        let lse = b.fma(lg, std::f32::consts::LN_2, r);
+        let lse = b.selp(lse, f32::NEG_INFINITY, good);
+        // A NaN anywhere fails the ordered comparisons above: such a row counts as bad.
+        let in_u = b.selp::<U32>(1u32, 0u32, in_range);
+        let out_of_range = b.setp(Cmp::Eq, in_u, 0u32);
+        let bad = b.and_pred(some, out_of_range);
+        let lse = b.selp(f32::NAN, lse, bad);
+        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        b.if_then(lane0, "lse", |b| {
+            let lsp = b.ld_param_ptr(&lse_p);
+            let at = common::elem::<F32>(b, lsp, row);
+            b.st(&at, lse);
+            b.if_then(bad, "count", |b| {
+                let sp = b.ld_param_ptr(&status_p);
+                b.red::<U32, _>(AtomOp::Add, &global(sp, 0), 1u32);
+            });
+        });
+        let idx = b.mad_lo(row, 32u32, lane);
+        let op = b.ld_param_ptr(&o_p);
+        let at = common::elem_bytes(b, op, idx, 16);
+        let o: [Reg<F32>; 4] = b.ld_global_nc_v(&at);
+        let y: Vec<Reg<F32>> = o.iter().map(|&x| b.fmul(x, inv)).collect();
+        let lo = b.cvt_bf16x2(y[1], y[0]);
+        let hi = b.cvt_bf16x2(y[3], y[2]);
+        let outp = b.ld_param_ptr(&out_p);
+        let at = common::elem_bytes(b, outp, idx, 8);
+        b.st_v(&at, [lo, hi]);
+    });
+    b.ret();
+}
