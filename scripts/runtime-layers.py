@@ -10,7 +10,7 @@ layers, bottom up, as the crate documentation of `msa_runtime` states them:
     the CPU reference)
   2 backend: the `Backend` trait and its value types (backend, buffers)
   3 flow: the host flow, generic over `Backend` (ops, tasks, backward, schedule_build,
-    aligned, forward, cp)
+    aligned, forward, forward_kv, cp)
   4 cuda: the CUDA backend on cudarc (cuda, device, timed)
   5 api: the cudarc convenience API (views, each flow module's `stream` child; cp's is
     its NCCL binding)
@@ -37,6 +37,7 @@ LAYERS = {
     "schedule_build.rs": 3,
     "aligned.rs": 3,
     "forward.rs": 3,
+    "forward_kv.rs": 3,
     "cp.rs": 3,
     "cuda.rs": 4,
     "device.rs": 4,

@@ -127,7 +127,8 @@
 //!    buffers a call is given.
 //! 3. **The host flow, generic over [`Backend`]**: the launches ([`ops`], [`tasks`],
 //!    [`aligned`]), the device schedule build ([`schedule_build`]) and the whole backward
-//!    ([`backward`]: [`MsaBackward::run_on`]), and the forward ([`forward`]: [`MsaForward::run_on`]).
+//!    ([`backward`]: [`MsaBackward::run_on`]), the forward ([`forward`]: [`MsaForward::run_on`])
+//!    and the experimental KV-parallel forward ([`forward_kv`]).
 //! 4. **The CUDA backend** on cudarc: [`cuda`] ([`CudaBackend`], the tensor-map encoding),
 //!    [`device`] (JIT loading, memoized device facts) and [`timed`] ([`TimedBackend`], events
 //!    around every operation for a cost breakdown).
