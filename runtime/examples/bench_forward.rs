@@ -8,7 +8,11 @@
 //!
 //! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
 //! schedule built once; `run_forward ms` is one whole `run_forward` call (the device schedule
-//! build, the output allocations and the kernel). Medians over REPS (default 20) calls between
+//! build, the output allocations and the kernel); `kv ms` is one
+//! `forward_kv::MsaForwardKv::run_on` (the experimental KV-parallel forward: bound, task build,
+//! pass, combine) on the same schedule, and `kv vs sm90` the largest difference of its `out`
+//! from `msa_forward_sm90`'s (and of `lse`), with its range verdict; a line after each case
+//! gives the KV forward's median ms per operation (through `TimedBackend`). Medians over REPS (default 20) calls between
 //! CUDA events after 3 warm-up calls, a 256 MiB L2 flush before each. Useful forward FLOP =
 //! `2·(128 + 128)·16·Σ keys attended` (keys summed over the 4 index heads and all tokens, ×16
 //! query heads per index head). Inputs are uniform bf16 (timing does not depend on them).
@@ -16,10 +20,11 @@
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use half::bf16;
+use msa_runtime::forward_kv::MsaForwardKv;
 use msa_runtime::reference::keys_attended;
 use msa_runtime::{
     run_forward, workspace_layout, CudaBackend, ForwardBuffers, MsaForward, ResidentSchedule,
-    ScheduleBuildSizes, Span,
+    ScheduleBuildSizes, Span, TimedBackend,
 };
 use std::error::Error;
 
@@ -74,8 +79,11 @@ fn main() -> Res<()> {
     let stream = dev.context().default_stream();
     let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    println!("| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s | kv ms | \
+         useful TFLOP/s | kv vs sm90: out max-abs, lse max-abs, verdict |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
     for name in cases.split(',') {
         let cu = read_i32s(&format!("{dir}/{name}.cu_seqlens.i32"))?;
         let q2k = read_i32s(&format!("{dir}/{name}.q2k.i32"))?;
@@ -150,13 +158,79 @@ fn main() -> Res<()> {
             drop(r);
         }
         stream.synchronize()?;
-        let (km, wm) = (median(kernel), median(whole));
+        // The KV-parallel forward on the same schedule, into outputs of its own.
+        let mut out_kv = stream.alloc_zeros::<bf16>(t * 8192)?;
+        let mut lse_kv = stream.alloc_zeros::<f32>(t * 64)?;
+        let io_kv = ForwardBuffers {
+            out: Span::new(out_kv.device_ptr_mut(&stream).0, t * 8192),
+            lse: Span::new(lse_kv.device_ptr_mut(&stream).0, t * 64),
+            ..io
+        };
+        let mut fwd_kv = MsaForwardKv::new();
+        let mut kv = Vec::new();
+        for i in 0..reps + 3 {
+            stream.memset_zeros(&mut flush)?;
+            let a = stream.record_event(timing)?;
+            fwd_kv.run_on(&mut backend, &io_kv, &schedule)?;
+            let b = stream.record_event(timing)?;
+            if i >= 3 {
+                kv.push(a.elapsed_ms(&b)?);
+            }
+        }
+        stream.synchronize()?;
+        let verdict = match fwd_kv.status(&mut backend) {
+            Ok(()) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        // The last kernel-loop call of MsaForward left its outputs in `out`/`lse`.
+        MsaForward.run_on(&mut backend, &io, &schedule)?;
+        let (a, b) = (stream.clone_dtoh(&out)?, stream.clone_dtoh(&out_kv)?);
+        let d_out = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x.to_f32() - y.to_f32()).abs())
+            .fold(0f32, f32::max);
+        let (a, b) = (stream.clone_dtoh(&lse)?, stream.clone_dtoh(&lse_kv)?);
+        let d_lse = a
+            .iter()
+            .zip(&b)
+            .filter(|(x, _)| x.is_finite())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        // The KV forward's operations, on a schedule of the timed backend's own.
+        let mut timed = TimedBackend::new(CudaBackend::new(&stream)?);
+        let mut timed_schedule = ResidentSchedule::new(&mut timed, sizes)?;
+        timed_schedule.build(
+            &mut timed,
+            q2k_s,
+            Span::new(cu_d.device_ptr(&stream).0, cu.len()),
+        )?;
+        let mut timed_kv = MsaForwardKv::new();
+        timed_kv.run_on(&mut timed, &io_kv, &timed_schedule)?;
+        stream.synchronize()?;
+        timed.clear();
+        let calls = 5;
+        for _ in 0..calls {
+            stream.memset_zeros(&mut flush)?;
+            timed_kv.run_on(&mut timed, &io_kv, &timed_schedule)?;
+        }
+        let ops = timed.take()?;
+        let per_call = ops.len() / calls;
+        let mut line = String::from("  kv breakdown (median of 5):");
+        for k in 0..per_call {
+            let ms = median((0..calls).map(|c| ops[c * per_call + k].2).collect());
+            line.push_str(&format!(" {} {ms:.3};", ops[k].0));
+        }
+        let (km, wm, kvm) = (median(kernel), median(whole), median(kv));
         let rate = |ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
         println!(
-            "| {name} | {t} | {km:.3} | {:.1} | {wm:.3} | {:.1} |",
+            "| {name} | {t} | {km:.3} | {:.1} | {wm:.3} | {:.1} | {kvm:.3} | {:.1} | \
+             {d_out:.3e}, {d_lse:.3e}, {verdict} |",
             rate(km),
-            rate(wm)
+            rate(wm),
+            rate(kvm)
         );
+        println!("{line}");
     }
     Ok(())
 }

@@ -1,0 +1,121 @@
+//! The experimental KV-parallel forward (`forward_kv::MsaForwardKv::run_on`: bound, task
+//! build, `msa_forward_kv_sm90`, combine) on the GPU against the f32 CPU reference: `out`
+//! within the seed's O tolerance (0.025 max-abs, 0.006 L2-rel), `lse` within 1e-3 max-abs,
+//! empty rows exactly `out = 0`, `lse = −∞`, and the range verdict `Ok`. Skips without a GPU;
+//! fails without one under `REQUIRE_GPU=1`.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+use msa_runtime::forward_kv::MsaForwardKv;
+use msa_runtime::reference::{self, O_TOLERANCE};
+use msa_runtime::{
+    causal_support, workspace_layout, CudaBackend, ForwardBuffers, ResidentSchedule,
+    ScheduleBuildSizes, Span,
+};
+use msa_tests::cases::{docs, random_bf16, random_top16, to_f32, Problem};
+use msa_tests::{gpu_stream, Rng};
+
+const Q_ROW: usize = 64 * 128;
+const KV_ROW: usize = 4 * 128;
+
+fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
+    let Some(stream) = gpu_stream() else { return };
+    let t = *cu.last().unwrap() as usize;
+    // The same draws as `Problem::new` (q, k, v in that order), for the f32 reference forward.
+    let mut rng = Rng::new(seed);
+    let (_, q32) = random_bf16(&mut rng, t * Q_ROW);
+    let (_, k32) = random_bf16(&mut rng, t * KV_ROW);
+    let (_, v32) = random_bf16(&mut rng, t * KV_ROW);
+    let want = reference::forward(&q32, &k32, &v32, &q2k, &cu).unwrap();
+    let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
+    let (_, w) = workspace_layout(&cu).unwrap();
+
+    let q = stream.clone_htod(&p.q).unwrap();
+    let k = stream.clone_htod(&p.k_aligned).unwrap();
+    let v = stream.clone_htod(&p.v_aligned).unwrap();
+    let q2k_d = stream.clone_htod(&q2k).unwrap();
+    let cu_d = stream.clone_htod(&cu).unwrap();
+    let mut out = stream
+        .clone_htod(&vec![bf16::from_f32(f32::NAN); t * Q_ROW])
+        .unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; t * 64]).unwrap();
+    let mut backend = CudaBackend::new(&stream).unwrap();
+    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).unwrap();
+    let mut schedule = ResidentSchedule::new(&mut backend, sizes).unwrap();
+    let q2k_s = Span::new(q2k_d.device_ptr(&stream).0, q2k.len());
+    schedule
+        .build(
+            &mut backend,
+            q2k_s,
+            Span::new(cu_d.device_ptr(&stream).0, cu.len()),
+        )
+        .unwrap();
+    let io = ForwardBuffers {
+        q: Span::new(q.device_ptr(&stream).0, q.len()),
+        k_aligned: Span::new(k.device_ptr(&stream).0, k.len()),
+        v_aligned: Span::new(v.device_ptr(&stream).0, v.len()),
+        q2k: q2k_s,
+        out: Span::new(out.device_ptr_mut(&stream).0, t * Q_ROW),
+        lse: Span::new(lse.device_ptr_mut(&stream).0, t * 64),
+    };
+    let mut fwd = MsaForwardKv::new();
+    fwd.run_on(&mut backend, &io, &schedule).unwrap();
+    schedule.status(&mut backend).unwrap();
+    fwd.status(&mut backend)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+
+    let out = to_f32(&stream.clone_dtoh(&out).unwrap());
+    let lse = stream.clone_dtoh(&lse).unwrap();
+    let stats = O_TOLERANCE
+        .check("out", &out, &want.out)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (mut worst, mut empty) = (0f32, 0usize);
+    for (i, (&g, &e)) in lse.iter().zip(&want.lse).enumerate() {
+        if e == f32::NEG_INFINITY {
+            assert_eq!(g, e, "{name}: lse[{i}] of an empty row");
+            assert!(out[i * 128..i * 128 + 128].iter().all(|&x| x == 0.0));
+            empty += 1;
+        } else {
+            let d = (g - e).abs();
+            assert!(d <= 1e-3, "{name}: lse[{i}] = {g}, want {e}");
+            worst = worst.max(d);
+        }
+    }
+    println!("{name} (KV forward): out {stats}; lse max-abs {worst:.2e}; {empty} empty rows");
+}
+
+#[test]
+fn forward_kv_packed_tiny_documents() {
+    let cu = docs(&[127, 129, 1, 2, 3, 5, 128]);
+    let q2k = causal_support(&cu).unwrap();
+    run_case("packed tiny documents", cu, q2k, 8101);
+}
+
+#[test]
+fn forward_kv_odd_lengths_with_empty_selections() {
+    let cu = docs(&[301, 1, 130, 77, 1000]);
+    let t = *cu.last().unwrap() as usize;
+    let mut rng = Rng::new(8102);
+    let mut q2k = random_top16(&cu, &mut rng);
+    for tok in 0..t {
+        for slot in 0..16 {
+            if tok % 5 == 0 {
+                q2k[(t + tok) * 16 + slot] = -1;
+            }
+            q2k[(3 * t + tok) * 16 + slot] = -1;
+        }
+    }
+    run_case("odd lengths, empty selections", cu, q2k, 8102);
+}
+
+#[test]
+fn forward_kv_random_top16_t8192() {
+    if cfg!(debug_assertions) {
+        eprintln!("SKIP: needs an optimised build for its CPU reference");
+        return;
+    }
+    let cu = docs(&[3000, 2600, 1700, 892]);
+    let mut rng = Rng::new(8104);
+    let q2k = random_top16(&cu, &mut rng);
+    run_case("random top-16, T = 8192", cu, q2k, 8104);
+}
