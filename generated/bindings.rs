@@ -1107,17 +1107,18 @@ pub mod msa_forward_kv_sm90 {
         o_pool: PtrMut<f32>,
         l_pool: PtrMut<f32>,
         m_pool: PtrMut<u32>,
+        gate: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(reference), KernelArg::from(task_meta),
             KernelArg::from(task_qrows), KernelArg::from(task_qpos),
             KernelArg::from(desc), KernelArg::from(o_pool), KernelArg::from(l_pool),
-            KernelArg::from(m_pool)
+            KernelArg::from(m_pool), KernelArg::from(gate)
         ]
     }
 }
-/// `fwd_kv_combine`: out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of the reference's range get lse = NaN and are counted.
+/// `fwd_kv_combine`: out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of the reference's range are handed to a recompute pass with their exact maximum.
 pub mod fwd_kv_combine {
     use super::*;
     /// Entry name in the PTX module.
@@ -1148,19 +1149,22 @@ pub mod fwd_kv_combine {
     /// Grid: [ceil(T * 64 / 8), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
-        o_pool: Ptr<f32>,
-        l_pool: Ptr<f32>,
+        o_pool: PtrMut<f32>,
+        l_pool: PtrMut<f32>,
         m_pool: Ptr<u32>,
-        reference: Ptr<f32>,
+        reference: PtrMut<f32>,
         out: PtrMut<bf16>,
         lse: PtrMut<f32>,
         status: PtrMut<u32>,
+        gate: Ptr<u32>,
+        second: u32,
         rows: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
-            KernelArg::from(status), KernelArg::from(rows)
+            KernelArg::from(status), KernelArg::from(gate), KernelArg::from(second),
+            KernelArg::from(rows)
         ]
     }
 }

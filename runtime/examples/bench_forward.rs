@@ -11,7 +11,7 @@
 //! build, the output allocations and the kernel); `kv ms` is one
 //! `forward_kv::MsaForwardKv::run_on` (the experimental KV-parallel forward: bound, task build,
 //! pass, combine) on the same schedule, and `kv vs sm90` the largest difference of its `out`
-//! from `msa_forward_sm90`'s (and of `lse`), with its range verdict; a line after each case
+//! from `msa_forward_sm90`'s (and of `lse`), with its verdict (rows recomputed); a line after each case
 //! gives the KV forward's median ms per operation (through `TimedBackend`). Medians over REPS (default 20) calls between
 //! CUDA events after 3 warm-up calls, a 256 MiB L2 flush before each. Useful forward FLOP =
 //! `2·(128 + 128)·16·Σ keys attended` (keys summed over the 4 index heads and all tokens, ×16
@@ -179,7 +179,7 @@ fn main() -> Res<()> {
         }
         stream.synchronize()?;
         let verdict = match fwd_kv.status(&mut backend) {
-            Ok(()) => "ok".to_string(),
+            Ok(n) => format!("ok, {n} rows recomputed"),
             Err(e) => e.to_string(),
         };
         // The last kernel-loop call of MsaForward left its outputs in `out`/`lse`.

@@ -147,12 +147,12 @@ pub enum RuntimeError {
         /// The flagged ranks, ascending.
         ranks: Vec<usize>,
     },
-    /// The KV-parallel forward ([`crate::forward_kv::MsaForwardKv`]) found rows whose maximum
-    /// logit lies too far from their reference for its f32 sums: their `lse` is NaN and their
-    /// `out` 0, never a wrong finite value.
+    /// The KV-parallel forward ([`crate::forward_kv::MsaForwardKv`]) left rows it could not
+    /// normalise even against their exact maximum (a NaN or infinite logit): their `lse` is
+    /// NaN and their `out` 0, never a wrong finite value.
     #[error(
-        "KV-parallel forward: {rows} row(s) have a maximum logit outside [R - 60, R + 1] of \
-         their reference R (lse NaN, out 0); recompute them with a closer reference"
+        "KV-parallel forward: {rows} row(s) could not be normalised against their own maximum \
+         (a NaN or infinite logit?): their lse is NaN and their out 0"
     )]
     ForwardReferenceRange {
         /// How many rows.

@@ -14,7 +14,7 @@
 //! Checked against the CPU reference on the simulator; not timed on the H200 yet, and not
 //! behind [`run_forward`](crate::run_forward).
 
-use crate::backend::{Backend, Span, TileMapSpec};
+use crate::backend::{Backend, Ptr, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
 use crate::error::RuntimeError;
@@ -26,6 +26,7 @@ use crate::kernels::{
 use crate::ops::check_len;
 use crate::schedule_build::ResidentSchedule;
 use crate::tasks::{ScheduleShape, TaskBuildSizes, TaskWorkspace};
+use crate::tma::TensorMap;
 use half::bf16;
 
 /// The device buffers of one KV-parallel pass; `T` and `W` come from the schedule.
@@ -156,7 +157,7 @@ impl<B: Backend> MsaForwardKv<B> {
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
         };
         let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4);
-        let status = Span::<u32>::new(kmax2.addr + 16, 1);
+        let status = Span::<u32>::new(kmax2.addr + 16, 2);
         self.status_at = None;
         if t == 0 {
             return Ok(());
@@ -181,31 +182,31 @@ impl<B: Backend> MsaForwardKv<B> {
         );
         // SAFETY: q is [T, 64, 128], kmax2 [4], the reference [T, 64].
         unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
-        self.run_to_pools(backend, &pools, schedule)?;
-        let args = fwd_kv_combine::args(
-            pools.o_pool.ptr(),
-            pools.l_pool.ptr(),
-            pools.m_pool.ptr(),
-            pools.reference.ptr(),
-            io.out.ptr_mut(),
-            io.lse.ptr_mut(),
-            status.ptr_mut(),
-            rows_u32(rows)?,
-        );
-        // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
-        // checked to be [T, 64, 128] and [T, 64]; status is one word.
-        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
+        match self.prepare(backend, &pools, schedule)? {
+            Some(launch) => {
+                self.launch_pass(backend, &pools, &launch, None)?;
+                self.combine(backend, &pools, io, status, None)?;
+                // The rows the first combine handed back, with their exact maxima as
+                // references; both launches return at once when there is none.
+                self.launch_pass(backend, &pools, &launch, Some(status))?;
+                self.combine(backend, &pools, io, status, Some(status))?;
+            }
+            // No task: the combine writes every row empty.
+            None => self.combine(backend, &pools, io, status, None)?,
+        }
         self.status_at = Some(status.addr);
         Ok(())
     }
 
-    /// The verdict on the last [`MsaForwardKv::run_on`]: `Ok` when every row kept its range.
+    /// The verdict on the last [`MsaForwardKv::run_on`]: `Ok` with the number of rows that were
+    /// recomputed with their exact maximum as reference (their bound lay too far above it).
     /// Synchronizes.
     ///
     /// # Errors
-    /// [`RuntimeError::ForwardReferenceRange`] with the count of rows whose `lse` is NaN,
+    /// [`RuntimeError::ForwardReferenceRange`] with the count of rows still out of range after
+    /// the recompute (a NaN or infinite logit; their `lse` is NaN, `out` 0),
     /// [`RuntimeError::Input`] before the first call, and the backend's download errors.
-    pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
+    pub fn status(&self, backend: &mut B) -> Result<u32, RuntimeError> {
         let Some(at) = self.status_at else {
             return Err(RuntimeError::input(
                 "MsaForwardKv::status",
@@ -213,13 +214,42 @@ impl<B: Backend> MsaForwardKv<B> {
                 "an MsaForwardKv that has run",
             ));
         };
-        let word = backend.download("forward_kv status", at, 4)?;
-        let rows = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
-        if rows == 0 {
-            Ok(())
-        } else {
-            Err(RuntimeError::ForwardReferenceRange { rows })
+        let words = backend.download("forward_kv status", at, 8)?;
+        let word =
+            |i: usize| u32::from_le_bytes([words[i], words[i + 1], words[i + 2], words[i + 3]]);
+        match word(4) {
+            0 => Ok(word(0)),
+            rows => Err(RuntimeError::ForwardReferenceRange { rows }),
         }
+    }
+
+    /// One combine over every row (`gate` None: the first; `Some`: the second, gated on the
+    /// count of rows handed back).
+    fn combine(
+        &self,
+        backend: &mut B,
+        pools: &ForwardKvBuffers,
+        io: &ForwardBuffers,
+        status: Span<u32>,
+        gate: Option<Span<u32>>,
+    ) -> Result<(), RuntimeError> {
+        let rows = pools.l_pool.len;
+        let args = fwd_kv_combine::args(
+            pools.o_pool.ptr_mut(),
+            pools.l_pool.ptr_mut(),
+            pools.m_pool.ptr(),
+            pools.reference.ptr_mut(),
+            io.out.ptr_mut(),
+            io.lse.ptr_mut(),
+            status.ptr_mut(),
+            gate.map_or(Ptr::new(0), |g| g.ptr()),
+            u32::from(gate.is_some()),
+            rows_u32(rows)?,
+        );
+        // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
+        // checked to be [T, 64, 128] and [T, 64]; status is two words; a null gate is never
+        // read.
+        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (row_grid(rows)?, 1, 1), &args) }
     }
 
     /// Issues the pass on `backend`'s stream: the task build from `schedule` (built from the
@@ -238,6 +268,20 @@ impl<B: Backend> MsaForwardKv<B> {
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
+        match self.prepare(backend, io, schedule)? {
+            Some(launch) => self.launch_pass(backend, io, &launch, None),
+            None => Ok(()),
+        }
+    }
+
+    /// [`MsaForwardKv::run_to_pools`] up to the launch: checks, kernels, tensor maps, the task
+    /// build and the zeroed pools; `None` when there is nothing to launch.
+    fn prepare(
+        &mut self,
+        backend: &mut B,
+        io: &ForwardKvBuffers,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<Option<PassLaunch>, RuntimeError> {
         let z = *schedule.sizes();
         check_target(backend, schedule)?;
         let (t, w) = (z.num_tokens, z.workspace_rows);
@@ -264,7 +308,7 @@ impl<B: Backend> MsaForwardKv<B> {
         check_len("l_pool", io.l_pool.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
         check_len("m_pool", io.m_pool.len, t * NUM_Q_HEADS, "[T, 64] u32")?;
         if t == 0 {
-            return Ok(());
+            return Ok(None);
         }
         if w == 0 || !w.is_multiple_of(BLOCK_SIZE) {
             return Err(RuntimeError::input(
@@ -286,13 +330,12 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no pool on an input or another pool",
         )?;
-        let main = &msa_forward_kv_sm90::KERNEL;
         for k in [
             &task_scan_work::KERNEL,
             &task_assign_segments::KERNEL,
             &task_scan_bins::KERNEL,
             &task_scatter_tables::KERNEL,
-            main,
+            &msa_forward_kv_sm90::KERNEL,
         ] {
             backend.load(k)?;
         }
@@ -330,13 +373,27 @@ impl<B: Backend> MsaForwardKv<B> {
         backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
         backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
         tasks.build_from(backend, &schedule.refs())?;
-        if grid == 0 {
-            return Ok(());
-        }
+        Ok((grid > 0).then_some(PassLaunch {
+            maps: [tmap_q, tmap_k, tmap_v],
+            grid,
+        }))
+    }
+
+    /// One launch of the pass on the tables [`MsaForwardKv::prepare`] built; with a `gate`,
+    /// it does nothing while the gate's first word is zero.
+    fn launch_pass(
+        &self,
+        backend: &mut B,
+        io: &ForwardKvBuffers,
+        launch: &PassLaunch,
+        gate: Option<Span<u32>>,
+    ) -> Result<(), RuntimeError> {
+        let tasks = self.tasks.as_ref().expect("prepare built the task tables");
+        let [tmap_q, tmap_k, tmap_v] = &launch.maps;
         let args = msa_forward_kv_sm90::args(
-            &tmap_q,
-            &tmap_k,
-            &tmap_v,
+            tmap_q,
+            tmap_k,
+            tmap_v,
             io.reference.ptr(),
             tasks.task_meta(),
             tasks.task_qrows(),
@@ -345,12 +402,19 @@ impl<B: Backend> MsaForwardKv<B> {
             io.o_pool.ptr_mut(),
             io.l_pool.ptr_mut(),
             io.m_pool.ptr_mut(),
+            gate.map_or(Ptr::new(0), |g| g.ptr()),
         );
         // SAFETY: the maps span q [T,64,128] and k/v [W,4,128], whose lengths were checked;
         // reference, l_pool and m_pool are [T,64], o_pool [T,64,128]; the task tables come
-        // from a workspace built for `sizes`, whose grid bound is `grid`.
-        unsafe { backend.launch(main, (grid, 1, 1), &args) }
+        // from a workspace built for the launch's grid; a null gate is never read.
+        unsafe { backend.launch(&msa_forward_kv_sm90::KERNEL, (launch.grid, 1, 1), &args) }
     }
+}
+
+/// What [`MsaForwardKv::launch_pass`] needs from [`MsaForwardKv::prepare`].
+struct PassLaunch {
+    maps: [TensorMap; 3],
+    grid: u32,
 }
 
 /// The checks on the device and the schedule both entry points make before any launch: a

@@ -1,7 +1,7 @@
 //! The experimental KV-parallel forward (`forward_kv::MsaForwardKv::run_on`: bound, task
 //! build, `msa_forward_kv_sm90`, combine) on the GPU against the f32 CPU reference: `out`
 //! within the seed's O tolerance (0.025 max-abs, 0.006 L2-rel), `lse` within 1e-3 max-abs,
-//! empty rows exactly `out = 0`, `lse = −∞`, and the range verdict `Ok`. Skips without a GPU;
+//! empty rows exactly `out = 0`, `lse = −∞`, and the verdict `Ok` with no row recomputed. Skips without a GPU;
 //! fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -61,8 +61,10 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let mut fwd = MsaForwardKv::new();
     fwd.run_on(&mut backend, &io, &schedule).unwrap();
     schedule.status(&mut backend).unwrap();
-    fwd.status(&mut backend)
+    let recomputed = fwd
+        .status(&mut backend)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(recomputed, 0, "{name}: rows recomputed on random inputs");
 
     let out = to_f32(&stream.clone_dtoh(&out).unwrap());
     let lse = stream.clone_dtoh(&lse).unwrap();

@@ -8,9 +8,15 @@
 //!   row's logits `S·scale` (the square root as `exp2(lg2(x)/2)`: the pass is exact for any
 //!   `R` that keeps the row's terms in range, so R need not be rounded right).
 //! - `fwd_kv_combine`: `out = o/l` (bf16) and `lse = R + ln l`; a row with no key (`m_pool`
-//!   untouched, or its maximum −∞) gets `out = 0`, `lse = −∞`. A row whose maximum lies
-//!   outside `[R − 60, R + 1]` (natural-log units; its terms may have lost range in f32) gets
-//!   `out = 0`, `lse = NaN` and is counted in `status[0]`, never a wrong finite value.
+//!   untouched, or its maximum −∞, and a zero sum) gets `out = 0`, `lse = −∞`. A row whose
+//!   maximum lies outside `[R − 60, R + 1]` (natural-log units: its terms may have lost range
+//!   in f32), or with no maximum but a non-zero sum (a NaN went in), gets `out = 0`,
+//!   `lse = NaN` for now. The first combine (`second = 0`) hands such a row to a recompute
+//!   pass: its reference becomes its exact maximum, its `o` and `l` are zeroed, and
+//!   `status[0]` counts it; every other row's reference becomes +∞, so that the recompute pass
+//!   (`msa_forward_kv_sm90` gated on `status[0]`) adds only zeros to it. The second combine
+//!   (`second = 1`, gated likewise) finishes the recomputed rows; one still bad (a NaN or an
+//!   infinite logit) keeps `lse = NaN`, `out = 0` and is counted in `status[1]`.
 
 use super::common;
 use super::KernelDesc;
@@ -48,7 +54,7 @@ pub const BOUND: KernelDesc = KernelDesc {
 pub const COMBINE: KernelDesc = KernelDesc {
     name: "fwd_kv_combine",
     about: "out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of \
-            the reference's range get lse = NaN and are counted",
+            the reference's range are handed to a recompute pass with their exact maximum",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_combine,
@@ -144,72 +150,118 @@ fn describe_bound(b: &mut KernelBuilder) {
 
 fn describe_combine(b: &mut KernelBuilder) {
     b.grid("[ceil(T * 64 / 8), 1, 1]");
-    let o_p = b.param_ptr("o_pool", HostElem::F32, false);
-    let l_p = b.param_ptr("l_pool", HostElem::F32, false);
+    let o_p = b.param_ptr("o_pool", HostElem::F32, true);
+    let l_p = b.param_ptr("l_pool", HostElem::F32, true);
     let m_p = b.param_ptr("m_pool", HostElem::U32, false);
-    let r_p = b.param_ptr("reference", HostElem::F32, false);
+    let r_p = b.param_ptr("reference", HostElem::F32, true);
     let out_p = b.param_ptr("out", HostElem::Bf16, true);
     let lse_p = b.param_ptr("lse", HostElem::F32, true);
     let status_p = b.param_ptr("status", HostElem::U32, true);
+    let gate_p = b.param_ptr("gate", HostElem::U32, false);
+    let second_p = b.param_u32("second");
     let rows_p = b.param_u32("rows");
+    super::forward_kv_sm90::gate(b, &gate_p);
     let (row, lane, inside) = row_lane(b, &rows_p);
-    b.if_then(inside, "combine", |b| {
-        let lp = b.ld_param_ptr(&l_p);
-        let at = common::elem::<F32>(b, lp, row);
-        let l = b.ld::<F32, _>(&at);
-        let mp = b.ld_param_ptr(&m_p);
-        let at = common::elem::<U32>(b, mp, row);
-        let key = b.ld::<U32, _>(&at);
-        let rp = b.ld_param_ptr(&r_p);
-        let at = common::elem::<F32>(b, rp, row);
-        let r = b.ld::<F32, _>(&at);
-        b.comment("the row maximum from its order-preserving key (log2 units)");
-        let sign = b.and(key, 0x8000_0000u32);
-        let pos = b.setp(Cmp::Ne, sign, 0u32);
-        let low = b.and(key, 0x7fff_ffffu32);
-        let flipped = b.xor(key, u32::MAX);
-        let bits = b.selp(low, flipped, pos);
-        let m2 = b.bitcast::<F32, U32>(bits);
-        // Untouched (key 0 decodes to NaN) or every key masked (−∞): no key.
-        let some = b.setp(Cmp::Gt, m2, f32::NEG_INFINITY);
-        let m = b.fmul(m2, std::f32::consts::LN_2);
-        let gap = b.sub(r, m);
-        let lo_ok = b.setp(Cmp::Ge, gap, -MAX_EXCESS);
-        let hi_ok = b.setp(Cmp::Le, gap, MAX_GAP);
-        let l_ok = b.setp(Cmp::Gt, l, 0.0f32);
-        let in_range = b.and_pred(lo_ok, hi_ok);
-        let in_range = b.and_pred(in_range, l_ok);
-        let good = b.and_pred(some, in_range);
-        let inv = b.rcp_rn(l);
-        let inv = b.selp(inv, 0.0f32, good);
-        let lg = b.lg2_approx(l);
-        let lse = b.fma(lg, std::f32::consts::LN_2, r);
-        let lse = b.selp(lse, f32::NEG_INFINITY, good);
-        // A NaN anywhere fails the ordered comparisons above: such a row counts as bad.
-        let in_u = b.selp::<U32>(1u32, 0u32, in_range);
-        let out_of_range = b.setp(Cmp::Eq, in_u, 0u32);
-        let bad = b.and_pred(some, out_of_range);
-        let lse = b.selp(f32::NAN, lse, bad);
-        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
-        b.if_then(lane0, "lse", |b| {
-            let lsp = b.ld_param_ptr(&lse_p);
-            let at = common::elem::<F32>(b, lsp, row);
-            b.st(&at, lse);
-            b.if_then(bad, "count", |b| {
-                let sp = b.ld_param_ptr(&status_p);
+    let second = b.ld_param(&second_p);
+    let second = b.setp(Cmp::Ne, second, 0u32);
+    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+    let done = b.label("done");
+    b.bra_unless(inside, &done);
+    let rp = b.ld_param_ptr(&r_p);
+    let r_at = common::elem::<F32>(b, rp, row);
+    let r = b.ld::<F32, _>(&r_at);
+    // The second combine takes only the rows the first one handed to the recompute pass
+    // (the others' references are +inf by then).
+    let settled = b.setp(Cmp::Eq, r, f32::INFINITY);
+    let skip = b.and_pred(second, settled);
+    b.bra_if(skip, &done);
+    let lp = b.ld_param_ptr(&l_p);
+    let l_at = common::elem::<F32>(b, lp, row);
+    let l = b.ld::<F32, _>(&l_at);
+    let mp = b.ld_param_ptr(&m_p);
+    let at = common::elem::<U32>(b, mp, row);
+    let key = b.ld::<U32, _>(&at);
+    b.comment("the row maximum from its order-preserving key (log2 units)");
+    // Keys up to that of −∞ (0x007fffff) mean no key: untouched (0) or every key masked.
+    let some = b.setp(Cmp::Gt, key, 0x007f_ffffu32);
+    let sign = b.and(key, 0x8000_0000u32);
+    let pos = b.setp(Cmp::Ne, sign, 0u32);
+    let low = b.and(key, 0x7fff_ffffu32);
+    let flipped = b.xor(key, u32::MAX);
+    let bits = b.selp(low, flipped, pos);
+    let m2 = b.bitcast::<F32, U32>(bits);
+    let m = b.fmul(m2, std::f32::consts::LN_2);
+    let gap = b.sub(r, m);
+    let lo_ok = b.setp(Cmp::Ge, gap, -MAX_EXCESS);
+    let hi_ok = b.setp(Cmp::Le, gap, MAX_GAP);
+    let l_ok = b.setp(Cmp::Gt, l, 0.0f32);
+    let in_range = b.and_pred(lo_ok, hi_ok);
+    let in_range = b.and_pred(in_range, l_ok);
+    let good = b.and_pred(some, in_range);
+    // A NaN anywhere fails the ordered comparisons above: such a row counts as bad.
+    let in_u = b.selp::<U32>(1u32, 0u32, in_range);
+    let out_of_range = b.setp(Cmp::Eq, in_u, 0u32);
+    let bad = b.and_pred(some, out_of_range);
+    // A row with no maximum added only zeros, unless a NaN went in: then it is bad too.
+    let some_u = b.selp::<U32>(1u32, 0u32, some);
+    let none = b.setp(Cmp::Eq, some_u, 0u32);
+    let l_zero = b.setp(Cmp::Eq, l, 0.0f32);
+    let lz_u = b.selp::<U32>(1u32, 0u32, l_zero);
+    let l_nonzero = b.setp(Cmp::Eq, lz_u, 0u32);
+    let poisoned = b.and_pred(none, l_nonzero);
+    let bad = b.or_pred(bad, poisoned);
+    let inv = b.rcp_rn(l);
+    let inv = b.selp(inv, 0.0f32, good);
+    let lg = b.lg2_approx(l);
+    let lse = b.fma(lg, std::f32::consts::LN_2, r);
+    let lse = b.selp(lse, f32::NEG_INFINITY, good);
+    let lse = b.selp(f32::NAN, lse, bad);
+    let idx = b.mad_lo(row, 32u32, lane);
+    let op = b.ld_param_ptr(&o_p);
+    let o_at = common::elem_bytes(b, op, idx, 16);
+    let o: [Reg<F32>; 4] = b.ld_v(&o_at);
+    // Not `o·0` for a row that is not good: its `o` may hold NaN.
+    let y: Vec<Reg<F32>> = o
+        .iter()
+        .map(|&x| {
+            let v = b.fmul(x, inv);
+            b.selp(v, 0.0f32, good)
+        })
+        .collect();
+    let lo = b.cvt_bf16x2(y[1], y[0]);
+    let hi = b.cvt_bf16x2(y[3], y[2]);
+    let outp = b.ld_param_ptr(&out_p);
+    let at = common::elem_bytes(b, outp, idx, 8);
+    b.st_v(&at, [lo, hi]);
+    let sp = b.ld_param_ptr(&status_p);
+    b.if_then(lane0, "lse", |b| {
+        let lsp = b.ld_param_ptr(&lse_p);
+        let at = common::elem::<F32>(b, lsp, row);
+        b.st(&at, lse);
+    });
+    b.if_then(second, "second", |b| {
+        b.comment("still out of range with its exact maximum as reference: counted");
+        b.if_then(bad, "unresolved", |b| {
+            b.if_then(lane0, "count_unresolved", |b| {
+                b.red::<U32, _>(AtomOp::Add, &global(sp, 4), 1u32);
+            });
+        });
+    });
+    b.unless(second, "first", |b| {
+        b.comment("hand a bad row to the recompute pass: R = its maximum, its sums zeroed");
+        b.if_then(bad, "recompute", |b| {
+            let z = b.mov::<F32>(0.0f32);
+            b.st_v(&o_at, [z, z, z, z]);
+            b.if_then(lane0, "recompute_row", |b| {
+                b.st(&l_at, z);
+                b.st(&r_at, m);
                 b.red::<U32, _>(AtomOp::Add, &global(sp, 0), 1u32);
             });
         });
-        let idx = b.mad_lo(row, 32u32, lane);
-        let op = b.ld_param_ptr(&o_p);
-        let at = common::elem_bytes(b, op, idx, 16);
-        let o: [Reg<F32>; 4] = b.ld_global_nc_v(&at);
-        let y: Vec<Reg<F32>> = o.iter().map(|&x| b.fmul(x, inv)).collect();
-        let lo = b.cvt_bf16x2(y[1], y[0]);
-        let hi = b.cvt_bf16x2(y[3], y[2]);
-        let outp = b.ld_param_ptr(&out_p);
-        let at = common::elem_bytes(b, outp, idx, 8);
-        b.st_v(&at, [lo, hi]);
+        b.unless(bad, "settle", |b| {
+            b.if_then(lane0, "settle_row", |b| b.st(&r_at, f32::INFINITY));
+        });
     });
+    b.place(&done);
     b.ret();
 }

@@ -161,6 +161,9 @@ pub struct ForwardKvParams {
     pub l_pool: ParamRef<U64>,
     /// `m_pool [T, 64]` u32 order-preserving keys of the row maxima (log2 units), zeroed.
     pub m_pool: ParamRef<U64>,
+    /// A gate word, or null: a gated launch (the recompute pass) does nothing while the word
+    /// is zero (no row to recompute).
+    pub gate: ParamRef<U64>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -176,6 +179,7 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         o_pool: b.param_ptr("o_pool", HostElem::F32, true),
         l_pool: b.param_ptr("l_pool", HostElem::F32, true),
         m_pool: b.param_ptr("m_pool", HostElem::U32, true),
+        gate: b.param_ptr("gate", HostElem::U32, false),
     }
 }
 
@@ -242,6 +246,7 @@ fn describe(b: &mut KernelBuilder) {
         Ok(r) => r,
         Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
     };
+    gate(b, &p.gate);
     let smem = b.dynamic_shared("smem", smem_bytes(&plan), 1024);
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
@@ -277,6 +282,19 @@ fn describe(b: &mut KernelBuilder) {
     plan.warps().emit_consumer_setmaxnreg(b);
     consumer(b, &ctx, tid);
     b.ret();
+}
+
+/// The launch's gate: with a non-null `gate` whose word is zero, every thread returns at once
+/// (uniformly, before any barrier). Shared with `fwd_kv_combine`.
+pub fn gate(b: &mut KernelBuilder, gate: &ParamRef<U64>) {
+    let raw = b.ld_param(gate);
+    let gated = b.setp(Cmp::Ne, raw, 0u64);
+    b.if_then(gated, "gate", |b| {
+        let at = b.ld_param_ptr(gate);
+        let word = b.ld::<U32, _>(&global(at, 0));
+        let closed = b.setp(Cmp::Eq, word, 0u32);
+        b.if_then(closed, "gate_closed", |b| b.ret());
+    });
 }
 
 /// Thread 0: K/V at each segment's start, Q for every task.
