@@ -3,11 +3,14 @@
 //! `Σ exp(S·scale − R)·v`, `Σ exp(S·scale − R)` and `max S·scale·log2e` into f32 pools
 //! against a per-row reference `R` (see the kernel's module docs for the design).
 //!
-//! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync: `fwd_kv_key_max`
-//!   and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖), the task build from a [`ResidentSchedule`],
-//!   the pass, `fwd_kv_combine` (`out = o/l`, `lse = R + ln l`). [`MsaForwardKv::status`]
-//!   then reports rows whose maximum lay too far below R ([`RuntimeError::ForwardReferenceRange`];
-//!   their `lse` is NaN and `out` 0): they are not recomputed yet.
+//! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync:
+//!   `fwd_kv_key_max` and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖), the task build from a
+//!   [`ResidentSchedule`], the pass, `fwd_kv_combine` (`out = o/l`, `lse = R + ln l`), then
+//!   the pass and the combine again for the rows whose maximum lay too far below R, with that
+//!   maximum as their reference (both launches return at once when there is none).
+//!   [`MsaForwardKv::status`] gives the number of rows recomputed, or
+//!   [`RuntimeError::ForwardReferenceRange`] for rows still bad (a NaN or infinite logit:
+//!   their `lse` is NaN, `out` 0).
 //! - [`MsaForwardKv::run_to_pools`]: the pass alone with the caller's R and pools, and
 //!   [`combine_row`], the combine's host form, for tests.
 //!

@@ -1,8 +1,8 @@
 //! The experimental KV-parallel forward (`forward_kv::MsaForwardKv::run_on`: bound, task
 //! build, `msa_forward_kv_sm90`, combine) on the GPU against the f32 CPU reference: `out`
 //! within the seed's O tolerance (0.025 max-abs, 0.006 L2-rel), `lse` within 1e-3 max-abs,
-//! empty rows exactly `out = 0`, `lse = −∞`, and the verdict `Ok` with no row recomputed. Skips without a GPU;
-//! fails without one under `REQUIRE_GPU=1`.
+//! empty rows exactly `out = 0`, `lse = −∞`, and the verdict `Ok` with no row recomputed.
+//! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
