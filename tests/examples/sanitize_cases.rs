@@ -12,8 +12,9 @@
 //! schedule, and on the device path: compact K/V packed by `to_aligned`, the schedule built on the device from
 //! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
-//! inputs; `out` and `lse` against the reference forward). Every sm_90a kernel of the
-//! runtime runs at least once.
+//! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
+//! forward (`MsaForwardKv::run_on`) on that forward's schedule, checked the same way. Every
+//! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in
@@ -24,12 +25,13 @@
 //! Exit status 1 when a case's gradients miss the tolerances or the backward fails; 2 for a
 //! usage error or when no GPU is usable.
 
-use cudarc::driver::{CudaStream, DevicePtr};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::contract::NUM_KV_HEADS;
+use msa_runtime::forward_kv::MsaForwardKv;
 use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{
-    from_aligned, run_backward, run_forward, to_aligned, CudaBackend, MsaBackward,
+    from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ForwardBuffers, MsaBackward,
     ResidentSchedule, ScheduleBuildSizes, Span,
 };
 use msa_tests::cases::{compare, docs, random_top16, DeviceInputs, Problem};
@@ -197,6 +199,53 @@ fn device_path(
     }
     lines.push(format!(
         "{} (run_forward) out: {so}; lse max-abs {lse_err:.2e}",
+        p.name
+    ));
+
+    // The experimental KV-parallel forward on the same schedule (bound, task build,
+    // `msa_forward_kv_sm90`, combine, and the gated recompute launches).
+    let t = inputs.q.len() / (64 * 128);
+    let mut out_kv = stream
+        .alloc_zeros::<bf16>(t * 64 * 128)
+        .map_err(|x| x.to_string())?;
+    let mut lse_kv = stream
+        .alloc_zeros::<f32>(t * 64)
+        .map_err(|x| x.to_string())?;
+    let span = |x: &cudarc::driver::CudaSlice<bf16>| Span::new(x.device_ptr(stream).0, x.len());
+    let io = ForwardBuffers {
+        q: span(&inputs.q),
+        k_aligned: span(&k_al),
+        v_aligned: span(&v_al),
+        q2k: Span::new(d_q2k.device_ptr(stream).0, d_q2k.len()),
+        out: Span::new(out_kv.device_ptr_mut(stream).0, t * 64 * 128),
+        lse: Span::new(lse_kv.device_ptr_mut(stream).0, t * 64),
+    };
+    let mut backend = CudaBackend::new(stream).map_err(e)?;
+    let mut kv = MsaForwardKv::new();
+    kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
+    let recomputed = kv.status(&mut backend).map_err(e)?;
+    let out = f32s(&out_kv)?;
+    let so = O_TOLERANCE.check("out (MsaForwardKv)", &out, &want)?;
+    let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
+    let mut lse_err = 0f32;
+    for (i, (&g, &r)) in lse.iter().zip(&p.lse).enumerate() {
+        if r == f32::NEG_INFINITY || g == f32::NEG_INFINITY {
+            if g != r {
+                return Err(format!("{} (KV): lse[{i}] = {g}, reference {r}", p.name));
+            }
+        } else {
+            let d = (g - r).abs();
+            if d.is_nan() {
+                return Err(format!("{} (KV): lse[{i}] = {g}, reference {r}", p.name));
+            }
+            lse_err = lse_err.max(d);
+        }
+    }
+    if lse_err > 1e-3 {
+        return Err(format!("{} (KV): lse max-abs {lse_err} > 1e-3", p.name));
+    }
+    lines.push(format!(
+        "{} (MsaForwardKv) out: {so}; lse max-abs {lse_err:.2e}; {recomputed} rows recomputed",
         p.name
     ));
     Ok(lines)
