@@ -80,17 +80,12 @@
 //! ~330 at this kernel's 60 % of bound; doc32k stays L2-bound (386) unless a 2-CTA cluster
 //! multicasts each block to both CTAs (32-query union), which `msa-sim` does not model yet.
 //!
-//! A KV-parallel forward on the backward's task tables (which hold only selected (query,
-//! block) pairs, so no tile is wasted) needs each row's `lse` before it can add its blocks'
-//! `P·V` into `out`: a first pass of `S` alone with each task row's block-local log-sum-exp
-//! (combined per row by an atomic maximum, then an atomic sum of the rescaled terms), then
-//! the backward's structure with `P = exp2(S·scale·log2e − lse·log2e)` stored as its dS^T
-//! panel and `O_c = P_c·V` added into an f32 pool by TMA reductions (bf16 additions of up to
-//! 16 partials would use most of the 0.006 L2-relative tolerance). That is 3 of the
-//! backward's 5 GEMMs per task: from session 12's backward (15.1 ms at packed64k for 5), about
-//! 9 ms plus about 2 ms for the f32 pool, ≈ 330 useful TFLOP/s and ≈ 3.3× fla, flat with
-//! document length as the backward is; short of 450, and not built (an estimate, not a
-//! measurement).
+//! A KV-parallel forward on the backward's task tables, which hold only selected (query,
+//! block) pairs, so no tile is wasted, is built as [`forward_kv_sm90`](super::forward_kv_sm90)
+//! (session 13, experimental). It needs no second pass: every row is summed against a fixed
+//! upper bound of its logits, and a row whose maximum lies too far below it is recomputed. It
+//! has 2 of the backward's 5 GEMMs per task, plus the f32 reduction of every task's output
+//! rows. It has not been timed yet.
 
 use super::common;
 use super::forward_list as list;
