@@ -994,7 +994,7 @@ pub mod msa_forward_sm100 {
         ]
     }
 }
-/// `fwd_kv_key_max`: the largest squared key norm of each KV head over the aligned K rows.
+/// `fwd_kv_key_max`: the largest squared key norm of each key block and KV head over the aligned K rows.
 pub mod fwd_kv_key_max {
     use super::*;
     /// Entry name in the PTX module.
@@ -1022,13 +1022,13 @@ pub mod fwd_kv_key_max {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(workspace_rows * 4 / 8), 1, 1].
+    /// Grid: [workspace_rows * 4 / 8, 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(k_aligned: Ptr<bf16>, kmax2: PtrMut<u32>, rows: u32) -> Vec<KernelArg> {
         vec![KernelArg::from(k_aligned), KernelArg::from(kmax2), KernelArg::from(rows)]
     }
 }
-/// `fwd_kv_bound`: per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits.
+/// `fwd_kv_bound`: per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits over its selected blocks.
 pub mod fwd_kv_bound {
     use super::*;
     /// Entry name in the PTX module.
@@ -1060,13 +1060,22 @@ pub mod fwd_kv_bound {
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         q: Ptr<bf16>,
+        q2k: Ptr<i32>,
+        cu_seqlens: Ptr<i32>,
+        document_workspace_starts: Ptr<i32>,
         kmax2: Ptr<u32>,
         reference: PtrMut<f32>,
         rows: u32,
+        num_tokens: u32,
+        num_docs: u32,
+        num_blocks: u32,
     ) -> Vec<KernelArg> {
         vec![
-            KernelArg::from(q), KernelArg::from(kmax2), KernelArg::from(reference),
-            KernelArg::from(rows)
+            KernelArg::from(q), KernelArg::from(q2k), KernelArg::from(cu_seqlens),
+            KernelArg::from(document_workspace_starts), KernelArg::from(kmax2),
+            KernelArg::from(reference), KernelArg::from(rows),
+            KernelArg::from(num_tokens), KernelArg::from(num_docs),
+            KernelArg::from(num_blocks)
         ]
     }
 }

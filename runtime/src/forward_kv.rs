@@ -4,7 +4,8 @@
 //! against a per-row reference `R` (see the kernel's module docs for the design).
 //!
 //! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync:
-//!   `fwd_kv_key_max` and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖), the task build from a
+//!   `fwd_kv_key_max` and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖ over the row's selected
+//!   blocks), the task build from a
 //!   [`ResidentSchedule`], the pass, `fwd_kv_combine` (`out = o/l`, `lse = R + ln l`), then
 //!   the pass and the combine again for the rows whose maximum lay too far below R, with that
 //!   maximum as their reference (both launches return at once when there is none).
@@ -93,10 +94,10 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// Issues the whole forward on `backend`'s stream, with no host sync: the reference
-    /// `R = scale·‖q‖·max‖k‖` per row, the task build, the pass into pools of its own, and the
-    /// combine into `io.out` and `io.lse` (`io.q2k` is the selection `schedule` was built
-    /// from; it is length-checked only). Then [`MsaForwardKv::status`] says whether every row
-    /// kept its range.
+    /// `R = scale·‖q‖·max‖k‖` per row (over its selected blocks), the task build, the pass
+    /// into pools of its own, the combine into `io.out` and `io.lse`, and the gated recompute
+    /// pass and combine (`io.q2k` must be the selection `schedule` was built from; its length
+    /// is checked). Then [`MsaForwardKv::status`] gives the verdict.
     ///
     /// # Errors
     /// As [`MsaForwardKv::run_to_pools`], and [`RuntimeError::Overlap`] for an output on an
@@ -138,12 +139,20 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no in-place forward",
         )?;
-        // One workspace: o [T, 64, 128], l, m and R [T, 64] each, kmax2 [4] and the status
-        // word, each region 256-byte aligned.
+        if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
+            return Err(RuntimeError::input(
+                "schedule.workspace_rows",
+                w,
+                "a positive multiple of 128",
+            ));
+        }
+        // One workspace: o [T, 64, 128], l, m and R [T, 64] each, kmax2 [W/128, 4] and the
+        // two status words, each region 256-byte aligned.
         let rows = t * NUM_Q_HEADS;
+        let blocks = w / BLOCK_SIZE;
         let align = |x: usize| x.div_ceil(256) * 256;
-        let (o_b, r_b) = (align(4 * t * Q_ROW), align(4 * rows));
-        let bytes = o_b + 3 * r_b + 256;
+        let (o_b, r_b, k_b) = (align(4 * t * Q_ROW), align(4 * rows), align(16 * blocks));
+        let bytes = o_b + 3 * r_b + k_b + 256;
         if self.work.as_ref().is_none_or(|(_, have)| *have < bytes) {
             self.work = None;
             let buf = backend.alloc("forward_kv workspace", bytes)?;
@@ -159,8 +168,8 @@ impl<B: Backend> MsaForwardKv<B> {
             l_pool: Span::new(base + o_b as u64, rows),
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
         };
-        let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4);
-        let status = Span::<u32>::new(kmax2.addr + 16, 2);
+        let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4 * blocks);
+        let status = Span::<u32>::new(kmax2.addr + k_b as u64, 2);
         self.status_at = None;
         if t == 0 {
             return Ok(());
@@ -172,18 +181,27 @@ impl<B: Backend> MsaForwardKv<B> {
         ] {
             backend.load(k)?;
         }
-        backend.zero("forward_kv kmax2 and status", kmax2.addr, 32)?;
+        backend.zero("forward_kv kmax2 and status", kmax2.addr, k_b + 8)?;
         let key_rows = 4 * w;
         let args = fwd_kv_key_max::args(io.k_aligned.ptr(), kmax2.ptr_mut(), rows_u32(key_rows)?);
-        // SAFETY: k_aligned is [W, 4, 128] (checked above) and kmax2 [4].
+        // SAFETY: k_aligned is [W, 4, 128] (checked above) and kmax2 [W/128, 4].
         unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
+        let docs = z.num_documents;
         let args = fwd_kv_bound::args(
             io.q.ptr(),
+            io.q2k.ptr(),
+            schedule.cu_seqlens_ptr(),
+            Ptr::new(schedule.refs().ws_starts),
             kmax2.ptr(),
             pools.reference.ptr_mut(),
             rows_u32(rows)?,
+            rows_u32(t)?,
+            rows_u32(docs)?,
+            rows_u32(blocks)?,
         );
-        // SAFETY: q is [T, 64, 128], kmax2 [4], the reference [T, 64].
+        // SAFETY: q is [T, 64, 128] and q2k [4, T, 16] (both checked), cu_seqlens [D+1] and
+        // the workspace starts [D] are the schedule's own (tokens 0..T, checked by
+        // `check_target`), kmax2 [W/128, 4] (ids past it are not read), the reference [T, 64].
         unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
         match self.prepare(backend, &pools, schedule)? {
             Some(launch) => {

@@ -97,6 +97,35 @@ pub fn store_u32(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>, v: impl S
     b.st::<U32, _>(&a, v);
 }
 
+/// The document of packed token `tg`: the largest `d` with `cu[d] <= tg`, by binary search
+/// over `cu_seqlens` (`cu[0] <= tg < cu[D]`, D read from `num_docs`).
+pub fn doc_search(
+    b: &mut KernelBuilder,
+    cu: Reg<U64>,
+    num_docs: &ParamRef<U32>,
+    tg: Reg<U32>,
+) -> Reg<U32> {
+    let lo = b.mov::<U32>(0u32);
+    let hi = b.ld_param(num_docs);
+    let top = b.label("doc_search");
+    let done = b.label("doc_found");
+    b.place(&top);
+    let width = b.sub(hi, lo);
+    let found = b.setp(Cmp::Le, width, 1u32);
+    b.bra_if(found, &done);
+    let mid = b.add(lo, hi);
+    let mid = b.shr(mid, 1u32);
+    let c = load_u32(b, cu, mid);
+    let below = b.setp(Cmp::Le, c, tg);
+    let nlo = b.selp(mid, lo, below);
+    let nhi = b.selp(hi, mid, below);
+    b.set(lo, nlo);
+    b.set(hi, nhi);
+    b.bra(&top);
+    b.place(&done);
+    lo
+}
+
 /// `ceil(a / d)`; `d` must be non-zero.
 pub fn div_ceil(b: &mut KernelBuilder, a: Reg<U32>, d: impl Src<U32> + Copy) -> Reg<U32> {
     let dm1 = b.mov::<U32>(d);

@@ -1,12 +1,15 @@
 //! The row kernels around `msa_forward_kv_sm90` (experimental): the reference `R` before the
 //! pass and the combine after it. One warp per 128-element row, each lane 4 elements.
 //!
-//! - `fwd_kv_key_max`: `kmax2[g] = max ‖k‖²` over the aligned K rows of KV head `g` (padding
-//!   rows are zeros), by `red.max.u32` on the f32 bits (non-negative floats order as their
-//!   bits). `kmax2` is zeroed by the caller.
-//! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·√kmax2[h/16]`, a Cauchy-Schwarz bound of the
-//!   row's logits `S·scale` (the square root as `exp2(lg2(x)/2)`: the pass is exact for any
-//!   `R` that keeps the row's terms in range, so R need not be rounded right).
+//! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
+//!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
+//!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller.
+//! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·max √kmax2[b, h/16]` over the blocks `b` that
+//!   `q2k[h/16, t]` selects, a Cauchy-Schwarz bound of the row's logits `S·scale` (0 for a
+//!   row that selects nothing). Per block rather than per head, so that an outlier key raises
+//!   only the bounds of the rows that selected its block. The square root is
+//!   `exp2(lg2(x)/2)`: the pass is exact for any `R` that keeps the row's terms in range, so R
+//!   need not be rounded right.
 //! - `fwd_kv_combine`: `out = o/l` (bf16) and `lse = R + ln l`; a row with no key (`m_pool`
 //!   untouched, or its maximum −∞, and a zero sum) gets `out = 0`, `lse = −∞`. A row whose
 //!   maximum lies outside `[R − 60, R + 1]` (natural-log units: its terms may have lost range
@@ -35,7 +38,7 @@ pub const MAX_EXCESS: f32 = 1.0;
 /// `‖k‖²` maxima per KV head.
 pub const KEY_MAX: KernelDesc = KernelDesc {
     name: "fwd_kv_key_max",
-    about: "the largest squared key norm of each KV head over the aligned K rows",
+    about: "the largest squared key norm of each key block and KV head over the aligned K rows",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_key_max,
@@ -44,7 +47,7 @@ pub const KEY_MAX: KernelDesc = KernelDesc {
 /// The per-row reference.
 pub const BOUND: KernelDesc = KernelDesc {
     name: "fwd_kv_bound",
-    about: "per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits",
+    about: "per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits over its selected blocks",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_bound,
@@ -97,7 +100,7 @@ fn row_norm2(b: &mut KernelBuilder, base: Reg<U64>, row: Reg<U32>, lane: Reg<U32
 }
 
 fn describe_key_max(b: &mut KernelBuilder) {
-    b.grid("[ceil(workspace_rows * 4 / 8), 1, 1]");
+    b.grid("[workspace_rows * 4 / 8, 1, 1]");
     let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
     let kmax_p = b.param_ptr("kmax2", HostElem::U32, true);
     let rows_p = b.param_u32("rows");
@@ -107,10 +110,13 @@ fn describe_key_max(b: &mut KernelBuilder) {
         let n2 = row_norm2(b, k, row, lane);
         let lane0 = b.setp(Cmp::Eq, lane, 0u32);
         b.if_then(lane0, "key_max", |b| {
+            // Aligned row `row / 4` of head `row % 4`: entry (row / 512)·4 + row % 4.
             let g = b.and(row, 3u32);
+            let blk = b.shr(row, 9u32);
+            let idx = b.mad_lo(blk, 4u32, g);
             let kmax = b.ld_param_ptr(&kmax_p);
             let bits = b.bitcast::<U32, F32>(n2);
-            let at = common::elem::<U32>(b, kmax, g);
+            let at = common::elem::<U32>(b, kmax, idx);
             b.red::<U32, _>(AtomOp::Max, &at, bits);
         });
     });
@@ -120,21 +126,62 @@ fn describe_key_max(b: &mut KernelBuilder) {
 fn describe_bound(b: &mut KernelBuilder) {
     b.grid("[ceil(T * 64 / 8), 1, 1]");
     let q_p = b.param_ptr("q", HostElem::Bf16, false);
+    let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
+    let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
+    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
     let kmax_p = b.param_ptr("kmax2", HostElem::U32, false);
     let r_p = b.param_ptr("reference", HostElem::F32, true);
     let rows_p = b.param_u32("rows");
+    let tokens_p = b.param_u32("num_tokens");
+    let docs_p = b.param_u32("num_docs");
+    let blocks_p = b.param_u32("num_blocks");
     let (row, lane, inside) = row_lane(b, &rows_p);
     b.if_then(inside, "bound", |b| {
         let q = b.ld_param_ptr(&q_p);
         let n2 = row_norm2(b, q, row, lane);
+        let t = b.shr(row, 6u32);
+        let h = b.and(row, 63u32);
+        let g = b.shr(h, 4u32);
+        b.comment("the largest block maximum among the row's 16 selections, lanes 0..16");
+        let cu = b.ld_param_ptr(&cu_p);
+        let d = common::doc_search(b, cu, &docs_p, t);
+        let ws = b.ld_param_ptr(&ws_p);
+        let first = common::load_u32(b, ws, d);
+        let first = b.shr(first, 7u32);
+        let k2 = b.mov::<U32>(0u32);
+        let slot = b.setp(Cmp::Lt, lane, 16u32);
+        b.if_then(slot, "selection", |b| {
+            let tokens = b.ld_param(&tokens_p);
+            let gt = b.mad_lo(g, tokens, t);
+            let idx = b.mad_lo(gt, 16u32, lane);
+            let q2k = b.ld_param_ptr(&q2k_p);
+            let at = common::elem::<S32>(b, q2k, idx);
+            let id = b.ld::<S32, _>(&at);
+            // An id the schedule build would flag (past the workspace) reads nothing: such a
+            // schedule has no task, so R does not matter, but the load must stay in bounds.
+            let idu = b.bitcast::<U32, S32>(id);
+            let blk = b.add(first, idu);
+            let blocks = b.ld_param(&blocks_p);
+            let chosen = b.setp(Cmp::Ge, id, 0i32);
+            let inside = b.setp(Cmp::Lt, blk, blocks);
+            let chosen = b.and_pred(chosen, inside);
+            b.if_then(chosen, "block_max", |b| {
+                let e = b.mad_lo(blk, 4u32, g);
+                let kmax = b.ld_param_ptr(&kmax_p);
+                let at = common::elem::<U32>(b, kmax, e);
+                let v = b.ld::<U32, _>(&at);
+                b.set(k2, v);
+            });
+        });
+        // Non-negative floats order as their bits.
+        let mut m = k2;
+        for dd in [8u32, 4, 2, 1] {
+            let o = b.shfl(Shfl::Bfly, m, dd, 0x1f);
+            m = b.max(m, o);
+        }
         let lane0 = b.setp(Cmp::Eq, lane, 0u32);
         b.if_then(lane0, "store", |b| {
-            let h = b.and(row, 63u32);
-            let g = b.shr(h, 4u32);
-            let kmax = b.ld_param_ptr(&kmax_p);
-            let at = common::elem::<U32>(b, kmax, g);
-            let k2 = b.ld::<U32, _>(&at);
-            let k2 = b.bitcast::<F32, U32>(k2);
+            let k2 = b.bitcast::<F32, U32>(m);
             let p = b.fmul(n2, k2);
             let lg = b.lg2_approx(p);
             let half = b.fmul(lg, 0.5f32);

@@ -138,24 +138,7 @@ pub fn build(
             // row's token in the packed sequence.
             let tg = b.add(t, a.first_token);
             let cu = b.ld_param_ptr(&p.cu);
-            let lo = b.mov::<U32>(0u32);
-            let hi = b.ld_param(&p.num_docs);
-            let top = b.label("doc_search");
-            let done = b.label("doc_found");
-            b.place(&top);
-            let width = b.sub(hi, lo);
-            let found = b.setp(Cmp::Le, width, 1u32);
-            b.bra_if(found, &done);
-            let mid = b.add(lo, hi);
-            let mid = b.shr(mid, 1u32);
-            let c = common::load_u32(b, cu, mid);
-            let below = b.setp(Cmp::Le, c, tg);
-            let nlo = b.selp(mid, lo, below);
-            let nhi = b.selp(hi, mid, below);
-            b.set(lo, nlo);
-            b.set(hi, nhi);
-            b.bra(&top);
-            b.place(&done);
+            let lo = common::doc_search(b, cu, &p.num_docs, tg);
             let start = common::load_u32(b, cu, lo);
             let ws = b.ld_param_ptr(&p.ws);
             let wstart = common::load_u32(b, ws, lo);

@@ -268,11 +268,12 @@ fn reference_of(cu: &[i32], q2k: &[i32], inp: &Inputs) -> reference::Forward {
 }
 
 #[test]
-fn an_outlier_key_sends_its_groups_rows_to_the_recompute_pass_and_they_come_out_exact() {
-    // One key of KV head 0 with a norm of 256 lifts the bound of every row of heads 0-15 far
-    // above their logits: summed against it, their terms would leave f32's range. The first
-    // combine hands them to the recompute pass with their exact maxima; every row then
-    // matches the reference, and the verdict counts the recomputed rows.
+fn an_outlier_key_sends_the_rows_of_its_block_to_the_recompute_pass_exactly() {
+    // One key of KV head 0 with a norm of 256 lifts the bound of every row of heads 0-15 that
+    // selected its block (block 1: queries 128..200 under the causal support) far above their
+    // logits: summed against it, their terms would leave f32's range. The first combine hands
+    // exactly those 72·16 rows to the recompute pass with their exact maxima; every row then
+    // matches the reference.
     let cu = cu_of(&[200]);
     let q2k = causal_support(&cu).unwrap();
     let mut inp = inputs(&cu, &q2k, 23);
@@ -285,9 +286,10 @@ fn an_outlier_key_sends_its_groups_rows_to_the_recompute_pass_and_they_come_out_
     inp.want_lse = want.lse;
     let (out, lse, verdict) = run_device(&cu, &q2k, &inp.q, &inp.ka, &inp.va);
     let recomputed = verdict.expect("every row normalised");
-    assert!(
-        recomputed > 0 && recomputed as usize <= 200 * 16,
-        "{recomputed} rows recomputed; only group 0's 3200 may be"
+    assert_eq!(
+        recomputed,
+        72 * 16,
+        "the rows of heads 0-15 that selected block 1"
     );
     let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("outlier: {e}"));
     eprintln!("outlier key, {recomputed} rows recomputed: {stats}");
