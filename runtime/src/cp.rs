@@ -579,6 +579,9 @@ impl<B: Backend> CpBackward<B> {
     where
         B: 's,
     {
+        // Until this call has gathered the verdicts, `status` has none to report (not the
+        // previous call's).
+        self.flag_ranks = 0;
         let rank = check_group(comm, layout)?;
         let schedule = schedule.into();
         // A device-built schedule's flags word (the build's verdict); a host schedule was
@@ -671,13 +674,13 @@ impl<B: Backend> CpBackward<B> {
     ///
     /// # Errors
     /// [`RuntimeError::CpRankFlagged`] as above, [`RuntimeError::Input`] before the first
-    /// call, and the backend's download errors.
+    /// call or after one that failed before its gathers, and the backend's download errors.
     pub fn status(&self, backend: &mut B) -> Result<(), RuntimeError> {
         let Some((buf, _)) = self.flags.as_ref().filter(|_| self.flag_ranks > 0) else {
             return Err(RuntimeError::input(
                 "CpBackward::status",
-                "no call yet",
-                "a CpBackward that has run",
+                "no completed call (none yet, or the last one failed before its gathers)",
+                "a CpBackward whose last run_on issued its gathers",
             ));
         };
         let at = backend.address(buf);

@@ -118,6 +118,28 @@ fn run_cp(p: &Problem, ranks: usize) -> Vec<RankGrads> {
             .run_on(&mut dev, comm, layout, &io, &schedule)
             .expect("cp backward");
         backward.status(&mut dev).expect("no rank is flagged");
+        // A call that fails its checks (on every rank, before any gather) leaves no verdict
+        // behind, not the previous call's.
+        let bad = CpBuffers {
+            dk_slice: Span::new(io.dk_slice.addr, 0),
+            ..io
+        };
+        let e = backward.run_on(&mut dev, comm, layout, &bad, &schedule);
+        assert!(
+            matches!(
+                e,
+                Err(RuntimeError::Input {
+                    field: "dk_slice",
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        let after = backward.status(&mut dev);
+        assert!(
+            matches!(after, Err(RuntimeError::Input { .. })),
+            "{after:?}"
+        );
         let read = |x: Span<bf16>| dev.read::<bf16>(x.addr, x.len).expect("read");
         (read(io.dq), read(io.dk_slice), read(io.dv_slice))
     })
