@@ -860,16 +860,7 @@ impl<B: Backend> MsaBackward<B> {
             backend.load(k)?;
         }
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
-        let grid = u32::try_from(sizes.grid_launch)
-            .ok()
-            .filter(|&g| g <= i32::MAX as u32)
-            .ok_or_else(|| {
-                RuntimeError::input(
-                    "schedule",
-                    format!("{} CTAs for the main kernel", sizes.grid_launch),
-                    "a grid of at most 2^31-1 CTAs",
-                )
-            })?;
+        let grid = sizes.main_grid()?;
 
         // 3. Tensor maps.
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", tq)?, io.q.addr)?;

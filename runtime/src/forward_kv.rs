@@ -109,21 +109,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         let z = *schedule.sizes();
-        check_target(backend, schedule)?;
-        let (t, w) = (z.num_tokens, z.workspace_rows);
-        check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len(
-            "k_aligned",
-            io.k_aligned.len,
-            w * KV_ROW,
-            "[W, 4, 128] bf16",
-        )?;
-        check_len(
-            "v_aligned",
-            io.v_aligned.len,
-            w * KV_ROW,
-            "[W, 4, 128] bf16",
-        )?;
+        let (t, w) = check_inputs(backend, schedule, [io.q, io.k_aligned, io.v_aligned])?;
         check_len("q2k", io.q2k.len, 4 * t * 16, "[4, T, 16] int32")?;
         check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
         check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
@@ -139,13 +125,6 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no in-place forward",
         )?;
-        if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
-            return Err(RuntimeError::input(
-                "schedule.workspace_rows",
-                w,
-                "a positive multiple of 128",
-            ));
-        }
         // One workspace: o [T, 64, 128], l, m and R [T, 64] each, kmax2 [W/128, 4] and the
         // two status words, each region 256-byte aligned.
         let rows = t * NUM_Q_HEADS;
@@ -304,21 +283,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<Option<PassLaunch>, RuntimeError> {
         let z = *schedule.sizes();
-        check_target(backend, schedule)?;
-        let (t, w) = (z.num_tokens, z.workspace_rows);
-        check_len("q", io.q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len(
-            "k_aligned",
-            io.k_aligned.len,
-            w * KV_ROW,
-            "[W, 4, 128] bf16",
-        )?;
-        check_len(
-            "v_aligned",
-            io.v_aligned.len,
-            w * KV_ROW,
-            "[W, 4, 128] bf16",
-        )?;
+        let (t, w) = check_inputs(backend, schedule, [io.q, io.k_aligned, io.v_aligned])?;
         check_len(
             "reference",
             io.reference.len,
@@ -330,13 +295,6 @@ impl<B: Backend> MsaForwardKv<B> {
         check_len("m_pool", io.m_pool.len, t * NUM_Q_HEADS, "[T, 64] u32")?;
         if t == 0 {
             return Ok(None);
-        }
-        if w == 0 || !w.is_multiple_of(BLOCK_SIZE) {
-            return Err(RuntimeError::input(
-                "schedule.workspace_rows",
-                w,
-                "a positive multiple of 128",
-            ));
         }
         check_regions(
             &[
@@ -367,16 +325,7 @@ impl<B: Backend> MsaForwardKv<B> {
             work_capacity: z.work_capacity,
         };
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), Locality::default())?;
-        let grid = u32::try_from(sizes.grid_launch)
-            .ok()
-            .filter(|&g| g <= i32::MAX as u32)
-            .ok_or_else(|| {
-                RuntimeError::input(
-                    "schedule",
-                    format!("{} CTAs for the main kernel", sizes.grid_launch),
-                    "a grid of at most 2^31-1 CTAs",
-                )
-            })?;
+        let grid = sizes.main_grid()?;
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
         let tmap_k =
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
@@ -438,12 +387,14 @@ struct PassLaunch {
     grid: u32,
 }
 
-/// The checks on the device and the schedule both entry points make before any launch: a
-/// 9.0 device, a schedule of its memory space over every token.
-fn check_target<B: Backend>(
+/// The checks both entry points make before any launch: a 9.0 device, a schedule of its
+/// memory space over every token, Q `[T, 64, 128]` and K/V `[W, 4, 128]` bf16 with `W` a
+/// positive multiple of 128 (when `T > 0`). Returns `(T, W)`.
+fn check_inputs<B: Backend>(
     backend: &B,
     schedule: &ResidentSchedule<B>,
-) -> Result<(), RuntimeError> {
+    [q, k, v]: [Span<bf16>; 3],
+) -> Result<(usize, usize), RuntimeError> {
     let cc = backend.capability();
     if cc != (9, 0) {
         return Err(RuntimeError::UnsupportedArch {
@@ -470,7 +421,18 @@ fn check_target<B: Backend>(
             "a schedule over every token (context-parallel ranks are not supported)",
         ));
     }
-    Ok(())
+    let w = schedule.sizes().workspace_rows;
+    check_len("q", q.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+    check_len("k_aligned", k.len, w * KV_ROW, "[W, 4, 128] bf16")?;
+    check_len("v_aligned", v.len, w * KV_ROW, "[W, 4, 128] bf16")?;
+    if t > 0 && (w == 0 || !w.is_multiple_of(BLOCK_SIZE)) {
+        return Err(RuntimeError::input(
+            "schedule.workspace_rows",
+            w,
+            "a positive multiple of 128",
+        ));
+    }
+    Ok((t, w))
 }
 
 /// The row maximum an `m_pool` key holds (log2 units of `S·scale`), or `None` for a row no
@@ -487,7 +449,10 @@ pub fn max_from_key(key: u32) -> Option<f32> {
 
 /// How far below its reference a row's maximum may lie (natural-log units) before its terms
 /// lose range in f32: `exp(−87)` is f32's smallest normal, and a row sums up to 2048 terms.
+/// `fwd_kv_combine` uses the same window (`forward_kv_rows::MAX_GAP`; a test ties the two).
 pub const MAX_REFERENCE_GAP: f32 = 60.0;
+/// How far above its reference a row's maximum may lie (`forward_kv_rows::MAX_EXCESS`).
+pub const MAX_REFERENCE_EXCESS: f32 = 1.0;
 
 /// One row of the combine: `(out, lse)` from its pools and its reference, `Ok(None)` for a
 /// row with no key (`out = 0`, `lse = −∞`), and `Err(gap)` for a row whose maximum lies more
@@ -505,7 +470,7 @@ pub fn combine_row(
     };
     let m = m2 * std::f32::consts::LN_2;
     let gap = reference - m;
-    if !(-1.0..=MAX_REFERENCE_GAP).contains(&gap) || l <= 0.0 {
+    if !(-MAX_REFERENCE_EXCESS..=MAX_REFERENCE_GAP).contains(&gap) || l <= 0.0 {
         return Err(gap);
     }
     let mut out = [0.0f32; HEAD_DIM];

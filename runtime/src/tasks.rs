@@ -49,6 +49,24 @@ pub struct TaskBuildSizes {
 }
 
 impl TaskBuildSizes {
+    /// [`TaskBuildSizes::grid_launch`] as a launch dimension: the grid of the kernels that
+    /// walk the task tables.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] past `2^31 − 1` CTAs.
+    pub fn main_grid(&self) -> Result<u32, RuntimeError> {
+        u32::try_from(self.grid_launch)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| {
+                RuntimeError::input(
+                    "schedule",
+                    format!("{} CTAs for the main kernel", self.grid_launch),
+                    "a grid of at most 2^31-1 CTAs",
+                )
+            })
+    }
+
     /// Sizes the task build with the default [`Locality`].
     pub fn new(schedule: &Schedule, num_sms: usize) -> Result<Self, RuntimeError> {
         Self::with_locality(schedule, num_sms, Locality::default())

@@ -287,3 +287,13 @@ fn the_runtime_mirrors_the_fixed_point_bounds_size() {
         msa_runtime::ops::BOUND_WORDS
     );
 }
+
+#[test]
+fn the_kv_forward_combine_window_is_one_fact_on_both_sides() {
+    // `fwd_kv_combine` (the kernel) and `forward_kv::combine_row` (its host form) must accept
+    // the same rows.
+    use codegen::kernels::forward_kv_rows::{MAX_EXCESS, MAX_GAP};
+    use msa_runtime::forward_kv::{MAX_REFERENCE_EXCESS, MAX_REFERENCE_GAP};
+    assert_eq!(MAX_GAP, MAX_REFERENCE_GAP);
+    assert_eq!(MAX_EXCESS, MAX_REFERENCE_EXCESS);
+}

@@ -281,21 +281,14 @@ fn describe_mode(b: &mut KernelBuilder, deterministic: bool) {
         walk,
     };
 
-    let wg = b.shr(tid, 7u32);
-    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
-    let consumers = b.label("consumers");
-    b.bra_unless(is_producer, &consumers);
-    r.warps.emit_producer_setmaxnreg(b);
-    b.if_then(leader, "producer", |b| producer(b, &ctx));
-    let warp = b.shr(tid, 5u32);
-    let is_gather = b.setp(Cmp::Eq, warp, 1u32);
-    b.if_then(is_gather, "gather", |b| gather(b, &ctx, tid));
-    b.ret();
-
-    b.place(&consumers);
-    r.warps.emit_consumer_setmaxnreg(b);
-    consumer(b, &ctx, tid);
-    b.ret();
+    common::sm90_roles(
+        b,
+        r.warps,
+        (tid, leader),
+        |b| producer(b, &ctx),
+        |b| gather(b, &ctx, tid),
+        |b| consumer(b, &ctx, tid),
+    );
 }
 
 fn producer(b: &mut KernelBuilder, ctx: &Ctx) {

@@ -2,7 +2,8 @@
 //! the CTA-walk rule mirrored from the host contract.
 
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::{Barriers, Pipe, Pipeline};
+use crate::plan::pipeline::Barriers;
+use crate::plan::sm90::Sm90Warps;
 use crate::plan::smem::Major;
 use crate::ptx::*;
 use crate::target::Target;
@@ -37,31 +38,32 @@ pub fn sm90_barriers(b: &mut KernelBuilder, base: Reg<U32>, offset: u32) -> Barr
     }
 }
 
-/// Thread 0 initialises the barriers of each `(pipeline, slot)` of a Hopper kernel, then the
-/// CTA waits for it. Returns the predicate "thread 0", for the kernel's other single-thread
-/// work.
-pub fn sm90_init_pipelines(
+/// The role split of the Hopper kernels on the task tables ([`Sm90Warps`]): warpgroup 0,
+/// after its `setmaxnreg.dec`, runs `producer` on thread 0 (`leader`) and `gather` on warp 1,
+/// then returns; the consumer warpgroups, after their `setmaxnreg.inc`, run `consumer`.
+pub fn sm90_roles(
     b: &mut KernelBuilder,
-    tid: Reg<U32>,
-    base: Reg<U32>,
-    offset: u32,
-    pipelines: &[(Pipeline, u32)],
-) -> Reg<Pred> {
-    b.comment("thread 0 initialises the pipeline barriers");
-    let leader = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(leader, "init", |b| {
-        let bars = sm90_barriers(b, base, offset);
-        for (pipeline, slot) in pipelines {
-            Pipe {
-                pipeline,
-                slot: *slot,
-            }
-            .emit_init(b, &bars);
-        }
-        b.fence_mbarrier_init();
-    });
-    b.bar_sync(0, None);
-    leader
+    warps: &Sm90Warps,
+    (tid, leader): (Reg<U32>, Reg<Pred>),
+    producer: impl FnOnce(&mut KernelBuilder),
+    gather: impl FnOnce(&mut KernelBuilder),
+    consumer: impl FnOnce(&mut KernelBuilder),
+) {
+    let wg = b.shr(tid, 7u32);
+    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
+    let consumers = b.label("consumers");
+    b.bra_unless(is_producer, &consumers);
+    warps.emit_producer_setmaxnreg(b);
+    b.if_then(leader, "producer", producer);
+    let warp = b.shr(tid, 5u32);
+    let is_gather = b.setp(Cmp::Eq, warp, 1u32);
+    b.if_then(is_gather, "gather", gather);
+    b.ret();
+
+    b.place(&consumers);
+    warps.emit_consumer_setmaxnreg(b);
+    consumer(b);
+    b.ret();
 }
 
 /// Threads of the single-CTA scans ([`tiled_scan`]).

@@ -267,21 +267,14 @@ fn describe(b: &mut KernelBuilder) {
         walk,
     };
 
-    let wg = b.shr(tid, 7u32);
-    let is_producer = b.setp(Cmp::Eq, wg, 0u32);
-    let consumers = b.label("consumers");
-    b.bra_unless(is_producer, &consumers);
-    plan.warps().emit_producer_setmaxnreg(b);
-    b.if_then(leader, "producer", |b| producer(b, &ctx));
-    let warp = b.shr(tid, 5u32);
-    let is_gather = b.setp(Cmp::Eq, warp, 1u32);
-    b.if_then(is_gather, "gather", |b| gather(b, &ctx, tid));
-    b.ret();
-
-    b.place(&consumers);
-    plan.warps().emit_consumer_setmaxnreg(b);
-    consumer(b, &ctx, tid);
-    b.ret();
+    common::sm90_roles(
+        b,
+        plan.warps(),
+        (tid, leader),
+        |b| producer(b, &ctx),
+        |b| gather(b, &ctx, tid),
+        |b| consumer(b, &ctx, tid),
+    );
 }
 
 /// The launch's gate: with a non-null `gate` whose word is zero, every thread returns at once
