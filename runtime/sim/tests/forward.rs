@@ -7,60 +7,22 @@
 //! reported.
 
 use half::bf16;
-use msa_runtime::reference::{self, O_TOLERANCE};
 use msa_runtime::{
-    causal_support, workspace_layout, ForwardBuffers, MsaForward, ResidentSchedule, RuntimeError,
-    ScheduleBuildSizes, Span,
+    causal_support, ForwardBuffers, MsaForward, ResidentSchedule, RuntimeError, ScheduleBuildSizes,
+    Span,
 };
 use msa_sim::backward::{cu_of, random_q2k, to_f32, Rng};
 use msa_sim::device::{sim_error, Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion, UmmaOrder};
 
-const Q_ROW: usize = 64 * 128;
-const KV_ROW: usize = 4 * 128;
+mod forward_common;
+use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
 
 /// The forward kernel the runtime must pick on `arch`.
 fn forward_name(arch: Arch) -> &'static str {
     match arch {
         Arch::Sm90 => "msa_forward_sm90",
         Arch::Sm100 => "msa_forward_sm100",
-    }
-}
-
-/// One case's inputs and the CPU reference's outputs.
-struct Inputs {
-    t: usize,
-    q: Vec<bf16>,
-    ka: Vec<bf16>,
-    va: Vec<bf16>,
-    want_out: Vec<f32>,
-    want_lse: Vec<f32>,
-}
-
-fn inputs(cu: &[i32], q2k: &[i32], seed: u64) -> Inputs {
-    let t = *cu.last().unwrap() as usize;
-    let mut rng = Rng(seed);
-    let (q, q32) = rng.bf16s(t * Q_ROW);
-    let (_, k32) = rng.bf16s(t * KV_ROW);
-    let (_, v32) = rng.bf16s(t * KV_ROW);
-    let want = reference::forward(&q32, &k32, &v32, q2k, cu).expect("reference");
-    let (_, w) = workspace_layout(cu).expect("layout");
-    let aligned = |x: &[f32]| -> Vec<bf16> {
-        reference::to_aligned(x, cu, 4)
-            .unwrap()
-            .iter()
-            .map(|&x| bf16::from_f32(x))
-            .collect()
-    };
-    let (ka, va) = (aligned(&k32), aligned(&v32));
-    assert_eq!(ka.len(), w * KV_ROW);
-    Inputs {
-        t,
-        q,
-        ka,
-        va,
-        want_out: want.out,
-        want_lse: want.lse,
     }
 }
 
@@ -108,32 +70,6 @@ fn run(
     let out: Vec<bf16> = dev.read(io.out.addr, t * Q_ROW).unwrap();
     let lse: Vec<f32> = dev.read(io.lse.addr, t * 64).unwrap();
     Ok((to_f32(&out), lse))
-}
-
-/// Compares with the reference: `out` within the O tolerance, `lse` within 1e-3, empty rows
-/// exactly 0 and −∞.
-fn compare(inp: &Inputs, out: &[f32], lse: &[f32]) -> Result<String, String> {
-    let stats = O_TOLERANCE
-        .check("out", out, &inp.want_out)
-        .map_err(|e| e.to_string())?;
-    let mut lse_err = 0f32;
-    for (i, (&g, &e)) in lse.iter().zip(&inp.want_lse).enumerate() {
-        if e == f32::NEG_INFINITY {
-            if g != e {
-                return Err(format!("lse[{i}] of an empty row is {g}"));
-            }
-            if out[i * 128..i * 128 + 128].iter().any(|&x| x != 0.0) {
-                return Err(format!("out of empty row {i} is not 0"));
-            }
-        } else {
-            let d = (g - e).abs();
-            if d.is_nan() || d > 1e-3 {
-                return Err(format!("lse[{i}] = {g}, want {e}"));
-            }
-            lse_err = lse_err.max(d);
-        }
-    }
-    Ok(format!("{stats}; lse max-abs {lse_err:.2e}"))
 }
 
 /// Runs the forward on a simulated `arch` device and checks it against the CPU reference.

@@ -6,64 +6,29 @@
 
 use half::bf16;
 use msa_runtime::forward_kv::{combine_row, ForwardKvBuffers, MsaForwardKv};
-use msa_runtime::reference::{self, O_TOLERANCE};
-use msa_runtime::{causal_support, workspace_layout, ResidentSchedule, ScheduleBuildSizes, Span};
+use msa_runtime::reference;
+use msa_runtime::{causal_support, ResidentSchedule, ScheduleBuildSizes, Span};
 use msa_sim::backward::{cu_of, random_q2k, Rng};
 use msa_sim::device::{Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion};
 
-const Q_ROW: usize = 64 * 128;
-const KV_ROW: usize = 4 * 128;
+mod forward_common;
+use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
 
-struct Inputs {
-    t: usize,
-    q: Vec<bf16>,
-    ka: Vec<bf16>,
-    va: Vec<bf16>,
-    /// `scale·‖q‖·max‖k‖` per row, slightly raised: an upper bound of the row's logits.
-    bound: Vec<f32>,
-    want_out: Vec<f32>,
-    want_lse: Vec<f32>,
-}
-
-fn inputs(cu: &[i32], q2k: &[i32], seed: u64) -> Inputs {
-    let t = *cu.last().unwrap() as usize;
-    let mut rng = Rng(seed);
-    let (q, q32) = rng.bf16s(t * Q_ROW);
-    let (_, k32) = rng.bf16s(t * KV_ROW);
-    let (_, v32) = rng.bf16s(t * KV_ROW);
-    let want = reference::forward(&q32, &k32, &v32, q2k, cu).expect("reference");
-    let (_, w) = workspace_layout(cu).expect("layout");
-    let aligned = |x: &[f32]| -> Vec<bf16> {
-        reference::to_aligned(x, cu, 4)
-            .unwrap()
-            .iter()
-            .map(|&x| bf16::from_f32(x))
-            .collect()
-    };
-    let (ka, va) = (aligned(&k32), aligned(&v32));
-    assert_eq!(ka.len(), w * KV_ROW);
-    let norm = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>().sqrt();
+/// `scale·‖q‖·max‖k‖` per row (the largest key norm of the row's KV head), slightly raised:
+/// an upper bound of the row's logits, computed here from the bf16 inputs.
+fn bound(inp: &Inputs) -> Vec<f32> {
+    let norm = |x: &[bf16]| x.iter().map(|v| v.to_f32().powi(2)).sum::<f32>().sqrt();
     let mut kmax = [0f32; 4];
-    for row in k32.chunks(128).enumerate() {
-        let g = row.0 % 4;
-        kmax[g] = kmax[g].max(norm(row.1));
+    for (i, row) in inp.ka.chunks(128).enumerate() {
+        kmax[i % 4] = kmax[i % 4].max(norm(row));
     }
     let scale = (128f32).powf(-0.5);
-    let bound = q32
+    inp.q
         .chunks(128)
         .enumerate()
         .map(|(i, qh)| scale * norm(qh) * kmax[(i % 64) / 16] * 1.001 + 1e-3)
-        .collect();
-    Inputs {
-        t,
-        q,
-        ka,
-        va,
-        bound,
-        want_out: want.out,
-        want_lse: want.lse,
-    }
+        .collect()
 }
 
 /// The pass on a simulated H200 with `reference` per row, then the host combine: `out`, `lse`.
@@ -129,31 +94,10 @@ fn run(
     Ok((out, lse))
 }
 
-fn compare(inp: &Inputs, out: &[f32], lse: &[f32]) -> Result<String, String> {
-    let stats = O_TOLERANCE
-        .check("out", out, &inp.want_out)
-        .map_err(|e| e.to_string())?;
-    let mut lse_err = 0f32;
-    for (i, (&g, &e)) in lse.iter().zip(&inp.want_lse).enumerate() {
-        if e == f32::NEG_INFINITY {
-            if g != e || out[i * 128..i * 128 + 128].iter().any(|&x| x != 0.0) {
-                return Err(format!("empty row {i}: lse {g}"));
-            }
-        } else {
-            let d = (g - e).abs();
-            if d.is_nan() || d > 1e-3 {
-                return Err(format!("lse[{i}] = {g}, want {e}"));
-            }
-            lse_err = lse_err.max(d);
-        }
-    }
-    Ok(format!("{stats}; lse max-abs {lse_err:.2e}"))
-}
-
 fn check(what: &str, cu: &[i32], q2k: &[i32], seed: u64, sms: usize, limits: Limits) -> Inputs {
     let inp = inputs(cu, q2k, seed);
     let (out, lse) =
-        run(cu, q2k, &inp, &inp.bound, sms, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
+        run(cu, q2k, &inp, &bound(&inp), sms, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
     let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
     eprintln!("{what}: {stats}");
     inp
@@ -195,10 +139,10 @@ fn forward_kv_with_few_ctas_and_immediate_tma_and_any_reference() {
     let inp = check("immediate TMA, 2 SMs", &cu, &q2k, 13, 2, limits);
     // The result does not depend on the reference while the row's terms keep their range:
     // 20 above the bound gives the same answer, 100 above it is reported, not wrong.
-    let high: Vec<f32> = inp.bound.iter().map(|r| r + 20.0).collect();
+    let high: Vec<f32> = bound(&inp).iter().map(|r| r + 20.0).collect();
     let (out, lse) = run(&cu, &q2k, &inp, &high, 2, limits).expect("R + 20");
     compare(&inp, &out, &lse).expect("R + 20");
-    let far: Vec<f32> = inp.bound.iter().map(|r| r + 100.0).collect();
+    let far: Vec<f32> = bound(&inp).iter().map(|r| r + 100.0).collect();
     let e = run(&cu, &q2k, &inp, &far, 2, limits).unwrap_err();
     assert!(e.contains("above its maximum"), "{e}");
 }
