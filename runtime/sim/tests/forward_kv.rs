@@ -40,9 +40,25 @@ fn run(
     sms: usize,
     limits: Limits,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
+    run_ptx(cu, q2k, inp, reference_rows, sms, limits, None)
+}
+
+/// [`run`] with `ptx` in place of the shipped `msa_forward_kv_sm90` when given.
+fn run_ptx(
+    cu: &[i32],
+    q2k: &[i32],
+    inp: &Inputs,
+    reference_rows: &[f32],
+    sms: usize,
+    limits: Limits,
+    ptx: Option<String>,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
     let t = inp.t;
     let w = inp.ka.len() / KV_ROW;
     let mut dev = SimDevice::with_limits(Arch::Sm90, sms, limits);
+    if let Some(text) = ptx {
+        dev.override_ptx("msa_forward_kv_sm90", text);
+    }
     let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
     let mut s = ResidentSchedule::new(&mut dev, sizes).expect("schedule");
     let q2k_d = dev.upload_new("q2k", q2k);
@@ -272,4 +288,131 @@ fn a_nan_query_row_comes_out_nan_and_is_reported() {
     inp.want_lse = want_lse;
     inp.want_out = want_out;
     compare(&inp, &got_out, &got_lse).unwrap_or_else(|e| panic!("other rows: {e}"));
+}
+
+// ---- planted bugs in the shipped msa_forward_kv_sm90 text ---------------------------------
+
+fn kv_ptx() -> &'static str {
+    msa_runtime::kernels::msa_forward_kv_sm90::PTX_SM_90A
+}
+
+/// The kernel without the last `mbarrier.try_wait` loop (the wait and its branch back) before
+/// the first line containing `marker`.
+fn without_wait_before(marker: &str) -> String {
+    let lines: Vec<&str> = kv_ptx().lines().collect();
+    let to = lines
+        .iter()
+        .position(|l| l.contains(marker))
+        .unwrap_or_else(|| panic!("`{marker}` is in the kernel"));
+    let at = (0..to)
+        .rev()
+        .find(|&i| lines[i].contains("mbarrier.try_wait"))
+        .expect("a wait before it");
+    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
+    let kept: Vec<&str> = lines[..at]
+        .iter()
+        .chain(&lines[at + 2..])
+        .copied()
+        .collect();
+    kept.join("\n") + "\n"
+}
+
+/// The kernel without the first line containing `needle` after the first line containing
+/// `after`.
+fn without_first_after(after: &str, needle: &str) -> String {
+    let text = kv_ptx();
+    let from = text.find(after).expect("the marker exists");
+    let at = from + text[from..].find(needle).expect("the instruction exists");
+    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let end = at + text[at..].find('\n').expect("a line end");
+    format!("{}{}", &text[..start], &text[end + 1..])
+}
+
+/// The planted tests' case: two documents, random selections.
+fn planted_case() -> (Vec<i32>, Vec<i32>, Inputs) {
+    let cu = cu_of(&[260, 3]);
+    let mut rng = Rng(9);
+    let q2k = random_q2k(&cu, &mut rng, &[]);
+    let inp = inputs(&cu, &q2k, 13);
+    (cu, q2k, inp)
+}
+
+/// The gather warp (warp 1) runs only when no other warp can: a consumer that reads the row
+/// scalars without waiting for them reads them before they are written.
+fn gather_starved() -> Limits {
+    Limits {
+        starved_warps: 1 << 1,
+        ..Limits::default()
+    }
+}
+
+/// Runs `text` in place of the kernel on two SMs (many tasks and segments per CTA, every stage
+/// reused); it must fail in the simulator or give results the comparison rejects. Returns what
+/// was reported.
+fn must_not_pass(text: String, limits: Limits) -> String {
+    let (cu, q2k, inp) = planted_case();
+    match run_ptx(&cu, &q2k, &inp, &bound(&inp), 2, limits, Some(text)) {
+        Err(e) => e,
+        Ok((out, lse)) => match compare(&inp, &out, &lse) {
+            Ok(stats) => panic!("the planted bug went unnoticed: {stats}"),
+            Err(e) => e,
+        },
+    }
+}
+
+fn reported(text: String, limits: Limits, needle: &str) {
+    let msg = must_not_pass(text, limits);
+    println!("{msg}");
+    assert!(msg.contains(needle), "`{needle}` missing in: {msg}");
+}
+
+#[test]
+fn forward_kv_planted_case_passes_unmodified_with_the_gather_warp_starved() {
+    let (cu, q2k, inp) = planted_case();
+    let ptx = Some(kv_ptx().to_string());
+    let (out, lse) = run_ptx(&cu, &q2k, &inp, &bound(&inp), 2, gather_starved(), ptx)
+        .unwrap_or_else(|e| panic!("{e}"));
+    compare(&inp, &out, &lse).unwrap();
+}
+
+#[test]
+fn forward_kv_releasing_q_before_its_tma_landed_is_reported() {
+    // Without the consumers' wait on the Q stage, their releases run ahead of the TMA: the
+    // producer's next arming of the stage finds arrivals already in the phase.
+    reported(
+        without_wait_before("S = Q_c*K^T"),
+        Limits::default(),
+        "arrivals in phase",
+    );
+}
+
+#[test]
+fn forward_kv_reading_the_row_scalars_before_the_gather_is_reported() {
+    // With the gather warp starved, consumers that do not wait for the row scalars release
+    // the stage before it is filled; the pipeline's phases then part, and the CTA stalls.
+    // (Under the default schedule the same kernel happens to pass: the starved schedule is
+    // what exposes it.)
+    reported(
+        without_wait_before("this thread's last read of the row scalars"),
+        gather_starved(),
+        "deadlock",
+    );
+}
+
+#[test]
+fn forward_kv_reading_s_before_its_wgmma_completed_is_reported() {
+    reported(
+        without_first_after("the gather warp's row scalars", "wgmma.wait_group"),
+        Limits::default(),
+        "still in flight",
+    );
+}
+
+#[test]
+fn forward_kv_a_consumer_that_never_releases_k_v_is_reported() {
+    reported(
+        without_first_after("segment end: this warp's reads of K/V", "mbarrier.arrive"),
+        Limits::default(),
+        "deadlock",
+    );
 }
