@@ -70,6 +70,7 @@ __all__ = [
     "cp_slice",
     "cp_forward",
     "cp_backward",
+    "cp_backward_status",
 ]
 
 CPLayout = _native.CPLayout
@@ -571,3 +572,16 @@ def cp_backward(q: Any, k_slice: Any, v_slice: Any, grad_out: Any, lse: Any, out
     _native.cp_backward(layout, rank, q, k_slice, v_slice, grad_out, lse, out, dq, dk_slice,
                         dv_slice, schedule, stream, gather, reduce_scatter)
     return dq, dk_slice, dv_slice
+
+
+def cp_backward_status(device: Any = None):
+    """The group's verdict on the last ``cp_backward`` on ``device``'s current stream
+    (synchronizes it): ``None`` when no rank's device schedule was flagged; ``ValueError``
+    naming every flagged rank otherwise, on every rank, since a flagged rank's queries are
+    missing from every rank's dK/dV (its own ``schedule.check()`` names the fault).
+    ``RuntimeError`` when no ``cp_backward`` ran on that stream."""
+    torch = _torch()
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+        else torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return _native.cp_backward_status(device.index, stream)

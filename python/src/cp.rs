@@ -473,6 +473,34 @@ pub fn cp_backward(
     .map_err(error::runtime)
 }
 
+/// The group's verdict on the last `cp_backward` on `(device, stream)`
+/// (`CpBackward::status`): `None` when no rank's device schedule was flagged. Synchronizes
+/// the stream.
+///
+/// # Errors
+/// `ValueError` naming every flagged rank (their queries are missing from every rank's
+/// dK/dV), or when the last `cp_backward` on this stream failed before its gathers;
+/// `RuntimeError` when none ran on it.
+#[pyfunction]
+pub fn cp_backward_status(py: Python<'_>, device: usize, stream: u64) -> PyResult<()> {
+    let state = {
+        let map = backward_cache().lock().unwrap_or_else(|e| e.into_inner());
+        map.get(&(device, stream)).cloned()
+    };
+    let Some(state) = state else {
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "cp_backward_status: no cp_backward ran on cuda:{device}, stream {stream:#x}"
+        )));
+    };
+    py.detach(|| -> Result<(), RuntimeError> {
+        let handle: CudaStreamHandle = cuda_stream(device, stream)?;
+        let mut backend = CudaBackend::new(&handle.0)?;
+        let backward = state.lock().unwrap_or_else(|e| e.into_inner());
+        backward.status(&mut backend)
+    })
+    .map_err(error::runtime)
+}
+
 /// Drops every cached context-parallel state (freed stream-ordered on its stream).
 #[pyfunction]
 pub fn clear_cp_cache() {

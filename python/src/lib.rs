@@ -115,6 +115,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backward::clear_workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(cp::cp_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cp::cp_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cp::cp_backward_status, m)?)?;
     m.add_function(wrap_pyfunction!(cp::clear_cp_cache, m)?)?;
     m.add_class::<cp::CpLayoutPy>()?;
     m.add_class::<cp::CpRankSchedulePy>()?;

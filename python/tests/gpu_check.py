@@ -195,12 +195,17 @@ def check_cp(report):
     res, ok = bl.compare({"dq": dq, "dk": dk, "dv": dv}, ref)
     report["checks"]["cp_one_rank_device_schedule"] = res
     expect(ok, f"cp_backward on the device rank schedule: {bl.fmt_cmp(res)}")
+    expect(msa_ptx.cp_backward_status() is None,
+           "cp_backward_status after an unflagged device rank schedule: None")
     bad = c.q2k.clone()
     bad[0, 0, 1] = 1
     out_b, lse_b, bad_sched = msa_ptx.cp_forward(c.q, ks, vs, bad, layout)
     raises(ValueError, bad_sched.check, "a flagged selection on a device rank schedule")
     expect(bool((out_b == 0).all()) and bool((lse_b == float("-inf")).all()),
            "a flagged device rank schedule: every row empty (out 0, lse -inf)")
+    msa_ptx.cp_backward(c.q, ks, vs, c.do, lse_b, out_b, layout, bad_sched)
+    raises(ValueError, msa_ptx.cp_backward_status,
+           "cp_backward_status after a flagged rank schedule (rank 0)")
     two = msa_ptx.CPLayout(c.cu, 2)
     raises(ValueError, lambda: msa_ptx.cp_backward(c.q, ks, vs, c.do, lse, out, two, cp_sched),
            "cp_backward with a two-rank layout in a one-rank group")

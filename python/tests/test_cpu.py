@@ -365,5 +365,9 @@ class ContextParallel(unittest.TestCase):
             _native.cp_backward(layout, 0, *bwd, "a schedule", 0, gather, reduce)
         self.assertEqual(called, [])
 
+    def test_the_group_status_needs_a_backward_on_that_stream(self):
+        with self.assertRaisesRegex(RuntimeError, r"no cp_backward ran on cuda:0, stream 0x7"):
+            _native.cp_backward_status(0, 7)
+
 if __name__ == "__main__":
     unittest.main()
