@@ -897,7 +897,11 @@ impl<B: Backend> MsaBackward<B> {
         );
         // The default kernels' dQ pool as a TMA reduce-add target, Q's geometry (the Hopper
         // kernel reduces through it; the Blackwell kernel takes it unused).
-        let tmap_dq = backend.tensor_map(&TileMapSpec::query_rows("dq", tq)?, dq_pool.addr)?;
+        // The deterministic kernels take none (their dQ pool is fixed-point).
+        let tmap_dq = match fixed {
+            None => Some(backend.tensor_map(&TileMapSpec::query_rows("dq", tq)?, dq_pool.addr)?),
+            Some(_) => None,
+        };
         let tasks = ensure_tasks(
             &mut self.tasks,
             &mut self.allocations,
@@ -1000,7 +1004,7 @@ impl<B: Backend> MsaBackward<B> {
                     dq_pool.ptr_mut(),
                     dk_pool.ptr_mut(),
                     dv_pool.ptr_mut(),
-                    &tmap_dq,
+                    tmap_dq.as_ref().expect("the default mode encodes it"),
                 ),
             };
             // SAFETY: both main kernels take these parameters (the parameter lists are one

@@ -74,9 +74,12 @@ impl<B: Backend> Default for MsaForwardKv<B> {
     }
 }
 
-/// Grid of a row kernel over `rows` 128-element rows (8 per CTA).
+/// Rows per CTA of the row kernels (`forward_kv_rows::ROWS_PER_CTA`, tied by a test).
+pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
+
+/// Grid of a row kernel over `rows` 128-element rows.
 fn row_grid(rows: usize) -> Result<u32, RuntimeError> {
-    u32::try_from(rows.div_ceil(8))
+    u32::try_from(rows.div_ceil(ROW_KERNEL_ROWS_PER_CTA))
         .ok()
         .filter(|&g| g <= i32::MAX as u32)
         .ok_or_else(|| RuntimeError::input("rows", rows, "at most 2^34 rows"))

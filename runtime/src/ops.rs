@@ -15,6 +15,9 @@ use half::bf16;
 mod stream;
 pub use stream::{run_postprocess, run_preprocess};
 
+/// Tokens per CTA of `bwd_preprocess`: one CTA per 128 rows `(t, h)` (its `ROWS_PER_CTA`,
+/// tied to this by a test).
+pub const PREPROCESS_TOKENS_PER_CTA: usize = 2;
 /// Checks that a buffer of `len` elements holds the `expected` elements of `shape`.
 pub(crate) fn check_len(
     field: &'static str,
@@ -64,8 +67,7 @@ pub fn preprocess<B: Backend>(
     if num_tokens == 0 {
         return Ok(());
     }
-    // One CTA per 128 rows (t, h): two tokens.
-    let blocks = grid_dim("num_tokens", num_tokens.div_ceil(2))?;
+    let blocks = grid_dim("num_tokens", num_tokens.div_ceil(PREPROCESS_TOKENS_PER_CTA))?;
     backend.load(&bwd_preprocess::KERNEL)?;
     let args = bwd_preprocess::args(out.ptr(), dout.ptr(), delta.ptr_mut(), tokens);
     // SAFETY: every buffer length was checked against num_tokens above.

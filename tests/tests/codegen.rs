@@ -297,3 +297,17 @@ fn the_kv_forward_combine_window_is_one_fact_on_both_sides() {
     assert_eq!(MAX_GAP, MAX_REFERENCE_GAP);
     assert_eq!(MAX_EXCESS, MAX_REFERENCE_EXCESS);
 }
+
+#[test]
+fn the_row_kernels_grids_are_one_fact_on_both_sides() {
+    // The runtime sizes these grids without codegen: its constants must match the kernels'.
+    use msa_runtime::contract::NUM_Q_HEADS;
+    assert_eq!(
+        codegen::kernels::preprocess::ROWS_PER_CTA as usize,
+        msa_runtime::ops::PREPROCESS_TOKENS_PER_CTA * NUM_Q_HEADS
+    );
+    assert_eq!(
+        codegen::kernels::forward_kv_rows::ROWS_PER_CTA as usize,
+        msa_runtime::forward_kv::ROW_KERNEL_ROWS_PER_CTA
+    );
+}
