@@ -2,7 +2,7 @@
 //! the CTA-walk rule mirrored from the host contract.
 
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::Barriers;
+use crate::plan::pipeline::{Barriers, PipelinePlan};
 use crate::plan::sm90::Sm90Warps;
 use crate::plan::smem::Major;
 use crate::ptx::*;
@@ -283,6 +283,26 @@ pub struct Walk {
     pub lo: Reg<U32>,
     /// One past the last row.
     pub hi: Reg<U32>,
+}
+
+/// The start the main kernels on the task tables share: thread 0 initialises every barrier
+/// of `pipelines`, the CTA meets, and each thread reads this CTA's [`Walk`] from the
+/// descriptor parameter `desc`. Returns the predicate "thread 0" and the walk.
+pub fn init_and_walk(
+    b: &mut KernelBuilder,
+    tid: Reg<U32>,
+    pipelines: &PipelinePlan,
+    bars: &Barriers,
+    desc: &ParamRef<U64>,
+) -> (Reg<Pred>, Walk) {
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| pipelines.emit_init(b, bars));
+    b.bar_sync(0, None);
+
+    b.comment("the CTA walk: this CTA's interval of task rows");
+    let desc = b.ld_param_ptr(desc);
+    (leader, cta_walk(b, desc))
 }
 
 /// This CTA's [`Walk`], read from the CTA-walk descriptor at `desc` (words `n, r, full,

@@ -251,14 +251,7 @@ fn describe(b: &mut KernelBuilder) {
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
     let bars = common::sm90_barriers(b, base, r.barriers);
-    b.comment("thread 0 initialises every pipeline barrier");
-    let leader = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
-    b.bar_sync(0, None);
-
-    b.comment("the CTA walk: this CTA's interval of task rows");
-    let desc = b.ld_param_ptr(&p.desc);
-    let walk = common::cta_walk(b, desc);
+    let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);
     let ctx = Ctx {
         r: &r,
         p: &p,
