@@ -23,11 +23,8 @@ use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
 use crate::error::RuntimeError;
 use crate::forward::{ForwardBuffers, KV_ROW, Q_ROW};
-use crate::kernels::{
-    fwd_kv_bound, fwd_kv_combine, fwd_kv_key_max, msa_forward_kv_sm90, task_assign_segments,
-    task_scan_bins, task_scan_work, task_scatter_tables,
-};
-use crate::ops::check_len;
+use crate::kernels::{fwd_kv_bound, fwd_kv_combine, fwd_kv_key_max, msa_forward_kv_sm90};
+use crate::ops::{check_len, grid_dim, u32_arg};
 use crate::schedule_build::ResidentSchedule;
 use crate::tasks::{ScheduleShape, TaskBuildSizes, TaskWorkspace};
 use crate::tma::TensorMap;
@@ -79,15 +76,7 @@ pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 
 /// Grid of a row kernel over `rows` 128-element rows.
 fn row_grid(rows: usize) -> Result<u32, RuntimeError> {
-    u32::try_from(rows.div_ceil(ROW_KERNEL_ROWS_PER_CTA))
-        .ok()
-        .filter(|&g| g <= i32::MAX as u32)
-        .ok_or_else(|| RuntimeError::input("rows", rows, "at most 2^34 rows"))
-}
-
-/// `rows` as the row kernels' `u32` parameter.
-fn rows_u32(rows: usize) -> Result<u32, RuntimeError> {
-    u32::try_from(rows).map_err(|_| RuntimeError::input("rows", rows, "at most u32::MAX rows"))
+    grid_dim("rows", rows.div_ceil(ROW_KERNEL_ROWS_PER_CTA))
 }
 
 impl<B: Backend> MsaForwardKv<B> {
@@ -153,19 +142,27 @@ impl<B: Backend> MsaForwardKv<B> {
         let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4 * blocks);
         let status = Span::<u32>::new(kmax2.addr + k_b as u64, 2);
         self.status_at = None;
-        if t == 0 {
-            return Ok(());
-        }
-        for k in [
-            &fwd_kv_key_max::KERNEL,
-            &fwd_kv_bound::KERNEL,
-            &fwd_kv_combine::KERNEL,
-        ] {
-            backend.load(k)?;
+        if t > 0 {
+            for k in [
+                &fwd_kv_key_max::KERNEL,
+                &fwd_kv_bound::KERNEL,
+                &fwd_kv_combine::KERNEL,
+            ] {
+                backend.load(k)?;
+            }
         }
         backend.zero("forward_kv kmax2 and status", kmax2.addr, k_b + 8)?;
+        if t == 0 {
+            // No row: nothing to launch, and a verdict of no row recomputed.
+            self.status_at = Some(status.addr);
+            return Ok(());
+        }
         let key_rows = 4 * w;
-        let args = fwd_kv_key_max::args(io.k_aligned.ptr(), kmax2.ptr_mut(), rows_u32(key_rows)?);
+        let args = fwd_kv_key_max::args(
+            io.k_aligned.ptr(),
+            kmax2.ptr_mut(),
+            u32_arg("key rows", key_rows)?,
+        );
         // SAFETY: k_aligned is [W, 4, 128] (checked above) and kmax2 [W/128, 4].
         unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
         let docs = z.num_documents;
@@ -176,14 +173,14 @@ impl<B: Backend> MsaForwardKv<B> {
             Ptr::new(schedule.refs().ws_starts),
             kmax2.ptr(),
             pools.reference.ptr_mut(),
-            rows_u32(rows)?,
-            rows_u32(t)?,
-            rows_u32(docs)?,
-            rows_u32(blocks)?,
+            u32_arg("rows", rows)?,
+            u32_arg("num_tokens", t)?,
+            u32_arg("num_docs", docs)?,
+            u32_arg("num_blocks", blocks)?,
         );
         // SAFETY: q is [T, 64, 128] and q2k [4, T, 16] (both checked), cu_seqlens [D+1] and
         // the workspace starts [D] are the schedule's own (tokens 0..T, checked by
-        // `check_target`), kmax2 [W/128, 4] (ids past it are not read), the reference [T, 64].
+        // `check_inputs`), kmax2 [W/128, 4] (ids past it are not read), the reference [T, 64].
         unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
         match self.prepare(backend, &pools, schedule)? {
             Some(launch) => {
@@ -247,7 +244,7 @@ impl<B: Backend> MsaForwardKv<B> {
             status.ptr_mut(),
             gate.map_or(Ptr::new(0), |g| g.ptr()),
             u32::from(gate.is_some()),
-            rows_u32(rows)?,
+            u32_arg("rows", rows)?,
         );
         // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
         // checked to be [T, 64, 128] and [T, 64]; status is two words; a null gate is never
@@ -312,15 +309,8 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no pool on an input or another pool",
         )?;
-        for k in [
-            &task_scan_work::KERNEL,
-            &task_assign_segments::KERNEL,
-            &task_scan_bins::KERNEL,
-            &task_scatter_tables::KERNEL,
-            &msa_forward_kv_sm90::KERNEL,
-        ] {
-            backend.load(k)?;
-        }
+        // The task build loads its own kernels (`TaskWorkspace::build_from`).
+        backend.load(&msa_forward_kv_sm90::KERNEL)?;
         let shape = ScheduleShape {
             num_tokens: z.num_tokens,
             num_docs: z.num_documents,

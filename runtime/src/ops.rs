@@ -37,11 +37,13 @@ pub(crate) fn check_len(
 }
 
 /// A `u32` kernel argument, or the error naming `field`.
-fn u32_arg(field: &'static str, v: usize) -> Result<u32, RuntimeError> {
+/// `v` as a kernel's `u32` parameter `field`.
+pub(crate) fn u32_arg(field: &'static str, v: usize) -> Result<u32, RuntimeError> {
     u32::try_from(v).map_err(|_| RuntimeError::input(field, v, "at most u32::MAX"))
 }
 
-fn grid_dim(field: &'static str, n: usize) -> Result<u32, RuntimeError> {
+/// `n` CTAs as a grid's x dimension, named `field` in the error.
+pub(crate) fn grid_dim(field: &'static str, n: usize) -> Result<u32, RuntimeError> {
     // The grid's x dimension holds at most 2^31 - 1 CTAs.
     u32::try_from(n)
         .ok()
