@@ -194,6 +194,7 @@ fn coverage_kernel(target: Target) -> Kernel {
     let ge = b.setp(Cmp::Ge, tid, 64u32);
     let both = b.and_pred(sel, ge);
     let either = b.or_pred(both, sel);
+    let either = b.not_pred(either);
     let r = b.selp(u, 0u32, either);
     let old = b.atom::<U32, _>(AtomOp::Add, &flags.at(0), r);
     let _ = b.atom::<S32, _>(AtomOp::Min, &global(dst, 64), k);

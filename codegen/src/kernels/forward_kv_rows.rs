@@ -246,15 +246,12 @@ fn describe_combine(b: &mut KernelBuilder) {
     let in_range = b.and_pred(in_range, l_ok);
     let good = b.and_pred(some, in_range);
     // A NaN anywhere fails the ordered comparisons above: such a row counts as bad.
-    let in_u = b.selp::<U32>(1u32, 0u32, in_range);
-    let out_of_range = b.setp(Cmp::Eq, in_u, 0u32);
+    let out_of_range = b.not_pred(in_range);
     let bad = b.and_pred(some, out_of_range);
     // A row with no maximum added only zeros, unless a NaN went in: then it is bad too.
-    let some_u = b.selp::<U32>(1u32, 0u32, some);
-    let none = b.setp(Cmp::Eq, some_u, 0u32);
+    let none = b.not_pred(some);
     let l_zero = b.setp(Cmp::Eq, l, 0.0f32);
-    let lz_u = b.selp::<U32>(1u32, 0u32, l_zero);
-    let l_nonzero = b.setp(Cmp::Eq, lz_u, 0u32);
+    let l_nonzero = b.not_pred(l_zero);
     let poisoned = b.and_pred(none, l_nonzero);
     let bad = b.or_pred(bad, poisoned);
     let inv = b.rcp_rn(l);

@@ -132,6 +132,11 @@ impl KernelBuilder {
         self.compute("popc.b32", vec![a.operand()])
     }
 
+    /// `not.pred`: the negation of `a`.
+    pub fn not_pred(&mut self, a: Reg<Pred>) -> Reg<Pred> {
+        self.compute("not.pred", vec![a.operand()])
+    }
+
     /// `a * b + c` (low half).
     pub fn mad_lo<T: Int>(&mut self, a: Reg<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
         let op = format!("mad.lo.{}", T::NAME);
