@@ -12,7 +12,9 @@ use msa_sim::backward::{Case, Grads, MainKernel, B200_SMS};
 use msa_sim::{FaultKind, Limits, SimError, Tcgen05Numerics, TmaCompletion, UmmaOrder};
 
 mod chain;
+mod ptx_edit;
 use chain::{case, check};
+use ptx_edit::without_wait_before;
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
@@ -136,27 +138,6 @@ fn planted(needle: &str, nth: usize, with: impl Fn(&str) -> String) -> String {
     out.join("\n") + "\n"
 }
 
-/// The main kernel without the `mbarrier.try_wait` loop right before the first line that
-/// contains `before`.
-fn without_wait_before(before: &str) -> String {
-    let lines: Vec<&str> = main_ptx().lines().collect();
-    let target = lines
-        .iter()
-        .position(|l| l.contains(before))
-        .expect("the instruction exists");
-    let at = (0..target)
-        .rev()
-        .find(|&i| lines[i].contains("mbarrier.try_wait"))
-        .expect("a wait before it");
-    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
-    let kept: Vec<&str> = lines[..at]
-        .iter()
-        .chain(&lines[at + 2..])
-        .copied()
-        .collect();
-    kept.join("\n") + "\n"
-}
-
 /// The main kernel without the load warp's Q/dO stage-empty wait: the `mbarrier.try_wait`
 /// loop right before the first TMA copy into a Q/dO stage (mbarrier at offset 16 or 24 of the
 /// barrier block, i.e. an operand ending in `+16];`).
@@ -228,7 +209,7 @@ fn publishing_p_without_wait_st_is_reported() {
 fn loading_s_without_waiting_for_its_commit_is_reported() {
     // The compute warps' wait on the S^T commit is the wait right before the first
     // tcgen05.ld: without it they read columns the G1 MMAs still write.
-    let text = without_wait_before("tcgen05.ld.sync.aligned");
+    let text = without_wait_before(main_ptx(), "tcgen05.ld.sync.aligned");
     expect_error(&text, tcgen05_fault, "tcgen05.ld");
 }
 

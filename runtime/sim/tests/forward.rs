@@ -16,7 +16,9 @@ use msa_sim::device::{sim_error, Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion, UmmaOrder};
 
 mod forward_common;
+mod ptx_edit;
 use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
+use ptx_edit::{without_first_after, without_wait_before};
 
 /// The forward kernel the runtime must pick on `arch`.
 fn forward_name(arch: Arch) -> &'static str {
@@ -272,41 +274,6 @@ fn sm100_ptx() -> &'static str {
     msa_runtime::kernels::msa_forward_sm100::PTX_SM_100A
 }
 
-/// `lines` without the `mbarrier.try_wait` loop (the wait and its branch back) at `at`.
-fn drop_wait(lines: &[&str], at: usize) -> String {
-    assert!(lines[at].contains("mbarrier.try_wait"), "{}", lines[at]);
-    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
-    let kept: Vec<&str> = lines[..at]
-        .iter()
-        .chain(&lines[at + 2..])
-        .copied()
-        .collect();
-    kept.join("\n") + "\n"
-}
-
-/// The kernel without the last wait before the first line containing `marker`.
-fn without_wait_before(marker: &str) -> String {
-    let lines: Vec<&str> = sm100_ptx().lines().collect();
-    let to = lines
-        .iter()
-        .position(|l| l.contains(marker))
-        .unwrap_or_else(|| panic!("`{marker}` is in the kernel"));
-    let at = (0..to)
-        .rev()
-        .find(|&i| lines[i].contains("mbarrier.try_wait"))
-        .expect("a wait before it");
-    drop_wait(&lines, at)
-}
-
-/// The kernel without the first line containing `needle`.
-fn without_first(needle: &str) -> String {
-    let text = sm100_ptx();
-    let at = text.find(needle).expect("the instruction exists");
-    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
-    let end = at + text[at..].find('\n').expect("a line end");
-    format!("{}{}", &text[..start], &text[end + 1..])
-}
-
 /// The kernel with the `nth` line of role `role` that contains `needle` replaced by `with`.
 fn planted_in_role(role: &str, needle: &str, nth: usize, with: impl Fn(&str) -> String) -> String {
     let mut inside = false;
@@ -396,7 +363,7 @@ fn forward_sm100_planted_case_passes_unmodified() {
 #[test]
 fn forward_sm100_reading_tcgen05_ld_registers_before_wait_ld_is_reported() {
     reported(
-        without_first("tcgen05.wait::ld.sync.aligned"),
+        without_first_after(sm100_ptx(), "", "tcgen05.wait::ld.sync.aligned"),
         "not yet waited for",
     );
 }
@@ -404,7 +371,7 @@ fn forward_sm100_reading_tcgen05_ld_registers_before_wait_ld_is_reported() {
 #[test]
 fn forward_sm100_publishing_p_without_wait_st_is_reported() {
     reported(
-        without_first("tcgen05.wait::st.sync.aligned"),
+        without_first_after(sm100_ptx(), "", "tcgen05.wait::st.sync.aligned"),
         "tcgen05.wait::st first",
     );
 }
@@ -412,13 +379,16 @@ fn forward_sm100_publishing_p_without_wait_st_is_reported() {
 #[test]
 fn forward_sm100_loading_s_before_its_commit_is_reported() {
     // The compute warps' wait on the S commit is the last wait before the first tcgen05.ld.
-    reported(without_wait_before("tcgen05.ld.sync.aligned"), "tcgen05.ld");
+    reported(
+        without_wait_before(sm100_ptx(), "tcgen05.ld.sync.aligned"),
+        "tcgen05.ld",
+    );
 }
 
 #[test]
 fn forward_sm100_an_epilogue_not_waiting_for_o_is_reported() {
     reported(
-        without_wait_before("out = O/l as bf16"),
+        without_wait_before(sm100_ptx(), "out = O/l as bf16"),
         "reads TMEM lane 0, column 256, never written",
     );
 }

@@ -13,7 +13,9 @@ use msa_sim::device::{Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion};
 
 mod forward_common;
+mod ptx_edit;
 use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
+use ptx_edit::{without_first_after, without_wait_before};
 
 /// `scale·‖q‖·max‖k‖` per row (the largest key norm of the row's KV head), slightly raised:
 /// an upper bound of the row's logits, computed here from the bf16 inputs.
@@ -296,38 +298,6 @@ fn kv_ptx() -> &'static str {
     msa_runtime::kernels::msa_forward_kv_sm90::PTX_SM_90A
 }
 
-/// The kernel without the last `mbarrier.try_wait` loop (the wait and its branch back) before
-/// the first line containing `marker`.
-fn without_wait_before(marker: &str) -> String {
-    let lines: Vec<&str> = kv_ptx().lines().collect();
-    let to = lines
-        .iter()
-        .position(|l| l.contains(marker))
-        .unwrap_or_else(|| panic!("`{marker}` is in the kernel"));
-    let at = (0..to)
-        .rev()
-        .find(|&i| lines[i].contains("mbarrier.try_wait"))
-        .expect("a wait before it");
-    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
-    let kept: Vec<&str> = lines[..at]
-        .iter()
-        .chain(&lines[at + 2..])
-        .copied()
-        .collect();
-    kept.join("\n") + "\n"
-}
-
-/// The kernel without the first line containing `needle` after the first line containing
-/// `after`.
-fn without_first_after(after: &str, needle: &str) -> String {
-    let text = kv_ptx();
-    let from = text.find(after).expect("the marker exists");
-    let at = from + text[from..].find(needle).expect("the instruction exists");
-    let start = text[..at].rfind('\n').map_or(0, |i| i + 1);
-    let end = at + text[at..].find('\n').expect("a line end");
-    format!("{}{}", &text[..start], &text[end + 1..])
-}
-
 /// The planted tests' case: two documents, random selections.
 fn planted_case() -> (Vec<i32>, Vec<i32>, Inputs) {
     let cu = cu_of(&[260, 3]);
@@ -380,7 +350,7 @@ fn forward_kv_releasing_q_before_its_tma_landed_is_reported() {
     // Without the consumers' wait on the Q stage, their releases run ahead of the TMA: the
     // producer's next arming of the stage finds arrivals already in the phase.
     reported(
-        without_wait_before("S = Q_c*K^T"),
+        without_wait_before(kv_ptx(), "S = Q_c*K^T"),
         Limits::default(),
         "arrivals in phase",
     );
@@ -393,7 +363,7 @@ fn forward_kv_reading_the_row_scalars_before_the_gather_is_reported() {
     // (Under the default schedule the same kernel happens to pass: the starved schedule is
     // what exposes it.)
     reported(
-        without_wait_before("this thread's last read of the row scalars"),
+        without_wait_before(kv_ptx(), "this thread's last read of the row scalars"),
         gather_starved(),
         "deadlock",
     );
@@ -402,7 +372,11 @@ fn forward_kv_reading_the_row_scalars_before_the_gather_is_reported() {
 #[test]
 fn forward_kv_reading_s_before_its_wgmma_completed_is_reported() {
     reported(
-        without_first_after("the gather warp's row scalars", "wgmma.wait_group"),
+        without_first_after(
+            kv_ptx(),
+            "the gather warp's row scalars",
+            "wgmma.wait_group",
+        ),
         Limits::default(),
         "still in flight",
     );
@@ -411,7 +385,11 @@ fn forward_kv_reading_s_before_its_wgmma_completed_is_reported() {
 #[test]
 fn forward_kv_a_consumer_that_never_releases_k_v_is_reported() {
     reported(
-        without_first_after("segment end: this warp's reads of K/V", "mbarrier.arrive"),
+        without_first_after(
+            kv_ptx(),
+            "segment end: this warp's reads of K/V",
+            "mbarrier.arrive",
+        ),
         Limits::default(),
         "deadlock",
     );
