@@ -5,7 +5,7 @@ use crate::Rng;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use msa_runtime::contract::{BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
-use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE};
+use msa_runtime::reference::{self, DK_TOLERANCE, DQ_TOLERANCE, DV_TOLERANCE, O_TOLERANCE};
 use msa_runtime::{build_schedule, run_backward, Gradients, MsaBackward, RuntimeError, Schedule};
 use std::sync::Arc;
 use std::time::Instant;
@@ -169,6 +169,41 @@ impl DeviceInputs {
             ),
         }
     }
+}
+
+/// Checks a forward's `out [T, 64, 128]` and `lse [T, 64]` against the reference's: `out`
+/// within the seed's O tolerance, `lse` within 1e-3 max-abs (a NaN fails), and each empty
+/// reference row (`lse = −∞`) exactly `lse = −∞`, `out = 0`. `Ok` holds one line of figures;
+/// `label` names the output in the messages.
+pub fn compare_forward(
+    label: &str,
+    out: &[f32],
+    lse: &[f32],
+    want_out: &[f32],
+    want_lse: &[f32],
+) -> Result<String, String> {
+    let stats = O_TOLERANCE.check(&format!("out ({label})"), out, want_out)?;
+    let (mut worst, mut empty) = (0f32, 0usize);
+    for (i, (&g, &e)) in lse.iter().zip(want_lse).enumerate() {
+        if e == f32::NEG_INFINITY {
+            let row = &out[i * HEAD_DIM..(i + 1) * HEAD_DIM];
+            if g != e || row.iter().any(|&x| x != 0.0) {
+                return Err(format!(
+                    "{label}: empty row {i} has lse {g} or a non-zero out"
+                ));
+            }
+            empty += 1;
+        } else {
+            let d = (g - e).abs();
+            if d.is_nan() || d > 1e-3 {
+                return Err(format!("{label}: lse[{i}] = {g}, reference {e}"));
+            }
+            worst = worst.max(d);
+        }
+    }
+    Ok(format!(
+        "out {stats}; lse max-abs {worst:.2e}; {empty} empty rows"
+    ))
 }
 
 /// Checks dQ (compact) and dK/dV (aligned, padding rows included) against the reference;
