@@ -17,7 +17,7 @@ use msa_sim::{Limits, TmaCompletion, UmmaOrder};
 
 mod forward_common;
 mod ptx_edit;
-use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
+use forward_common::{compare, device_schedule, inputs, Inputs, KV_ROW, Q_ROW};
 use ptx_edit::{without_first_after, without_wait_before};
 
 /// The forward kernel the runtime must pick on `arch`.
@@ -45,13 +45,7 @@ fn run(
     if let Some(text) = ptx {
         dev.override_ptx(forward_name(arch), text);
     }
-    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
-    let mut s = ResidentSchedule::new(&mut dev, sizes).expect("schedule");
-    let q2k_d = dev.upload_new("q2k", q2k);
-    let cu_d = dev.upload_new("cu", cu);
-    let q2k_s = Span::new(q2k_d.ptr.addr(), q2k.len());
-    s.build(&mut dev, q2k_s, Span::new(cu_d.ptr.addr(), cu.len()))
-        .expect("build");
+    let (s, q2k_s) = device_schedule(&mut dev, cu, q2k, w);
     let q_d = dev.upload_new("q", &inp.q);
     let k_d = dev.upload_new("k", &inp.ka);
     let v_d = dev.upload_new("v", &inp.va);

@@ -7,14 +7,14 @@
 use half::bf16;
 use msa_runtime::forward_kv::{combine_row, ForwardKvBuffers, MsaForwardKv};
 use msa_runtime::reference;
-use msa_runtime::{causal_support, ResidentSchedule, ScheduleBuildSizes, Span};
+use msa_runtime::{causal_support, Span};
 use msa_sim::backward::{cu_of, random_q2k, Rng};
 use msa_sim::device::{Arch, SimDevice};
 use msa_sim::{Limits, TmaCompletion};
 
 mod forward_common;
 mod ptx_edit;
-use forward_common::{compare, inputs, Inputs, KV_ROW, Q_ROW};
+use forward_common::{compare, device_schedule, inputs, Inputs, KV_ROW, Q_ROW};
 use ptx_edit::{without_first_after, without_wait_before};
 
 /// `scale·‖q‖·max‖k‖` per row (the largest key norm of the row's KV head), slightly raised:
@@ -61,16 +61,7 @@ fn run_ptx(
     if let Some(text) = ptx {
         dev.override_ptx("msa_forward_kv_sm90", text);
     }
-    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
-    let mut s = ResidentSchedule::new(&mut dev, sizes).expect("schedule");
-    let q2k_d = dev.upload_new("q2k", q2k);
-    let cu_d = dev.upload_new("cu", cu);
-    s.build(
-        &mut dev,
-        Span::new(q2k_d.ptr.addr(), q2k.len()),
-        Span::new(cu_d.ptr.addr(), cu.len()),
-    )
-    .expect("build");
+    let (s, _) = device_schedule(&mut dev, cu, q2k, w);
     let q_d = dev.upload_new("q", &inp.q);
     let k_d = dev.upload_new("k", &inp.ka);
     let v_d = dev.upload_new("v", &inp.va);
@@ -177,13 +168,7 @@ fn run_device(
     let t = *cu.last().unwrap() as usize;
     let w = ka.len() / KV_ROW;
     let mut dev = SimDevice::new(Arch::Sm90, 132);
-    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
-    let mut s = ResidentSchedule::new(&mut dev, sizes).expect("schedule");
-    let q2k_d = dev.upload_new("q2k", q2k);
-    let cu_d = dev.upload_new("cu", cu);
-    let q2k_s = Span::new(q2k_d.ptr.addr(), q2k.len());
-    s.build(&mut dev, q2k_s, Span::new(cu_d.ptr.addr(), cu.len()))
-        .expect("build");
+    let (s, q2k_s) = device_schedule(&mut dev, cu, q2k, w);
     let q_d = dev.upload_new("q", q);
     let k_d = dev.upload_new("k", ka);
     let v_d = dev.upload_new("v", va);

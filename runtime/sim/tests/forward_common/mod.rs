@@ -6,8 +6,9 @@
 
 use half::bf16;
 use msa_runtime::reference::{self, O_TOLERANCE};
-use msa_runtime::workspace_layout;
+use msa_runtime::{workspace_layout, ResidentSchedule, ScheduleBuildSizes, Span};
 use msa_sim::backward::Rng;
+use msa_sim::device::SimDevice;
 
 /// Elements of one token's Q row, `[64, 128]`.
 pub const Q_ROW: usize = 64 * 128;
@@ -77,4 +78,23 @@ pub fn compare(inp: &Inputs, out: &[f32], lse: &[f32]) -> Result<String, String>
         }
     }
     Ok(format!("{stats}; lse max-abs {lse_err:.2e}"))
+}
+
+/// The device schedule of `q2k` over the documents `cu` (`W = w`), built on `dev` as
+/// `run_forward` builds it; returns it and the uploaded `q2k`.
+pub fn device_schedule(
+    dev: &mut SimDevice,
+    cu: &[i32],
+    q2k: &[i32],
+    w: usize,
+) -> (ResidentSchedule<SimDevice>, Span<i32>) {
+    let t = *cu.last().unwrap() as usize;
+    let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).expect("sizes");
+    let mut s = ResidentSchedule::new(dev, sizes).expect("schedule");
+    let q2k_d = dev.upload_new("q2k", q2k);
+    let cu_d = dev.upload_new("cu", cu);
+    let q2k_s = Span::new(q2k_d.ptr.addr(), q2k.len());
+    s.build(dev, q2k_s, Span::new(cu_d.ptr.addr(), cu.len()))
+        .expect("build");
+    (s, q2k_s)
 }
