@@ -856,17 +856,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     continue;
                 }
                 for j in 0..16u32 {
-                    let i = (4 * j) as usize;
-                    // Even lanes keep row r and take the partner's columns c+2, c+3; odd
-                    // lanes keep row r+8 and take the partner's columns c-2, c-1.
-                    let send0 = b.selp(acc[i], acc[i + 2], is_odd);
-                    let send1 = b.selp(acc[i + 1], acc[i + 3], is_odd);
-                    let got0 = b.shfl(Shfl::Bfly, send0, 1u32, 0x1f);
-                    let got1 = b.shfl(Shfl::Bfly, send1, 1u32, 0x1f);
-                    let v0 = b.selp(got0, acc[i], is_odd);
-                    let v1 = b.selp(got1, acc[i + 1], is_odd);
-                    let v2 = b.selp(acc[i + 2], got0, is_odd);
-                    let v3 = b.selp(acc[i + 3], got1, is_odd);
+                    let v = common::pair_exchange_v4(b, acc, j, is_odd);
                     let row_add = b.selp(8u32, 0u32, is_odd);
                     let key_row = b.add(kv_row, row_add);
                     let col_sub = b.shl(odd, 1u32);
@@ -875,7 +865,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     let idx = b.mad_lo(key_row, 4u32, head);
                     let idx = b.mad_lo(idx, 128u32, col);
                     let a = common::elem::<F32>(b, pool, idx);
-                    b.red_add_v4_f32(&a, [v0, v1, v2, v3], None);
+                    b.red_add_v4_f32(&a, v, None);
                 }
             }
             let next = b.add(segments, 1u32);

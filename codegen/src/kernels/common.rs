@@ -285,6 +285,29 @@ pub struct Walk {
     pub hi: Reg<U32>,
 }
 
+/// A lane pair's exchange of an m64 accumulator's column group `j` (`acc[4j .. 4j+4]`: rows
+/// r and r+8, columns c and c+1) into four consecutive columns of one row, for a 16-byte
+/// reduction: even lanes keep row r and take the partner's columns c+2, c+3; odd lanes
+/// (`is_odd`) keep row r+8 and take the partner's columns c-2, c-1.
+pub fn pair_exchange_v4(
+    b: &mut KernelBuilder,
+    acc: &[Reg<F32>],
+    j: u32,
+    is_odd: Reg<Pred>,
+) -> [Reg<F32>; 4] {
+    let i = (4 * j) as usize;
+    let send0 = b.selp(acc[i], acc[i + 2], is_odd);
+    let send1 = b.selp(acc[i + 1], acc[i + 3], is_odd);
+    let got0 = b.shfl(Shfl::Bfly, send0, 1u32, 0x1f);
+    let got1 = b.shfl(Shfl::Bfly, send1, 1u32, 0x1f);
+    [
+        b.selp(got0, acc[i], is_odd),
+        b.selp(got1, acc[i + 1], is_odd),
+        b.selp(acc[i + 2], got0, is_odd),
+        b.selp(acc[i + 3], got1, is_odd),
+    ]
+}
+
 /// The start the main kernels on the task tables share: thread 0 initialises every barrier
 /// of `pipelines`, the CTA meets, and each thread reads this CTA's [`Walk`] from the
 /// descriptor parameter `desc`. Returns the predicate "thread 0" and the walk.

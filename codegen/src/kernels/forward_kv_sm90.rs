@@ -578,17 +578,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             });
             let o_pool = b.ld_param_ptr(&p.o_pool);
             for j in 0..16u32 {
-                let i = (4 * j) as usize;
-                // Even lanes keep row r and take the partner's columns c+2, c+3; odd lanes
-                // keep row r+8 and take the partner's columns c-2, c-1.
-                let send0 = b.selp(o_acc[i], o_acc[i + 2], is_odd);
-                let send1 = b.selp(o_acc[i + 1], o_acc[i + 3], is_odd);
-                let got0 = b.shfl(Shfl::Bfly, send0, 1u32, 0x1f);
-                let got1 = b.shfl(Shfl::Bfly, send1, 1u32, 0x1f);
-                let w0 = b.selp(got0, o_acc[i], is_odd);
-                let w1 = b.selp(got1, o_acc[i + 1], is_odd);
-                let w2 = b.selp(o_acc[i + 2], got0, is_odd);
-                let w3 = b.selp(o_acc[i + 3], got1, is_odd);
+                let w = common::pair_exchange_v4(b, &o_acc, j, is_odd);
                 let row_add = b.selp(8u32, 0u32, is_odd);
                 let orow = b.add(prow, row_add);
                 let col_sub = b.shl(odd, 1u32);
@@ -596,7 +586,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let col = b.sub(col, col_sub);
                 let idx = b.mad_lo(orow, 128u32, col);
                 let a = common::elem::<F32>(b, o_pool, idx);
-                b.red_add_v4_f32(&a, [w0, w1, w2, w3], None);
+                b.red_add_v4_f32(&a, w, None);
             }
         });
         let next = b.add(tasks, 1u32);
