@@ -570,33 +570,49 @@ pub fn gather_row_scalars(
     head: Reg<U32>,
     g: &GatherLane,
 ) -> ([Reg<F32>; 4], [Reg<F32>; 4]) {
+    let (l4, d4) = gather_rows_from(b, (&p.qrows, &p.lse, Some(&p.delta)), row, head, g);
+    (l4, d4.expect("delta is read"))
+}
+
+/// [`gather_row_scalars`] from the tables `(task_qrows, lse, delta)`: `−x·log2e` of `lse`
+/// (any `[T, 64]` f32 row quantity; the KV-parallel forward's reference) and, when given,
+/// delta.
+pub fn gather_rows_from(
+    b: &mut KernelBuilder,
+    (qrows_p, lse_p, delta_p): (&ParamRef<U64>, &ParamRef<U64>, Option<&ParamRef<U64>>),
+    row: Reg<U32>,
+    head: Reg<U32>,
+    g: &GatherLane,
+) -> ([Reg<F32>; 4], Option<[Reg<F32>; 4]>) {
     let (slot, part4) = (g.slot, g.part4);
     let neg_log2e = -(std::f64::consts::LOG2_E as f32);
     let head16 = b.shl(head, 4u32);
     let hcol = b.add(head16, part4);
     let row8 = b.shl(row, 3u32);
-    let qrows = b.ld_param_ptr(&p.qrows);
+    let qrows = b.ld_param_ptr(qrows_p);
     let idx = b.add(row8, slot);
     let a = elem::<S32>(b, qrows, idx);
     let qrow = b.ld::<S32, _>(&a);
     let l4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
-    let d4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(0.0f32));
+    let d4: Option<[Reg<F32>; 4]> = delta_p.map(|_| std::array::from_fn(|_| b.mov::<F32>(0.0f32)));
     let valid = b.setp(Cmp::Ge, qrow, 0i32);
     b.if_then(valid, "gather", |b| {
         let r = b.bitcast::<U32, S32>(qrow);
         let i = b.mad_lo(r, 64u32, hcol);
-        let lse = b.ld_param_ptr(&p.lse);
+        let lse = b.ld_param_ptr(lse_p);
         let a = elem::<F32>(b, lse, i);
         let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
         for (dst, x) in l4.iter().zip(v) {
             let y = b.fmul(x, neg_log2e);
             b.set(*dst, y);
         }
-        let delta = b.ld_param_ptr(&p.delta);
-        let a = elem::<F32>(b, delta, i);
-        let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
-        for (dst, x) in d4.iter().zip(v) {
-            b.set(*dst, x);
+        if let (Some(delta_p), Some(d4)) = (delta_p, &d4) {
+            let delta = b.ld_param_ptr(delta_p);
+            let a = elem::<F32>(b, delta, i);
+            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&a);
+            for (dst, x) in d4.iter().zip(v) {
+                b.set(*dst, x);
+            }
         }
     });
     (l4, d4)

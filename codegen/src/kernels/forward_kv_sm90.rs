@@ -318,31 +318,13 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
 fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
     let g = common::gather_lane(b, tid);
-    let neg_log2e = -(common::LOG2E as f32);
     let tasks = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "gather_row", |b, row| {
         let st = r.rows.producer_acquire(b, bars, tasks);
         let m = common::task_meta_at(b, &p.meta, row);
+        let tables = (&p.qrows, &p.reference, None);
+        let (r4, _) = common::gather_rows_from(b, tables, row, m[1], &g);
         let row8 = b.shl(row, 3u32);
-        let idx = b.add(row8, g.slot);
-        let qrows = b.ld_param_ptr(&p.qrows);
-        let at_qrows = common::elem::<S32>(b, qrows, idx);
-        let qrow = b.ld::<S32, _>(&at_qrows);
-        let r4: [Reg<F32>; 4] = std::array::from_fn(|_| b.mov::<F32>(f32::NEG_INFINITY));
-        let valid = b.setp(Cmp::Ge, qrow, 0i32);
-        b.if_then(valid, "gather_ref", |b| {
-            let head16 = b.shl(m[1], 4u32);
-            let hcol = b.add(head16, g.part4);
-            let qr = b.bitcast::<U32, S32>(qrow);
-            let i = b.mad_lo(qr, 64u32, hcol);
-            let reference = b.ld_param_ptr(&p.reference);
-            let at_reference = common::elem::<F32>(b, reference, i);
-            let v: [Reg<F32>; 4] = b.ld_global_nc_v(&at_reference);
-            for (dst, x) in r4.iter().zip(v) {
-                let y = b.fmul(x, neg_log2e);
-                b.set(*dst, y);
-            }
-        });
         let at = b.add(base, g.lane16);
         b.st_v(&r.neg_ref.at(at, 0), r4);
         b.if_then(g.word_lane, "gather_slots", |b| {
