@@ -361,83 +361,6 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     });
 }
 
-/// A lane's part in `stmatrix.x4` of the fragment's 8×8 matrices `(j, rr)` = `(2s, 0)`,
-/// `(2s, 1)`, `(2s + 1, 0)`, `(2s + 1, 1)` of instruction `s` into rows with an SW128-style
-/// XOR of 16-byte chunks by `row & 7`: lane `8·mi + r` gives row `r + 8·(mi & 1)` of the
-/// matrix, whose chunk is `(2s + (mi >> 1)) ^ r` = `2·(s ^ h2) + ((mi >> 1) ^ r) & 1`.
-struct StmatrixLane {
-    /// The matrix row this lane addresses, `r + 8·(mi & 1)` (0..16).
-    row: Reg<U32>,
-    /// `16·(((mi >> 1) ^ r) & 1)`: the byte offset of the chunk's odd bit.
-    half_chunk: Reg<U32>,
-    /// `r >> 1`, XORed into `s`.
-    h2: Reg<U32>,
-}
-
-impl StmatrixLane {
-    fn new(b: &mut KernelBuilder, lane: Reg<U32>) -> Self {
-        let mi = b.shr(lane, 3u32);
-        let r = b.and(lane, 7u32);
-        let rr = b.and(mi, 1u32);
-        let row = b.mad_lo(rr, 8u32, r);
-        let a = b.shr(mi, 1u32);
-        let odd = b.xor(a, r);
-        let odd = b.and(odd, 1u32);
-        let half_chunk = b.shl(odd, 4u32);
-        let h2 = b.shr(r, 1u32);
-        StmatrixLane {
-            row,
-            half_chunk,
-            h2,
-        }
-    }
-
-    /// `count` `stmatrix.x4` of a warp's fragment into 128-byte SW128 rows, this lane's
-    /// addressed row being `row` at `base + 128·row`: instruction `s` stores the words of
-    /// column groups `2s`, `2s + 1` (`words(b, s)`, in the order above), chunks `2(s % 4)`,
-    /// `+1` of box `s / 4` (boxes of 16 rows, 2048 bytes apart), `offset` bytes further.
-    fn store_sw128(
-        &self,
-        b: &mut KernelBuilder,
-        row: Reg<U32>,
-        base: Reg<U32>,
-        offset: u32,
-        count: u32,
-        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<Bf16x2>; 4],
-    ) {
-        let lane_at = b.mad_lo(row, 128u32, self.half_chunk);
-        let lane_at = b.add(lane_at, base);
-        for s in 0..count {
-            let v = words(b, s);
-            let x = b.xor(self.h2, s % 4);
-            let addr = b.mad_lo(x, 32u32, lane_at);
-            b.stmatrix_x4(&shared(addr, i64::from(offset + 2048 * (s / 4))), v);
-        }
-    }
-}
-
-/// The default kernel's dQ staging: the accumulator of `dQ_c = dS_c·K` (m64n128; this warp's
-/// 16 rows are the 16 heads of its slot) as bf16 into the warp's 4 KB at `stage`, as the two
-/// boxes a TMA reduce-add of 16 heads × 64 head dims reads (`[16 heads][128 B]` each, SW128:
-/// the 16-byte chunk `k` of row `h` at `k ^ (h & 7)`), with eight `stmatrix.x4`,
-/// conflict-free.
-fn dq_stage(b: &mut KernelBuilder, acc: &[Reg<F32>], stage: Reg<U32>, lane: Reg<U32>) {
-    // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1; box j / 8, chunk j % 8.
-    let word = |b: &mut KernelBuilder, j: u32, rr: u32| {
-        let i = (4 * j + 2 * rr) as usize;
-        b.cvt_bf16x2(acc[i + 1], acc[i])
-    };
-    let sm = StmatrixLane::new(b, lane);
-    sm.store_sw128(b, sm.row, stage, 0, 8, |b, s| {
-        [
-            word(b, 2 * s, 0),
-            word(b, 2 * s, 1),
-            word(b, 2 * s + 1, 0),
-            word(b, 2 * s + 1, 1),
-        ]
-    });
-}
-
 /// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
@@ -662,7 +585,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             // Instruction `s` stores the 8×8 matrices (j, rr) = (2s, 0), (2s, 1), (2s + 1, 0),
             // (2s + 1, 1) of the fragment: row `key_local + 8rr + r` (r = lane & 7, given by lane
             // 8·mi + r), 16-byte chunk `j ^ r` of the SW128 row (128 B per key).
-            let sm = StmatrixLane::new(b, lane);
+            let sm = common::StmatrixLane::new(b, lane);
             let key = b.add(c_rows_keys, sm.row);
             let panel = r.ds.offset + half * PANEL_BYTES;
             sm.store_sw128(b, key, base, panel, 4, |_, s| {
@@ -726,7 +649,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let qrow = slot_rows[0];
             let live = b.setp(Cmp::Ge, qrow, 0i32);
             let stage = b.mad_lo(warp, 16 * 256u32, ds_addr);
-            dq_stage(b, &dq_acc, stage, lane);
+            common::stage_rows_bf16(b, &dq_acc, stage, lane);
             // The async proxy reads the staged rows: each lane's stores are fenced, then the
             // warp meets before its lane 0 issues.
             b.fence_proxy_async_shared();
