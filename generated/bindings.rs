@@ -1056,7 +1056,7 @@ pub mod fwd_kv_bound {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(T * 64 / 8), 1, 1].
+    /// Grid: [ceil(T * 4 / 8), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         q: Ptr<bf16>,
@@ -1065,7 +1065,7 @@ pub mod fwd_kv_bound {
         document_workspace_starts: Ptr<i32>,
         kmax2: Ptr<u32>,
         reference: PtrMut<f32>,
-        rows: u32,
+        groups: u32,
         num_tokens: u32,
         num_docs: u32,
         num_blocks: u32,
@@ -1073,13 +1073,13 @@ pub mod fwd_kv_bound {
         vec![
             KernelArg::from(q), KernelArg::from(q2k), KernelArg::from(cu_seqlens),
             KernelArg::from(document_workspace_starts), KernelArg::from(kmax2),
-            KernelArg::from(reference), KernelArg::from(rows),
+            KernelArg::from(reference), KernelArg::from(groups),
             KernelArg::from(num_tokens), KernelArg::from(num_docs),
             KernelArg::from(num_blocks)
         ]
     }
 }
-/// `msa_forward_kv_sm90`: KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V, its sum and the row maximum added into f32 pools against a caller's upper bound R.
+/// `msa_forward_kv_sm90`: KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R.
 pub mod msa_forward_kv_sm90 {
     use super::*;
     /// Entry name in the PTX module.
@@ -1087,7 +1087,7 @@ pub mod msa_forward_kv_sm90 {
     /// Threads per CTA.
     pub const THREADS: (u32, u32, u32) = (384, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 132736;
+    pub const DYNAMIC_SHARED_BYTES: u32 = 198272;
     /// PTX of `msa_forward_kv_sm90` for `sm_90a`.
     pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_sm90.sm_90a.ptx");
     /// PTX per compute capability.
@@ -1108,21 +1108,21 @@ pub mod msa_forward_kv_sm90 {
         tmap_q: &TensorMap,
         tmap_k: &TensorMap,
         tmap_v: &TensorMap,
+        tmap_o: &TensorMap,
         reference: Ptr<f32>,
         task_meta: Ptr<i32>,
         task_qrows: Ptr<i32>,
         task_qpos: Ptr<i32>,
         desc: Ptr<i32>,
-        o_pool: PtrMut<f32>,
         l_pool: PtrMut<f32>,
         m_pool: PtrMut<u32>,
         gate: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
-            KernelArg::from(reference), KernelArg::from(task_meta),
-            KernelArg::from(task_qrows), KernelArg::from(task_qpos),
-            KernelArg::from(desc), KernelArg::from(o_pool), KernelArg::from(l_pool),
+            KernelArg::from(tmap_o), KernelArg::from(reference),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate)
         ]
     }
@@ -1155,7 +1155,7 @@ pub mod fwd_kv_combine {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [ceil(T * 64 / 8), 1, 1].
+    /// Grid: [min(ceil(T * 64 / 8), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         o_pool: PtrMut<f32>,

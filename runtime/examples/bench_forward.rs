@@ -3,8 +3,11 @@
 //!
 //! ```text
 //! cargo build --release -p msa-runtime --example bench_forward
-//! target/release/examples/bench_forward DIR doc8k,packed64k [REPS]
+//! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [MIN,BLOCKS;MIN,BLOCKS...]
 //! ```
+//!
+//! The optional last argument times the KV forward once more per task-order locality rule
+//! (`msa_runtime::contract::Locality { min_window_log2, blocks_log2 }`), one line each.
 //!
 //! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
 //! schedule built once; `run_forward ms` is one whole `run_forward` call (the device schedule
@@ -20,6 +23,7 @@
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use half::bf16;
+use msa_runtime::contract::Locality;
 use msa_runtime::forward_kv::MsaForwardKv;
 use msa_runtime::reference::keys_attended;
 use msa_runtime::{
@@ -66,9 +70,17 @@ fn median(mut v: Vec<f32>) -> f32 {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
-        return Err("usage: bench_forward DIR case,case [REPS]".into());
+        return Err("usage: bench_forward DIR case,case [REPS] [MIN,BLOCKS;...]".into());
     };
     let reps: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(20);
+    let mut localities = Vec::new();
+    for l in args.get(4).map(|s| s.split(';')).into_iter().flatten() {
+        let (a, b) = l.split_once(',').ok_or("a locality is MIN,BLOCKS")?;
+        localities.push(Locality {
+            min_window_log2: a.parse()?,
+            blocks_log2: b.parse()?,
+        });
+    }
     let dev = match msa_runtime::Device::open(0) {
         Ok(d) => d,
         Err(e) => {
@@ -231,6 +243,38 @@ fn main() -> Res<()> {
             rate(kvm)
         );
         println!("{line}");
+        for &l in &localities {
+            let mut fwd = MsaForwardKv::new().with_locality(l)?;
+            let mut ms = Vec::new();
+            for i in 0..reps + 3 {
+                stream.memset_zeros(&mut flush)?;
+                let a = stream.record_event(timing)?;
+                fwd.run_on(&mut backend, &io_kv, &schedule)?;
+                let b = stream.record_event(timing)?;
+                if i >= 3 {
+                    ms.push(a.elapsed_ms(&b)?);
+                }
+            }
+            stream.synchronize()?;
+            let verdict = match fwd.status(&mut backend) {
+                Ok(n) => format!("ok, {n} rows recomputed"),
+                Err(e) => e.to_string(),
+            };
+            let b = stream.clone_dtoh(&out_kv)?;
+            let a = stream.clone_dtoh(&out)?;
+            let d = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x.to_f32() - y.to_f32()).abs())
+                .fold(0f32, f32::max);
+            let m = median(ms);
+            println!(
+                "  kv, locality {},{}: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
+                l.min_window_log2,
+                l.blocks_log2,
+                flop / (m as f64 * 1e-3) / 1e12
+            );
+        }
     }
     Ok(())
 }

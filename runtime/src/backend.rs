@@ -14,7 +14,6 @@ use crate::error::RuntimeError;
 use crate::tma::TensorMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::size_of;
 
 /// The 16-byte alignment TMA and the 128-bit vector accesses of the small kernels need.
 pub(crate) const BASE_ALIGN: u64 = 16;
@@ -354,13 +353,34 @@ unsafe impl Pod for f32 {}
 // SAFETY: as above.
 unsafe impl Pod for half::bf16 {}
 
-/// Parameters of one rank-3 bf16 tiled tensor map, innermost dimension first, in the form
+/// The element type of a [`TileMapSpec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapElem {
+    /// bf16: the operands.
+    Bf16,
+    /// f32: the KV forward's `o_pool`, which a TMA reduce-add accumulates.
+    F32,
+}
+
+impl MapElem {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            MapElem::Bf16 => 2,
+            MapElem::F32 => 4,
+        }
+    }
+}
+
+/// Parameters of one rank-3 tiled tensor map, innermost dimension first, in the form
 /// `cuTensorMapEncodeTiled` takes them. All maps use swizzle 128B, no interleave, L2 promotion
 /// 256B and OOB fill NONE (out-of-bounds elements read as zero).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TileMapSpec {
     /// The tensor the map describes; error messages name it.
     pub map: &'static str,
+    /// The element type.
+    pub elem: MapElem,
     /// Elements per dimension, innermost first.
     pub global_dim: [u64; 3],
     /// Byte strides of dimensions 1 and 2 (dimension 0 is contiguous).
@@ -389,10 +409,27 @@ impl TileMapSpec {
         }
         Ok(TileMapSpec {
             map,
+            elem: MapElem::Bf16,
             global_dim: [HEAD_DIM as u64, NUM_Q_HEADS as u64, num_tokens as u64],
             global_strides: [(HEAD_DIM * 2) as u64, (NUM_Q_HEADS * HEAD_DIM * 2) as u64],
             box_dim: [64, 16, 1],
             element_strides: [1, 1, 1],
+        })
+    }
+
+    /// The map of a query-side f32 tensor `[T, 64, 128]` (the KV forward's `o_pool`):
+    /// globalDim `[128, 64, T]`, strides `[512, 32768]` bytes, box `[32, 16, 1]` = 16 heads ×
+    /// 32 d of one token (128-byte rows, the SW128 span).
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
+    pub fn query_rows_f32(map: &'static str, num_tokens: usize) -> Result<Self, RuntimeError> {
+        let bf16 = Self::query_rows(map, num_tokens)?;
+        Ok(TileMapSpec {
+            elem: MapElem::F32,
+            global_strides: bf16.global_strides.map(|s| 2 * s),
+            box_dim: [32, 16, 1],
+            ..bf16
         })
     }
 
@@ -417,6 +454,7 @@ impl TileMapSpec {
         }
         Ok(TileMapSpec {
             map,
+            elem: MapElem::Bf16,
             global_dim: [HEAD_DIM as u64, NUM_KV_HEADS as u64, workspace_rows as u64],
             global_strides: [(HEAD_DIM * 2) as u64, (NUM_KV_HEADS * HEAD_DIM * 2) as u64],
             box_dim: [64, 1, BLOCK_SIZE as u32],
@@ -424,8 +462,8 @@ impl TileMapSpec {
         })
     }
 
-    /// Checks the parameters and `base` against the rules of `cuTensorMapEncodeTiled` for bf16,
-    /// no interleave and swizzle 128B, so that a bad input gets a precise error instead of the
+    /// Checks the parameters and `base` against the rules of `cuTensorMapEncodeTiled` for its
+    /// element type, no interleave and swizzle 128B, so that a bad input gets a precise error instead of the
     /// driver's bare `CUDA_ERROR_INVALID_VALUE`.
     ///
     /// # Errors
@@ -471,7 +509,7 @@ impl TileMapSpec {
         }
         // Swizzle 128B: the inner box row is at most the 128-byte swizzle span, and (no
         // interleave) its byte size must be a multiple of 16.
-        let inner_bytes = self.box_dim[0] as usize * size_of::<half::bf16>();
+        let inner_bytes = self.box_dim[0] as usize * self.elem.bytes();
         if inner_bytes > 128 || !inner_bytes.is_multiple_of(16) {
             return fail(
                 "boxDim[0]",

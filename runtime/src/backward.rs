@@ -13,8 +13,8 @@
 //! ([`run_backward`], [`MsaBackward::run`], [`run_backward_raw`]) are layer 5, in the `stream`
 //! child, re-exported here.
 
-pub use crate::backend::TileMapSpec;
 use crate::backend::{Backend, KernelSpec, Span};
+pub use crate::backend::{MapElem, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, KV_ROW, MAX_TOKENS, NUM_Q_HEADS, Q_ROW};
 use crate::cuda::CudaBackend;

@@ -3,7 +3,7 @@
 //!
 //! Layer 4 of the crate (the CUDA backend): it uses layers 1 and 2 only.
 
-use crate::backend::{Backend, KernelArg, KernelSpec, TileMapSpec};
+use crate::backend::{Backend, KernelArg, KernelSpec, MapElem, TileMapSpec};
 use crate::device::{driver_present, Device, STAGED_UPLOAD_MIN};
 use crate::error::RuntimeError;
 use crate::tma::TensorMap;
@@ -302,7 +302,10 @@ impl TileMapSpec {
         let result = unsafe {
             sys::cuTensorMapEncodeTiled(
                 map.as_mut_ptr(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                match self.elem {
+                    MapElem::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                    MapElem::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                },
                 3,
                 base as *mut std::ffi::c_void,
                 self.global_dim.as_ptr(),

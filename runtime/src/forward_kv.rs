@@ -1,7 +1,7 @@
 //! The KV-parallel forward (experimental): `msa_forward_kv_sm90` on the backward's task
 //! tables, where every selected (block, query slot) pair adds its rows'
-//! `Σ exp(S·scale − R)·v`, `Σ exp(S·scale − R)` and `max S·scale·log2e` into f32 pools
-//! against a per-row reference `R` (see the kernel's module docs for the design).
+//! `Σ exp(S·scale − R)·v` (by TMA reduce-add), `Σ exp(S·scale − R)` and `max S·scale·log2e`
+//! into f32 pools against a per-row reference `R` (see the kernel's module docs for the design).
 //!
 //! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync:
 //!   `fwd_kv_key_max` and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖ over the row's selected
@@ -42,7 +42,9 @@ pub struct ForwardKvBuffers {
     /// `reference [T, 64]` f32: per row, a value at or above every `S·scale` of its keys
     /// (natural-log units), e.g. `scale·‖q‖·max‖k‖`.
     pub reference: Span<f32>,
-    /// Output `o_pool [T, 64, 128]` f32: `Σ exp(S·scale − R)·v` per row.
+    /// Output `o_pool [T, 64, 128]` f32: `Σ exp(S·scale − R)·v` per row, each task's rows
+    /// added by the TMA unit. (bf16 adds, as the backward's dQ, were 2.1 ms faster at
+    /// packed64k but put `out` a bf16 step off: 0.031 max-abs against 0.025.)
     pub o_pool: Span<f32>,
     /// Output `l_pool [T, 64]` f32: `Σ exp(S·scale − R)` per row.
     pub l_pool: Span<f32>,
@@ -53,6 +55,8 @@ pub struct ForwardKvBuffers {
 
 /// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
 pub struct MsaForwardKv<B: Backend> {
+    /// The task order's locality rule (see [`MsaForwardKv::with_locality`]).
+    locality: Locality,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -64,6 +68,7 @@ pub struct MsaForwardKv<B: Backend> {
 impl<B: Backend> Default for MsaForwardKv<B> {
     fn default() -> Self {
         MsaForwardKv {
+            locality: FORWARD_KV_LOCALITY,
             tasks: None,
             work: None,
             status_at: None,
@@ -71,10 +76,27 @@ impl<B: Backend> Default for MsaForwardKv<B> {
     }
 }
 
+/// The KV forward's default task order: windows of at least 512 queries and 4 queries per key
+/// block of the document. The backward's [`Locality::default`] (8192-query windows) keeps its
+/// segments long for the dK/dV flushes; the forward has none, and its f32 `o_pool` reductions
+/// miss L2 when a window's rows (32 KB each) span 256 MB. On the H200
+/// (`bench/results/h200-2026-12-03-s14-forward-kv.md`) this rule took the whole forward from
+/// 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k / doc8k; `9,0`
+/// and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
+pub const FORWARD_KV_LOCALITY: Locality = Locality {
+    min_window_log2: 9,
+    blocks_log2: 2,
+};
+
 /// Rows per CTA of the row kernels (`forward_kv_rows::ROWS_PER_CTA`, tied by a test).
 pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 
-/// Grid of a row kernel over `rows` 128-element rows.
+/// The combine's grid cap per SM (`forward_kv_rows::COMBINE_MAX_CTAS_PER_SM`, tied by a
+/// test): it strides over the rows, so the gated second combine is a few thousand CTAs.
+pub const COMBINE_MAX_CTAS_PER_SM: usize = 32;
+
+/// Grid of a row kernel over `rows` warp-sized items (128-element rows; the bound's
+/// (token, KV head) groups).
 fn row_grid(rows: usize) -> Result<u32, RuntimeError> {
     grid_dim("rows", rows.div_ceil(ROW_KERNEL_ROWS_PER_CTA))
 }
@@ -83,6 +105,21 @@ impl<B: Backend> MsaForwardKv<B> {
     /// A flow with no workspace yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The same flow with the task order's locality rule `locality` (default
+    /// [`FORWARD_KV_LOCALITY`]): smaller windows keep each window's `o_pool` rows in L2 while
+    /// its tasks add into them, at the price of shorter segments.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] naming `locality` when a field is out of range.
+    pub fn with_locality(mut self, locality: Locality) -> Result<Self, RuntimeError> {
+        locality
+            .validate()
+            .map_err(|e| RuntimeError::input("locality", e, "fields within Locality's bounds"))?;
+        self.locality = locality;
+        self.tasks = None;
+        Ok(self)
     }
 
     /// Issues the whole forward on `backend`'s stream, with no host sync: the reference
@@ -173,7 +210,7 @@ impl<B: Backend> MsaForwardKv<B> {
             Ptr::new(schedule.refs().ws_starts),
             kmax2.ptr(),
             pools.reference.ptr_mut(),
-            u32_arg("rows", rows)?,
+            u32_arg("groups", 4 * t)?,
             u32_arg("num_tokens", t)?,
             u32_arg("num_docs", docs)?,
             u32_arg("num_blocks", blocks)?,
@@ -181,7 +218,7 @@ impl<B: Backend> MsaForwardKv<B> {
         // SAFETY: q is [T, 64, 128] and q2k [4, T, 16] (both checked), cu_seqlens [D+1] and
         // the workspace starts [D] are the schedule's own (tokens 0..T, checked by
         // `check_inputs`), kmax2 [W/128, 4] (ids past it are not read), the reference [T, 64].
-        unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(rows)?, 1, 1), &args) }?;
+        unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
         match self.prepare(backend, &pools, schedule)? {
             Some(launch) => {
                 self.launch_pass(backend, &pools, &launch, None)?;
@@ -246,10 +283,12 @@ impl<B: Backend> MsaForwardKv<B> {
             u32::from(gate.is_some()),
             u32_arg("rows", rows)?,
         );
+        let cap = grid_dim("combine CTAs", COMBINE_MAX_CTAS_PER_SM * backend.sm_count())?;
+        let grid = row_grid(rows)?.min(cap);
         // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
         // checked to be [T, 64, 128] and [T, 64]; status is two words; a null gate is never
-        // read.
-        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (row_grid(rows)?, 1, 1), &args) }
+        // read; the kernel strides over `rows` whatever the grid.
+        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (grid, 1, 1), &args) }
     }
 
     /// Issues the pass on `backend`'s stream: the task build from `schedule` (built from the
@@ -317,13 +356,15 @@ impl<B: Backend> MsaForwardKv<B> {
             edge_capacity: z.edge_capacity,
             work_capacity: z.work_capacity,
         };
-        let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), Locality::default())?;
+        let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
         let grid = sizes.main_grid()?;
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
         let tmap_k =
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
         let tmap_v =
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
+        let tmap_o =
+            backend.tensor_map(&TileMapSpec::query_rows_f32("o_pool", t)?, io.o_pool.addr)?;
         let tasks = match self.tasks.take() {
             Some(ws) if ws.fits(&sizes, z.work_capacity) => ws,
             old => {
@@ -337,7 +378,7 @@ impl<B: Backend> MsaForwardKv<B> {
         backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
         tasks.build_from(backend, &schedule.refs())?;
         Ok((grid > 0).then_some(PassLaunch {
-            maps: [tmap_q, tmap_k, tmap_v],
+            maps: [tmap_q, tmap_k, tmap_v, tmap_o],
             grid,
         }))
     }
@@ -352,23 +393,23 @@ impl<B: Backend> MsaForwardKv<B> {
         gate: Option<Span<u32>>,
     ) -> Result<(), RuntimeError> {
         let tasks = self.tasks.as_ref().expect("prepare built the task tables");
-        let [tmap_q, tmap_k, tmap_v] = &launch.maps;
+        let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
         let args = msa_forward_kv_sm90::args(
             tmap_q,
             tmap_k,
             tmap_v,
+            tmap_o,
             io.reference.ptr(),
             tasks.task_meta(),
             tasks.task_qrows(),
             tasks.task_qpos(),
             tasks.desc(),
-            io.o_pool.ptr_mut(),
             io.l_pool.ptr_mut(),
             io.m_pool.ptr_mut(),
             gate.map_or(Ptr::new(0), |g| g.ptr()),
         );
-        // SAFETY: the maps span q [T,64,128] and k/v [W,4,128], whose lengths were checked;
-        // reference, l_pool and m_pool are [T,64], o_pool [T,64,128]; the task tables come
+        // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
+        // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read.
         unsafe { backend.launch(&msa_forward_kv_sm90::KERNEL, (launch.grid, 1, 1), &args) }
     }
@@ -376,7 +417,7 @@ impl<B: Backend> MsaForwardKv<B> {
 
 /// What [`MsaForwardKv::launch_pass`] needs from [`MsaForwardKv::prepare`].
 struct PassLaunch {
-    maps: [TensorMap; 3],
+    maps: [TensorMap; 4],
     grid: u32,
 }
 

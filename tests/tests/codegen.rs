@@ -113,10 +113,7 @@ fn every_kernel_has_both_targets_and_lowest_versions() {
         let text = codegen::ptx::print::module(&k).unwrap();
         // The Hopper kernels with vector reductions need PTX 8.1.
         let expected = match (k.target, k.name.as_str()) {
-            (
-                Target::Sm90a,
-                "msa_backward_sm90" | "msa_backward_sm90_det" | "msa_forward_kv_sm90",
-            ) => ".version 8.1\n",
+            (Target::Sm90a, "msa_backward_sm90" | "msa_backward_sm90_det") => ".version 8.1\n",
             (Target::Sm90a, _) => ".version 8.0\n",
             (Target::Sm100a, _) => ".version 8.6\n",
         };
@@ -310,5 +307,9 @@ fn the_row_kernels_grids_are_one_fact_on_both_sides() {
     assert_eq!(
         codegen::kernels::forward_kv_rows::ROWS_PER_CTA as usize,
         msa_runtime::forward_kv::ROW_KERNEL_ROWS_PER_CTA
+    );
+    assert_eq!(
+        codegen::kernels::forward_kv_rows::COMBINE_MAX_CTAS_PER_SM as usize,
+        msa_runtime::forward_kv::COMBINE_MAX_CTAS_PER_SM
     );
 }

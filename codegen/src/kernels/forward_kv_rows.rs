@@ -1,11 +1,12 @@
 //! The row kernels around `msa_forward_kv_sm90` (experimental): the reference `R` before the
-//! pass and the combine after it. One warp per 128-element row, each lane 4 elements.
+//! pass and the combine after it. One warp per 128-element row (the bound: per 16 rows), each
+//! lane 4 elements.
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
 //!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller.
 //! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·max √kmax2[b, h/16]` over the blocks `b` that
-//!   `q2k[h/16, t]` selects, a Cauchy-Schwarz bound of the row's logits `S·scale` (0 for a
+//!   `q2k[h/16, t]` selects (one warp per token and KV head: its 16 rows share the selection), a Cauchy-Schwarz bound of the row's logits `S·scale` (0 for a
 //!   row that selects nothing). Per block rather than per head, so that an outlier key raises
 //!   only the bounds of the rows that selected its block. The square root is
 //!   `exp2(lg2(x)/2)`: the pass is exact for any `R` that keeps the row's terms in range, so R
@@ -32,6 +33,9 @@ pub const ROWS_PER_CTA: u32 = THREADS / 32;
 /// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
 /// terms, each at least `exp(−gap)` of the largest, and f32's smallest normal is `exp(−87.3)`.
 pub const MAX_GAP: f32 = 60.0;
+/// The combine's grid cap per SM (it strides over the rows): 8 CTAs of 256 threads fill an
+/// SM, 4 waves of them hide the loads' latency.
+pub const COMBINE_MAX_CTAS_PER_SM: u32 = 32;
 /// How far the row maximum may lie above `R` (rounding of a tight bound).
 pub const MAX_EXCESS: f32 = 1.0;
 
@@ -124,25 +128,34 @@ fn describe_key_max(b: &mut KernelBuilder) {
 }
 
 fn describe_bound(b: &mut KernelBuilder) {
-    b.grid("[ceil(T * 64 / 8), 1, 1]");
+    b.grid("[ceil(T * 4 / 8), 1, 1]");
     let q_p = b.param_ptr("q", HostElem::Bf16, false);
     let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
     let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
     let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
     let kmax_p = b.param_ptr("kmax2", HostElem::U32, false);
     let r_p = b.param_ptr("reference", HostElem::F32, true);
-    let rows_p = b.param_u32("rows");
+    let groups_p = b.param_u32("groups");
     let tokens_p = b.param_u32("num_tokens");
     let docs_p = b.param_u32("num_docs");
     let blocks_p = b.param_u32("num_blocks");
-    let (row, lane, inside) = row_lane(b, &rows_p);
+    // One warp per (token, KV head): the 16 query heads of the group share its selection, so
+    // the document search and the selection's block maxima are done once for all 16 rows.
+    let (grp, lane, inside) = row_lane(b, &groups_p);
     b.if_then(inside, "bound", |b| {
+        let t = b.shr(grp, 2u32);
+        let g = b.and(grp, 3u32);
+        b.comment("the 16 rows' squared norms; lane h keeps that of head 16g + h");
         let q = b.ld_param_ptr(&q_p);
-        let n2 = row_norm2(b, q, row, lane);
-        let t = b.shr(row, 6u32);
-        let h = b.and(row, 63u32);
-        let g = b.shr(h, 4u32);
-        b.comment("the largest block maximum among the row's 16 selections, lanes 0..16");
+        let row0 = b.shl(grp, 4u32);
+        let mut n2 = b.mov::<F32>(0.0f32);
+        for h in 0..16u32 {
+            let row = b.add(row0, h);
+            let x = row_norm2(b, q, row, lane);
+            let mine = b.setp(Cmp::Eq, lane, h);
+            n2 = b.selp(x, n2, mine);
+        }
+        b.comment("the largest block maximum among the group's 16 selections, lanes 0..16");
         let cu = b.ld_param_ptr(&cu_p);
         let d = common::doc_search(b, cu, &docs_p, t);
         let ws = b.ld_param_ptr(&ws_p);
@@ -175,12 +188,11 @@ fn describe_bound(b: &mut KernelBuilder) {
         });
         // Non-negative floats order as their bits.
         let mut m = k2;
-        for dd in [8u32, 4, 2, 1] {
+        for dd in [16u32, 8, 4, 2, 1] {
             let o = b.shfl(Shfl::Bfly, m, dd, 0x1f);
             m = b.max(m, o);
         }
-        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
-        b.if_then(lane0, "store", |b| {
+        b.if_then(slot, "store", |b| {
             let k2 = b.bitcast::<F32, U32>(m);
             let p = b.fmul(n2, k2);
             let lg = b.lg2_approx(p);
@@ -188,6 +200,7 @@ fn describe_bound(b: &mut KernelBuilder) {
             let norm = b.ex2_approx(half);
             let r = b.fmul(norm, common::SCALE);
             let rp = b.ld_param_ptr(&r_p);
+            let row = b.add(row0, lane);
             let at = common::elem::<F32>(b, rp, row);
             b.st(&at, r);
         });
@@ -196,7 +209,7 @@ fn describe_bound(b: &mut KernelBuilder) {
 }
 
 fn describe_combine(b: &mut KernelBuilder) {
-    b.grid("[ceil(T * 64 / 8), 1, 1]");
+    b.grid("[min(ceil(T * 64 / 8), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
     let o_p = b.param_ptr("o_pool", HostElem::F32, true);
     let l_p = b.param_ptr("l_pool", HostElem::F32, true);
     let m_p = b.param_ptr("m_pool", HostElem::U32, false);
@@ -208,12 +221,25 @@ fn describe_combine(b: &mut KernelBuilder) {
     let second_p = b.param_u32("second");
     let rows_p = b.param_u32("rows");
     super::forward_kv_sm90::gate(b, &gate_p);
-    let (row, lane, inside) = row_lane(b, &rows_p);
     let second = b.ld_param(&second_p);
     let second = b.setp(Cmp::Ne, second, 0u32);
+    // Grid-stride over the rows: the runtime caps the grid, so that the gated second
+    // combine costs a few thousand CTAs that return at once, not one per 8 rows.
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let ctas = b.sreg(SReg::NctaidX);
+    let warp = b.shr(tid, 5u32);
+    let lane = b.and(tid, 31u32);
     let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+    let row = b.mad_lo(cta, ROWS_PER_CTA, warp);
+    let stride = b.mul_lo(ctas, ROWS_PER_CTA);
+    let rows = b.ld_param(&rows_p);
+    let next_row = b.label("next_row");
+    let exit = b.label("exit");
+    b.place(&next_row);
+    let inside = b.setp(Cmp::Lt, row, rows);
+    b.bra_unless(inside, &exit);
     let done = b.label("done");
-    b.bra_unless(inside, &done);
     let rp = b.ld_param_ptr(&r_p);
     let r_at = common::elem::<F32>(b, rp, row);
     let r = b.ld::<F32, _>(&r_at);
@@ -307,5 +333,9 @@ fn describe_combine(b: &mut KernelBuilder) {
         });
     });
     b.place(&done);
+    let row_next = b.add(row, stride);
+    b.set(row, row_next);
+    b.bra(&next_row);
+    b.place(&exit);
     b.ret();
 }

@@ -1,6 +1,6 @@
 //! `msa_forward_kv_sm90`: the KV-parallel MSA forward for Hopper (sm_90a), on the backward's
-//! task tables. Experimental: built and checked against the CPU reference on the simulator,
-//! not yet timed on the H200 and not behind `run_forward`.
+//! task tables. Experimental: checked against the CPU reference on the simulator and on the
+//! H200, timed there (below), not behind `run_forward`.
 //!
 //! # Why
 //! `msa_forward_sm90` is Q-parallel: an m64 tile holds 4 queries, so with random selections it
@@ -32,13 +32,32 @@
 //!   (m64n128k16 × 8, both operands K-major SW128); the causal predicate `qpos ≥ key` in
 //!   workspace coordinates; `P = exp2(S·scale·log2e − R·log2e)`; `O = P·V` with P rounded to
 //!   bf16 in registers as the A fragment and V an MN-major descriptor; then the warp's row
-//!   sums and maxima (quad shuffles) and its 16 rows of O (`red.global.add.v4.f32` after a
-//!   lane-pair exchange) go to the pools. An empty slot's warp skips its reductions.
+//!   sums and maxima (quad shuffles, `red.add.f32` and `red.max.u32`) go to the pools, and its
+//!   16 rows of O are staged in its own 8 KB (a lane-pair exchange, then sixteen
+//!   `st.shared.v4.f32` as four SW128 boxes of 16 heads × 32 d), fenced for the async proxy,
+//!   and added by lane 0's four `cp.reduce.async.bulk.tensor` (f32 add in L2, `tmap_o`). Lane
+//!   0 waits for their reads (`cp.async.bulk.wait_group.read`) before the warp stages its next
+//!   task's rows, and before the CTA exits. An empty slot's warp skips its reductions.
 //! - **Plan.** [`plan`]: the register budgets, the shared layout ([`SmemPlan`]: K, V, Q × 2,
-//!   the barriers, the row scalars) and the pipelines ([`PipelinePlan`]: K/V one stage
+//!   the O staging, the barriers, the row scalars) and the pipelines ([`PipelinePlan`]: K/V one stage
 //!   released by each consumer warp at a segment's end, Q two stages released by each consumer
 //!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
 //!   its own last read), checked at codegen time.
+//!
+//! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md`)
+//! The whole forward (`MsaForwardKv::run_on`: bound, task build, pass, combine) at packed64k /
+//! doc32k / doc8k, with fla-core 0.6.0 `parallel_nsa_fwd` at 36.6 / 20.6 / 4.75 ms in the same
+//! runs and `msa_forward_sm90` at 15.3 / 14.4 / 1.80 ms:
+//! - `red.global.add.v4.f32` from registers (session 13): 24.2 / 14.3 / 3.24 ms. The pass
+//!   alone took 21.1 ms at packed64k; without the O reduction 5.1 ms (tensor pipe 38 %).
+//! - TMA f32 reduce-add, the backward's 8192-query task windows: 20.6 / 12.3 / 2.78 ms (pass
+//!   18.0 ms; ncu: 70 GB through L2, DRAM 47 %: the o rows of a window, 256 MB in f32, miss L2
+//!   between the tasks that add into them).
+//! - The same with `FORWARD_KV_LOCALITY` (512-query windows): 15.2 / 9.1 / 1.98 ms, 238 /
+//!   228 / 236 useful TFLOP/s, flat with length; 2.4× / 2.3× / 2.4× fla.
+//! - A bf16 `o_pool` (TMA bf16 adds, as the backward's dQ) was 10.3 / 6.4 / 1.41 ms with the
+//!   8192-query windows, but its sums round to bf16 at every add: `out` came out one bf16
+//!   step off (0.031 max-abs at |out| ≈ 4 against the 0.025 tolerance) in two GPU tests.
 
 use super::common;
 use super::KernelDesc;
@@ -61,8 +80,8 @@ pub const CONSUMER_REGS: u32 = 232;
 /// The kernel.
 pub const DESC: KernelDesc = KernelDesc {
     name: "msa_forward_kv_sm90",
-    about: "KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V, \
-            its sum and the row maximum added into f32 pools against a caller's upper bound R",
+    about: "KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V \
+            (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
     describe,
@@ -106,8 +125,10 @@ pub fn rows_pipeline() -> Pipeline {
     Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 256)
 }
 
-/// The shared layout: K, V, Q (one tile per stage), the barriers, then the row scalars
-/// (`−R·log2e` per folded row, the slots' compact rows and positions).
+/// The shared layout: K, V, Q (one tile per stage), the O staging (8 KB of f32 rows per
+/// consumer warp: two tiles' worth),
+/// the barriers, then the row scalars (`−R·log2e` per folded row, the slots' compact rows and
+/// positions).
 pub fn smem_plan(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (q, rows) = (stages("q")?, stages("rows")?);
@@ -115,6 +136,7 @@ pub fn smem_plan(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
         BufferSpec::tile(Buf::K, 1),
         BufferSpec::tile(Buf::V, 1),
         BufferSpec::tile(Buf::Q, q),
+        BufferSpec::tile(Buf::OStage, 2),
         BufferSpec::barriers(pipelines.barrier_slots()),
         BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::QRows, SLOTS, rows),
@@ -145,6 +167,9 @@ pub struct ForwardKvParams {
     pub tmap_k: TensorMapRef,
     /// V, as K.
     pub tmap_v: TensorMapRef,
+    /// `o_pool [T, 64, 128]` f32, zeroed by the caller: each warp's 16 rows are added as four
+    /// boxes of 16 heads × 32 d (`TileMapSpec::query_rows_f32`).
+    pub tmap_o: TensorMapRef,
     /// `reference [T, 64]` f32: an upper bound of `S·scale` over the row's keys.
     pub reference: ParamRef<U64>,
     /// `task_meta [capacity, 4]`.
@@ -155,8 +180,6 @@ pub struct ForwardKvParams {
     pub qpos: ParamRef<U64>,
     /// The CTA-walk descriptor.
     pub desc: ParamRef<U64>,
-    /// `o_pool [T, 64, 128]` f32, zeroed by the caller.
-    pub o_pool: ParamRef<U64>,
     /// `l_pool [T, 64]` f32, zeroed by the caller.
     pub l_pool: ParamRef<U64>,
     /// `m_pool [T, 64]` u32 order-preserving keys of the row maxima (log2 units), zeroed.
@@ -171,12 +194,12 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         tmap_q: b.param_tensor_map("tmap_q"),
         tmap_k: b.param_tensor_map("tmap_k"),
         tmap_v: b.param_tensor_map("tmap_v"),
+        tmap_o: b.param_tensor_map("tmap_o"),
         reference: b.param_ptr("reference", HostElem::F32, false),
         meta: b.param_ptr("task_meta", HostElem::I32, false),
         qrows: b.param_ptr("task_qrows", HostElem::I32, false),
         qpos: b.param_ptr("task_qpos", HostElem::I32, false),
         desc: b.param_ptr("desc", HostElem::I32, false),
-        o_pool: b.param_ptr("o_pool", HostElem::F32, true),
         l_pool: b.param_ptr("l_pool", HostElem::F32, true),
         m_pool: b.param_ptr("m_pool", HostElem::U32, true),
         gate: b.param_ptr("gate", HostElem::U32, false),
@@ -188,6 +211,7 @@ struct Resolved<'a> {
     k: Placed,
     v: Placed,
     q: Placed,
+    o_stage: Placed,
     neg_ref: Placed,
     qrows: Placed,
     qpos: Placed,
@@ -205,6 +229,7 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
         k: buf(Buf::K)?,
         v: buf(Buf::V)?,
         q: buf(Buf::Q)?,
+        o_stage: buf(Buf::OStage)?,
         neg_ref: buf(Buf::Lse)?,
         qrows: buf(Buf::QRows)?,
         qpos: buf(Buf::QPos)?,
@@ -346,6 +371,54 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     });
 }
 
+/// Bytes of one staged O box: 16 heads × 32 f32 (one 128-byte SW128 row per head).
+const O_BOX_BYTES: u32 = 16 * 128;
+/// A consumer warp's O staging: its 16 rows × 128 f32, four boxes.
+const O_STAGE_WARP_BYTES: u32 = 4 * O_BOX_BYTES;
+
+/// A lane's part in staging its warp's 16 rows of the m64n128 f32 accumulator (the 16 heads of
+/// its slot) as the four boxes of 16 heads × 32 d a TMA reduce-add of `tmap_o` reads
+/// (`[16 heads][128 B]` each, SW128: 16-byte chunk `k` of row `h` at `k ^ (h & 7)`). After the
+/// lane-pair exchange ([`common::pair_exchange_v4`]) lane `4·quad + pair` holds columns
+/// `8j + 4·(pair >> 1) ..+4` of row `quad + 8·(pair & 1)`: chunk `2(j % 4) + (pair >> 1)` of
+/// box `j / 4`, i.e. `2·((j % 4) ^ ((h & 7) >> 1)) + ((pair >> 1) ^ (h & 1))` after the
+/// swizzle.
+/// Sixteen `st.shared.v4.f32`, each warp-wide store four full 128-byte wavefronts.
+struct OStageLane {
+    /// `stage + 128·h + 16·((pair >> 1) ^ (h & 1))`.
+    at: Reg<U32>,
+    /// `(h & 7) >> 1`, XORed into `j % 4`.
+    h2: Reg<U32>,
+    is_odd: Reg<Pred>,
+}
+
+impl OStageLane {
+    fn new(b: &mut KernelBuilder, lane: Reg<U32>, stage: &Reg<U32>) -> Self {
+        let quad = b.shr(lane, 2u32);
+        let odd = b.and(lane, 1u32);
+        let is_odd = b.setp(Cmp::Ne, odd, 0u32);
+        let h = b.mad_lo(odd, 8u32, quad);
+        let hb = b.shr(lane, 1u32);
+        let hb = b.and(hb, 1u32);
+        let h1 = b.and(h, 1u32);
+        let x = b.xor(hb, h1);
+        let at = b.mad_lo(h, 128u32, *stage);
+        let at = b.mad_lo(x, 16u32, at);
+        let h2 = b.shr(h, 1u32);
+        let h2 = b.and(h2, 3u32);
+        OStageLane { at, h2, is_odd }
+    }
+
+    fn store(&self, b: &mut KernelBuilder, acc: &[Reg<F32>]) {
+        for j in 0..16u32 {
+            let v = common::pair_exchange_v4(b, acc, j, self.is_odd);
+            let x = b.xor(self.h2, j % 4);
+            let addr = b.mad_lo(x, 32u32, self.at);
+            b.st_v(&shared(addr, i64::from(O_BOX_BYTES * (j / 4))), v);
+        }
+    }
+}
+
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
 }
@@ -385,14 +458,16 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let frow4 = b.shl(frow, 2u32);
     let lane0 = b.setp(Cmp::Eq, lane, 0u32);
     let head_lane = b.setp(Cmp::Eq, pair, 0u32);
-    let odd = b.and(lane, 1u32);
-    let is_odd = b.setp(Cmp::Ne, odd, 0u32);
     let zero = b.mov::<U32>(0u32);
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
     let neg_inf = f32::NEG_INFINITY;
     let scale_log2e = common::SCALE_LOG2E;
     let c_rows = b.mul_lo(c, 64 * 128);
+    // This warp's 8 KB of the O staging: consumer c's warp w at (4c + w)·8 KB.
+    let stage = b.mad_lo(slot, O_STAGE_WARP_BYTES, base);
+    let stage = b.add(stage, r.o_stage.offset);
+    let o_lane = OStageLane::new(b, lane, &stage);
 
     let (kv, qp, rows) = (r.kv, r.q_pipe, r.rows);
     let prev = b.mov::<U32>(u32::MAX);
@@ -558,22 +633,33 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
                 }
             });
-            let o_pool = b.ld_param_ptr(&p.o_pool);
-            for j in 0..16u32 {
-                let w = common::pair_exchange_v4(b, &o_acc, j, is_odd);
-                let row_add = b.selp(8u32, 0u32, is_odd);
-                let orow = b.add(prow, row_add);
-                let col_sub = b.shl(odd, 1u32);
-                let col = b.add(col0, 8 * j);
-                let col = b.sub(col, col_sub);
-                let idx = b.mad_lo(orow, 128u32, col);
-                let a = common::elem::<F32>(b, o_pool, idx);
-                b.red_add_v4_f32(&a, w, None);
-            }
+            b.comment("its O rows into the warp's staging, TMA reduce-add (f32) into o_pool");
+            // The warp's reduction of the previous task has read the staging by now (a whole
+            // task later); lane 0 waits for it, then the warp meets before overwriting it.
+            b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
+            b.bar_warp_sync();
+            o_lane.store(b, &o_acc);
+            // The async proxy reads the staged rows: each lane's stores are fenced, then the
+            // warp meets before its lane 0 issues.
+            b.fence_proxy_async_shared();
+            b.bar_warp_sync();
+            b.if_then(lane0, "o_tma", |b| {
+                let map = b.tensor_map_addr(&p.tmap_o);
+                let h16 = b.shl(head, 4u32);
+                let h16 = b.bitcast::<S32, U32>(h16);
+                for box_ in 0..4u32 {
+                    let d0 = b.mov::<S32>(32 * box_ as i32);
+                    let src = shared(stage, i64::from(O_BOX_BYTES * box_));
+                    b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
+                }
+                b.bulk_commit_group();
+            });
         });
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
+    b.comment("the staged rows' last reduction has read them before the CTA exits");
+    b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
 }
 
 #[cfg(test)]

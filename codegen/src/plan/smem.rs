@@ -55,6 +55,8 @@ pub enum Buf {
     ListScratch,
     /// The forward's per-row running max and sum at an item's end (`[m; 128]`, `[l; 128]`).
     Stats,
+    /// Rows staged as bf16 SW128 boxes for a TMA reduce-add (the KV forward's O, 4 KB a warp).
+    OStage,
 }
 
 impl fmt::Display for Buf {
@@ -75,6 +77,7 @@ impl fmt::Display for Buf {
             Buf::List => "sList",
             Buf::ListScratch => "sListScratch",
             Buf::Stats => "sStats",
+            Buf::OStage => "sOStage",
         })
     }
 }

@@ -177,12 +177,15 @@ impl SimTensorMap {
         base: DevPtr,
     ) -> Result<SimTensorMap, String> {
         spec.validate(base.0).map_err(|e| e.to_string())?;
-        SimTensorMap::bf16_sw128(
+        SimTensorMap::tiled(
             base,
-            spec.global_dim,
-            spec.global_strides,
-            spec.box_dim,
-            spec.element_strides,
+            spec.elem.bytes() as u8,
+            &spec.global_dim,
+            &spec.global_strides,
+            &spec.box_dim,
+            &spec.element_strides,
+            Swizzle::B128,
+            OobFill::Zero,
         )
         .map_err(|e| format!("tensor map `{}`: {e}", spec.map))
     }

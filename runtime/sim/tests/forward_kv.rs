@@ -379,3 +379,44 @@ fn forward_kv_a_consumer_that_never_releases_k_v_is_reported() {
         "deadlock",
     );
 }
+
+#[test]
+fn forward_kv_overwriting_the_o_staging_before_its_reduction_read_it_is_reported() {
+    // Without lane 0's wait for its previous reduction's reads, the next task's staging
+    // stores land on rows the TMA unit may not have read yet.
+    reported(
+        without_first_after(
+            kv_ptx(),
+            "its O rows into the warp's staging",
+            "cp.async.bulk.wait_group.read",
+        ),
+        Limits::default(),
+        "not yet retired by cp.async.bulk.wait_group.read",
+    );
+}
+
+#[test]
+fn forward_kv_reducing_o_rows_without_the_proxy_fence_is_reported() {
+    reported(
+        without_first_after(
+            kv_ptx(),
+            "its O rows into the warp's staging",
+            "fence.proxy.async",
+        ),
+        Limits::default(),
+        "without a fence.proxy.async before it",
+    );
+}
+
+#[test]
+fn forward_kv_exiting_before_the_last_reduction_read_its_rows_is_reported() {
+    reported(
+        without_first_after(
+            kv_ptx(),
+            "the staged rows' last reduction has read them",
+            "cp.async.bulk.wait_group.read",
+        ),
+        Limits::default(),
+        "the CTA finished while",
+    );
+}

@@ -655,13 +655,15 @@ impl Cta<'_> {
             .map(|c| self.gather(w, *c)[l])
             .collect();
         let (m, c, src) = self.tma_box(pc, w, l, &r.tensor, &coords, &r.src, "reduction")?;
-        if m.elem_bytes != 2 {
+        // The model adds bf16 (round to nearest even) and f32 (the host's f32 addition).
+        let eb = u32::from(m.elem_bytes);
+        if eb != 2 && eb != 4 {
             return Err(self.fault(
                 pc,
                 w,
                 l,
                 tma(format!(
-                    "a reduction through a map of {}-byte elements (the model adds bf16)",
+                    "a reduction through a map of {}-byte elements (the model adds bf16 and f32)",
                     m.elem_bytes
                 )),
             ));
@@ -694,20 +696,29 @@ impl Cta<'_> {
                 if !(row_ok && m.in_dim(0, g0)) {
                     continue;
                 }
-                let at = (row_base + g0 as i128 * 2) as u64;
-                let s_at = m.swizzle.apply(src + row * pitch + i0 * 2) as usize;
-                let add = u16::from_le_bytes([self.shared[s_at], self.shared[s_at + 1]]);
-                let Some(dst) = self.mem.slice_mut(at, 2) else {
+                let at = (row_base + g0 as i128 * i128::from(eb)) as u64;
+                let s_at = m.swizzle.apply(src + row * pitch + i0 * eb) as usize;
+                let add = &self.shared[s_at..s_at + eb as usize];
+                let add = if eb == 2 {
+                    bf16_to_f32(u16::from_le_bytes([add[0], add[1]]))
+                } else {
+                    f32::from_le_bytes([add[0], add[1], add[2], add[3]])
+                };
+                let Some(dst) = self.mem.slice_mut(at, eb as usize) else {
                     let msg = format!(
-                        "the reduction at coordinates {:?} writes global [{at:#x}, +2): {}",
+                        "the reduction at coordinates {:?} writes global [{at:#x}, +{eb}): {}",
                         &c[..rank],
                         self.mem.describe(at)
                     );
                     return Err(self.fault(pc, w, l, tma(msg)));
                 };
-                let old = u16::from_le_bytes([dst[0], dst[1]]);
-                let sum = bf16_rne(bf16_to_f32(old) + bf16_to_f32(add));
-                dst.copy_from_slice(&sum.to_le_bytes());
+                if eb == 2 {
+                    let old = bf16_to_f32(u16::from_le_bytes([dst[0], dst[1]]));
+                    dst.copy_from_slice(&bf16_rne(old + add).to_le_bytes());
+                } else {
+                    let old = f32::from_le_bytes([dst[0], dst[1], dst[2], dst[3]]);
+                    dst.copy_from_slice(&(old + add).to_le_bytes());
+                }
             }
         }
         self.bulk_reads.push(BulkRead {
