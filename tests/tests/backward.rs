@@ -5,7 +5,7 @@
 
 use cudarc::driver::CudaStream;
 use half::bf16;
-use msa_runtime::backward::{PoolLayout, TileMapSpec};
+use msa_runtime::backward::{MapElem, PoolLayout, TileMapSpec};
 use msa_runtime::contract::{HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS};
 use msa_runtime::{build_schedule, causal_support, Gradients, MsaBackward, RuntimeError};
 use msa_tests::cases::{check, docs, random_top16, DeviceInputs, Problem};
@@ -274,6 +274,26 @@ fn tensor_map_specs_follow_the_layouts() {
     assert_eq!(k.box_dim, [64, 1, 128]);
     assert_eq!(k.bytes(), 640 * 4 * 128 * 2);
     k.validate(0x7f00_0000_0010).unwrap();
+
+    // The KV forward's f32 o_pool: Q's geometry, 4-byte elements, 128-byte (32 f32) box rows.
+    let o = TileMapSpec::query_rows_f32("o_pool", 300).unwrap();
+    assert_eq!(o.elem, MapElem::F32);
+    assert_eq!(o.global_dim, [128, 64, 300]);
+    assert_eq!(o.global_strides, [512, 32768]);
+    assert_eq!(o.box_dim, [32, 16, 1]);
+    assert_eq!(o.bytes(), 300 * 64 * 128 * 4);
+    o.validate(0x7f00_0000_0100).unwrap();
+    // A 64-wide f32 box row would be 256 bytes, past the 128-byte swizzle span.
+    let wide = TileMapSpec {
+        box_dim: [64, 16, 1],
+        ..o
+    };
+    expect_map_error(wide.validate(0x7f00_0000_0100), "o_pool", "boxDim[0]");
+    expect_map_error(
+        TileMapSpec::query_rows_f32("o_pool", 0),
+        "o_pool",
+        "token count",
+    );
 }
 
 #[test]
