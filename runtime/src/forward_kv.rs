@@ -15,8 +15,9 @@
 //! - [`MsaForwardKv::run_to_pools`]: the pass alone with the caller's R and pools, and
 //!   [`combine_row`], the combine's host form, for tests.
 //!
-//! Checked against the CPU reference on the simulator; not timed on the H200 yet, and not
-//! behind [`run_forward`](crate::run_forward).
+//! Checked against the CPU reference on the simulator and on the H200; timed there
+//! (`bench/results/h200-2026-12-03-s14-forward-kv.md`). Not behind
+//! [`run_forward`](crate::run_forward).
 
 use crate::backend::{Backend, Ptr, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
@@ -80,9 +81,9 @@ impl<B: Backend> Default for MsaForwardKv<B> {
 /// block of the document. The backward's [`Locality::default`] (8192-query windows) keeps its
 /// segments long for the dK/dV flushes; the forward has none, and its f32 `o_pool` reductions
 /// miss L2 when a window's rows (32 KB each) span 256 MB. On the H200
-/// (`bench/results/h200-2026-12-03-s14-forward-kv.md`) this rule took the whole forward from
-/// 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k / doc8k; `9,0`
-/// and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
+/// (`bench/results/h200-2026-12-03-s14-forward-kv.md`, call 4) this rule took the whole
+/// forward from 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k /
+/// doc8k. `9,0` and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
 pub const FORWARD_KV_LOCALITY: Locality = Locality {
     min_window_log2: 9,
     blocks_log2: 2,

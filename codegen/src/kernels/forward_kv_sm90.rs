@@ -46,18 +46,19 @@
 //!
 //! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md`)
 //! The whole forward (`MsaForwardKv::run_on`: bound, task build, pass, combine) at packed64k /
-//! doc32k / doc8k, with fla-core 0.6.0 `parallel_nsa_fwd` at 36.6 / 20.6 / 4.75 ms in the same
-//! runs and `msa_forward_sm90` at 15.3 / 14.4 / 1.80 ms:
+//! doc32k / doc8k. In the same runs, fla-core 0.6.0 `parallel_nsa_fwd` took 36.9 / 20.7 /
+//! 4.74 ms and `msa_forward_sm90` 15.4 / 14.6 / 1.81 ms:
 //! - `red.global.add.v4.f32` from registers (session 13): 24.2 / 14.3 / 3.24 ms. The pass
-//!   alone took 21.1 ms at packed64k; without the O reduction 5.1 ms (tensor pipe 38 %).
-//! - TMA f32 reduce-add, the backward's 8192-query task windows: 20.6 / 12.3 / 2.78 ms (pass
-//!   18.0 ms; ncu: 70 GB through L2, DRAM 47 %: the o rows of a window, 256 MB in f32, miss L2
-//!   between the tasks that add into them).
-//! - The same with `FORWARD_KV_LOCALITY` (512-query windows): 15.2 / 9.1 / 1.98 ms, 238 /
-//!   228 / 236 useful TFLOP/s, flat with length; 2.4× / 2.3× / 2.4× fla.
-//! - A bf16 `o_pool` (TMA bf16 adds, as the backward's dQ) was 10.3 / 6.4 / 1.41 ms with the
-//!   8192-query windows, but its sums round to bf16 at every add: `out` came out one bf16
-//!   step off (0.031 max-abs at |out| ≈ 4 against the 0.025 tolerance) in two GPU tests.
+//!   alone took 21.1 ms at packed64k, and 5.1 ms without the O reduction (tensor pipe 38 %).
+//! - TMA f32 reduce-add with the backward's 8192-query task windows: 20.3 / 12.1 / 2.71 ms.
+//!   The pass took 18.0 ms. ncu: 70 GB through L2 and DRAM at 47 %, because a window's o rows
+//!   (256 MB in f32) miss L2 between the tasks that add into them.
+//! - The same with the runtime's `FORWARD_KV_LOCALITY` (512-query windows) and the bound per
+//!   (token, KV head): 15.1 / 8.98 / 1.98 ms. That is 239 / 230 / 237 useful TFLOP/s, flat
+//!   with length, and 2.4× / 2.3× / 2.4× fla.
+//! - A bf16 `o_pool` (TMA bf16 adds, as the backward's dQ) took 10.3 / 6.4 / 1.41 ms with the
+//!   8192-query windows. Its sums round to bf16 at every add, so `out` came out one bf16 step
+//!   off in two GPU tests: 0.031 max-abs at |out| ≈ 4, against the 0.025 tolerance.
 
 use super::common;
 use super::KernelDesc;

@@ -85,8 +85,9 @@
 //! (sessions 13-14, experimental). It needs no second pass: every row is summed against a fixed
 //! upper bound of its logits, and a row whose maximum lies too far below it is recomputed. Its
 //! GEMMs take 5.1 ms at packed64k, but every task adds its rows' f32 `o` into a pool in L2:
-//! with 512-query task windows the whole forward takes 15.2 / 9.1 / 1.98 ms (packed64k /
-//! doc32k / doc8k), flat at 228-238 useful TFLOP/s, against this kernel's 15.3 / 14.4 / 1.80.
+//! with 512-query task windows the whole forward takes 15.1 / 8.98 / 1.98 ms (packed64k /
+//! doc32k / doc8k), flat at 230-239 useful TFLOP/s, against this kernel's 15.4 / 14.6 / 1.81
+//! in the same run.
 //! A bf16 pool halves those bytes but misses the `out` tolerance (its module docs).
 
 use super::common;
