@@ -21,7 +21,7 @@
 //! query heads per index head). Inputs are uniform bf16 (timing does not depend on them).
 //! Without a GPU it says so and exits 0.
 
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::contract::Locality;
 use msa_runtime::forward_kv::MsaForwardKv;
@@ -31,6 +31,7 @@ use msa_runtime::{
     ScheduleBuildSizes, Span, TimedBackend,
 };
 use std::error::Error;
+use std::sync::Arc;
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
@@ -65,6 +66,42 @@ fn median(mut v: Vec<f32>) -> f32 {
     } else {
         0.5 * (v[n / 2 - 1] + v[n / 2])
     }
+}
+
+/// The largest `|a − b|` of two bf16 outputs.
+fn max_abs_diff(a: &[bf16], b: &[bf16]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x.to_f32() - y.to_f32()).abs())
+        .fold(0f32, f32::max)
+}
+
+/// `reps` timed calls of `fwd.run_on` after 3 warm-ups, the L2 flushed before each; the
+/// times and the verdict of `status` after the last.
+fn time_kv(
+    mut fwd: MsaForwardKv<CudaBackend>,
+    (stream, flush): (&Arc<CudaStream>, &mut CudaSlice<u8>),
+    backend: &mut CudaBackend,
+    (io, schedule): (&ForwardBuffers, &ResidentSchedule<CudaBackend>),
+    reps: usize,
+) -> Res<(Vec<f32>, String)> {
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut ms = Vec::new();
+    for i in 0..reps + 3 {
+        stream.memset_zeros(flush)?;
+        let a = stream.record_event(timing)?;
+        fwd.run_on(backend, io, schedule)?;
+        let b = stream.record_event(timing)?;
+        if i >= 3 {
+            ms.push(a.elapsed_ms(&b)?);
+        }
+    }
+    stream.synchronize()?;
+    let verdict = match fwd.status(backend) {
+        Ok(n) => format!("ok, {n} rows recomputed"),
+        Err(e) => e.to_string(),
+    };
+    Ok((ms, verdict))
 }
 
 fn main() -> Res<()> {
@@ -178,30 +215,16 @@ fn main() -> Res<()> {
             lse: Span::new(lse_kv.device_ptr_mut(&stream).0, t * 64),
             ..io
         };
-        let mut fwd_kv = MsaForwardKv::new();
-        let mut kv = Vec::new();
-        for i in 0..reps + 3 {
-            stream.memset_zeros(&mut flush)?;
-            let a = stream.record_event(timing)?;
-            fwd_kv.run_on(&mut backend, &io_kv, &schedule)?;
-            let b = stream.record_event(timing)?;
-            if i >= 3 {
-                kv.push(a.elapsed_ms(&b)?);
-            }
-        }
-        stream.synchronize()?;
-        let verdict = match fwd_kv.status(&mut backend) {
-            Ok(n) => format!("ok, {n} rows recomputed"),
-            Err(e) => e.to_string(),
-        };
+        let (kv, verdict) = time_kv(
+            MsaForwardKv::new(),
+            (&stream, &mut flush),
+            &mut backend,
+            (&io_kv, &schedule),
+            reps,
+        )?;
         // The last kernel-loop call of MsaForward left its outputs in `out`/`lse`.
         MsaForward.run_on(&mut backend, &io, &schedule)?;
-        let (a, b) = (stream.clone_dtoh(&out)?, stream.clone_dtoh(&out_kv)?);
-        let d_out = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x.to_f32() - y.to_f32()).abs())
-            .fold(0f32, f32::max);
+        let d_out = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
         let (a, b) = (stream.clone_dtoh(&lse)?, stream.clone_dtoh(&lse_kv)?);
         let d_lse = a
             .iter()
@@ -244,29 +267,14 @@ fn main() -> Res<()> {
         );
         println!("{line}");
         for &l in &localities {
-            let mut fwd = MsaForwardKv::new().with_locality(l)?;
-            let mut ms = Vec::new();
-            for i in 0..reps + 3 {
-                stream.memset_zeros(&mut flush)?;
-                let a = stream.record_event(timing)?;
-                fwd.run_on(&mut backend, &io_kv, &schedule)?;
-                let b = stream.record_event(timing)?;
-                if i >= 3 {
-                    ms.push(a.elapsed_ms(&b)?);
-                }
-            }
-            stream.synchronize()?;
-            let verdict = match fwd.status(&mut backend) {
-                Ok(n) => format!("ok, {n} rows recomputed"),
-                Err(e) => e.to_string(),
-            };
-            let b = stream.clone_dtoh(&out_kv)?;
-            let a = stream.clone_dtoh(&out)?;
-            let d = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x.to_f32() - y.to_f32()).abs())
-                .fold(0f32, f32::max);
+            let (ms, verdict) = time_kv(
+                MsaForwardKv::new().with_locality(l)?,
+                (&stream, &mut flush),
+                &mut backend,
+                (&io_kv, &schedule),
+                reps,
+            )?;
+            let d = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
             let m = median(ms);
             println!(
                 "  kv, locality {},{}: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
