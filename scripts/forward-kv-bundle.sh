@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, what one H200 device call for the experimental
 # KV-parallel forward needs (`scripts/forward-kv-h200.sh`), stripped, into the git-ignored
-# DIR (default .gpu/fkv), and copies the fla-core wheel from WHEEL (optional) beside them.
+# DIR (default .gpu/fkv), and copies the fla-core wheel from WHEEL (optional; e.g.
+# `pip download --no-deps -d .whl fla-core==0.6.0`, .whl is git-ignored) beside them.
 #
 #   scripts/forward-kv-bundle.sh [DIR] [WHEEL]
 #
