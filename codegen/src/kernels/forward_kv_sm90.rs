@@ -673,11 +673,13 @@ mod tests {
         let plan = plan().unwrap();
         let smem = plan.smem();
         let at = |id| smem.offset(id).unwrap();
+        // The O staging after Q: 8 warps × 16 rows × 128 f32, two tiles' worth.
         assert_eq!(
-            [at(Buf::K), at(Buf::V), at(Buf::Q)],
-            [0, TILE_BYTES, 2 * TILE_BYTES]
+            [at(Buf::K), at(Buf::V), at(Buf::Q), at(Buf::OStage)],
+            [0, TILE_BYTES, 2 * TILE_BYTES, 4 * TILE_BYTES]
         );
-        assert_eq!(at(Buf::Barriers), 4 * TILE_BYTES);
+        assert_eq!(8 * O_STAGE_WARP_BYTES, 2 * TILE_BYTES);
+        assert_eq!(at(Buf::Barriers), 6 * TILE_BYTES);
         // kv one stage, q two, rows one: a full and an empty barrier per stage.
         assert_eq!(plan.pipelines().barrier_slots(), 8);
         assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
