@@ -1024,8 +1024,17 @@ pub mod fwd_kv_key_max {
     /// for the scalar arguments given (see the kernel's manifest).
     /// Grid: [workspace_rows * 4 / 8, 1, 1].
     #[allow(clippy::too_many_arguments)]
-    pub fn args(k_aligned: Ptr<bf16>, kmax2: PtrMut<u32>, rows: u32) -> Vec<KernelArg> {
-        vec![KernelArg::from(k_aligned), KernelArg::from(kmax2), KernelArg::from(rows)]
+    pub fn args(
+        k_aligned: Ptr<bf16>,
+        kmax2: PtrMut<u32>,
+        v_aligned: Ptr<bf16>,
+        vmax: PtrMut<u32>,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(k_aligned), KernelArg::from(kmax2),
+            KernelArg::from(v_aligned), KernelArg::from(vmax), KernelArg::from(rows)
+        ]
     }
 }
 /// `fwd_kv_bound`: per query row the Cauchy-Schwarz bound scale*|q|*max|k| of its logits over its selected blocks.
@@ -1064,6 +1073,7 @@ pub mod fwd_kv_bound {
         cu_seqlens: Ptr<i32>,
         document_workspace_starts: Ptr<i32>,
         kmax2: Ptr<u32>,
+        vmax: Ptr<u32>,
         reference: PtrMut<f32>,
         groups: u32,
         num_tokens: u32,
@@ -1073,7 +1083,7 @@ pub mod fwd_kv_bound {
         vec![
             KernelArg::from(q), KernelArg::from(q2k), KernelArg::from(cu_seqlens),
             KernelArg::from(document_workspace_starts), KernelArg::from(kmax2),
-            KernelArg::from(reference), KernelArg::from(groups),
+            KernelArg::from(vmax), KernelArg::from(reference), KernelArg::from(groups),
             KernelArg::from(num_tokens), KernelArg::from(num_docs),
             KernelArg::from(num_blocks)
         ]
@@ -1090,6 +1100,54 @@ pub mod msa_forward_kv_sm90 {
     pub const DYNAMIC_SHARED_BYTES: u32 = 198272;
     /// PTX of `msa_forward_kv_sm90` for `sm_90a`.
     pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_sm90.sm_90a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        tmap_o: &TensorMap,
+        reference: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        l_pool: PtrMut<f32>,
+        m_pool: PtrMut<u32>,
+        gate: Ptr<u32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
+            KernelArg::from(tmap_o), KernelArg::from(reference),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
+            KernelArg::from(m_pool), KernelArg::from(gate)
+        ]
+    }
+}
+/// `msa_forward_kv_f16_sm90`: msa_forward_kv_sm90 with an f16 o_pool: the O rows staged as f16 (stmatrix) and added by TMA f16 reduce-add, against a reference the caller shifted to keep the sums in range.
+pub mod msa_forward_kv_f16_sm90 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_forward_kv_f16_sm90";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (384, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 165504;
+    /// PTX of `msa_forward_kv_f16_sm90` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_f16_sm90.sm_90a.ptx");
     /// PTX per compute capability.
     pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
     /// The kernel for [`crate::backend::Backend::launch`].
@@ -1174,6 +1232,57 @@ pub mod fwd_kv_combine {
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
             KernelArg::from(status), KernelArg::from(gate), KernelArg::from(second),
             KernelArg::from(rows)
+        ]
+    }
+}
+/// `fwd_kv_combine_f16`: fwd_kv_combine for the f16 o_pool: the reference's shift from max|v| undone in the window check and the recompute reference.
+pub mod fwd_kv_combine_f16 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_combine_f16";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_combine_f16` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_combine_f16.sm_90a.ptx");
+    /// PTX of `fwd_kv_combine_f16` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_combine_f16.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [min(ceil(T * 64 / 8), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        o_pool: PtrMut<u16>,
+        l_pool: PtrMut<f32>,
+        m_pool: Ptr<u32>,
+        reference: PtrMut<f32>,
+        out: PtrMut<bf16>,
+        lse: PtrMut<f32>,
+        status: PtrMut<u32>,
+        gate: Ptr<u32>,
+        vmax: Ptr<u32>,
+        second: u32,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
+            KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
+            KernelArg::from(status), KernelArg::from(gate), KernelArg::from(vmax),
+            KernelArg::from(second), KernelArg::from(rows)
         ]
     }
 }

@@ -6,7 +6,8 @@
 //! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [MIN,BLOCKS;MIN,BLOCKS...]
 //! ```
 //!
-//! The optional last argument times the KV forward once more per task-order locality rule
+//! A line `kv, f16 pool` times the KV forward with its experimental f16 `o_pool`. The optional
+//! last argument times the KV forward once more per task-order locality rule
 //! (`msa_runtime::contract::Locality { min_window_log2, blocks_log2 }`), one line each.
 //!
 //! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
@@ -24,7 +25,7 @@
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::contract::Locality;
-use msa_runtime::forward_kv::MsaForwardKv;
+use msa_runtime::forward_kv::{MsaForwardKv, OPool};
 use msa_runtime::reference::keys_attended;
 use msa_runtime::{
     run_forward, workspace_layout, CudaBackend, ForwardBuffers, MsaForward, ResidentSchedule,
@@ -266,6 +267,23 @@ fn main() -> Res<()> {
             rate(kvm)
         );
         println!("{line}");
+        {
+            // The experimental f16 o_pool (not the default): its recompute count says how
+            // many rows fell outside its window on these inputs.
+            let (ms, verdict) = time_kv(
+                MsaForwardKv::new().with_o_pool(OPool::F16),
+                (&stream, &mut flush),
+                &mut backend,
+                (&io_kv, &schedule),
+                reps,
+            )?;
+            let d = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
+            let m = median(ms);
+            println!(
+                "  kv, f16 pool: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
+                flop / (m as f64 * 1e-3) / 1e12
+            );
+        }
         for &l in &localities {
             let (ms, verdict) = time_kv(
                 MsaForwardKv::new().with_locality(l)?,

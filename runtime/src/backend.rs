@@ -360,13 +360,15 @@ pub enum MapElem {
     Bf16,
     /// f32: the KV forward's `o_pool`, which a TMA reduce-add accumulates.
     F32,
+    /// f16: the KV forward's `o_pool` in its f16 mode.
+    F16,
 }
 
 impl MapElem {
     /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {
-            MapElem::Bf16 => 2,
+            MapElem::Bf16 | MapElem::F16 => 2,
             MapElem::F32 => 4,
         }
     }
@@ -430,6 +432,18 @@ impl TileMapSpec {
             global_strides: bf16.global_strides.map(|s| 2 * s),
             box_dim: [32, 16, 1],
             ..bf16
+        })
+    }
+
+    /// The map of a query-side f16 tensor `[T, 64, 128]` (the KV forward's `o_pool` in its
+    /// f16 mode): [`TileMapSpec::query_rows`]'s geometry with f16 elements.
+    ///
+    /// # Errors
+    /// [`RuntimeError::TensorMap`] unless `1 <= num_tokens <= 2^32`.
+    pub fn query_rows_f16(map: &'static str, num_tokens: usize) -> Result<Self, RuntimeError> {
+        Ok(TileMapSpec {
+            elem: MapElem::F16,
+            ..Self::query_rows(map, num_tokens)?
         })
     }
 

@@ -305,6 +305,7 @@ impl TileMapSpec {
                 match self.elem {
                     MapElem::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                     MapElem::F32 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                    MapElem::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                 },
                 3,
                 base as *mut std::ffi::c_void,

@@ -19,12 +19,15 @@
 //! (`bench/results/h200-2026-12-03-s14-forward-kv.md`). Not behind
 //! [`run_forward`](crate::run_forward).
 
-use crate::backend::{Backend, Ptr, Span, TileMapSpec};
+use crate::backend::{Backend, KernelSpec, Ptr, PtrMut, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
 use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
 use crate::error::RuntimeError;
 use crate::forward::{ForwardBuffers, KV_ROW, Q_ROW};
-use crate::kernels::{fwd_kv_bound, fwd_kv_combine, fwd_kv_key_max, msa_forward_kv_sm90};
+use crate::kernels::{
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, msa_forward_kv_f16_sm90,
+    msa_forward_kv_sm90,
+};
 use crate::ops::{check_len, grid_dim, u32_arg};
 use crate::schedule_build::ResidentSchedule;
 use crate::tasks::{ScheduleShape, TaskBuildSizes, TaskWorkspace};
@@ -43,10 +46,11 @@ pub struct ForwardKvBuffers {
     /// `reference [T, 64]` f32: per row, a value at or above every `S·scale` of its keys
     /// (natural-log units), e.g. `scale·‖q‖·max‖k‖`.
     pub reference: Span<f32>,
-    /// Output `o_pool [T, 64, 128]` f32: `Σ exp(S·scale − R)·v` per row, each task's rows
-    /// added by the TMA unit. (bf16 adds, as the backward's dQ, were 2.1 ms faster at
-    /// packed64k but put `out` a bf16 step off: 0.031 max-abs against 0.025.)
-    pub o_pool: Span<f32>,
+    /// Output `o_pool [T, 64, 128]`: `Σ exp(S·scale − R)·v` per row, each task's rows added
+    /// by the TMA unit, in f32 or f16 ([`OPool`]). (bf16 adds, as the backward's dQ, were
+    /// 2.1 ms faster at packed64k than f32 but put `out` a bf16 step off: 0.031 max-abs
+    /// against 0.025.)
+    pub o_pool: OPoolSpan,
     /// Output `l_pool [T, 64]` f32: `Σ exp(S·scale − R)` per row.
     pub l_pool: Span<f32>,
     /// Output `m_pool [T, 64]` u32: the order-preserving key ([`max_from_key`]) of the row's
@@ -54,10 +58,75 @@ pub struct ForwardKvBuffers {
     pub m_pool: Span<u32>,
 }
 
+/// The element type of the KV forward's `o_pool`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OPool {
+    /// f32 (the default; measured on the H200).
+    #[default]
+    F32,
+    /// f16, half the bytes the TMA reduces (experimental: checked on the simulator, not yet
+    /// run on a GPU). The bound lowers each row's reference by `ln c`, `c =
+    /// 2^⌊log2(8 / max|v|)⌋`, so that no sum leaves f16's range; rows whose maximum lies more
+    /// than 7 below the lowered reference (their sums would reach f16's subnormals) are
+    /// recomputed with `R' = max − ln c`.
+    F16,
+}
+
+/// `o_pool` with its element type.
+#[derive(Debug, Clone, Copy)]
+pub enum OPoolSpan {
+    /// f32 elements.
+    F32(Span<f32>),
+    /// f16 elements, as their bits.
+    F16(Span<u16>),
+}
+
+impl OPoolSpan {
+    fn kind(&self) -> OPool {
+        match self {
+            OPoolSpan::F32(_) => OPool::F32,
+            OPoolSpan::F16(_) => OPool::F16,
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            OPoolSpan::F32(s) => s.addr,
+            OPoolSpan::F16(s) => s.addr,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            OPoolSpan::F32(s) => s.len,
+            OPoolSpan::F16(s) => s.len,
+        }
+    }
+
+    fn region(&self) -> Result<Region, RuntimeError> {
+        match *self {
+            OPoolSpan::F32(s) => Region::output("o_pool", s),
+            OPoolSpan::F16(s) => Region::output("o_pool", s),
+        }
+    }
+}
+
+impl OPool {
+    /// Bytes per element.
+    fn bytes(self) -> usize {
+        match self {
+            OPool::F32 => 4,
+            OPool::F16 => 2,
+        }
+    }
+}
+
 /// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
 pub struct MsaForwardKv<B: Backend> {
     /// The task order's locality rule (see [`MsaForwardKv::with_locality`]).
     locality: Locality,
+    /// `run_on`'s `o_pool` element type (see [`MsaForwardKv::with_o_pool`]).
+    pool: OPool,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -70,6 +139,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
     fn default() -> Self {
         MsaForwardKv {
             locality: FORWARD_KV_LOCALITY,
+            pool: OPool::F32,
             tasks: None,
             work: None,
             status_at: None,
@@ -123,6 +193,13 @@ impl<B: Backend> MsaForwardKv<B> {
         Ok(self)
     }
 
+    /// The same flow with [`MsaForwardKv::run_on`]'s `o_pool` in `pool` (default
+    /// [`OPool::F32`]). [`OPool::F16`] is experimental: not yet run on a GPU.
+    pub fn with_o_pool(mut self, pool: OPool) -> Self {
+        self.pool = pool;
+        self
+    }
+
     /// Issues the whole forward on `backend`'s stream, with no host sync: the reference
     /// `R = scale·‖q‖·max‖k‖` per row (over its selected blocks), the task build, the pass
     /// into pools of its own, the combine into `io.out` and `io.lse`, and the gated recompute
@@ -155,12 +232,13 @@ impl<B: Backend> MsaForwardKv<B> {
             false,
             "no in-place forward",
         )?;
-        // One workspace: o [T, 64, 128], l, m and R [T, 64] each, kmax2 [W/128, 4] and the
-        // two status words, each region 256-byte aligned.
+        // One workspace: o [T, 64, 128] (f32 or f16), l, m and R [T, 64] each, kmax2
+        // [W/128, 4], the two status words and the max|v| word, each region 256-byte aligned.
         let rows = t * NUM_Q_HEADS;
         let blocks = w / BLOCK_SIZE;
         let align = |x: usize| x.div_ceil(256) * 256;
-        let (o_b, r_b, k_b) = (align(4 * t * Q_ROW), align(4 * rows), align(16 * blocks));
+        let o_b = align(self.pool.bytes() * t * Q_ROW);
+        let (r_b, k_b) = (align(4 * rows), align(16 * blocks));
         let bytes = o_b + 3 * r_b + k_b + 256;
         if self.work.as_ref().is_none_or(|(_, have)| *have < bytes) {
             self.work = None;
@@ -173,23 +251,31 @@ impl<B: Backend> MsaForwardKv<B> {
             k_aligned: io.k_aligned,
             v_aligned: io.v_aligned,
             reference: Span::new(base + (o_b + 2 * r_b) as u64, rows),
-            o_pool: Span::new(base, t * Q_ROW),
+            o_pool: match self.pool {
+                OPool::F32 => OPoolSpan::F32(Span::new(base, t * Q_ROW)),
+                OPool::F16 => OPoolSpan::F16(Span::new(base, t * Q_ROW)),
+            },
             l_pool: Span::new(base + o_b as u64, rows),
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
         };
         let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4 * blocks);
         let status = Span::<u32>::new(kmax2.addr + k_b as u64, 2);
+        // max|v| over V, for the f16 pool's scale; null (not computed) for the f32 pool.
+        let vmax = match self.pool {
+            OPool::F32 => Ptr::new(0),
+            OPool::F16 => Ptr::new(status.addr + 8),
+        };
         self.status_at = None;
         if t > 0 {
-            for k in [
-                &fwd_kv_key_max::KERNEL,
-                &fwd_kv_bound::KERNEL,
-                &fwd_kv_combine::KERNEL,
-            ] {
+            let combine = match self.pool {
+                OPool::F32 => &fwd_kv_combine::KERNEL,
+                OPool::F16 => &fwd_kv_combine_f16::KERNEL,
+            };
+            for k in [&fwd_kv_key_max::KERNEL, &fwd_kv_bound::KERNEL, combine] {
                 backend.load(k)?;
             }
         }
-        backend.zero("forward_kv kmax2 and status", kmax2.addr, k_b + 8)?;
+        backend.zero("forward_kv kmax2, status and max|v|", kmax2.addr, k_b + 12)?;
         if t == 0 {
             // No row: nothing to launch, and a verdict of no row recomputed.
             self.status_at = Some(status.addr);
@@ -199,9 +285,12 @@ impl<B: Backend> MsaForwardKv<B> {
         let args = fwd_kv_key_max::args(
             io.k_aligned.ptr(),
             kmax2.ptr_mut(),
+            io.v_aligned.ptr(),
+            PtrMut::new(vmax.addr()),
             u32_arg("key rows", key_rows)?,
         );
-        // SAFETY: k_aligned is [W, 4, 128] (checked above) and kmax2 [W/128, 4].
+        // SAFETY: k_aligned and v_aligned are [W, 4, 128] (checked above), kmax2 [W/128, 4];
+        // vmax is one word of the workspace, or null (then V is not read).
         unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
         let docs = z.num_documents;
         let args = fwd_kv_bound::args(
@@ -210,6 +299,7 @@ impl<B: Backend> MsaForwardKv<B> {
             schedule.cu_seqlens_ptr(),
             Ptr::new(schedule.refs().ws_starts),
             kmax2.ptr(),
+            vmax,
             pools.reference.ptr_mut(),
             u32_arg("groups", 4 * t)?,
             u32_arg("num_tokens", t)?,
@@ -223,14 +313,14 @@ impl<B: Backend> MsaForwardKv<B> {
         match self.prepare(backend, &pools, schedule)? {
             Some(launch) => {
                 self.launch_pass(backend, &pools, &launch, None)?;
-                self.combine(backend, &pools, io, status, None)?;
+                self.combine(backend, &pools, io, status, vmax, None)?;
                 // The rows the first combine handed back, with their exact maxima as
                 // references; both launches return at once when there is none.
                 self.launch_pass(backend, &pools, &launch, Some(status))?;
-                self.combine(backend, &pools, io, status, Some(status))?;
+                self.combine(backend, &pools, io, status, vmax, Some(status))?;
             }
             // No task: the combine writes every row empty.
-            None => self.combine(backend, &pools, io, status, None)?,
+            None => self.combine(backend, &pools, io, status, vmax, None)?,
         }
         self.status_at = Some(status.addr);
         Ok(())
@@ -269,27 +359,52 @@ impl<B: Backend> MsaForwardKv<B> {
         pools: &ForwardKvBuffers,
         io: &ForwardBuffers,
         status: Span<u32>,
+        vmax: Ptr<u32>,
         gate: Option<Span<u32>>,
     ) -> Result<(), RuntimeError> {
         let rows = pools.l_pool.len;
-        let args = fwd_kv_combine::args(
-            pools.o_pool.ptr_mut(),
-            pools.l_pool.ptr_mut(),
-            pools.m_pool.ptr(),
-            pools.reference.ptr_mut(),
-            io.out.ptr_mut(),
-            io.lse.ptr_mut(),
-            status.ptr_mut(),
-            gate.map_or(Ptr::new(0), |g| g.ptr()),
-            u32::from(gate.is_some()),
-            u32_arg("rows", rows)?,
-        );
+        let gate_ptr = gate.map_or(Ptr::new(0), |g| g.ptr());
+        let second = u32::from(gate.is_some());
         let cap = grid_dim("combine CTAs", COMBINE_MAX_CTAS_PER_SM * backend.sm_count())?;
         let grid = row_grid(rows)?.min(cap);
+        let (kernel, args) = match pools.o_pool {
+            OPoolSpan::F32(o) => (
+                &fwd_kv_combine::KERNEL,
+                fwd_kv_combine::args(
+                    o.ptr_mut(),
+                    pools.l_pool.ptr_mut(),
+                    pools.m_pool.ptr(),
+                    pools.reference.ptr_mut(),
+                    io.out.ptr_mut(),
+                    io.lse.ptr_mut(),
+                    status.ptr_mut(),
+                    gate_ptr,
+                    second,
+                    u32_arg("rows", rows)?,
+                ),
+            ),
+            OPoolSpan::F16(o) => (
+                &fwd_kv_combine_f16::KERNEL,
+                fwd_kv_combine_f16::args(
+                    o.ptr_mut(),
+                    pools.l_pool.ptr_mut(),
+                    pools.m_pool.ptr(),
+                    pools.reference.ptr_mut(),
+                    io.out.ptr_mut(),
+                    io.lse.ptr_mut(),
+                    status.ptr_mut(),
+                    gate_ptr,
+                    vmax,
+                    second,
+                    u32_arg("rows", rows)?,
+                ),
+            ),
+        };
         // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
-        // checked to be [T, 64, 128] and [T, 64]; status is two words; a null gate is never
-        // read; the kernel strides over `rows` whatever the grid.
-        unsafe { backend.launch(&fwd_kv_combine::KERNEL, (grid, 1, 1), &args) }
+        // checked to be [T, 64, 128] and [T, 64]; status is two words and vmax the word after
+        // them (f16 pool); a null gate is never read; the kernel strides over `rows` whatever
+        // the grid.
+        unsafe { backend.launch(kernel, (grid, 1, 1), &args) }
     }
 
     /// Issues the pass on `backend`'s stream: the task build from `schedule` (built from the
@@ -330,7 +445,7 @@ impl<B: Backend> MsaForwardKv<B> {
             t * NUM_Q_HEADS,
             "[T, 64] f32",
         )?;
-        check_len("o_pool", io.o_pool.len, t * Q_ROW, "[T, 64, 128] f32")?;
+        check_len("o_pool", io.o_pool.len(), t * Q_ROW, "[T, 64, 128]")?;
         check_len("l_pool", io.l_pool.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
         check_len("m_pool", io.m_pool.len, t * NUM_Q_HEADS, "[T, 64] u32")?;
         if t == 0 {
@@ -342,7 +457,7 @@ impl<B: Backend> MsaForwardKv<B> {
                 Region::input("k_aligned", io.k_aligned)?,
                 Region::input("v_aligned", io.v_aligned)?,
                 Region::input("reference", io.reference)?,
-                Region::output("o_pool", io.o_pool)?,
+                io.o_pool.region()?,
                 Region::output("l_pool", io.l_pool)?,
                 Region::output("m_pool", io.m_pool)?,
             ],
@@ -350,7 +465,7 @@ impl<B: Backend> MsaForwardKv<B> {
             "no pool on an input or another pool",
         )?;
         // The task build loads its own kernels (`TaskWorkspace::build_from`).
-        backend.load(&msa_forward_kv_sm90::KERNEL)?;
+        backend.load(pass_kernel(io.o_pool.kind()))?;
         let shape = ScheduleShape {
             num_tokens: z.num_tokens,
             num_docs: z.num_documents,
@@ -364,8 +479,11 @@ impl<B: Backend> MsaForwardKv<B> {
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
         let tmap_v =
             backend.tensor_map(&TileMapSpec::key_rows("v_aligned", w)?, io.v_aligned.addr)?;
-        let tmap_o =
-            backend.tensor_map(&TileMapSpec::query_rows_f32("o_pool", t)?, io.o_pool.addr)?;
+        let o_map = match io.o_pool.kind() {
+            OPool::F32 => TileMapSpec::query_rows_f32("o_pool", t)?,
+            OPool::F16 => TileMapSpec::query_rows_f16("o_pool", t)?,
+        };
+        let tmap_o = backend.tensor_map(&o_map, io.o_pool.addr())?;
         let tasks = match self.tasks.take() {
             Some(ws) if ws.fits(&sizes, z.work_capacity) => ws,
             old => {
@@ -374,7 +492,8 @@ impl<B: Backend> MsaForwardKv<B> {
             }
         };
         let tasks = self.tasks.insert(tasks);
-        backend.zero("o_pool", io.o_pool.addr, 4 * io.o_pool.len)?;
+        let o_bytes = io.o_pool.kind().bytes() * io.o_pool.len();
+        backend.zero("o_pool", io.o_pool.addr(), o_bytes)?;
         backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
         backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
         tasks.build_from(backend, &schedule.refs())?;
@@ -412,7 +531,15 @@ impl<B: Backend> MsaForwardKv<B> {
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read.
-        unsafe { backend.launch(&msa_forward_kv_sm90::KERNEL, (launch.grid, 1, 1), &args) }
+        unsafe { backend.launch(pass_kernel(io.o_pool.kind()), (launch.grid, 1, 1), &args) }
+    }
+}
+
+/// The pass for an `o_pool` element type (both take the same parameters).
+fn pass_kernel(pool: OPool) -> &'static KernelSpec {
+    match pool {
+        OPool::F32 => &msa_forward_kv_sm90::KERNEL,
+        OPool::F16 => &msa_forward_kv_f16_sm90::KERNEL,
     }
 }
 

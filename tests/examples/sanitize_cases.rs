@@ -13,7 +13,8 @@
 //! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
-//! forward (`MsaForwardKv::run_on`) on that forward's schedule, checked the same way. Every
+//! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`) on that forward's
+//! schedule, checked the same way. Every
 //! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
@@ -28,7 +29,7 @@
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::contract::NUM_KV_HEADS;
-use msa_runtime::forward_kv::MsaForwardKv;
+use msa_runtime::forward_kv::{MsaForwardKv, OPool};
 use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
     from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ForwardBuffers, MsaBackward,
@@ -206,16 +207,19 @@ fn device_path(
         lse: Span::new(lse_kv.device_ptr_mut(stream).0, t * 64),
     };
     let mut backend = CudaBackend::new(stream).map_err(e)?;
-    let mut kv = MsaForwardKv::new();
-    kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
-    let recomputed = kv.status(&mut backend).map_err(e)?;
-    let out = f32s(&out_kv)?;
-    let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
-    let line = compare_forward("MsaForwardKv", &out, &lse, &want, &p.lse)
-        .map_err(|x| format!("{}: {x}", p.name))?;
-    lines.push(format!(
-        "{} (MsaForwardKv) {line}; {recomputed} rows recomputed",
-        p.name
-    ));
+    // Both o_pool types: the f16 one runs its own pass and combine kernels.
+    for pool in [OPool::F32, OPool::F16] {
+        let mut kv = MsaForwardKv::new().with_o_pool(pool);
+        kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
+        let recomputed = kv.status(&mut backend).map_err(e)?;
+        let out = f32s(&out_kv)?;
+        let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
+        let line = compare_forward("MsaForwardKv", &out, &lse, &want, &p.lse)
+            .map_err(|x| format!("{} ({pool:?} pool): {x}", p.name))?;
+        lines.push(format!(
+            "{} (MsaForwardKv, {pool:?} pool) {line}; {recomputed} rows recomputed",
+            p.name
+        ));
+    }
     Ok(lines)
 }

@@ -731,14 +731,14 @@ impl StmatrixLane {
     /// addressed row being `row` at `base + 128·row`: instruction `s` stores the words of
     /// column groups `2s`, `2s + 1` (`words(b, s)`, in the order above), chunks `2(s % 4)`,
     /// `+1` of box `s / 4` (boxes of 16 rows, 2048 bytes apart), `offset` bytes further.
-    pub fn store_sw128(
+    pub fn store_sw128<T: Packed16x2>(
         &self,
         b: &mut KernelBuilder,
         row: Reg<U32>,
         base: Reg<U32>,
         offset: u32,
         count: u32,
-        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<Bf16x2>; 4],
+        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<T>; 4],
     ) {
         let lane_at = b.mad_lo(row, 128u32, self.half_chunk);
         let lane_at = b.add(lane_at, base);
@@ -754,13 +754,24 @@ impl StmatrixLane {
 /// A warp's 16 rows of an m64n128 f32 accumulator (the 16 heads of its query slot) as bf16
 /// into its 4 KB at `stage`, as the two boxes a TMA reduce-add of 16 heads × 64 head dims reads
 /// (`[16 heads][128 B]` each, SW128: the 16-byte chunk `k` of row `h` at `k ^ (h & 7)`), with
-/// eight `stmatrix.x4`, conflict-free. The backward's dQ staging and the KV forward's O
-/// staging.
+/// eight `stmatrix.x4`, conflict-free. The backward's dQ staging.
 pub fn stage_rows_bf16(b: &mut KernelBuilder, acc: &[Reg<F32>], stage: Reg<U32>, lane: Reg<U32>) {
+    stage_rows_16(b, acc, stage, lane, |b, hi, lo| b.cvt_bf16x2(hi, lo));
+}
+
+/// As [`stage_rows_bf16`], with the pairs packed by `pack(hi, lo)` (bf16 or f16): the KV
+/// forward's f16 O staging.
+pub fn stage_rows_16<T: Packed16x2>(
+    b: &mut KernelBuilder,
+    acc: &[Reg<F32>],
+    stage: Reg<U32>,
+    lane: Reg<U32>,
+    pack: impl Fn(&mut KernelBuilder, Reg<F32>, Reg<F32>) -> Reg<T>,
+) {
     // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1; box j / 8, chunk j % 8.
     let word = |b: &mut KernelBuilder, j: u32, rr: u32| {
         let i = (4 * j + 2 * rr) as usize;
-        b.cvt_bf16x2(acc[i + 1], acc[i])
+        pack(b, acc[i + 1], acc[i])
     };
     let sm = StmatrixLane::new(b, lane);
     sm.store_sw128(b, sm.row, stage, 0, 8, |b, s| {

@@ -4,13 +4,20 @@
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
-//!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller.
+//!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller. With a non-null
+//!   `vmax` word (the f16 pool) it also takes `max |v|` over all of V into it.
 //! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·max √kmax2[b, h/16]` over the blocks `b` that
 //!   `q2k[h/16, t]` selects (one warp per token and KV head: its 16 rows share the selection), a Cauchy-Schwarz bound of the row's logits `S·scale` (0 for a
 //!   row that selects nothing). Per block rather than per head, so that an outlier key raises
 //!   only the bounds of the rows that selected its block. The square root is
 //!   `exp2(lg2(x)/2)`: the pass is exact for any `R` that keeps the row's terms in range, so R
 //!   need not be rounded right.
+//! - The f16 pool (`fwd_kv_combine_f16`, experimental): the bound lowers every reference by
+//!   `ln c`, `c = 2^⌊log2(8 / max|v|)⌋` (`f16_shift`), so that every term `exp(S·scale − R')·v`
+//!   is at most `8e` and a row's sum of at most 2048 stays under f16's 65504. The combine
+//!   undoes the shift in its window (`R − max ≥ −1`) and bounds `R' − max` by
+//!   [`MAX_GAP_F16`] (widened by `−ln c` when `c < 1`), where f16's subnormal steps move `out`
+//!   by at most about 1e-3; a row outside goes to the recompute pass with `R' = max − ln c`.
 //! - `fwd_kv_combine`: `out = o/l` (bf16) and `lse = R + ln l`; a row with no key (`m_pool`
 //!   untouched, or its maximum −∞, and a zero sum) gets `out = 0`, `lse = −∞`. A row whose
 //!   maximum lies outside `[R − 60, R + 1]` (natural-log units: its terms may have lost range
@@ -38,6 +45,13 @@ pub const MAX_GAP: f32 = 60.0;
 pub const COMBINE_MAX_CTAS_PER_SM: u32 = 32;
 /// How far the row maximum may lie above `R` (rounding of a tight bound).
 pub const MAX_EXCESS: f32 = 1.0;
+/// The f16 pool's widest gap `R' − max` (its reference shifted, see `f16_shift`): a row's sum
+/// `l' ≥ exp(−gap)`, and f16's subnormal step 2^-24 over at most 32 roundings then moves
+/// `out = o'/l'` by at most `2^-20·exp(gap)`, 1.1e-3 at 7.
+pub const MAX_GAP_F16: f32 = 7.0;
+/// The f16 pool's scale bound: every sum `o'` stays below `2048 keys · e · 8 = 44540 < 65504`
+/// with `c = 2^⌊log2(8 / max|v|)⌋`.
+pub const F16_SCALE_TARGET: f32 = 8.0;
 
 /// `‖k‖²` maxima per KV head.
 pub const KEY_MAX: KernelDesc = KernelDesc {
@@ -57,6 +71,16 @@ pub const BOUND: KernelDesc = KernelDesc {
     describe: describe_bound,
 };
 
+/// The combine of the f16 pool (experimental, not yet run on a GPU).
+pub const COMBINE_F16: KernelDesc = KernelDesc {
+    name: "fwd_kv_combine_f16",
+    about: "fwd_kv_combine for the f16 o_pool: the reference's shift from max|v| undone in the \
+            window check and the recompute reference",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: |b| describe_combine(b, true),
+};
+
 /// The combine.
 pub const COMBINE: KernelDesc = KernelDesc {
     name: "fwd_kv_combine",
@@ -64,7 +88,7 @@ pub const COMBINE: KernelDesc = KernelDesc {
             the reference's range are handed to a recompute pass with their exact maximum",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
-    describe: describe_combine,
+    describe: |b| describe_combine(b, false),
 };
 
 /// This thread's row (`ctaid·8 + warp`), its lane, and whether the row is inside `rows`.
@@ -103,16 +127,73 @@ fn row_norm2(b: &mut KernelBuilder, base: Reg<U64>, row: Reg<U32>, lane: Reg<U32
     s
 }
 
+/// `ln c` of the f16 pool's scale `c = 2^⌊log2(8 / max|v|)⌋` (clamped to `2^±60`) from the
+/// word `vmax` (the bits of max|v| over V), or 0 when `vmax` is null (the f32 pool). The
+/// bound subtracts it from R and the combine adds it back: both compute it the same way.
+fn f16_shift(b: &mut KernelBuilder, vmax_p: &ParamRef<U64>) -> Reg<F32> {
+    let shift = b.mov::<F32>(0.0f32);
+    let raw = b.ld_param(vmax_p);
+    let some = b.setp(Cmp::Ne, raw, 0u64);
+    b.if_then(some, "f16_shift", |b| {
+        let at = b.ld_param_ptr(vmax_p);
+        let bits = b.ld::<U32, _>(&global(at, 0));
+        let vmax = b.bitcast::<F32, U32>(bits);
+        let lg = b.lg2_approx(vmax);
+        let target = b.mov::<F32>(F16_SCALE_TARGET.log2());
+        let e = b.sub(target, lg);
+        let e = b.floor_f32(e);
+        let e = b.max(e, -60.0f32);
+        let e = b.min(e, 60.0f32);
+        let s = b.fmul(e, std::f32::consts::LN_2);
+        b.set(shift, s);
+    });
+    shift
+}
+
 fn describe_key_max(b: &mut KernelBuilder) {
     b.grid("[workspace_rows * 4 / 8, 1, 1]");
     let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
     let kmax_p = b.param_ptr("kmax2", HostElem::U32, true);
+    let v_p = b.param_ptr("v_aligned", HostElem::Bf16, false);
+    let vmax_p = b.param_ptr("vmax", HostElem::U32, true);
     let rows_p = b.param_u32("rows");
     let (row, lane, inside) = row_lane(b, &rows_p);
     b.if_then(inside, "key", |b| {
         let k = b.ld_param_ptr(&k_p);
         let n2 = row_norm2(b, k, row, lane);
         let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        // The f16 pool's scale needs max|v| over all of V (a null `vmax`: not asked for).
+        let raw = b.ld_param(&vmax_p);
+        let want = b.setp(Cmp::Ne, raw, 0u64);
+        b.if_then(want, "value_max", |b| {
+            let v = b.ld_param_ptr(&v_p);
+            let idx = b.mad_lo(row, 32u32, lane);
+            let at = common::elem_bytes(b, v, idx, 8);
+            let w: [Reg<Bf16x2>; 2] = b.ld_global_nc_v(&at);
+            // |v| as f32 bits: a bf16 pair's halves shifted into the high bits, the sign
+            // cleared; non-negative floats order as their bits (a NaN's lie above +∞).
+            let mut m: Option<Reg<U32>> = None;
+            for x in w {
+                let x = b.bitcast::<U32, Bf16x2>(x);
+                let lo = b.shl(x, 16u32);
+                for y in [lo, x] {
+                    let a = b.and(y, 0x7fff_0000u32);
+                    m = Some(match m {
+                        None => a,
+                        Some(p) => b.max(p, a),
+                    });
+                }
+            }
+            let mut m = m.expect("four values");
+            for d in [16u32, 8, 4, 2, 1] {
+                let o = b.shfl(Shfl::Bfly, m, d, 0x1f);
+                m = b.max(m, o);
+            }
+            b.if_then(lane0, "value_max_word", |b| {
+                let vmax = b.ld_param_ptr(&vmax_p);
+                b.red::<U32, _>(AtomOp::Max, &global(vmax, 0), m);
+            });
+        });
         b.if_then(lane0, "key_max", |b| {
             // Aligned row `row / 4` of head `row % 4`: entry (row / 512)·4 + row % 4.
             let g = b.and(row, 3u32);
@@ -134,6 +215,7 @@ fn describe_bound(b: &mut KernelBuilder) {
     let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
     let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
     let kmax_p = b.param_ptr("kmax2", HostElem::U32, false);
+    let vmax_p = b.param_ptr("vmax", HostElem::U32, false);
     let r_p = b.param_ptr("reference", HostElem::F32, true);
     let groups_p = b.param_u32("groups");
     let tokens_p = b.param_u32("num_tokens");
@@ -192,6 +274,8 @@ fn describe_bound(b: &mut KernelBuilder) {
             let o = b.shfl(Shfl::Bfly, m, dd, 0x1f);
             m = b.max(m, o);
         }
+        // The f16 pool's reference lies `ln c` lower (0 for the f32 pool).
+        let shift = f16_shift(b, &vmax_p);
         b.if_then(slot, "store", |b| {
             let k2 = b.bitcast::<F32, U32>(m);
             let p = b.fmul(n2, k2);
@@ -199,6 +283,7 @@ fn describe_bound(b: &mut KernelBuilder) {
             let half = b.fmul(lg, 0.5f32);
             let norm = b.ex2_approx(half);
             let r = b.fmul(norm, common::SCALE);
+            let r = b.sub(r, shift);
             let rp = b.ld_param_ptr(&r_p);
             let row = b.add(row0, lane);
             let at = common::elem::<F32>(b, rp, row);
@@ -208,9 +293,13 @@ fn describe_bound(b: &mut KernelBuilder) {
     b.ret();
 }
 
-fn describe_combine(b: &mut KernelBuilder) {
+fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     b.grid("[min(ceil(T * 64 / 8), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
-    let o_p = b.param_ptr("o_pool", HostElem::F32, true);
+    let o_p = if f16 {
+        b.param_ptr("o_pool", HostElem::U16, true)
+    } else {
+        b.param_ptr("o_pool", HostElem::F32, true)
+    };
     let l_p = b.param_ptr("l_pool", HostElem::F32, true);
     let m_p = b.param_ptr("m_pool", HostElem::U32, false);
     let r_p = b.param_ptr("reference", HostElem::F32, true);
@@ -218,11 +307,28 @@ fn describe_combine(b: &mut KernelBuilder) {
     let lse_p = b.param_ptr("lse", HostElem::F32, true);
     let status_p = b.param_ptr("status", HostElem::U32, true);
     let gate_p = b.param_ptr("gate", HostElem::U32, false);
+    let vmax_p = if f16 {
+        Some(b.param_ptr("vmax", HostElem::U32, false))
+    } else {
+        None
+    };
     let second_p = b.param_u32("second");
     let rows_p = b.param_u32("rows");
     super::forward_kv_sm90::gate(b, &gate_p);
     let second = b.ld_param(&second_p);
     let second = b.setp(Cmp::Ne, second, 0u32);
+    // The f16 pool's reference R' = R − ln c: the window is R − max in [−1, ..], and the
+    // subnormal bound on R' − max, widened when c < 1 (its rows' sums are then large).
+    let (shift, max_gap) = match &vmax_p {
+        Some(v) => (f16_shift(b, v), MAX_GAP_F16),
+        None => (b.mov::<F32>(0.0f32), MAX_GAP),
+    };
+    let lo = b.mov::<F32>(-MAX_EXCESS);
+    let lo_gap = b.sub(lo, shift);
+    let zero_f = b.mov::<F32>(0.0f32);
+    let neg_shift = b.sub(zero_f, shift);
+    let widen = b.max(neg_shift, 0.0f32);
+    let hi_gap = b.add(widen, max_gap);
     // Grid-stride over the rows: the runtime caps the grid, so that the gated second
     // combine costs a few thousand CTAs that return at once, not one per 8 rows.
     let tid = b.sreg(SReg::TidX);
@@ -265,8 +371,8 @@ fn describe_combine(b: &mut KernelBuilder) {
     let m2 = b.bitcast::<F32, U32>(bits);
     let m = b.fmul(m2, std::f32::consts::LN_2);
     let gap = b.sub(r, m);
-    let lo_ok = b.setp(Cmp::Ge, gap, -MAX_EXCESS);
-    let hi_ok = b.setp(Cmp::Le, gap, MAX_GAP);
+    let lo_ok = b.setp(Cmp::Ge, gap, lo_gap);
+    let hi_ok = b.setp(Cmp::Le, gap, hi_gap);
     let l_ok = b.setp(Cmp::Gt, l, 0.0f32);
     let in_range = b.and_pred(lo_ok, hi_ok);
     let in_range = b.and_pred(in_range, l_ok);
@@ -288,8 +394,15 @@ fn describe_combine(b: &mut KernelBuilder) {
     let lse = b.selp(f32::NAN, lse, bad);
     let idx = b.mad_lo(row, 32u32, lane);
     let op = b.ld_param_ptr(&o_p);
-    let o_at = common::elem_bytes(b, op, idx, 16);
-    let o: [Reg<F32>; 4] = b.ld_v(&o_at);
+    let o_at = common::elem_bytes(b, op, idx, if f16 { 8 } else { 16 });
+    let o: [Reg<F32>; 4] = if f16 {
+        let w: [Reg<F16x2>; 2] = b.ld_v(&o_at);
+        let (a0, a1) = b.f16x2_to_f32(w[0]);
+        let (a2, a3) = b.f16x2_to_f32(w[1]);
+        [a0, a1, a2, a3]
+    } else {
+        b.ld_v(&o_at)
+    };
     // Not `o·0` for a row that is not good: its `o` may hold NaN.
     let y: Vec<Reg<F32>> = o
         .iter()
@@ -321,10 +434,17 @@ fn describe_combine(b: &mut KernelBuilder) {
         b.comment("hand a bad row to the recompute pass: R = its maximum, its sums zeroed");
         b.if_then(bad, "recompute", |b| {
             let z = b.mov::<F32>(0.0f32);
-            b.st_v(&o_at, [z, z, z, z]);
+            if f16 {
+                let z2 = b.mov::<U32>(0u32);
+                b.st_v(&o_at, [z2, z2]);
+            } else {
+                b.st_v(&o_at, [z, z, z, z]);
+            }
             b.if_then(lane0, "recompute_row", |b| {
                 b.st(&l_at, z);
-                b.st(&r_at, m);
+                // The f16 pool's recompute keeps its scale: R' = max − ln c.
+                let m_ref = b.sub(m, shift);
+                b.st(&r_at, m_ref);
                 b.red::<U32, _>(AtomOp::Add, &global(sp, 0), 1u32);
             });
         });

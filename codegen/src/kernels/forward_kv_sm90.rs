@@ -44,6 +44,16 @@
 //!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
 //!   its own last read), checked at codegen time.
 //!
+//! # The f16 pool (`msa_forward_kv_f16_sm90`, experimental, not yet run on a GPU)
+//! [`OPool::F16`]: the same kernel with each warp's rows staged as f16 (`cvt.rn.f16x2.f32`,
+//! `stmatrix`, two boxes of 16 heads × 64 d) and added by a TMA f16 reduce-add: the bf16
+//! pool's bytes with 11 significant bits instead of 8. The caller lowers the reference so that
+//! no sum leaves f16's range, and recomputes the rows whose sums would sink into its
+//! subnormals (`forward_kv_rows`). On the simulator's unit-normal inputs the Cauchy-Schwarz
+//! bound lies about 10 above each row's maximum, past that window, so every row is
+//! recomputed; with Q and K halved (a gap of about 3, as on the benchmark's uniform inputs)
+//! none is.
+//!
 //! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md`)
 //! The whole forward (`MsaForwardKv::run_on`: bound, task build, pass, combine) at packed64k /
 //! doc32k / doc8k. In the same runs, fla-core 0.6.0 `parallel_nsa_fwd` took 36.9 / 20.7 /
@@ -78,14 +88,55 @@ pub const PRODUCER_REGS: u32 = 40;
 /// Registers of each consumer warpgroup after `setmaxnreg.inc` (40·128 + 232·256 ≤ 64 Ki).
 pub const CONSUMER_REGS: u32 = 232;
 
-/// The kernel.
+/// The element type of `o_pool`, and so of the O staging and `tmap_o`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OPool {
+    /// f32: four boxes of 16 heads × 32 d per warp (8 KB staged).
+    F32,
+    /// f16: two boxes of 16 heads × 64 d per warp (4 KB staged, `stmatrix`), half the bytes
+    /// reduced. The caller shifts the reference so that no sum leaves f16's range
+    /// (`forward_kv_rows`).
+    F16,
+}
+
+impl OPool {
+    /// Staged bytes per consumer warp: 16 rows × 128 d.
+    pub fn warp_bytes(self) -> u32 {
+        match self {
+            OPool::F32 => 16 * 128 * 4,
+            OPool::F16 => 16 * 128 * 2,
+        }
+    }
+
+    /// The TMA boxes of a warp's rows: (count, head dims per box); each box is 16 heads of
+    /// 128-byte rows (2 KB).
+    pub fn boxes(self) -> (u32, u32) {
+        match self {
+            OPool::F32 => (4, 32),
+            OPool::F16 => (2, 64),
+        }
+    }
+}
+
+/// The kernel (f32 `o_pool`).
 pub const DESC: KernelDesc = KernelDesc {
     name: "msa_forward_kv_sm90",
     about: "KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V \
             (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe,
+    describe: |b| describe(b, OPool::F32),
+};
+
+/// The kernel with an f16 `o_pool` (experimental, not yet run on a GPU).
+pub const DESC_F16: KernelDesc = KernelDesc {
+    name: "msa_forward_kv_f16_sm90",
+    about:
+        "msa_forward_kv_sm90 with an f16 o_pool: the O rows staged as f16 (stmatrix) and added \
+            by TMA f16 reduce-add, against a reference the caller shifted to keep the sums in range",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe: |b| describe(b, OPool::F16),
 };
 
 fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
@@ -130,14 +181,15 @@ pub fn rows_pipeline() -> Pipeline {
 /// consumer warp: two tiles' worth),
 /// the barriers, then the row scalars (`−R·log2e` per folded row, the slots' compact rows and
 /// positions).
-pub fn smem_plan(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
+pub fn smem_plan(pipelines: &PipelinePlan, pool: OPool) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (q, rows) = (stages("q")?, stages("rows")?);
     SmemPlan::layout(vec![
         BufferSpec::tile(Buf::K, 1),
         BufferSpec::tile(Buf::V, 1),
         BufferSpec::tile(Buf::Q, q),
-        BufferSpec::tile(Buf::OStage, 2),
+        // 8 consumer warps' staging: 64 KB in f32 (two tiles), 32 KB in f16 (one).
+        BufferSpec::tile(Buf::OStage, 8 * pool.warp_bytes() / TILE_BYTES),
         BufferSpec::barriers(pipelines.barrier_slots()),
         BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::QRows, SLOTS, rows),
@@ -147,10 +199,10 @@ pub fn smem_plan(pipelines: &PipelinePlan) -> Result<SmemPlan, PlanError> {
 
 /// The whole plan, checked: budgets, pipelines against the roles, the layout against the
 /// TMA fills.
-pub fn plan() -> Result<Sm90Plan, PlanError> {
+pub fn plan(pool: OPool) -> Result<Sm90Plan, PlanError> {
     let warps = Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)?;
     let pipelines = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), rows_pipeline()], &warps)?;
-    let smem = smem_plan(&pipelines)?;
+    let smem = smem_plan(&pipelines, pool)?;
     Sm90Plan::new(warps, smem, pipelines, Vec::new(), Vec::new())
 }
 
@@ -253,6 +305,7 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
 
 /// What every role reads.
 struct Ctx<'a> {
+    pool: OPool,
     r: &'a Resolved<'a>,
     p: &'a ForwardKvParams,
     base: Reg<U32>,
@@ -260,11 +313,11 @@ struct Ctx<'a> {
     walk: common::Walk,
 }
 
-fn describe(b: &mut KernelBuilder) {
+fn describe(b: &mut KernelBuilder, pool: OPool) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
     let p = params(b);
-    let plan = match plan() {
+    let plan = match plan(pool) {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
     };
@@ -279,6 +332,7 @@ fn describe(b: &mut KernelBuilder) {
     let bars = common::sm90_barriers(b, base, r.barriers);
     let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);
     let ctx = Ctx {
+        pool,
         r: &r,
         p: &p,
         base,
@@ -374,8 +428,6 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
 
 /// Bytes of one staged O box: 16 heads × 32 f32 (one 128-byte SW128 row per head).
 const O_BOX_BYTES: u32 = 16 * 128;
-/// A consumer warp's O staging: its 16 rows × 128 f32, four boxes.
-const O_STAGE_WARP_BYTES: u32 = 4 * O_BOX_BYTES;
 
 /// A lane's part in staging its warp's 16 rows of the m64n128 f32 accumulator (the 16 heads of
 /// its slot) as the four boxes of 16 heads × 32 d a TMA reduce-add of `tmap_o` reads
@@ -465,8 +517,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let neg_inf = f32::NEG_INFINITY;
     let scale_log2e = common::SCALE_LOG2E;
     let c_rows = b.mul_lo(c, 64 * 128);
-    // This warp's 8 KB of the O staging: consumer c's warp w at (4c + w)·8 KB.
-    let stage = b.mad_lo(slot, O_STAGE_WARP_BYTES, base);
+    // This warp's part of the O staging: consumer c's warp w at (4c + w)·warp_bytes.
+    let stage = b.mad_lo(slot, ctx.pool.warp_bytes(), base);
     let stage = b.add(stage, r.o_stage.offset);
     let o_lane = OStageLane::new(b, lane, &stage);
 
@@ -634,12 +686,17 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
                 }
             });
-            b.comment("its O rows into the warp's staging, TMA reduce-add (f32) into o_pool");
+            b.comment("its O rows into the warp's staging, TMA reduce-add into o_pool");
             // The warp's reduction of the previous task has read the staging by now (a whole
             // task later); lane 0 waits for it, then the warp meets before overwriting it.
             b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
             b.bar_warp_sync();
-            o_lane.store(b, &o_acc);
+            match ctx.pool {
+                OPool::F32 => o_lane.store(b, &o_acc),
+                OPool::F16 => {
+                    common::stage_rows_16(b, &o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
+                }
+            }
             // The async proxy reads the staged rows: each lane's stores are fenced, then the
             // warp meets before its lane 0 issues.
             b.fence_proxy_async_shared();
@@ -648,8 +705,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let map = b.tensor_map_addr(&p.tmap_o);
                 let h16 = b.shl(head, 4u32);
                 let h16 = b.bitcast::<S32, U32>(h16);
-                for box_ in 0..4u32 {
-                    let d0 = b.mov::<S32>(32 * box_ as i32);
+                let (count, width) = ctx.pool.boxes();
+                for box_ in 0..count {
+                    let d0 = b.mov::<S32>((width * box_) as i32);
                     let src = shared(stage, i64::from(O_BOX_BYTES * box_));
                     b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
                 }
@@ -670,19 +728,25 @@ mod tests {
 
     #[test]
     fn the_plan_places_every_buffer_within_the_shared_memory() {
-        let plan = plan().unwrap();
-        let smem = plan.smem();
-        let at = |id| smem.offset(id).unwrap();
-        // The O staging after Q: 8 warps × 16 rows × 128 f32, two tiles' worth.
-        assert_eq!(
-            [at(Buf::K), at(Buf::V), at(Buf::Q), at(Buf::OStage)],
-            [0, TILE_BYTES, 2 * TILE_BYTES, 4 * TILE_BYTES]
-        );
-        assert_eq!(8 * O_STAGE_WARP_BYTES, 2 * TILE_BYTES);
-        assert_eq!(at(Buf::Barriers), 6 * TILE_BYTES);
-        // kv one stage, q two, rows one: a full and an empty barrier per stage.
-        assert_eq!(plan.pipelines().barrier_slots(), 8);
-        assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
+        // The O staging: 8 warps × 16 rows × 128 d, 64 KB in f32, 32 KB in f16.
+        for (pool, staging) in [(OPool::F32, 2 * TILE_BYTES), (OPool::F16, TILE_BYTES)] {
+            let plan = plan(pool).unwrap();
+            let smem = plan.smem();
+            let at = |id| smem.offset(id).unwrap();
+            assert_eq!(
+                [at(Buf::K), at(Buf::V), at(Buf::Q), at(Buf::OStage)],
+                [0, TILE_BYTES, 2 * TILE_BYTES, 4 * TILE_BYTES]
+            );
+            assert_eq!(8 * pool.warp_bytes(), staging);
+            assert_eq!(at(Buf::Barriers), 4 * TILE_BYTES + staging);
+            // The boxes cover a warp's 16 rows × 128 d in 2 KB boxes.
+            let (count, width) = pool.boxes();
+            assert_eq!(count * width, 128);
+            assert_eq!(count * O_BOX_BYTES, pool.warp_bytes());
+            // kv one stage, q two, rows one: a full and an empty barrier per stage.
+            assert_eq!(plan.pipelines().barrier_slots(), 8);
+            assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
+        }
     }
 
     #[test]
@@ -710,7 +774,7 @@ mod tests {
             ..kv_pipeline()
         };
         let pipes = PipelinePlan::new(vec![kv, q_pipeline(), rows_pipeline()], &warps).unwrap();
-        let smem = smem_plan(&pipes).unwrap();
+        let smem = smem_plan(&pipes, OPool::F32).unwrap();
         match Sm90Plan::new(warps, smem, pipes, Vec::new(), Vec::new()) {
             Ok(plan) => assert!(resolve(&plan).is_err()),
             Err(e) => assert!(matches!(e, PlanError::FillStages { .. }), "{e}"),

@@ -49,6 +49,8 @@ reg_types! {
     B32 => "b32", "b32", "%b", 4;
     /// Two packed bf16 values (upper half, lower half).
     Bf16x2 => "bf16x2", "b32", "%bx", 4;
+    /// Two packed f16 values (upper half, lower half).
+    F16x2 => "f16x2", "b32", "%hx", 4;
     /// Unsigned 32-bit integer.
     U32 => "u32", "u32", "%r", 4;
     /// Signed 32-bit integer.
@@ -97,7 +99,7 @@ pub trait Bits: Ty {
 macro_rules! bits {
     ($($T:ident => $n:literal),*) => { $(impl Bits for $T { const BITS_NAME: &'static str = $n; })* };
 }
-bits!(B32 => "b32", U32 => "b32", S32 => "b32", Bf16x2 => "b32", F32 => "b32",
+bits!(B32 => "b32", U32 => "b32", S32 => "b32", Bf16x2 => "b32", F16x2 => "b32", F32 => "b32",
       B64 => "b64", U64 => "b64", S64 => "b64", B16 => "b16", Bf16 => "b16");
 
 /// 32-bit types that `shfl.sync` moves.
@@ -107,13 +109,19 @@ impl Word for U32 {}
 impl Word for S32 {}
 impl Word for F32 {}
 impl Word for Bf16x2 {}
+impl Word for F16x2 {}
+
+/// Two packed 16-bit floats, as `stmatrix` stores them.
+pub trait Packed16x2: Word {}
+impl Packed16x2 for Bf16x2 {}
+impl Packed16x2 for F16x2 {}
 
 /// Types that can live in memory and be moved by `ld`/`st`.
 pub trait Mem: Ty {}
 macro_rules! mem {
     ($($T:ident),*) => { $(impl Mem for $T {})* };
 }
-mem!(B16, Bf16, B32, Bf16x2, U32, S32, F32, B64, U64, S64);
+mem!(B16, Bf16, B32, Bf16x2, F16x2, U32, S32, F32, B64, U64, S64);
 
 /// A typed virtual register. Copyable handle; the builder owns the numbering.
 ///

@@ -1037,13 +1037,14 @@ fn decode_cvt(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
         list: std::mem::take(&mut m.list),
     };
     m.finish()?;
-    if dt == Ty::Bf16x2 && at == Ty::F32 {
+    if matches!(dt, Ty::Bf16x2 | Ty::F16x2) && at == Ty::F32 {
         if round != Some("rn") {
-            return unsupported("cvt.bf16x2.f32 without .rn");
+            return unsupported("cvt.bf16x2.f32 / cvt.f16x2.f32 without .rn");
         }
         arity(ops, 3)?;
         return Ok(Op::CvtBf16x2 {
             d: ctx.reg(&ops[0])?,
+            f16: dt == Ty::F16x2,
             hi: ctx.src(&ops[1], Ty::F32)?,
             lo: ctx.src(&ops[2], Ty::F32)?,
         });

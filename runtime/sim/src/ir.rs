@@ -874,10 +874,12 @@ pub enum Op {
         /// Source.
         a: Src,
     },
-    /// `cvt.rn.bf16x2.f32 d, hi, lo`: `hi` lands in the upper half.
+    /// `cvt.rn.bf16x2.f32 d, hi, lo` (or `.f16x2` with `f16`): `hi` lands in the upper half.
     CvtBf16x2 {
         /// Destination.
         d: Reg,
+        /// f16 halves instead of bf16.
+        f16: bool,
         /// Upper element (first operand).
         hi: Src,
         /// Lower element (second operand).
@@ -1123,7 +1125,7 @@ impl Op {
                 src(out, a);
                 src(out, b);
             }
-            Op::CvtBf16x2 { d, hi, lo } => {
+            Op::CvtBf16x2 { d, hi, lo, .. } => {
                 out.push(*d);
                 src(out, hi);
                 src(out, lo);

@@ -19,7 +19,8 @@
 //! | 10 | element size in bytes: 1, 2, 4 or 8 |
 //! | 11 | swizzle: 0 none, 1 32B, 2 64B, 3 128B (`CUtensorMapSwizzle` values) |
 //! | 12 | OOB fill: 0 zeros (`FLOAT_OOB_FILL_NONE`), 1 NaN (`NAN_REQUEST_ZERO_FMA`) |
-//! | 13..16 | zero |
+//! | 13 | 16-bit float kind: 0 bf16 (or not a 16-bit float map), 1 f16 |
+//! | 14..16 | zero |
 //! | 16..24 | global base address |
 //! | 24..64 | globalDim\[0..5\] (u64, innermost first; unused dimensions 1) |
 //! | 64..96 | globalStrides\[0..4\]: byte strides of dimensions 1..rank (u64) |
@@ -81,6 +82,8 @@ pub struct SimTensorMap {
     pub swizzle: Swizzle,
     /// Out-of-bounds fill.
     pub oob_fill: OobFill,
+    /// 2-byte elements are f16, not bf16 (what a TMA reduce-add adds; loads move bits).
+    pub f16: bool,
 }
 
 impl SimTensorMap {
@@ -132,6 +135,7 @@ impl SimTensorMap {
             element_strides: [1; 5],
             swizzle,
             oob_fill,
+            f16: false,
         };
         m.global_dim[..rank].copy_from_slice(global_dim);
         m.global_strides[..rank - 1].copy_from_slice(global_strides);
@@ -177,7 +181,7 @@ impl SimTensorMap {
         base: DevPtr,
     ) -> Result<SimTensorMap, String> {
         spec.validate(base.0).map_err(|e| e.to_string())?;
-        SimTensorMap::tiled(
+        let mut m = SimTensorMap::tiled(
             base,
             spec.elem.bytes() as u8,
             &spec.global_dim,
@@ -187,7 +191,9 @@ impl SimTensorMap {
             Swizzle::B128,
             OobFill::Zero,
         )
-        .map_err(|e| format!("tensor map `{}`: {e}", spec.map))
+        .map_err(|e| format!("tensor map `{}`: {e}", spec.map))?;
+        m.f16 = spec.elem == msa_runtime::backward::MapElem::F16;
+        Ok(m)
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -319,6 +325,7 @@ impl SimTensorMap {
             OobFill::Zero => 0,
             OobFill::Nan => 1,
         };
+        b[13] = u8::from(self.f16);
         b[16..24].copy_from_slice(&self.base.to_le_bytes());
         for (i, d) in self.global_dim.iter().enumerate() {
             b[24 + 8 * i..32 + 8 * i].copy_from_slice(&d.to_le_bytes());
@@ -378,6 +385,11 @@ impl SimTensorMap {
                 0 => OobFill::Zero,
                 1 => OobFill::Nan,
                 c => return Err(format!("OOB fill code {c} is not 0 or 1")),
+            },
+            f16: match b[13] {
+                0 => false,
+                1 => true,
+                c => return Err(format!("16-bit float kind {c} is not 0 or 1")),
             },
         };
         m.validate()?;

@@ -5,7 +5,7 @@
 //! 1e-3 max-abs, empty rows `out = 0`, `lse = −∞`. No GPU.
 
 use half::bf16;
-use msa_runtime::forward_kv::{combine_row, ForwardKvBuffers, MsaForwardKv};
+use msa_runtime::forward_kv::{combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan};
 use msa_runtime::reference;
 use msa_runtime::{causal_support, Span};
 use msa_sim::backward::{cu_of, random_q2k, Rng};
@@ -75,7 +75,7 @@ fn run_ptx(
         k_aligned: Span::new(k_d.ptr.addr(), inp.ka.len()),
         v_aligned: Span::new(v_d.ptr.addr(), inp.va.len()),
         reference: Span::new(r_d.ptr.addr(), t * 64),
-        o_pool: Span::new(o_d.ptr.addr(), t * Q_ROW),
+        o_pool: OPoolSpan::F32(Span::new(o_d.ptr.addr(), t * Q_ROW)),
         l_pool: Span::new(l_d.ptr.addr(), t * 64),
         m_pool: Span::new(m_d.ptr.addr(), t * 64),
     };
@@ -84,7 +84,7 @@ fn run_ptx(
         .map_err(|e| e.to_string())?;
     let main = dev.launches().last().expect("launched").kernel;
     assert_eq!(main, "msa_forward_kv_sm90");
-    let o: Vec<f32> = dev.read(io.o_pool.addr, t * Q_ROW).unwrap();
+    let o: Vec<f32> = dev.read(o_d.ptr.addr(), t * Q_ROW).unwrap();
     let l: Vec<f32> = dev.read(io.l_pool.addr, t * 64).unwrap();
     let m: Vec<u32> = dev.read(io.m_pool.addr, t * 64).unwrap();
     let mut out = vec![0f32; t * Q_ROW];
@@ -165,6 +165,16 @@ fn run_device(
     ka: &[bf16],
     va: &[bf16],
 ) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
+    run_device_with(cu, q2k, (q, ka, va), OPool::F32)
+}
+
+/// [`run_device`] with `o_pool` in `pool`.
+fn run_device_with(
+    cu: &[i32],
+    q2k: &[i32],
+    (q, ka, va): (&[bf16], &[bf16], &[bf16]),
+    pool: OPool,
+) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
     let t = *cu.last().unwrap() as usize;
     let w = ka.len() / KV_ROW;
     let mut dev = SimDevice::new(Arch::Sm90, 132);
@@ -182,8 +192,16 @@ fn run_device(
         out: Span::new(out_d.ptr.addr(), t * Q_ROW),
         lse: Span::new(lse_d.ptr.addr(), t * 64),
     };
-    let mut fwd = MsaForwardKv::new();
+    let mut fwd = MsaForwardKv::new().with_o_pool(pool);
     fwd.run_on(&mut dev, &io, &s).expect("forward");
+    let pass = match pool {
+        OPool::F32 => "msa_forward_kv_sm90",
+        OPool::F16 => "msa_forward_kv_f16_sm90",
+    };
+    assert!(
+        dev.launches().iter().any(|l| l.kernel == pass),
+        "the {pool:?} pass ran"
+    );
     let verdict = fwd.status(&mut dev);
     let out: Vec<bf16> = dev.read(io.out.addr, t * Q_ROW).unwrap();
     let lse: Vec<f32> = dev.read(io.lse.addr, t * 64).unwrap();
@@ -275,6 +293,128 @@ fn a_nan_query_row_comes_out_nan_and_is_reported() {
     inp.want_lse = want_lse;
     inp.want_out = want_out;
     compare(&inp, &got_out, &got_lse).unwrap_or_else(|e| panic!("other rows: {e}"));
+}
+
+// ---- the f16 o_pool (OPool::F16) ------------------------------------------------------------
+
+/// The device flow with the f16 pool on `inp`, compared with its reference; the verdict.
+fn check_f16(what: &str, cu: &[i32], q2k: &[i32], inp: &Inputs) -> u32 {
+    let (out, lse, verdict) = run_device_with(cu, q2k, (&inp.q, &inp.ka, &inp.va), OPool::F16);
+    let recomputed = verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stats = compare(inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+    eprintln!("f16 pool, {what}, {recomputed} rows recomputed: {stats}");
+    recomputed
+}
+
+/// `inp` with Q and K halved, and its reference: the Cauchy-Schwarz bound then lies within
+/// about 3 of each row's maximum (a quarter of the unit-normal inputs' gap of about 10), as
+/// on the benchmark's uniform inputs.
+fn tight(cu: &[i32], q2k: &[i32], mut inp: Inputs) -> Inputs {
+    for x in inp.q.iter_mut().chain(inp.ka.iter_mut()) {
+        *x = bf16::from_f32(x.to_f32() * 0.5);
+    }
+    let want = reference_of(cu, q2k, &inp);
+    inp.want_out = want.out;
+    inp.want_lse = want.lse;
+    inp
+}
+
+#[test]
+fn f16_pool_device_flow_matches_the_reference() {
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    // Bounds within the f16 window: one pass, no row recomputed.
+    let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 22));
+    assert_eq!(check_f16("random selections", &cu, &q2k, &inp), 0);
+    let q2k = causal_support(&cu).unwrap();
+    let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 25));
+    assert_eq!(check_f16("causal support", &cu, &q2k, &inp), 0);
+}
+
+#[test]
+fn f16_pool_recomputes_every_row_whose_bound_lies_too_far_above_it() {
+    // Unit-normal Q and K put the bound about 10 above each row's maximum, past the f16
+    // window of 7 (after the scale's ln 8): every row with a key goes to the recompute pass,
+    // and comes out as exact as with the f32 pool. Correct, but two passes.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = inputs(&cu, &q2k, 22);
+    let rows_with_keys = inp.want_lse.iter().filter(|x| x.is_finite()).count() as u32;
+    assert_eq!(
+        check_f16("unit-normal inputs", &cu, &q2k, &inp),
+        rows_with_keys
+    );
+}
+
+#[test]
+fn f16_pool_scales_large_and_small_values_into_range() {
+    // V scaled by 2^12 and by 2^-14: the pool's scale c follows max|v| (2^-10 and 2^17
+    // here), so no sum overflows f16 (up to 2048·e·4096 unscaled) or sinks into its
+    // subnormals.
+    let cu = cu_of(&[260, 3]);
+    let q2k = causal_support(&cu).unwrap();
+    for (what, factor) in [("V × 4096", 4096.0f32), ("V × 2^-14", 1.0 / 16384.0)] {
+        let mut inp = inputs(&cu, &q2k, 26);
+        for v in inp.va.iter_mut() {
+            *v = bf16::from_f32(v.to_f32() * factor);
+        }
+        let mut inp = tight(&cu, &q2k, inp);
+        let (out, lse, verdict) =
+            run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), OPool::F16);
+        assert_eq!(
+            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
+            0,
+            "{what}"
+        );
+        // Compare out relative to its scale: the tolerances are for unit-sized values.
+        let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
+        inp.want_out = norm(&inp.want_out);
+        let stats = compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("f16 pool, {what}: {stats}");
+    }
+}
+
+#[test]
+fn f16_pool_sends_the_outlier_rows_to_the_recompute_pass() {
+    // As for the f32 pool: the rows whose bound an outlier key lifts far above their logits
+    // are recomputed with their exact maximum (less ln c) as reference, and come out exact.
+    let cu = cu_of(&[200]);
+    let q2k = causal_support(&cu).unwrap();
+    let mut inp = inputs(&cu, &q2k, 23);
+    for d in 0..128 {
+        inp.ka[190 * KV_ROW + d] = bf16::from_f32(if d == 0 { 256.0 } else { 0.0 });
+    }
+    let want = reference_of(&cu, &q2k, &inp);
+    inp.want_out = want.out;
+    inp.want_lse = want.lse;
+    let recomputed = check_f16("outlier key", &cu, &q2k, &inp);
+    assert!(recomputed >= 72 * 16, "{recomputed} rows recomputed");
+}
+
+#[test]
+fn f16_pool_reports_a_nan_query_row() {
+    let cu = cu_of(&[200]);
+    let q2k = causal_support(&cu).unwrap();
+    let mut inp = inputs(&cu, &q2k, 24);
+    let bad_row = 50 * 64 + 3;
+    for d in 0..128 {
+        inp.q[bad_row * 128 + d] = bf16::from_f32(f32::NAN);
+    }
+    let (out, lse, verdict) = run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), OPool::F16);
+    assert!(
+        lse[bad_row].is_nan(),
+        "lse of the NaN row: {}",
+        lse[bad_row]
+    );
+    assert!(out[bad_row * 128..bad_row * 128 + 128]
+        .iter()
+        .all(|&x| x == 0.0));
+    match verdict {
+        Err(msa_runtime::RuntimeError::ForwardReferenceRange { rows }) => assert_eq!(rows, 1),
+        other => panic!("verdict {other:?}"),
+    }
 }
 
 // ---- planted bugs in the shipped msa_forward_kv_sm90 text ---------------------------------

@@ -161,6 +161,49 @@ impl KernelBuilder {
         d
     }
 
+    /// Packs two f32 values into f16x2 with round-to-nearest-even: `hi` in the upper half
+    /// (`cvt.rn.f16x2.f32`; a value past f16's range becomes ±∞).
+    pub fn cvt_f16x2(&mut self, hi: Reg<F32>, lo: Reg<F32>) -> Reg<F16x2> {
+        let d = self.fresh::<F16x2>();
+        self.push(
+            "cvt.rn.f16x2.f32".into(),
+            vec![Operand::Reg(d.name()), hi.operand(), lo.operand()],
+            PtxVersion(7, 0),
+        );
+        d
+    }
+
+    /// `floor(a)` as f32 (`cvt.rmi.f32.f32`).
+    pub fn floor_f32(&mut self, a: Reg<F32>) -> Reg<F32> {
+        let d = self.fresh::<F32>();
+        self.push(
+            "cvt.rmi.f32.f32".into(),
+            vec![Operand::Reg(d.name()), a.operand()],
+            PtxVersion(7, 0),
+        );
+        d
+    }
+
+    /// Widens f16x2 to two f32 values (lower, upper), exactly (`cvt.f32.f16` of each half).
+    pub fn f16x2_to_f32(&mut self, v: Reg<F16x2>) -> (Reg<F32>, Reg<F32>) {
+        let lo = self.fresh::<B16>();
+        let hi = self.fresh::<B16>();
+        self.inst(
+            "mov.b32".into(),
+            vec![Operand::Vector(vec![lo.name(), hi.name()]), v.operand()],
+        );
+        let widen = |b: &mut Self, h: Reg<B16>| {
+            let d = b.fresh::<F32>();
+            b.push(
+                "cvt.f32.f16".into(),
+                vec![Operand::Reg(d.name()), h.operand()],
+                PtxVersion(7, 0),
+            );
+            d
+        };
+        (widen(self, lo), widen(self, hi))
+    }
+
     /// Splits bf16x2 into its (lower, upper) halves.
     pub fn unpack_bf16x2(&mut self, v: Reg<Bf16x2>) -> (Reg<Bf16>, Reg<Bf16>) {
         let lo = self.fresh::<Bf16>();

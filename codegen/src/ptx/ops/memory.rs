@@ -71,8 +71,8 @@ impl KernelBuilder {
     }
 
     fn mem_name<T: Ty>() -> &'static str {
-        // bf16 values move as untyped bits.
-        if T::NAME.starts_with("bf16") {
+        // bf16 and f16x2 values move as untyped bits.
+        if T::NAME.starts_with("bf16") || T::NAME == "f16x2" {
             T::DECL
         } else {
             T::NAME
@@ -136,7 +136,7 @@ impl KernelBuilder {
     /// b16 matrices held in the mma fragment layout (register `i` of lane `4·row + k` holds
     /// columns `2k, 2k + 1` of `row` of matrix `i`); lane `8·i + row` gives the 16-byte
     /// aligned address of `row` of matrix `i`. Every lane of the warp must execute it.
-    pub fn stmatrix_x4(&mut self, addr: &SharedAddr, v: [Reg<Bf16x2>; 4]) {
+    pub fn stmatrix_x4<T: Packed16x2>(&mut self, addr: &SharedAddr, v: [Reg<T>; 4]) {
         self.push(
             "stmatrix.sync.aligned.m8n8.x4.shared.b16".into(),
             vec![

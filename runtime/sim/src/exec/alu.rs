@@ -238,9 +238,10 @@ impl Cta<'_> {
                     Conversion::F32ToF16 => f16_rne(f32_of(x)) as u64,
                 });
             }
-            Op::CvtBf16x2 { d, hi, lo } => {
+            Op::CvtBf16x2 { d, hi, lo, f16 } => {
+                let pack = if *f16 { f16_rne } else { bf16_rne };
                 self.map2(w, exec, *d, *hi, *lo, 32, |h, l| {
-                    (bf16_rne(f32_of(h)) as u64) << 16 | bf16_rne(f32_of(l)) as u64
+                    (pack(f32_of(h)) as u64) << 16 | pack(f32_of(l)) as u64
                 });
             }
             Op::Prmt { d, a, b, c } => {

@@ -24,7 +24,7 @@
 use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce, SHARED_WINDOW};
-use crate::numeric::{bf16_rne, bf16_to_f32};
+use crate::numeric::{bf16_rne, bf16_to_f32, f16_rne};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
 /// Largest arrival count and transaction count of one operation (2^20 − 1).
@@ -655,7 +655,8 @@ impl Cta<'_> {
             .map(|c| self.gather(w, *c)[l])
             .collect();
         let (m, c, src) = self.tma_box(pc, w, l, &r.tensor, &coords, &r.src, "reduction")?;
-        // The model adds bf16 (round to nearest even) and f32 (the host's f32 addition).
+        // The model adds bf16 and f16 (round to nearest even) and f32 (the host's f32
+        // addition).
         let eb = u32::from(m.elem_bytes);
         if eb != 2 && eb != 4 {
             return Err(self.fault(
@@ -663,7 +664,7 @@ impl Cta<'_> {
                 w,
                 l,
                 tma(format!(
-                    "a reduction through a map of {}-byte elements (the model adds bf16 and f32)",
+                    "a reduction through a map of {}-byte elements (the model adds bf16, f16 and f32)",
                     m.elem_bytes
                 )),
             ));
@@ -699,8 +700,15 @@ impl Cta<'_> {
                 let at = (row_base + g0 as i128 * i128::from(eb)) as u64;
                 let s_at = m.swizzle.apply(src + row * pitch + i0 * eb) as usize;
                 let add = &self.shared[s_at..s_at + eb as usize];
+                let half_to_f32 = |bits: u16| {
+                    if m.f16 {
+                        half::f16::from_bits(bits).to_f32()
+                    } else {
+                        bf16_to_f32(bits)
+                    }
+                };
                 let add = if eb == 2 {
-                    bf16_to_f32(u16::from_le_bytes([add[0], add[1]]))
+                    half_to_f32(u16::from_le_bytes([add[0], add[1]]))
                 } else {
                     f32::from_le_bytes([add[0], add[1], add[2], add[3]])
                 };
@@ -713,8 +721,13 @@ impl Cta<'_> {
                     return Err(self.fault(pc, w, l, tma(msg)));
                 };
                 if eb == 2 {
-                    let old = bf16_to_f32(u16::from_le_bytes([dst[0], dst[1]]));
-                    dst.copy_from_slice(&bf16_rne(old + add).to_le_bytes());
+                    let old = half_to_f32(u16::from_le_bytes([dst[0], dst[1]]));
+                    let sum = if m.f16 {
+                        f16_rne(old + add)
+                    } else {
+                        bf16_rne(old + add)
+                    };
+                    dst.copy_from_slice(&sum.to_le_bytes());
                 } else {
                     let old = f32::from_le_bytes([dst[0], dst[1], dst[2], dst[3]]);
                     dst.copy_from_slice(&(old + add).to_le_bytes());
