@@ -294,6 +294,17 @@ fn tensor_map_specs_follow_the_layouts() {
         "o_pool",
         "token count",
     );
+
+    // Its f16 mode: Q's geometry and box, 2-byte f16 elements.
+    let h = TileMapSpec::query_rows_f16("o_pool", 300).unwrap();
+    assert_eq!(h.elem, MapElem::F16);
+    assert_eq!(
+        (h.global_dim, h.global_strides),
+        (q.global_dim, q.global_strides)
+    );
+    assert_eq!(h.box_dim, [64, 16, 1]);
+    assert_eq!(h.bytes(), q.bytes());
+    h.validate(0x7f00_0000_0100).unwrap();
 }
 
 #[test]
