@@ -267,26 +267,19 @@ fn main() -> Res<()> {
             rate(kvm)
         );
         println!("{line}");
-        {
-            // The experimental f16 o_pool (not the default): its recompute count says how
-            // many rows fell outside its window on these inputs.
-            let (ms, verdict) = time_kv(
-                MsaForwardKv::new().with_o_pool(OPool::F16),
-                (&stream, &mut flush),
-                &mut backend,
-                (&io_kv, &schedule),
-                reps,
-            )?;
-            let d = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
-            let m = median(ms);
-            println!(
-                "  kv, f16 pool: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
-                flop / (m as f64 * 1e-3) / 1e12
-            );
-        }
+        // The experimental f16 o_pool (not the default; its recompute count says how many
+        // rows fell outside its window on these inputs), then the locality sweep.
+        let mut variants = vec![(
+            "f16 pool".to_string(),
+            MsaForwardKv::new().with_o_pool(OPool::F16),
+        )];
         for &l in &localities {
+            let label = format!("locality {},{}", l.min_window_log2, l.blocks_log2);
+            variants.push((label, MsaForwardKv::new().with_locality(l)?));
+        }
+        for (label, fwd) in variants {
             let (ms, verdict) = time_kv(
-                MsaForwardKv::new().with_locality(l)?,
+                fwd,
                 (&stream, &mut flush),
                 &mut backend,
                 (&io_kv, &schedule),
@@ -295,9 +288,7 @@ fn main() -> Res<()> {
             let d = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
             let m = median(ms);
             println!(
-                "  kv, locality {},{}: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
-                l.min_window_log2,
-                l.blocks_log2,
+                "  kv, {label}: {m:.3} ms, {:.1} useful TFLOP/s; out max-abs vs sm90 {d:.3e}, {verdict}",
                 flop / (m as f64 * 1e-3) / 1e12
             );
         }

@@ -232,6 +232,22 @@ fn reference_of(cu: &[i32], q2k: &[i32], inp: &Inputs) -> reference::Forward {
     reference::forward(&f(&inp.q), &ks, &vs, q2k, cu).unwrap()
 }
 
+/// One document of 200 tokens, every causal block selected, and one key of KV head 0 with a
+/// norm of 256 (key 190: one document, so the workspace row is the token; along d = 0), with
+/// its reference.
+fn outlier_case() -> (Vec<i32>, Vec<i32>, Inputs) {
+    let cu = cu_of(&[200]);
+    let q2k = causal_support(&cu).unwrap();
+    let mut inp = inputs(&cu, &q2k, 23);
+    for d in 0..128 {
+        inp.ka[190 * KV_ROW + d] = bf16::from_f32(if d == 0 { 256.0 } else { 0.0 });
+    }
+    let want = reference_of(&cu, &q2k, &inp);
+    inp.want_out = want.out;
+    inp.want_lse = want.lse;
+    (cu, q2k, inp)
+}
+
 #[test]
 fn an_outlier_key_sends_the_rows_of_its_block_to_the_recompute_pass_exactly() {
     // One key of KV head 0 with a norm of 256 lifts the bound of every row of heads 0-15 that
@@ -239,16 +255,7 @@ fn an_outlier_key_sends_the_rows_of_its_block_to_the_recompute_pass_exactly() {
     // logits: summed against it, their terms would leave f32's range. The first combine hands
     // exactly those 72·16 rows to the recompute pass with their exact maxima; every row then
     // matches the reference.
-    let cu = cu_of(&[200]);
-    let q2k = causal_support(&cu).unwrap();
-    let mut inp = inputs(&cu, &q2k, 23);
-    // Key 190 of head 0 (one document: the workspace row is the token), along d = 0.
-    for d in 0..128 {
-        inp.ka[190 * KV_ROW + d] = bf16::from_f32(if d == 0 { 256.0 } else { 0.0 });
-    }
-    let want = reference_of(&cu, &q2k, &inp);
-    inp.want_out = want.out;
-    inp.want_lse = want.lse;
+    let (cu, q2k, inp) = outlier_case();
     let (out, lse, verdict) = run_device(&cu, &q2k, &inp.q, &inp.ka, &inp.va);
     let recomputed = verdict.expect("every row normalised");
     assert_eq!(
@@ -260,8 +267,9 @@ fn an_outlier_key_sends_the_rows_of_its_block_to_the_recompute_pass_exactly() {
     eprintln!("outlier key, {recomputed} rows recomputed: {stats}");
 }
 
-#[test]
-fn a_nan_query_row_comes_out_nan_and_is_reported() {
+/// A NaN query row with the `pool`: its `lse` NaN and `out` 0, the verdict
+/// `ForwardReferenceRange` for that one row, every other row exact.
+fn nan_row_case(pool: OPool) {
     let cu = cu_of(&[200]);
     let q2k = causal_support(&cu).unwrap();
     let mut inp = inputs(&cu, &q2k, 24);
@@ -269,7 +277,7 @@ fn a_nan_query_row_comes_out_nan_and_is_reported() {
     for d in 0..128 {
         inp.q[bad_row * 128 + d] = bf16::from_f32(f32::NAN);
     }
-    let (out, lse, verdict) = run_device(&cu, &q2k, &inp.q, &inp.ka, &inp.va);
+    let (out, lse, verdict) = run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), pool);
     assert!(
         lse[bad_row].is_nan(),
         "lse of the NaN row: {}",
@@ -293,6 +301,11 @@ fn a_nan_query_row_comes_out_nan_and_is_reported() {
     inp.want_lse = want_lse;
     inp.want_out = want_out;
     compare(&inp, &got_out, &got_lse).unwrap_or_else(|e| panic!("other rows: {e}"));
+}
+
+#[test]
+fn a_nan_query_row_comes_out_nan_and_is_reported() {
+    nan_row_case(OPool::F32);
 }
 
 // ---- the f16 o_pool (OPool::F16) ------------------------------------------------------------
@@ -380,41 +393,14 @@ fn f16_pool_scales_large_and_small_values_into_range() {
 fn f16_pool_sends_the_outlier_rows_to_the_recompute_pass() {
     // As for the f32 pool: the rows whose bound an outlier key lifts far above their logits
     // are recomputed with their exact maximum (less ln c) as reference, and come out exact.
-    let cu = cu_of(&[200]);
-    let q2k = causal_support(&cu).unwrap();
-    let mut inp = inputs(&cu, &q2k, 23);
-    for d in 0..128 {
-        inp.ka[190 * KV_ROW + d] = bf16::from_f32(if d == 0 { 256.0 } else { 0.0 });
-    }
-    let want = reference_of(&cu, &q2k, &inp);
-    inp.want_out = want.out;
-    inp.want_lse = want.lse;
+    let (cu, q2k, inp) = outlier_case();
     let recomputed = check_f16("outlier key", &cu, &q2k, &inp);
     assert!(recomputed >= 72 * 16, "{recomputed} rows recomputed");
 }
 
 #[test]
 fn f16_pool_reports_a_nan_query_row() {
-    let cu = cu_of(&[200]);
-    let q2k = causal_support(&cu).unwrap();
-    let mut inp = inputs(&cu, &q2k, 24);
-    let bad_row = 50 * 64 + 3;
-    for d in 0..128 {
-        inp.q[bad_row * 128 + d] = bf16::from_f32(f32::NAN);
-    }
-    let (out, lse, verdict) = run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), OPool::F16);
-    assert!(
-        lse[bad_row].is_nan(),
-        "lse of the NaN row: {}",
-        lse[bad_row]
-    );
-    assert!(out[bad_row * 128..bad_row * 128 + 128]
-        .iter()
-        .all(|&x| x == 0.0));
-    match verdict {
-        Err(msa_runtime::RuntimeError::ForwardReferenceRange { rows }) => assert_eq!(rows, 1),
-        other => panic!("verdict {other:?}"),
-    }
+    nan_row_case(OPool::F16);
 }
 
 // ---- planted bugs in the shipped msa_forward_kv_sm90 text ---------------------------------
