@@ -780,18 +780,12 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
         let t = b.mov::<U32>(0u32);
         b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "load_task", |b, row| {
             let m = common::task_meta(b, p, row);
-            let cur = common::bucket(b, &m);
-            let same = b.setp(Cmp::Eq, cur, prev);
-            b.unless(same, "kv_load", |b| {
-                let st = resolved.kv.producer_acquire(b, bars, seg);
-                let tiles = [
-                    shared(ctx.base, resolved.k.offset as i64),
-                    shared(ctx.base, resolved.v.offset as i64),
-                ];
-                common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
-                bump(b, seg);
-                b.set(prev, cur);
-            });
+            let tiles = [
+                shared(ctx.base, resolved.k.offset as i64),
+                shared(ctx.base, resolved.v.offset as i64),
+            ];
+            let maps = [tk, tv];
+            common::load_kv_if_new_segment(b, &resolved.kv, bars, (prev, seg), maps, tiles, &m);
             let st = resolved.q_do.producer_acquire(b, bars, t);
             let q_tile = resolved.q.emit_stage_addr(b, ctx.base, st.index);
             let do_tile = resolved.d_o.emit_stage_addr(b, ctx.base, st.index);

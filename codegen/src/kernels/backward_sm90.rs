@@ -296,17 +296,9 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let tasks = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
         let m = common::task_meta(b, p, row);
-        let cur = common::bucket(b, &m);
-        let same = b.setp(Cmp::Eq, cur, prev);
-        b.unless(same, "kv_load", |b| {
-            // A new segment: wait until both consumers released the previous K/V.
-            let st = r.kv.producer_acquire(b, bars, segments);
-            let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
-            common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
-            let next = b.add(segments, 1u32);
-            b.set(segments, next);
-            b.set(prev, cur);
-        });
+        // A new segment waits until both consumers released the previous K/V.
+        let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
+        common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m);
         let st = r.q_do.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
         let do_tile = r.d_o.emit_stage_addr(b, base, st.index);

@@ -2,7 +2,7 @@
 //! the CTA-walk rule mirrored from the host contract.
 
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::{Barriers, PipelinePlan};
+use crate::plan::pipeline::{Barriers, Pipe, PipelinePlan};
 use crate::plan::sm90::Sm90Warps;
 use crate::plan::smem::Major;
 use crate::ptx::*;
@@ -468,6 +468,31 @@ pub fn main_params(b: &mut KernelBuilder, deterministic: bool) -> MainParams {
 
 /// Bytes of one 128-row × 64-column bf16 panel (one 128B-swizzled TMA box of K/V).
 const PANEL: i64 = 128 * 128;
+
+/// The producer's K/V load at a segment's start: when task row `meta`'s bucket differs from
+/// `prev` (the bucket last loaded; `u32::MAX` before the first), it acquires the K/V stage of
+/// `kv` (`segments`: the loads so far), loads K and V into `tiles` ([`load_kv_tiles`]) and
+/// advances both. Shared by the main kernels on the task tables.
+#[allow(clippy::too_many_arguments)]
+pub fn load_kv_if_new_segment(
+    b: &mut KernelBuilder,
+    kv: &Pipe,
+    bars: &Barriers,
+    (prev, segments): (Reg<U32>, Reg<U32>),
+    maps: [Reg<U64>; 2],
+    tiles: [SharedAddr; 2],
+    meta: &[Reg<U32>; 4],
+) {
+    let cur = bucket(b, meta);
+    let same = b.setp(Cmp::Eq, cur, prev);
+    b.unless(same, "kv_load", |b| {
+        let st = kv.producer_acquire(b, bars, segments);
+        load_kv_tiles(b, maps, tiles, meta, &st.full);
+        let next = b.add(segments, 1u32);
+        b.set(segments, next);
+        b.set(prev, cur);
+    });
+}
 
 /// TMA of one segment's K and V: per tensor two boxes of 128 keys × 64 head dims (the K-major
 /// SW128 panels the MMAs read), for kv head `meta[1]` and key block `meta[2]`, completing on

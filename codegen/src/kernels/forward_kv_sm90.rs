@@ -375,16 +375,8 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let tasks = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
         let m = common::task_meta_at(b, &p.meta, row);
-        let cur = common::bucket(b, &m);
-        let same = b.setp(Cmp::Eq, cur, prev);
-        b.unless(same, "kv_load", |b| {
-            let st = r.kv.producer_acquire(b, bars, segments);
-            let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
-            common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full);
-            let next = b.add(segments, 1u32);
-            b.set(segments, next);
-            b.set(prev, cur);
-        });
+        let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
+        common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m);
         let st = r.q_pipe.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
         common::load_qdo_tiles(b, [tq], [shared(q_tile, 0)], qrows, row, &m, &st.full);
@@ -747,6 +739,14 @@ mod tests {
             assert_eq!(plan.pipelines().barrier_slots(), 8);
             assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
         }
+    }
+
+    #[test]
+    fn both_pools_take_the_same_parameters() {
+        // The runtime launches the f16 pass with the f32 pass's binding.
+        let f32_pass = DESC.build(Target::Sm90a).unwrap();
+        let f16_pass = DESC_F16.build(Target::Sm90a).unwrap();
+        assert_eq!(f32_pass.params, f16_pass.params);
     }
 
     #[test]
