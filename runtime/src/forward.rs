@@ -56,6 +56,32 @@ pub struct ForwardBuffers {
     pub lse: Span<f32>,
 }
 
+impl ForwardBuffers {
+    /// The lengths of `q2k`, `out` and `lse` for `t` tokens (both forwards check them).
+    pub(crate) fn check_q2k_and_outputs(&self, t: usize) -> Result<(), RuntimeError> {
+        let q2k_len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
+        check_len("q2k", self.q2k.len, q2k_len, "[4, T, 16] int32")?;
+        check_len("out", self.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
+        check_len("lse", self.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")
+    }
+
+    /// No output on an input or on the other output (both forwards check it).
+    pub(crate) fn check_no_overlap(&self) -> Result<(), RuntimeError> {
+        check_regions(
+            &[
+                Region::input("q", self.q)?,
+                Region::input("k_aligned", self.k_aligned)?,
+                Region::input("v_aligned", self.v_aligned)?,
+                Region::input("q2k", self.q2k)?,
+                Region::output("out", self.out)?,
+                Region::output("lse", self.lse)?,
+            ],
+            false,
+            "no in-place forward",
+        )
+    }
+}
+
 /// The capabilities the forward has a kernel for, for error messages.
 const SUPPORTED: &str = "9.0 (msa_forward_sm90), 10.0 (msa_forward_sm100)";
 
@@ -149,10 +175,7 @@ impl MsaForward {
             w * KV_ROW,
             "[W, 4, 128] bf16",
         )?;
-        let q2k_len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
-        check_len("q2k", io.q2k.len, q2k_len, "[4, T, 16] int32")?;
-        check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
+        io.check_q2k_and_outputs(t)?;
         if t == 0 {
             return Ok(());
         }
@@ -170,18 +193,7 @@ impl MsaForward {
         let first_token = u32::try_from(rows.first_token).map_err(|_| {
             RuntimeError::input("first_token", rows.first_token, "at most u32::MAX")
         })?;
-        check_regions(
-            &[
-                Region::input("q", io.q)?,
-                Region::input("k_aligned", io.k_aligned)?,
-                Region::input("v_aligned", io.v_aligned)?,
-                Region::input("q2k", io.q2k)?,
-                Region::output("out", io.out)?,
-                Region::output("lse", io.lse)?,
-            ],
-            false,
-            "no in-place forward",
-        )?;
+        io.check_no_overlap()?;
         let kernel = forward_kernel(backend.capability(), backend.ordinal())?;
         backend.load(kernel)?;
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;

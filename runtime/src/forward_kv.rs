@@ -217,21 +217,8 @@ impl<B: Backend> MsaForwardKv<B> {
     ) -> Result<(), RuntimeError> {
         let z = *schedule.sizes();
         let (t, w) = check_inputs(backend, schedule, [io.q, io.k_aligned, io.v_aligned])?;
-        check_len("q2k", io.q2k.len, 4 * t * 16, "[4, T, 16] int32")?;
-        check_len("out", io.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len("lse", io.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")?;
-        check_regions(
-            &[
-                Region::input("q", io.q)?,
-                Region::input("k_aligned", io.k_aligned)?,
-                Region::input("v_aligned", io.v_aligned)?,
-                Region::input("q2k", io.q2k)?,
-                Region::output("out", io.out)?,
-                Region::output("lse", io.lse)?,
-            ],
-            false,
-            "no in-place forward",
-        )?;
+        io.check_q2k_and_outputs(t)?;
+        io.check_no_overlap()?;
         // One workspace: o [T, 64, 128] (f32 or f16), l, m and R [T, 64] each, kmax2
         // [W/128, 4], the two status words and the max|v| word, each region 256-byte aligned.
         let rows = t * NUM_Q_HEADS;
@@ -514,6 +501,7 @@ impl<B: Backend> MsaForwardKv<B> {
     ) -> Result<(), RuntimeError> {
         let tasks = self.tasks.as_ref().expect("prepare built the task tables");
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
+        // Both passes take the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
             tmap_q,
             tmap_k,
