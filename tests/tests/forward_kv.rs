@@ -6,7 +6,7 @@
 //! recomputed rows (printed) but must be `Ok`.
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::forward_kv::{MsaForwardKv, OPool};
 use msa_runtime::reference;
@@ -16,55 +16,67 @@ use msa_runtime::{
 };
 use msa_tests::cases::{compare_forward, docs, random_bf16, random_top16, to_f32, Problem};
 use msa_tests::{gpu_stream, Rng};
+use std::sync::Arc;
 
 const Q_ROW: usize = 64 * 128;
 const KV_ROW: usize = 4 * 128;
 
 fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
-    run_case_with(name, &cu, &q2k, seed, OPool::F32);
-    run_case_with(name, &cu, &q2k, seed, OPool::F16);
-}
-
-fn run_case_with(name: &'static str, cu: &[i32], q2k: &[i32], seed: u64, pool: OPool) {
-    let (cu, q2k) = (cu.to_vec(), q2k.to_vec());
     let Some(stream) = gpu_stream() else { return };
     let t = *cu.last().unwrap() as usize;
-    // The same draws as `Problem::new` (q, k, v in that order), for the f32 reference forward.
+    // The same draws as `Problem::new` (q, k, v in that order), for the f32 reference forward,
+    // computed once for both pools.
     let mut rng = Rng::new(seed);
     let (_, q32) = random_bf16(&mut rng, t * Q_ROW);
     let (_, k32) = random_bf16(&mut rng, t * KV_ROW);
     let (_, v32) = random_bf16(&mut rng, t * KV_ROW);
     let want = reference::forward(&q32, &k32, &v32, &q2k, &cu).unwrap();
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
-    let (_, w) = workspace_layout(&cu).unwrap();
+    for pool in [OPool::F32, OPool::F16] {
+        run_pool(&stream, (&cu, &q2k), &p, &want, pool);
+    }
+}
+
+/// `MsaForwardKv::run_on` with `pool` on the problem `p` (documents `cu`, selection `q2k`),
+/// against its reference `want`.
+fn run_pool(
+    stream: &Arc<CudaStream>,
+    (cu, q2k): (&[i32], &[i32]),
+    p: &Problem,
+    want: &reference::Forward,
+    pool: OPool,
+) {
+    let name = p.name;
+    let t = *cu.last().unwrap() as usize;
+    let (_, w) = workspace_layout(cu).unwrap();
 
     let q = stream.clone_htod(&p.q).unwrap();
     let k = stream.clone_htod(&p.k_aligned).unwrap();
     let v = stream.clone_htod(&p.v_aligned).unwrap();
-    let q2k_d = stream.clone_htod(&q2k).unwrap();
-    let cu_d = stream.clone_htod(&cu).unwrap();
+    let q2k_d = stream.clone_htod(q2k).unwrap();
+    let cu_d = stream.clone_htod(cu).unwrap();
     let mut out = stream
         .clone_htod(&vec![bf16::from_f32(f32::NAN); t * Q_ROW])
         .unwrap();
     let mut lse = stream.clone_htod(&vec![f32::NAN; t * 64]).unwrap();
-    let mut backend = CudaBackend::new(&stream).unwrap();
+    let mut backend = CudaBackend::new(stream).unwrap();
     let sizes = ScheduleBuildSizes::new(t, cu.len() - 1, w, 64).unwrap();
     let mut schedule = ResidentSchedule::new(&mut backend, sizes).unwrap();
-    let q2k_s = Span::new(q2k_d.device_ptr(&stream).0, q2k.len());
+    let q2k_s = Span::new(q2k_d.device_ptr(stream).0, q2k.len());
     schedule
         .build(
             &mut backend,
             q2k_s,
-            Span::new(cu_d.device_ptr(&stream).0, cu.len()),
+            Span::new(cu_d.device_ptr(stream).0, cu.len()),
         )
         .unwrap();
     let io = ForwardBuffers {
-        q: Span::new(q.device_ptr(&stream).0, q.len()),
-        k_aligned: Span::new(k.device_ptr(&stream).0, k.len()),
-        v_aligned: Span::new(v.device_ptr(&stream).0, v.len()),
+        q: Span::new(q.device_ptr(stream).0, q.len()),
+        k_aligned: Span::new(k.device_ptr(stream).0, k.len()),
+        v_aligned: Span::new(v.device_ptr(stream).0, v.len()),
         q2k: q2k_s,
-        out: Span::new(out.device_ptr_mut(&stream).0, t * Q_ROW),
-        lse: Span::new(lse.device_ptr_mut(&stream).0, t * 64),
+        out: Span::new(out.device_ptr_mut(stream).0, t * Q_ROW),
+        lse: Span::new(lse.device_ptr_mut(stream).0, t * 64),
     };
     let mut fwd = MsaForwardKv::new().with_o_pool(pool);
     fwd.run_on(&mut backend, &io, &schedule).unwrap();

@@ -14,7 +14,7 @@ use msa_sim::{FaultKind, Limits, SimError, Tcgen05Numerics, TmaCompletion, UmmaO
 mod chain;
 mod ptx_edit;
 use chain::{case, check};
-use ptx_edit::without_wait_before;
+use ptx_edit::{without_wait_before, without_wait_before_line};
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
@@ -142,22 +142,11 @@ fn planted(needle: &str, nth: usize, with: impl Fn(&str) -> String) -> String {
 /// loop right before the first TMA copy into a Q/dO stage (mbarrier at offset 16 or 24 of the
 /// barrier block, i.e. an operand ending in `+16];`).
 fn without_q_empty_wait() -> String {
-    let lines: Vec<&str> = main_ptx().lines().collect();
-    let target = lines
-        .iter()
-        .position(|l| l.contains("cp.async.bulk.tensor") && l.trim_end().ends_with("+16];"))
-        .expect("a Q/dO copy");
-    let at = (0..target)
-        .rev()
-        .find(|&i| lines[i].contains("mbarrier.try_wait"))
-        .expect("a wait before it");
-    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
-    let kept: Vec<&str> = lines[..at]
-        .iter()
-        .chain(&lines[at + 2..])
-        .copied()
-        .collect();
-    kept.join("\n") + "\n"
+    without_wait_before_line(
+        main_ptx(),
+        |l| l.contains("cp.async.bulk.tensor") && l.trim_end().ends_with("+16];"),
+        "a Q/dO copy",
+    )
 }
 
 /// Two documents and one SM: a few tasks per CTA.

@@ -9,7 +9,9 @@ use msa_sim::backward::{Case, Grads, MainKernel, H200_SMS};
 use msa_sim::{FaultKind, Limits, SimError, TmaCompletion};
 
 mod chain;
+mod ptx_edit;
 use chain::{case, check};
+use ptx_edit::without_wait_at;
 
 /// The runtime's launch sequence on the simulator, with `main_ptx` as the main kernel.
 fn run(c: &Case, main_ptx: &str, limits: Limits, num_sms: usize) -> Result<Grads, SimError> {
@@ -103,13 +105,7 @@ fn without_wait(nth: usize) -> String {
         .nth(nth)
         .map(|(i, _)| i)
         .expect("the wait exists");
-    assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
-    let kept: Vec<&str> = lines[..at]
-        .iter()
-        .chain(&lines[at + 2..])
-        .copied()
-        .collect();
-    kept.join("\n") + "\n"
+    without_wait_at(&lines, at)
 }
 
 /// Two documents and one SM: a few tasks and both Q/dO stages reused in each CTA.

@@ -7,15 +7,28 @@
 /// `ptx` without the last `mbarrier.try_wait` loop (the wait and its branch back) before the
 /// first line containing `marker`.
 pub fn without_wait_before(ptx: &str, marker: &str) -> String {
+    without_wait_before_line(ptx, |l| l.contains(marker), marker)
+}
+
+/// `ptx` without the last `mbarrier.try_wait` loop before the first line `is_target` accepts
+/// (`what` names it if there is none).
+pub fn without_wait_before_line(ptx: &str, is_target: impl Fn(&str) -> bool, what: &str) -> String {
     let lines: Vec<&str> = ptx.lines().collect();
     let to = lines
         .iter()
-        .position(|l| l.contains(marker))
-        .unwrap_or_else(|| panic!("`{marker}` is in the kernel"));
+        .position(|l| is_target(l))
+        .unwrap_or_else(|| panic!("`{what}` is in the kernel"));
     let at = (0..to)
         .rev()
         .find(|&i| lines[i].contains("mbarrier.try_wait"))
         .expect("a wait before it");
+    without_wait_at(&lines, at)
+}
+
+/// The kernel's `lines` without the `mbarrier.try_wait` at line `at` and the retry branch
+/// after it, joined again.
+pub fn without_wait_at(lines: &[&str], at: usize) -> String {
+    assert!(lines[at].contains("mbarrier.try_wait"), "{}", lines[at]);
     assert!(lines[at + 1].contains("bra"), "{}", lines[at + 1]);
     let kept: Vec<&str> = lines[..at]
         .iter()
