@@ -1185,6 +1185,96 @@ pub mod msa_forward_kv_f16_sm90 {
         ]
     }
 }
+/// `msa_forward_kv_max_sm90`: the KV-parallel forward's row maxima alone: S = Q*K^T on the task tables, the causal mask and red.max of max S*scale*log2e into m_pool (the exact reference of the sum pass).
+pub mod msa_forward_kv_max_sm90 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_forward_kv_max_sm90";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (384, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 99968;
+    /// PTX of `msa_forward_kv_max_sm90` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_max_sm90.sm_90a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        tmap_o: &TensorMap,
+        reference: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        l_pool: PtrMut<f32>,
+        m_pool: PtrMut<u32>,
+        gate: Ptr<u32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
+            KernelArg::from(tmap_o), KernelArg::from(reference),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
+            KernelArg::from(m_pool), KernelArg::from(gate)
+        ]
+    }
+}
+/// `fwd_kv_reference`: per query row the sum pass's reference from the max pass: its exact maximum of S*scale, lowered by the f16 pool's ln c (0 for a row without a finite maximum).
+pub mod fwd_kv_reference {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_reference";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_reference` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_reference.sm_90a.ptx");
+    /// PTX of `fwd_kv_reference` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_reference.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(T * 64 / 256), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        m_pool: Ptr<u32>,
+        vmax: Ptr<u32>,
+        reference: PtrMut<f32>,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(m_pool), KernelArg::from(vmax), KernelArg::from(reference),
+            KernelArg::from(rows)
+        ]
+    }
+}
 /// `fwd_kv_combine`: out = o/l (bf16) and lse = R + ln l from the KV-parallel pass's pools; rows out of the reference's range are handed to a recompute pass with their exact maximum.
 pub mod fwd_kv_combine {
     use super::*;

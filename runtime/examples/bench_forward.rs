@@ -6,7 +6,8 @@
 //! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [MIN,BLOCKS;MIN,BLOCKS...]
 //! ```
 //!
-//! A line `kv, f16 pool` times the KV forward with its experimental f16 `o_pool`. The optional
+//! Lines `kv, f16 pool`, `kv, f16 pool, exact max` and `kv, f32 pool, exact max` time the KV
+//! forward with its experimental f16 `o_pool` and with the max pass's exact references. The optional
 //! last argument times the KV forward once more per task-order locality rule
 //! (`msa_runtime::contract::Locality { min_window_log2, blocks_log2 }`), one line each.
 //!
@@ -24,12 +25,13 @@
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
+use msa_runtime::backend::Backend;
 use msa_runtime::contract::Locality;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool};
+use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
 use msa_runtime::reference::keys_attended;
 use msa_runtime::{
-    run_forward, workspace_layout, CudaBackend, ForwardBuffers, MsaForward, ResidentSchedule,
-    ScheduleBuildSizes, Span, TimedBackend,
+    run_forward, workspace_layout, CudaBackend, ForwardAlgorithm, ForwardBuffers, MsaAttention,
+    MsaForward, ResidentSchedule, ScheduleBuildSizes, Span, TimedBackend,
 };
 use std::error::Error;
 use std::sync::Arc;
@@ -103,6 +105,37 @@ fn time_kv(
         Err(e) => e.to_string(),
     };
     Ok((ms, verdict))
+}
+
+/// The median ms of each operation of `fwd.run_on` over 5 calls (after one untimed), through
+/// a [`TimedBackend`] with a schedule of its own, as `" name ms;"` items.
+fn breakdown(
+    mut fwd: MsaForwardKv<TimedBackend>,
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+    io: &ForwardBuffers,
+    sizes: ScheduleBuildSizes,
+    (q2k, cu): (Span<i32>, Span<i32>),
+) -> Res<String> {
+    let mut timed = TimedBackend::new(CudaBackend::new(stream)?);
+    let mut schedule = ResidentSchedule::new(&mut timed, sizes)?;
+    schedule.build(&mut timed, q2k, cu)?;
+    fwd.run_on(&mut timed, io, &schedule)?;
+    stream.synchronize()?;
+    timed.clear();
+    let calls = 5;
+    for _ in 0..calls {
+        stream.memset_zeros(flush)?;
+        fwd.run_on(&mut timed, io, &schedule)?;
+    }
+    let ops = timed.take()?;
+    let per_call = ops.len() / calls;
+    let mut line = String::new();
+    for k in 0..per_call {
+        let ms = median((0..calls).map(|c| ops[c * per_call + k].2).collect());
+        line.push_str(&format!(" {} {ms:.3};", ops[k].0));
+    }
+    Ok(line)
 }
 
 fn main() -> Res<()> {
@@ -233,30 +266,6 @@ fn main() -> Res<()> {
             .filter(|(x, _)| x.is_finite())
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
-        // The KV forward's operations, on a schedule of the timed backend's own.
-        let mut timed = TimedBackend::new(CudaBackend::new(&stream)?);
-        let mut timed_schedule = ResidentSchedule::new(&mut timed, sizes)?;
-        timed_schedule.build(
-            &mut timed,
-            q2k_s,
-            Span::new(cu_d.device_ptr(&stream).0, cu.len()),
-        )?;
-        let mut timed_kv = MsaForwardKv::new();
-        timed_kv.run_on(&mut timed, &io_kv, &timed_schedule)?;
-        stream.synchronize()?;
-        timed.clear();
-        let calls = 5;
-        for _ in 0..calls {
-            stream.memset_zeros(&mut flush)?;
-            timed_kv.run_on(&mut timed, &io_kv, &timed_schedule)?;
-        }
-        let ops = timed.take()?;
-        let per_call = ops.len() / calls;
-        let mut line = String::from("  kv breakdown (median of 5):");
-        for k in 0..per_call {
-            let ms = median((0..calls).map(|c| ops[c * per_call + k].2).collect());
-            line.push_str(&format!(" {} {ms:.3};", ops[k].0));
-        }
         let (km, wm, kvm) = (median(kernel), median(whole), median(kv));
         let rate = |ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
         println!(
@@ -266,13 +275,69 @@ fn main() -> Res<()> {
             rate(wm),
             rate(kvm)
         );
-        println!("{line}");
+        let sched = (q2k_s, Span::new(cu_d.device_ptr(&stream).0, cu.len()));
+        let line = breakdown(
+            MsaForwardKv::new(),
+            &stream,
+            &mut flush,
+            &io_kv,
+            sizes,
+            sched,
+        )?;
+        println!("  kv breakdown (median of 5):{line}");
+        let f16 = || MsaForwardKv::new().with_o_pool(OPool::F16);
+        let line = breakdown(f16(), &stream, &mut flush, &io_kv, sizes, sched)?;
+        println!("  kv, f16 pool, breakdown (median of 5):{line}");
+        let exact = f16().with_reference(Reference::ExactMax);
+        let line = breakdown(exact, &stream, &mut flush, &io_kv, sizes, sched)?;
+        println!("  kv, f16 pool, exact max, breakdown (median of 5):{line}");
+        // What a user of MsaAttention gets (schedule build, outputs, the algorithm Auto picks).
+        let mut attn = MsaAttention::new();
+        let auto =
+            ForwardAlgorithm::Auto.uses_kv(backend.capability(), 0, (t, cu.len() - 1, w), false)?;
+        let mut ms = Vec::new();
+        for i in 0..reps + 3 {
+            stream.memset_zeros(&mut flush)?;
+            let a = stream.record_event(timing)?;
+            let r = attn.forward(
+                &stream,
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &q2k_d.as_view(),
+                &cu_d.as_view(),
+            )?;
+            let b = stream.record_event(timing)?;
+            if i >= 3 {
+                ms.push(a.elapsed_ms(&b)?);
+            }
+            drop(r);
+        }
+        stream.synchronize()?;
+        let m = median(ms);
+        println!(
+            "  MsaAttention::forward (Auto: {}): {m:.3} ms, {:.1} useful TFLOP/s",
+            if auto { "KV-parallel" } else { "Q-parallel" },
+            flop / (m as f64 * 1e-3) / 1e12
+        );
         // The experimental f16 o_pool (not the default; its recompute count says how many
         // rows fell outside its window on these inputs), then the locality sweep.
-        let mut variants = vec![(
-            "f16 pool".to_string(),
-            MsaForwardKv::new().with_o_pool(OPool::F16),
-        )];
+        let mut variants = vec![
+            (
+                "f16 pool".to_string(),
+                MsaForwardKv::new().with_o_pool(OPool::F16),
+            ),
+            (
+                "f16 pool, exact max".to_string(),
+                MsaForwardKv::new()
+                    .with_o_pool(OPool::F16)
+                    .with_reference(Reference::ExactMax),
+            ),
+            (
+                "f32 pool, exact max".to_string(),
+                MsaForwardKv::new().with_reference(Reference::ExactMax),
+            ),
+        ];
         for &l in &localities {
             let label = format!("locality {},{}", l.min_window_log2, l.blocks_log2);
             variants.push((label, MsaForwardKv::new().with_locality(l)?));

@@ -25,8 +25,8 @@ use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
 use crate::error::RuntimeError;
 use crate::forward::{ForwardBuffers, KV_ROW, Q_ROW};
 use crate::kernels::{
-    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, msa_forward_kv_f16_sm90,
-    msa_forward_kv_sm90,
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, fwd_kv_reference,
+    msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
 };
 use crate::ops::{check_len, grid_dim, u32_arg};
 use crate::schedule_build::ResidentSchedule;
@@ -121,12 +121,33 @@ impl OPool {
     }
 }
 
+/// How [`MsaForwardKv::run_on`] gets each row's reference `R`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reference {
+    /// The Cauchy-Schwarz bound `scale·‖q‖·max‖k‖` over the row's selected blocks
+    /// (`fwd_kv_key_max`, `fwd_kv_bound`): 0.3 ms at packed64k, but on unit-variance inputs
+    /// it lies about 9 above the row's maximum, past the f16 pool's window of 7, so that
+    /// nearly every row of an f16 pool is recomputed.
+    #[default]
+    Bound,
+    /// The row's exact maximum from a max pass over the task tables
+    /// (`msa_forward_kv_max_sm90`: the S GEMMs and the mask alone; then `fwd_kv_reference`),
+    /// so that every row with a finite maximum lies in either pool's window.
+    ExactMax,
+}
+
 /// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
 pub struct MsaForwardKv<B: Backend> {
+    /// (memory space, queue) the workspaces belong to: a call on another stream or device
+    /// drops them (freed stream-ordered on their own stream) and allocates new ones, as
+    /// [`MsaBackward`](crate::MsaBackward) does.
+    owner: Option<(u64, u64)>,
     /// The task order's locality rule (see [`MsaForwardKv::with_locality`]).
     locality: Locality,
     /// `run_on`'s `o_pool` element type (see [`MsaForwardKv::with_o_pool`]).
     pool: OPool,
+    /// `run_on`'s reference (see [`MsaForwardKv::with_reference`]).
+    reference: Reference,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -138,8 +159,10 @@ pub struct MsaForwardKv<B: Backend> {
 impl<B: Backend> Default for MsaForwardKv<B> {
     fn default() -> Self {
         MsaForwardKv {
+            owner: None,
             locality: FORWARD_KV_LOCALITY,
             pool: OPool::F32,
+            reference: Reference::Bound,
             tasks: None,
             work: None,
             status_at: None,
@@ -159,8 +182,75 @@ pub const FORWARD_KV_LOCALITY: Locality = Locality {
     blocks_log2: 2,
 };
 
+/// Which forward [`MsaAttention`](crate::MsaAttention) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardAlgorithm {
+    /// The KV-parallel forward where it was measured faster (a 9.0 device, the default
+    /// mode, documents of [`KV_FORWARD_MIN_MEAN_DOC`] tokens or more on average), the
+    /// Q-parallel one otherwise.
+    #[default]
+    Auto,
+    /// `msa_forward_sm90` / `msa_forward_sm100`: bitwise reproducible, no workspace.
+    QParallel,
+    /// [`MsaForwardKv`] (9.0 only): its `o_pool` sums are float adds in whatever order the
+    /// tasks finish, and its workspace is about 33 KB per token (f32 `o_pool [T, 64, 128]`,
+    /// `l`, `m`, `R`) besides the task tables.
+    KvParallel,
+}
+
+/// The mean document length (tokens) from which [`ForwardAlgorithm::Auto`] takes the KV
+/// forward. The Q-parallel kernel executes a tile for every block any of its 4 queries
+/// selected, a waste that grows with the document; the KV forward wastes nothing but adds f32
+/// rows in L2 at a cost flat with length.
+pub const KV_FORWARD_MIN_MEAN_DOC: usize = 16384;
+
+impl ForwardAlgorithm {
+    /// Whether a forward of `t` tokens in `docs` documents against `w` aligned K/V rows, on
+    /// capability `cc` of device `ordinal`, runs the KV forward (`false`: the Q-parallel one).
+    /// `deterministic`: the caller's mode wants a bitwise reproducible forward.
+    ///
+    /// # Errors
+    /// For [`ForwardAlgorithm::KvParallel`]: [`RuntimeError::UnsupportedArch`] on any
+    /// capability but 9.0, and [`RuntimeError::Input`] naming `forward_algorithm` in
+    /// deterministic mode.
+    pub fn uses_kv(
+        self,
+        cc: (i32, i32),
+        ordinal: usize,
+        (t, docs, w): (usize, usize, usize),
+        deterministic: bool,
+    ) -> Result<bool, RuntimeError> {
+        match self {
+            ForwardAlgorithm::QParallel => Ok(false),
+            ForwardAlgorithm::KvParallel if cc != (9, 0) => Err(RuntimeError::UnsupportedArch {
+                kernel: "msa_forward_kv",
+                ordinal,
+                major: cc.0,
+                minor: cc.1,
+                supported: "9.0 (msa_forward_kv_sm90)".into(),
+            }),
+            ForwardAlgorithm::KvParallel if deterministic => Err(RuntimeError::input(
+                "forward_algorithm",
+                "KvParallel in deterministic mode",
+                "QParallel or Auto (the KV forward adds its rows with float atomics)",
+            )),
+            ForwardAlgorithm::KvParallel => Ok(true),
+            ForwardAlgorithm::Auto => Ok(cc == (9, 0)
+                && !deterministic
+                && docs > 0
+                && t / docs >= KV_FORWARD_MIN_MEAN_DOC
+                && w > 0
+                && w.is_multiple_of(BLOCK_SIZE)),
+        }
+    }
+}
+
 /// Rows per CTA of the row kernels (`forward_kv_rows::ROWS_PER_CTA`, tied by a test).
 pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
+
+/// Rows per CTA of `fwd_kv_reference` (`forward_kv_rows::REFERENCE_ROWS_PER_CTA`, tied by a
+/// test): one per thread.
+pub const REFERENCE_ROWS_PER_CTA: usize = 256;
 
 /// The combine's grid cap per SM (`forward_kv_rows::COMBINE_MAX_CTAS_PER_SM`, tied by a
 /// test): it strides over the rows, so the gated second combine is a few thousand CTAs.
@@ -193,6 +283,25 @@ impl<B: Backend> MsaForwardKv<B> {
         Ok(self)
     }
 
+    /// The same flow with [`MsaForwardKv::run_on`]'s references from `reference` (default
+    /// [`Reference::Bound`]).
+    pub fn with_reference(mut self, reference: Reference) -> Self {
+        self.reference = reference;
+        self
+    }
+
+    /// The workspaces belong to `backend`'s stream from here on: those of another stream or
+    /// device are dropped.
+    fn claim(&mut self, backend: &B) {
+        let owner = (backend.memory_space(), backend.queue());
+        if self.owner != Some(owner) {
+            self.tasks = None;
+            self.work = None;
+            self.status_at = None;
+            self.owner = Some(owner);
+        }
+    }
+
     /// The same flow with [`MsaForwardKv::run_on`]'s `o_pool` in `pool` (default
     /// [`OPool::F32`]). [`OPool::F16`] is experimental: not yet run on a GPU.
     pub fn with_o_pool(mut self, pool: OPool) -> Self {
@@ -218,6 +327,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let z = *schedule.sizes();
         let (t, w) = check_inputs(backend, schedule, [io.q, io.k_aligned, io.v_aligned])?;
         io.check_q2k_and_outputs(t)?;
+        self.claim(backend);
         io.check_no_overlap()?;
         // One workspace: o [T, 64, 128] (f32 or f16), l, m and R [T, 64] each, kmax2
         // [W/128, 4], the two status words and the max|v| word, each region 256-byte aligned.
@@ -253,13 +363,24 @@ impl<B: Backend> MsaForwardKv<B> {
             OPool::F16 => Ptr::new(status.addr + 8),
         };
         self.status_at = None;
+        // The key maxima feed the bound; max|v| (the same launch) the f16 pool's scale.
+        let bound = self.reference == Reference::Bound;
+        let key_max = bound || self.pool == OPool::F16;
         if t > 0 {
             let combine = match self.pool {
                 OPool::F32 => &fwd_kv_combine::KERNEL,
                 OPool::F16 => &fwd_kv_combine_f16::KERNEL,
             };
-            for k in [&fwd_kv_key_max::KERNEL, &fwd_kv_bound::KERNEL, combine] {
+            let rows_kernels: [&KernelSpec; 3] = if bound {
+                [&fwd_kv_key_max::KERNEL, &fwd_kv_bound::KERNEL, combine]
+            } else {
+                [&fwd_kv_key_max::KERNEL, &fwd_kv_reference::KERNEL, combine]
+            };
+            for k in rows_kernels {
                 backend.load(k)?;
+            }
+            if !bound {
+                backend.load(&msa_forward_kv_max_sm90::KERNEL)?;
             }
         }
         backend.zero("forward_kv kmax2, status and max|v|", kmax2.addr, k_b + 12)?;
@@ -268,42 +389,64 @@ impl<B: Backend> MsaForwardKv<B> {
             self.status_at = Some(status.addr);
             return Ok(());
         }
-        let key_rows = 4 * w;
-        let args = fwd_kv_key_max::args(
-            io.k_aligned.ptr(),
-            kmax2.ptr_mut(),
-            io.v_aligned.ptr(),
-            PtrMut::new(vmax.addr()),
-            u32_arg("key rows", key_rows)?,
-        );
-        // SAFETY: k_aligned and v_aligned are [W, 4, 128] (checked above), kmax2 [W/128, 4];
-        // vmax is one word of the workspace, or null (then V is not read).
-        unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
-        let docs = z.num_documents;
-        let args = fwd_kv_bound::args(
-            io.q.ptr(),
-            io.q2k.ptr(),
-            schedule.cu_seqlens_ptr(),
-            Ptr::new(schedule.refs().ws_starts),
-            kmax2.ptr(),
-            vmax,
-            pools.reference.ptr_mut(),
-            u32_arg("groups", 4 * t)?,
-            u32_arg("num_tokens", t)?,
-            u32_arg("num_docs", docs)?,
-            u32_arg("num_blocks", blocks)?,
-        );
-        // SAFETY: q is [T, 64, 128] and q2k [4, T, 16] (both checked), cu_seqlens [D+1] and
-        // the workspace starts [D] are the schedule's own (tokens 0..T, checked by
-        // `check_inputs`), kmax2 [W/128, 4] (ids past it are not read), the reference [T, 64].
-        unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
+        if key_max {
+            let key_rows = 4 * w;
+            let args = fwd_kv_key_max::args(
+                io.k_aligned.ptr(),
+                kmax2.ptr_mut(),
+                io.v_aligned.ptr(),
+                PtrMut::new(vmax.addr()),
+                u32_arg("key rows", key_rows)?,
+            );
+            // SAFETY: k_aligned and v_aligned are [W, 4, 128] (checked above), kmax2
+            // [W/128, 4]; vmax is one word of the workspace, or null (then V is not read).
+            unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
+        }
+        if bound {
+            let docs = z.num_documents;
+            let args = fwd_kv_bound::args(
+                io.q.ptr(),
+                io.q2k.ptr(),
+                schedule.cu_seqlens_ptr(),
+                Ptr::new(schedule.refs().ws_starts),
+                kmax2.ptr(),
+                vmax,
+                pools.reference.ptr_mut(),
+                u32_arg("groups", 4 * t)?,
+                u32_arg("num_tokens", t)?,
+                u32_arg("num_docs", docs)?,
+                u32_arg("num_blocks", blocks)?,
+            );
+            // SAFETY: q is [T, 64, 128] and q2k [4, T, 16] (both checked), cu_seqlens [D+1]
+            // and the workspace starts [D] are the schedule's own (tokens 0..T, checked by
+            // `check_inputs`), kmax2 [W/128, 4] (ids past it are not read), the reference
+            // [T, 64].
+            unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
+        }
         match self.prepare(backend, &pools, schedule)? {
             Some(launch) => {
-                self.launch_pass(backend, &pools, &launch, None)?;
+                if !bound {
+                    // The exact maxima into m_pool (the sum pass adds the same ones again),
+                    // then R from them.
+                    let max_pass = &msa_forward_kv_max_sm90::KERNEL;
+                    self.launch_pass(backend, max_pass, &pools, &launch, None)?;
+                    let args = fwd_kv_reference::args(
+                        pools.m_pool.ptr(),
+                        vmax,
+                        pools.reference.ptr_mut(),
+                        u32_arg("rows", rows)?,
+                    );
+                    let grid = grid_dim("rows", rows.div_ceil(REFERENCE_ROWS_PER_CTA))?;
+                    // SAFETY: m_pool and the reference are [T, 64]; vmax is one word of the
+                    // workspace (set by fwd_kv_key_max), or null (f32 pool: not read).
+                    unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
+                }
+                let pass = pass_kernel(self.pool);
+                self.launch_pass(backend, pass, &pools, &launch, None)?;
                 self.combine(backend, &pools, io, status, vmax, None)?;
                 // The rows the first combine handed back, with their exact maxima as
                 // references; both launches return at once when there is none.
-                self.launch_pass(backend, &pools, &launch, Some(status))?;
+                self.launch_pass(backend, pass, &pools, &launch, Some(status))?;
                 self.combine(backend, &pools, io, status, vmax, Some(status))?;
             }
             // No task: the combine writes every row empty.
@@ -411,7 +554,10 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         match self.prepare(backend, io, schedule)? {
-            Some(launch) => self.launch_pass(backend, io, &launch, None),
+            Some(launch) => {
+                let pass = pass_kernel(io.o_pool.kind());
+                self.launch_pass(backend, pass, io, &launch, None)
+            }
             None => Ok(()),
         }
     }
@@ -424,6 +570,7 @@ impl<B: Backend> MsaForwardKv<B> {
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
     ) -> Result<Option<PassLaunch>, RuntimeError> {
+        self.claim(backend);
         let z = *schedule.sizes();
         let (t, w) = check_inputs(backend, schedule, [io.q, io.k_aligned, io.v_aligned])?;
         check_len(
@@ -495,13 +642,14 @@ impl<B: Backend> MsaForwardKv<B> {
     fn launch_pass(
         &self,
         backend: &mut B,
+        kernel: &KernelSpec,
         io: &ForwardKvBuffers,
         launch: &PassLaunch,
         gate: Option<Span<u32>>,
     ) -> Result<(), RuntimeError> {
         let tasks = self.tasks.as_ref().expect("prepare built the task tables");
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
-        // Both passes take the same parameters (a codegen test checks it).
+        // Every pass takes the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
             tmap_q,
             tmap_k,
@@ -519,7 +667,7 @@ impl<B: Backend> MsaForwardKv<B> {
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read.
-        unsafe { backend.launch(pass_kernel(io.o_pool.kind()), (launch.grid, 1, 1), &args) }
+        unsafe { backend.launch(kernel, (launch.grid, 1, 1), &args) }
     }
 }
 
@@ -633,6 +781,44 @@ pub fn combine_row(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_the_kv_forward_only_where_it_was_measured_faster() {
+        let (h100, b200) = ((9, 0), (10, 0));
+        let long = (
+            2 * KV_FORWARD_MIN_MEAN_DOC,
+            2,
+            2 * KV_FORWARD_MIN_MEAN_DOC + 256,
+        );
+        let auto = |cc, shape, det| ForwardAlgorithm::Auto.uses_kv(cc, 0, shape, det).unwrap();
+        assert!(auto(h100, long, false));
+        // Deterministic mode, SM100, short documents, no document, a ragged W: Q-parallel.
+        assert!(!auto(h100, long, true));
+        assert!(!auto(b200, long, false));
+        let short = (
+            2 * KV_FORWARD_MIN_MEAN_DOC - 1,
+            2,
+            2 * KV_FORWARD_MIN_MEAN_DOC + 256,
+        );
+        assert!(!auto(h100, short, false));
+        assert!(!auto(h100, (0, 0, 0), false));
+        assert!(!auto(h100, (long.0, long.1, long.2 + 1), false));
+        // The explicit choices.
+        let q = ForwardAlgorithm::QParallel;
+        assert!(!q.uses_kv(h100, 0, long, false).unwrap());
+        let kv = ForwardAlgorithm::KvParallel;
+        assert!(kv.uses_kv(h100, 0, short, false).unwrap());
+        let e = kv.uses_kv(b200, 2, long, false).unwrap_err().to_string();
+        assert!(
+            e.contains("msa_forward_kv") && e.contains("10.0 (device 2)"),
+            "{e}"
+        );
+        let e = kv.uses_kv(h100, 0, long, true).unwrap_err().to_string();
+        assert!(
+            e.contains("forward_algorithm") && e.contains("deterministic"),
+            "{e}"
+        );
+    }
 
     fn key(x: f32) -> u32 {
         // The kernel's key: the sign bit set for a non-negative value, all bits flipped for a

@@ -216,6 +216,7 @@ pub use cuda::CudaBackend;
 pub use device::{driver_present, Device};
 pub use error::RuntimeError;
 pub use forward::{run_forward, ForwardBuffers, ForwardOutput, MsaAttention, MsaForward, Saved};
+pub use forward_kv::{ForwardAlgorithm, KV_FORWARD_MIN_MEAN_DOC};
 pub use ops::{run_postprocess, run_preprocess};
 pub use schedule::ScheduleError;
 pub use schedule::{

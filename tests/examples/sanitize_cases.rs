@@ -13,8 +13,8 @@
 //! `q2k` (`ResidentSchedule`), the backward on it, and `from_aligned` of dK/dV (compared
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
-//! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`) on that forward's
-//! schedule, checked the same way. Every
+//! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
+//! the max pass's exact references) on that forward's schedule, checked the same way. Every
 //! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
@@ -29,7 +29,7 @@
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::contract::NUM_KV_HEADS;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool};
+use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
 use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
     from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ForwardBuffers, MsaBackward,
@@ -207,17 +207,23 @@ fn device_path(
         lse: Span::new(lse_kv.device_ptr_mut(stream).0, t * 64),
     };
     let mut backend = CudaBackend::new(stream).map_err(e)?;
-    // Both o_pool types: the f16 one runs its own pass and combine kernels.
-    for pool in [OPool::F32, OPool::F16] {
-        let mut kv = MsaForwardKv::new().with_o_pool(pool);
+    // Both o_pool types (the f16 one runs its own pass and combine kernels), and the exact
+    // references (the max pass and fwd_kv_reference).
+    let ways = [
+        (OPool::F32, Reference::Bound),
+        (OPool::F16, Reference::Bound),
+        (OPool::F16, Reference::ExactMax),
+    ];
+    for (pool, refs) in ways {
+        let mut kv = MsaForwardKv::new().with_o_pool(pool).with_reference(refs);
         kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
         let recomputed = kv.status(&mut backend).map_err(e)?;
         let out = f32s(&out_kv)?;
         let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
         let line = compare_forward("MsaForwardKv", &out, &lse, &want, &p.lse)
-            .map_err(|x| format!("{} ({pool:?} pool): {x}", p.name))?;
+            .map_err(|x| format!("{} ({pool:?} pool, {refs:?}): {x}", p.name))?;
         lines.push(format!(
-            "{} (MsaForwardKv, {pool:?} pool) {line}; {recomputed} rows recomputed",
+            "{} (MsaForwardKv, {pool:?} pool, {refs:?}) {line}; {recomputed} rows recomputed",
             p.name
         ));
     }

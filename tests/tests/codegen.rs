@@ -312,4 +312,8 @@ fn the_row_kernels_grids_are_one_fact_on_both_sides() {
         codegen::kernels::forward_kv_rows::COMBINE_MAX_CTAS_PER_SM as usize,
         msa_runtime::forward_kv::COMBINE_MAX_CTAS_PER_SM
     );
+    assert_eq!(
+        codegen::kernels::forward_kv_rows::REFERENCE_ROWS_PER_CTA as usize,
+        msa_runtime::forward_kv::REFERENCE_ROWS_PER_CTA
+    );
 }

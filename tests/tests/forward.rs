@@ -2,11 +2,12 @@
 //! `out` within the seed's O tolerance (0.025 max-abs, 0.006 L2-rel), `lse` within 1e-3
 //! max-abs, empty rows exactly `out = 0`, `lse = −∞`; then forward → backward chained through
 //! `MsaAttention` against the reference gradients (the f32 reference's own out/lse, i.e. the
-//! exact gradient of the f32 forward) within the seed's dQ/dK/dV tolerances. Skips without a
-//! GPU; fails without one under `REQUIRE_GPU=1`.
+//! exact gradient of the f32 forward) within the seed's dQ/dK/dV tolerances. Each case runs
+//! with both forward algorithms (`ForwardAlgorithm::QParallel` and `KvParallel`). Skips
+//! without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use msa_runtime::reference;
-use msa_runtime::{causal_support, MsaAttention};
+use msa_runtime::{causal_support, ForwardAlgorithm, MsaAttention};
 use msa_tests::cases::{check, compare_forward, docs, random_bf16, random_top16, to_f32, Problem};
 use msa_tests::{gpu_stream, Rng};
 
@@ -31,38 +32,48 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let dout = stream.clone_htod(&p.grad_out).unwrap();
     let q2k_d = stream.clone_htod(&q2k).unwrap();
     let cu_d = stream.clone_htod(&cu).unwrap();
-    let mut attn = MsaAttention::new();
-    let saved = attn
-        .forward(
-            &stream,
-            &q.as_view(),
-            &k.as_view(),
-            &v.as_view(),
-            &q2k_d.as_view(),
-            &cu_d.as_view(),
-        )
-        .unwrap();
-    let grads = attn
-        .backward(
-            &stream,
-            &saved,
-            &q.as_view(),
-            &k.as_view(),
-            &v.as_view(),
-            &dout.as_view(),
-        )
-        .unwrap();
-    saved
-        .schedule
-        .status(&mut msa_runtime::CudaBackend::new(&stream).unwrap())
-        .unwrap();
+    for algorithm in [ForwardAlgorithm::QParallel, ForwardAlgorithm::KvParallel] {
+        let label = format!("{algorithm:?} forward");
+        let label = label.as_str();
+        let mut attn = MsaAttention::new();
+        attn.set_forward_algorithm(algorithm);
+        let saved = attn
+            .forward(
+                &stream,
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &q2k_d.as_view(),
+                &cu_d.as_view(),
+            )
+            .unwrap();
+        let grads = attn
+            .backward(
+                &stream,
+                &saved,
+                &q.as_view(),
+                &k.as_view(),
+                &v.as_view(),
+                &dout.as_view(),
+            )
+            .unwrap();
+        saved
+            .schedule
+            .status(&mut msa_runtime::CudaBackend::new(&stream).unwrap())
+            .unwrap();
 
-    let out = to_f32(&stream.clone_dtoh(&saved.out).unwrap());
-    let lse = stream.clone_dtoh(&saved.lse).unwrap();
-    let line = compare_forward("forward", &out, &lse, &want.out, &want.lse)
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    println!("{name} (forward): {line}");
-    check(&stream, &p, &grads, "MsaAttention forward -> backward");
+        let out = to_f32(&stream.clone_dtoh(&saved.out).unwrap());
+        let lse = stream.clone_dtoh(&saved.lse).unwrap();
+        let line = compare_forward(label, &out, &lse, &want.out, &want.lse)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        println!("{name} ({label}): {line}");
+        check(
+            &stream,
+            &p,
+            &grads,
+            &format!("MsaAttention {label} -> backward"),
+        );
+    }
 }
 
 #[test]

@@ -3,12 +3,13 @@
 //! within the seed's O tolerance (0.025 max-abs, 0.006 L2-rel), `lse` within 1e-3 max-abs,
 //! empty rows exactly `out = 0`, `lse = −∞`, and the verdict `Ok` with no row recomputed; and
 //! the same cases with the experimental f16 `o_pool` (`OPool::F16`), whose verdict may count
-//! recomputed rows (printed) but must be `Ok`.
+//! recomputed rows (printed) but must be `Ok`; and both pools with the max pass's exact
+//! references (`Reference::ExactMax`), where no row may be recomputed.
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool};
+use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
 use msa_runtime::reference;
 use msa_runtime::{
     causal_support, workspace_layout, CudaBackend, ForwardBuffers, ResidentSchedule,
@@ -33,18 +34,20 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let want = reference::forward(&q32, &k32, &v32, &q2k, &cu).unwrap();
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
     for pool in [OPool::F32, OPool::F16] {
-        run_pool(&stream, (&cu, &q2k), &p, &want, pool);
+        for reference in [Reference::Bound, Reference::ExactMax] {
+            run_pool(&stream, (&cu, &q2k), &p, &want, (pool, reference));
+        }
     }
 }
 
-/// `MsaForwardKv::run_on` with `pool` on the problem `p` (documents `cu`, selection `q2k`),
-/// against its reference `want`.
+/// `MsaForwardKv::run_on` with `pool` and `reference` on the problem `p` (documents `cu`,
+/// selection `q2k`), against its reference `want`.
 fn run_pool(
     stream: &Arc<CudaStream>,
     (cu, q2k): (&[i32], &[i32]),
     p: &Problem,
     want: &reference::Forward,
-    pool: OPool,
+    (pool, refs): (OPool, Reference),
 ) {
     let name = p.name;
     let t = *cu.last().unwrap() as usize;
@@ -78,21 +81,24 @@ fn run_pool(
         out: Span::new(out.device_ptr_mut(stream).0, t * Q_ROW),
         lse: Span::new(lse.device_ptr_mut(stream).0, t * 64),
     };
-    let mut fwd = MsaForwardKv::new().with_o_pool(pool);
+    let mut fwd = MsaForwardKv::new().with_o_pool(pool).with_reference(refs);
     fwd.run_on(&mut backend, &io, &schedule).unwrap();
     schedule.status(&mut backend).unwrap();
     let recomputed = fwd
         .status(&mut backend)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool): {e}"));
-    if pool == OPool::F32 {
-        assert_eq!(recomputed, 0, "{name}: rows recomputed on random inputs");
+        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}): {e}"));
+    if pool == OPool::F32 || refs == Reference::ExactMax {
+        assert_eq!(
+            recomputed, 0,
+            "{name} ({pool:?}, {refs:?}): rows recomputed"
+        );
     }
 
     let out = to_f32(&stream.clone_dtoh(&out).unwrap());
     let lse = stream.clone_dtoh(&lse).unwrap();
     let line = compare_forward("KV forward", &out, &lse, &want.out, &want.lse)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool): {e}"));
-    println!("{name} (KV forward, {pool:?} pool, {recomputed} rows recomputed): {line}");
+        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}): {e}"));
+    println!("{name} (KV forward, {pool:?} pool, {refs:?}, {recomputed} rows recomputed): {line}");
 }
 
 #[test]

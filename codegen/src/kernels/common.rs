@@ -471,16 +471,16 @@ const PANEL: i64 = 128 * 128;
 
 /// The producer's K/V load at a segment's start: when task row `meta`'s bucket differs from
 /// `prev` (the bucket last loaded; `u32::MAX` before the first), it acquires the K/V stage of
-/// `kv` (`segments`: the loads so far), loads K and V into `tiles` ([`load_kv_tiles`]) and
-/// advances both. Shared by the main kernels on the task tables.
+/// `kv` (`segments`: the loads so far), loads K and V (or K alone: one map and tile) into
+/// `tiles` ([`load_kv_tiles`]) and advances both. Shared by the main kernels on the task tables.
 #[allow(clippy::too_many_arguments)]
-pub fn load_kv_if_new_segment(
+pub fn load_kv_if_new_segment<const N: usize>(
     b: &mut KernelBuilder,
     kv: &Pipe,
     bars: &Barriers,
     (prev, segments): (Reg<U32>, Reg<U32>),
-    maps: [Reg<U64>; 2],
-    tiles: [SharedAddr; 2],
+    maps: [Reg<U64>; N],
+    tiles: [SharedAddr; N],
     meta: &[Reg<U32>; 4],
 ) {
     let cur = bucket(b, meta);
@@ -494,13 +494,13 @@ pub fn load_kv_if_new_segment(
     });
 }
 
-/// TMA of one segment's K and V: per tensor two boxes of 128 keys × 64 head dims (the K-major
+/// TMA of one segment's K and V (or any `N` tensors of that shape): per tensor two boxes of 128 keys × 64 head dims (the K-major
 /// SW128 panels the MMAs read), for kv head `meta[1]` and key block `meta[2]`, completing on
 /// `bar`. Shared by both main kernels.
-pub fn load_kv_tiles(
+pub fn load_kv_tiles<const N: usize>(
     b: &mut KernelBuilder,
-    maps: [Reg<U64>; 2],
-    tiles: [SharedAddr; 2],
+    maps: [Reg<U64>; N],
+    tiles: [SharedAddr; N],
     meta: &[Reg<U32>; 4],
     bar: &SharedAddr,
 ) {

@@ -35,6 +35,8 @@ use crate::ptx::*;
 use crate::target::Target;
 
 const THREADS: u32 = 256;
+/// Rows per CTA of `fwd_kv_reference`: one per thread.
+pub const REFERENCE_ROWS_PER_CTA: u32 = THREADS;
 /// Rows per CTA: one per warp.
 pub const ROWS_PER_CTA: u32 = THREADS / 32;
 /// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
@@ -69,6 +71,17 @@ pub const BOUND: KernelDesc = KernelDesc {
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_bound,
+};
+
+/// The exact reference from the max pass's row maxima.
+pub const REFERENCE: KernelDesc = KernelDesc {
+    name: "fwd_kv_reference",
+    about:
+        "per query row the sum pass's reference from the max pass: its exact maximum of S*scale, \
+            lowered by the f16 pool's ln c (0 for a row without a finite maximum)",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_reference,
 };
 
 /// The combine of the f16 pool (experimental, not yet run on a GPU).
@@ -150,6 +163,54 @@ fn f16_shift(b: &mut KernelBuilder, vmax_p: &ParamRef<U64>) -> Reg<F32> {
     shift
 }
 
+/// The row maximum (natural-log units of `S·scale`) from the pass's order-preserving key of
+/// `max S·scale·log2e`, and whether the row has one: keys up to that of −∞ (0x007fffff) mean
+/// no key (untouched, 0, or every key masked). Shared by the combine and the reference.
+fn max_from_key(b: &mut KernelBuilder, key: Reg<U32>) -> (Reg<Pred>, Reg<F32>) {
+    b.comment("the row maximum from its order-preserving key (log2 units)");
+    let some = b.setp(Cmp::Gt, key, 0x007f_ffffu32);
+    let sign = b.and(key, 0x8000_0000u32);
+    let pos = b.setp(Cmp::Ne, sign, 0u32);
+    let low = b.and(key, 0x7fff_ffffu32);
+    let flipped = b.xor(key, u32::MAX);
+    let bits = b.selp(low, flipped, pos);
+    let m2 = b.bitcast::<F32, U32>(bits);
+    (some, b.fmul(m2, std::f32::consts::LN_2))
+}
+
+fn describe_reference(b: &mut KernelBuilder) {
+    b.grid("[ceil(T * 64 / 256), 1, 1]");
+    let m_p = b.param_ptr("m_pool", HostElem::U32, false);
+    let vmax_p = b.param_ptr("vmax", HostElem::U32, false);
+    let r_p = b.param_ptr("reference", HostElem::F32, true);
+    let rows_p = b.param_u32("rows");
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let row = b.mad_lo(cta, REFERENCE_ROWS_PER_CTA, tid);
+    let rows = b.ld_param(&rows_p);
+    let inside = b.setp(Cmp::Lt, row, rows);
+    // The f16 pool's reference lies `ln c` lower, as the bound's (0 for the f32 pool).
+    let shift = f16_shift(b, &vmax_p);
+    b.if_then(inside, "reference", |b| {
+        let mp = b.ld_param_ptr(&m_p);
+        let at = common::elem::<U32>(b, mp, row);
+        let key = b.ld::<U32, _>(&at);
+        let (some, m) = max_from_key(b, key);
+        // A finite maximum (NaN fails both comparisons); otherwise 0, and the combine decides
+        // (an empty row, or a NaN or infinite logit it reports).
+        let below = b.setp(Cmp::Lt, m, f32::INFINITY);
+        let above = b.setp(Cmp::Gt, m, f32::NEG_INFINITY);
+        let finite = b.and_pred(below, above);
+        let ok = b.and_pred(some, finite);
+        let r = b.sub(m, shift);
+        let r = b.selp(r, 0.0f32, ok);
+        let rp = b.ld_param_ptr(&r_p);
+        let at = common::elem::<F32>(b, rp, row);
+        b.st(&at, r);
+    });
+    b.ret();
+}
+
 fn describe_key_max(b: &mut KernelBuilder) {
     b.grid("[workspace_rows * 4 / 8, 1, 1]");
     let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
@@ -189,9 +250,16 @@ fn describe_key_max(b: &mut KernelBuilder) {
                 let o = b.shfl(Shfl::Bfly, m, d, 0x1f);
                 m = b.max(m, o);
             }
+            // Every warp meets the same word: read it first and add only a larger value
+            // (it only grows, so a stale read costs one redundant red), not 4·W reds in
+            // a row on one address.
             b.if_then(lane0, "value_max_word", |b| {
                 let vmax = b.ld_param_ptr(&vmax_p);
-                b.red::<U32, _>(AtomOp::Max, &global(vmax, 0), m);
+                let seen = b.ld::<U32, _>(&global(vmax, 0));
+                let larger = b.setp(Cmp::Gt, m, seen);
+                b.if_then(larger, "value_max_red", |b| {
+                    b.red::<U32, _>(AtomOp::Max, &global(vmax, 0), m);
+                });
             });
         });
         b.if_then(lane0, "key_max", |b| {
@@ -340,6 +408,10 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let row = b.mad_lo(cta, ROWS_PER_CTA, warp);
     let stride = b.mul_lo(ctas, ROWS_PER_CTA);
     let rows = b.ld_param(&rows_p);
+    // Lane 0's counts of the rows handed back and still bad, added to `status` once per warp
+    // at the end (one word taking a red per row would serialize millions of them).
+    let handed = b.mov::<U32>(0u32);
+    let unresolved = b.mov::<U32>(0u32);
     let next_row = b.label("next_row");
     let exit = b.label("exit");
     b.place(&next_row);
@@ -360,16 +432,7 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let mp = b.ld_param_ptr(&m_p);
     let at = common::elem::<U32>(b, mp, row);
     let key = b.ld::<U32, _>(&at);
-    b.comment("the row maximum from its order-preserving key (log2 units)");
-    // Keys up to that of −∞ (0x007fffff) mean no key: untouched (0) or every key masked.
-    let some = b.setp(Cmp::Gt, key, 0x007f_ffffu32);
-    let sign = b.and(key, 0x8000_0000u32);
-    let pos = b.setp(Cmp::Ne, sign, 0u32);
-    let low = b.and(key, 0x7fff_ffffu32);
-    let flipped = b.xor(key, u32::MAX);
-    let bits = b.selp(low, flipped, pos);
-    let m2 = b.bitcast::<F32, U32>(bits);
-    let m = b.fmul(m2, std::f32::consts::LN_2);
+    let (some, m) = max_from_key(b, key);
     let gap = b.sub(r, m);
     let lo_ok = b.setp(Cmp::Ge, gap, lo_gap);
     let hi_ok = b.setp(Cmp::Le, gap, hi_gap);
@@ -416,7 +479,6 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let outp = b.ld_param_ptr(&out_p);
     let at = common::elem_bytes(b, outp, idx, 8);
     b.st_v(&at, [lo, hi]);
-    let sp = b.ld_param_ptr(&status_p);
     b.if_then(lane0, "lse", |b| {
         let lsp = b.ld_param_ptr(&lse_p);
         let at = common::elem::<F32>(b, lsp, row);
@@ -426,7 +488,8 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         b.comment("still out of range with its exact maximum as reference: counted");
         b.if_then(bad, "unresolved", |b| {
             b.if_then(lane0, "count_unresolved", |b| {
-                b.red::<U32, _>(AtomOp::Add, &global(sp, 4), 1u32);
+                let n = b.add(unresolved, 1u32);
+                b.set(unresolved, n);
             });
         });
     });
@@ -445,7 +508,8 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
                 // The f16 pool's recompute keeps its scale: R' = max − ln c.
                 let m_ref = b.sub(m, shift);
                 b.st(&r_at, m_ref);
-                b.red::<U32, _>(AtomOp::Add, &global(sp, 0), 1u32);
+                let n = b.add(handed, 1u32);
+                b.set(handed, n);
             });
         });
         b.unless(bad, "settle", |b| {
@@ -457,5 +521,12 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     b.set(row, row_next);
     b.bra(&next_row);
     b.place(&exit);
+    let sp = b.ld_param_ptr(&status_p);
+    for (count, word) in [(handed, 0i64), (unresolved, 4)] {
+        let any = b.setp(Cmp::Ne, count, 0u32);
+        b.if_then(any, "count", |b| {
+            b.red::<U32, _>(AtomOp::Add, &global(sp, word), count)
+        });
+    }
     b.ret();
 }

@@ -118,6 +118,18 @@ impl OPool {
     }
 }
 
+/// What a launch of the pass computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    /// The sums against the caller's reference, into an `o_pool` of this type (and the row
+    /// maxima).
+    Sum(OPool),
+    /// Only the row maxima into `m_pool`: the S GEMM, the mask and `red.max`, no V, no P·V,
+    /// no staging. `forward_kv_rows::REFERENCE` turns them into the sum pass's reference,
+    /// so that the f16 pool's window holds every row.
+    Max,
+}
+
 /// The kernel (f32 `o_pool`).
 pub const DESC: KernelDesc = KernelDesc {
     name: "msa_forward_kv_sm90",
@@ -125,7 +137,7 @@ pub const DESC: KernelDesc = KernelDesc {
             (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe(b, OPool::F32),
+    describe: |b| describe(b, Pass::Sum(OPool::F32)),
 };
 
 /// The kernel with an f16 `o_pool` (experimental, not yet run on a GPU).
@@ -136,7 +148,18 @@ pub const DESC_F16: KernelDesc = KernelDesc {
             by TMA f16 reduce-add, against a reference the caller shifted to keep the sums in range",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe(b, OPool::F16),
+    describe: |b| describe(b, Pass::Sum(OPool::F16)),
+};
+
+/// The max pass ([`Pass::Max`]), with the sum passes' parameters.
+pub const DESC_MAX: KernelDesc = KernelDesc {
+    name: "msa_forward_kv_max_sm90",
+    about:
+        "the KV-parallel forward's row maxima alone: S = Q*K^T on the task tables, the causal \
+            mask and red.max of max S*scale*log2e into m_pool (the exact reference of the sum pass)",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe: |b| describe(b, Pass::Max),
 };
 
 fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
@@ -149,13 +172,18 @@ fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
     ]
 }
 
-/// K/V: one stage of two 128-key × 64-d boxes each of K and V, released by each consumer
-/// warp (8 arrivals) at a segment's end.
-pub fn kv_pipeline() -> Pipeline {
+/// K/V: one stage of two 128-key × 64-d boxes each of K and V (of K alone for the max pass),
+/// released by each consumer warp (8 arrivals) at a segment's end.
+pub fn kv_pipeline(pass: Pass) -> Pipeline {
+    let fills = match pass {
+        Pass::Sum(_) => vec![Buf::K, Buf::V],
+        Pass::Max => vec![Buf::K],
+    };
+    let tiles = fills.len() as u32;
     Pipeline {
-        tx: boxes([64, 1, 128], 4),
-        declared_tx: Some(2 * TILE_BYTES),
-        fills: vec![Buf::K, Buf::V],
+        tx: boxes([64, 1, 128], 2 * tiles as usize),
+        declared_tx: Some(tiles * TILE_BYTES),
+        fills,
         ..Pipeline::new("kv", 1, Role::Load, &[Role::Compute], 1, 8)
     }
 }
@@ -178,31 +206,39 @@ pub fn rows_pipeline() -> Pipeline {
 }
 
 /// The shared layout: K, V, Q (one tile per stage), the O staging (8 KB of f32 rows per
-/// consumer warp: two tiles' worth),
-/// the barriers, then the row scalars (`−R·log2e` per folded row, the slots' compact rows and
-/// positions).
-pub fn smem_plan(pipelines: &PipelinePlan, pool: OPool) -> Result<SmemPlan, PlanError> {
+/// consumer warp: two tiles' worth), the barriers, then the row scalars (`−R·log2e` per folded
+/// row, the slots' compact rows and positions). The max pass has neither V nor the staging.
+pub fn smem_plan(pipelines: &PipelinePlan, pass: Pass) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (q, rows) = (stages("q")?, stages("rows")?);
-    SmemPlan::layout(vec![
-        BufferSpec::tile(Buf::K, 1),
-        BufferSpec::tile(Buf::V, 1),
-        BufferSpec::tile(Buf::Q, q),
+    let mut buffers = vec![BufferSpec::tile(Buf::K, 1)];
+    if let Pass::Sum(pool) = pass {
+        buffers.push(BufferSpec::tile(Buf::V, 1));
+        buffers.push(BufferSpec::tile(Buf::Q, q));
         // 8 consumer warps' staging: 64 KB in f32 (two tiles), 32 KB in f16 (one).
-        BufferSpec::tile(Buf::OStage, 8 * pool.warp_bytes() / TILE_BYTES),
+        buffers.push(BufferSpec::tile(
+            Buf::OStage,
+            8 * pool.warp_bytes() / TILE_BYTES,
+        ));
+    } else {
+        buffers.push(BufferSpec::tile(Buf::Q, q));
+    }
+    buffers.extend([
         BufferSpec::barriers(pipelines.barrier_slots()),
         BufferSpec::scalar(Buf::Lse, TILE_ROWS, rows),
         BufferSpec::scalar(Buf::QRows, SLOTS, rows),
         BufferSpec::scalar(Buf::QPos, SLOTS, rows),
-    ])
+    ]);
+    SmemPlan::layout(buffers)
 }
 
 /// The whole plan, checked: budgets, pipelines against the roles, the layout against the
 /// TMA fills.
-pub fn plan(pool: OPool) -> Result<Sm90Plan, PlanError> {
+pub fn plan(pass: Pass) -> Result<Sm90Plan, PlanError> {
     let warps = Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)?;
-    let pipelines = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), rows_pipeline()], &warps)?;
-    let smem = smem_plan(&pipelines, pool)?;
+    let pipes = vec![kv_pipeline(pass), q_pipeline(), rows_pipeline()];
+    let pipelines = PipelinePlan::new(pipes, &warps)?;
+    let smem = smem_plan(&pipelines, pass)?;
     Sm90Plan::new(warps, smem, pipelines, Vec::new(), Vec::new())
 }
 
@@ -262,9 +298,10 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
 /// The plan resolved for the roles, looked up once.
 struct Resolved<'a> {
     k: Placed,
-    v: Placed,
+    /// V and the O staging: the sum passes only.
+    v: Option<Placed>,
     q: Placed,
-    o_stage: Placed,
+    o_stage: Option<Placed>,
     neg_ref: Placed,
     qrows: Placed,
     qpos: Placed,
@@ -274,15 +311,15 @@ struct Resolved<'a> {
     rows: Pipe<'a>,
 }
 
-fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
+fn resolve(plan: &Sm90Plan, pass: Pass) -> Result<Resolved<'_>, String> {
     let smem = plan.smem();
     let buf = |id| smem.buffer(id).copied().map_err(|e| e.to_string());
     let pipe = |name| plan.pipelines().get(name).map_err(|e| e.to_string());
     let r = Resolved {
         k: buf(Buf::K)?,
-        v: buf(Buf::V)?,
+        v: smem.buffer(Buf::V).ok().copied(),
         q: buf(Buf::Q)?,
-        o_stage: buf(Buf::OStage)?,
+        o_stage: smem.buffer(Buf::OStage).ok().copied(),
         neg_ref: buf(Buf::Lse)?,
         qrows: buf(Buf::QRows)?,
         qpos: buf(Buf::QPos)?,
@@ -291,6 +328,14 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
         q_pipe: pipe("q")?,
         rows: pipe("rows")?,
     };
+    // A sum pass reads V and stages O; the plan must hold both.
+    if let Pass::Sum(_) = pass {
+        for (name, placed) in [("V", r.v), ("O staging", r.o_stage)] {
+            if placed.is_none() {
+                return Err(format!("a sum pass needs the {name} buffer"));
+            }
+        }
+    }
     // K/V and the row scalars are addressed at stage 0.
     for pipe in [r.kv, r.rows] {
         if pipe.pipeline.stages != 1 {
@@ -305,7 +350,7 @@ fn resolve(plan: &Sm90Plan) -> Result<Resolved<'_>, String> {
 
 /// What every role reads.
 struct Ctx<'a> {
-    pool: OPool,
+    pass: Pass,
     r: &'a Resolved<'a>,
     p: &'a ForwardKvParams,
     base: Reg<U32>,
@@ -313,15 +358,15 @@ struct Ctx<'a> {
     walk: common::Walk,
 }
 
-fn describe(b: &mut KernelBuilder, pool: OPool) {
+fn describe(b: &mut KernelBuilder, pass: Pass) {
     b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
     b.min_ctas_per_sm(1);
     let p = params(b);
-    let plan = match plan(pool) {
+    let plan = match plan(pass) {
         Ok(plan) => plan,
         Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
     };
-    let r = match resolve(&plan) {
+    let r = match resolve(&plan, pass) {
         Ok(r) => r,
         Err(e) => return b.error(format!("SM90 KV forward plan: {e}")),
     };
@@ -332,7 +377,7 @@ fn describe(b: &mut KernelBuilder, pool: OPool) {
     let bars = common::sm90_barriers(b, base, r.barriers);
     let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);
     let ctx = Ctx {
-        pool,
+        pass,
         r: &r,
         p: &p,
         base,
@@ -369,14 +414,23 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let qrows = b.ld_param_ptr(&p.qrows);
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tk = b.tensor_map_addr(&p.tmap_k);
-    let tv = b.tensor_map_addr(&p.tmap_v);
+    let tv = r.v.map(|_| b.tensor_map_addr(&p.tmap_v));
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
         let m = common::task_meta_at(b, &p.meta, row);
-        let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
-        common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m);
+        let counters = (prev, segments);
+        match r.v.zip(tv) {
+            Some((v, tv)) => {
+                let tiles = [r.k.at(base, 0), v.at(base, 0)];
+                common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk, tv], tiles, &m);
+            }
+            None => {
+                let tiles = [r.k.at(base, 0)];
+                common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk], tiles, &m);
+            }
+        }
         let st = r.q_pipe.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
         common::load_qdo_tiles(b, [tq], [shared(q_tile, 0)], qrows, row, &m, &st.full);
@@ -509,10 +563,17 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let neg_inf = f32::NEG_INFINITY;
     let scale_log2e = common::SCALE_LOG2E;
     let c_rows = b.mul_lo(c, 64 * 128);
-    // This warp's part of the O staging: consumer c's warp w at (4c + w)·warp_bytes.
-    let stage = b.mad_lo(slot, ctx.pool.warp_bytes(), base);
-    let stage = b.add(stage, r.o_stage.offset);
-    let o_lane = OStageLane::new(b, lane, &stage);
+    // This warp's part of the O staging (a sum pass): consumer c's warp w at
+    // (4c + w)·warp_bytes.
+    let staging = match (ctx.pass, r.o_stage) {
+        (Pass::Sum(pool), Some(o_stage)) => {
+            let stage = b.mad_lo(slot, pool.warp_bytes(), base);
+            let stage = b.add(stage, o_stage.offset);
+            let o_lane = OStageLane::new(b, lane, &stage);
+            Some((pool, stage, o_lane))
+        }
+        _ => None,
+    };
 
     let (kv, qp, rows) = (r.kv, r.q_pipe, r.rows);
     let prev = b.mov::<U32>(u32::MAX);
@@ -549,7 +610,6 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let q_tile = r.q.emit_stage_addr(b, base, qst.index);
         let a_base = b.add(q_tile, c_rows);
         let k_addr = r.k.emit_stage_addr(b, base, zero);
-        let v_addr = r.v.emit_stage_addr(b, base, zero);
 
         b.comment("S = Q_c*K^T");
         let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
@@ -562,10 +622,13 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         b.comment("the gather warp's row scalars for this task");
         let rst = rows.consumer_wait(b, &bars, tasks);
         let at = b.add(base, frow4);
-        let neg_ref = [
-            b.ld::<F32, _>(&r.neg_ref.at(at, 0)),
-            b.ld::<F32, _>(&r.neg_ref.at(at, 0).offset(32)),
-        ];
+        // (The max pass needs no reference.)
+        let neg_ref = staging.is_some().then(|| {
+            [
+                b.ld::<F32, _>(&r.neg_ref.at(at, 0)),
+                b.ld::<F32, _>(&r.neg_ref.at(at, 0).offset(32)),
+            ]
+        });
         let sat = b.add(base, slot4);
         let qpos = b.ld::<S32, _>(&r.qpos.at(sat, 0));
         let qrow = b.ld::<S32, _>(&r.qrows.at(sat, 0));
@@ -601,52 +664,57 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
             row_max.push(mx);
         }
-        let mut pv = Vec::with_capacity(64);
-        let mut sums: [Option<Reg<F32>>; 2] = [None, None];
-        for (i, xi) in x.iter().enumerate() {
-            let rr = (i / 2) % 2;
-            let d = b.add(*xi, neg_ref[rr]);
-            let pe = b.ex2_approx(d);
-            sums[rr] = Some(match sums[rr] {
-                None => pe,
-                Some(s) => b.add(s, pe),
-            });
-            pv.push(pe);
-        }
-        let mut frags = Vec::with_capacity(32);
-        for jj in 0..16usize {
-            for rr in 0..2usize {
-                let i = 4 * jj + 2 * rr;
-                frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
+        // A sum pass: P, O = P·V and the row sums (a max pass has the maxima already).
+        let sums = r.v.zip(neg_ref).map(|(v, neg_ref)| {
+            let v_addr = v.emit_stage_addr(b, base, zero);
+            let mut pv = Vec::with_capacity(64);
+            let mut sums: [Option<Reg<F32>>; 2] = [None, None];
+            for (i, xi) in x.iter().enumerate() {
+                let rr = (i / 2) % 2;
+                let d = b.add(*xi, neg_ref[rr]);
+                let pe = b.ex2_approx(d);
+                sums[rr] = Some(match sums[rr] {
+                    None => pe,
+                    Some(s) => b.add(s, pe),
+                });
+                pv.push(pe);
             }
-        }
+            let mut frags = Vec::with_capacity(32);
+            for jj in 0..16usize {
+                for rr in 0..2usize {
+                    let i = 4 * jj + 2 * rr;
+                    frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
+                }
+            }
 
-        b.comment("O = P*V (A from registers, V MN-major)");
-        let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-        b.wgmma_fence();
-        let v0 = mn_major().emit(b, v_addr);
-        for kk in 0..8u32 {
-            let b_desc = mn_major().emit_step(b, v0, kk);
-            let a = std::array::from_fn(|e| frags[(4 * kk) as usize + e]);
-            b.wgmma_rs(
-                &o_acc,
-                a,
-                b_desc,
-                if kk == 0 { never } else { always },
-                true,
-            );
-        }
-        b.wgmma_commit();
-        let mut l_row = Vec::with_capacity(2);
-        for s in sums {
-            let mut l = s.expect("64 values");
-            for d in [1u32, 2] {
-                let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
-                l = b.add(l, o);
+            b.comment("O = P*V (A from registers, V MN-major)");
+            let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+            b.wgmma_fence();
+            let v0 = mn_major().emit(b, v_addr);
+            for kk in 0..8u32 {
+                let b_desc = mn_major().emit_step(b, v0, kk);
+                let a = std::array::from_fn(|e| frags[(4 * kk) as usize + e]);
+                b.wgmma_rs(
+                    &o_acc,
+                    a,
+                    b_desc,
+                    if kk == 0 { never } else { always },
+                    true,
+                );
             }
-            l_row.push(l);
-        }
-        b.wgmma_wait(0);
+            b.wgmma_commit();
+            let mut l_row = Vec::with_capacity(2);
+            for s in sums {
+                let mut l = s.expect("64 values");
+                for d in [1u32, 2] {
+                    let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
+                    l = b.add(l, o);
+                }
+                l_row.push(l);
+            }
+            b.wgmma_wait(0);
+            (o_acc, l_row)
+        });
 
         b.comment("segment end: this warp's reads of K/V are complete");
         let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
@@ -671,19 +739,25 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let m_pool = b.ld_param_ptr(&p.m_pool);
                 for rr in 0..2usize {
                     let i = b.add(prow, 8 * rr as u32);
-                    let at_l_pool = common::elem::<F32>(b, l_pool, i);
-                    b.red_add_f32(&at_l_pool, l_row[rr]);
+                    if let Some((_, l_row)) = &sums {
+                        let at_l_pool = common::elem::<F32>(b, l_pool, i);
+                        b.red_add_f32(&at_l_pool, l_row[rr]);
+                    }
                     let key = order_key(b, row_max[rr]);
                     let at_m_pool = common::elem::<U32>(b, m_pool, i);
                     b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
                 }
             });
+            let (Some((o_acc, _)), Some((pool, stage, o_lane))) = (&sums, &staging) else {
+                return;
+            };
+            let (pool, stage) = (*pool, *stage);
             b.comment("its O rows into the warp's staging, TMA reduce-add into o_pool");
             // The warp's reduction of the previous task has read the staging by now (a whole
             // task later); lane 0 waits for it, then the warp meets before overwriting it.
             b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
             b.bar_warp_sync();
-            match ctx.pool {
+            match pool {
                 OPool::F32 => o_lane.store(b, &o_acc),
                 OPool::F16 => {
                     common::stage_rows_16(b, &o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
@@ -697,7 +771,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 let map = b.tensor_map_addr(&p.tmap_o);
                 let h16 = b.shl(head, 4u32);
                 let h16 = b.bitcast::<S32, U32>(h16);
-                let (count, width) = ctx.pool.boxes();
+                let (count, width) = pool.boxes();
                 for box_ in 0..count {
                     let d0 = b.mov::<S32>((width * box_) as i32);
                     let src = shared(stage, i64::from(O_BOX_BYTES * box_));
@@ -709,8 +783,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
-    b.comment("the staged rows' last reduction has read them before the CTA exits");
-    b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
+    if staging.is_some() {
+        b.comment("the staged rows' last reduction has read them before the CTA exits");
+        b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
+    }
 }
 
 #[cfg(test)]
@@ -722,7 +798,7 @@ mod tests {
     fn the_plan_places_every_buffer_within_the_shared_memory() {
         // The O staging: 8 warps × 16 rows × 128 d, 64 KB in f32, 32 KB in f16.
         for (pool, staging) in [(OPool::F32, 2 * TILE_BYTES), (OPool::F16, TILE_BYTES)] {
-            let plan = plan(pool).unwrap();
+            let plan = plan(Pass::Sum(pool)).unwrap();
             let smem = plan.smem();
             let at = |id| smem.offset(id).unwrap();
             assert_eq!(
@@ -742,11 +818,28 @@ mod tests {
     }
 
     #[test]
-    fn both_pools_take_the_same_parameters() {
-        // The runtime launches the f16 pass with the f32 pass's binding.
+    fn every_pass_takes_the_same_parameters() {
+        // The runtime launches the f16 and max passes with the f32 pass's binding.
         let f32_pass = DESC.build(Target::Sm90a).unwrap();
-        let f16_pass = DESC_F16.build(Target::Sm90a).unwrap();
-        assert_eq!(f32_pass.params, f16_pass.params);
+        for desc in [DESC_F16, DESC_MAX] {
+            assert_eq!(f32_pass.params, desc.build(Target::Sm90a).unwrap().params);
+        }
+    }
+
+    #[test]
+    fn the_max_pass_plans_no_v_and_no_staging_and_loads_k_alone() {
+        let plan = plan(Pass::Max).unwrap();
+        let smem = plan.smem();
+        assert!(smem.buffer(Buf::V).is_err() && smem.buffer(Buf::OStage).is_err());
+        assert_eq!(
+            [smem.offset(Buf::K).unwrap(), smem.offset(Buf::Q).unwrap()],
+            [0, TILE_BYTES]
+        );
+        let kv = plan.pipelines().get("kv").unwrap().pipeline;
+        assert_eq!((kv.tx.len(), kv.declared_tx), (2, Some(TILE_BYTES)));
+        // A sum pass's plan without V cannot be resolved.
+        assert!(resolve(&plan, Pass::Sum(OPool::F32)).is_err());
+        assert!(resolve(&plan, Pass::Max).is_ok());
     }
 
     #[test]
@@ -757,7 +850,8 @@ mod tests {
             consumer_arrivals: 255,
             ..rows_pipeline()
         };
-        let e = PipelinePlan::new(vec![kv_pipeline(), q_pipeline(), rows], &warps).unwrap_err();
+        let e = PipelinePlan::new(vec![kv_pipeline(Pass::Max), q_pipeline(), rows], &warps)
+            .unwrap_err();
         assert!(
             matches!(
                 &e,
@@ -771,12 +865,12 @@ mod tests {
         // Two K/V stages: the kernel addresses K/V at stage 0, so resolving must refuse.
         let kv = Pipeline {
             stages: 2,
-            ..kv_pipeline()
+            ..kv_pipeline(Pass::Sum(OPool::F32))
         };
         let pipes = PipelinePlan::new(vec![kv, q_pipeline(), rows_pipeline()], &warps).unwrap();
-        let smem = smem_plan(&pipes, OPool::F32).unwrap();
+        let smem = smem_plan(&pipes, Pass::Sum(OPool::F32)).unwrap();
         match Sm90Plan::new(warps, smem, pipes, Vec::new(), Vec::new()) {
-            Ok(plan) => assert!(resolve(&plan).is_err()),
+            Ok(plan) => assert!(resolve(&plan, Pass::Sum(OPool::F32)).is_err()),
             Err(e) => assert!(matches!(e, PlanError::FillStages { .. }), "{e}"),
         }
     }

@@ -5,7 +5,9 @@
 //! 1e-3 max-abs, empty rows `out = 0`, `lse = −∞`. No GPU.
 
 use half::bf16;
-use msa_runtime::forward_kv::{combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan};
+use msa_runtime::forward_kv::{
+    combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan, Reference,
+};
 use msa_runtime::reference;
 use msa_runtime::{causal_support, Span};
 use msa_sim::backward::{cu_of, random_q2k, Rng};
@@ -168,12 +170,23 @@ fn run_device(
     run_device_with(cu, q2k, (q, ka, va), OPool::F32)
 }
 
-/// [`run_device`] with `o_pool` in `pool`.
+/// [`run_device`] with `o_pool` in `pool` (the bound as reference).
 fn run_device_with(
     cu: &[i32],
     q2k: &[i32],
-    (q, ka, va): (&[bf16], &[bf16], &[bf16]),
+    inputs: (&[bf16], &[bf16], &[bf16]),
     pool: OPool,
+) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
+    run_device_full(cu, q2k, inputs, (pool, Reference::Bound))
+}
+
+/// [`run_device`] with `o_pool` in `pool` and the references from `reference`; checks that
+/// the passes that `reference` implies ran, and only those.
+fn run_device_full(
+    cu: &[i32],
+    q2k: &[i32],
+    (q, ka, va): (&[bf16], &[bf16], &[bf16]),
+    (pool, reference): (OPool, Reference),
 ) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
     let t = *cu.last().unwrap() as usize;
     let w = ka.len() / KV_ROW;
@@ -192,8 +205,19 @@ fn run_device_with(
         out: Span::new(out_d.ptr.addr(), t * Q_ROW),
         lse: Span::new(lse_d.ptr.addr(), t * 64),
     };
-    let mut fwd = MsaForwardKv::new().with_o_pool(pool);
+    let mut fwd = MsaForwardKv::new()
+        .with_o_pool(pool)
+        .with_reference(reference);
     fwd.run_on(&mut dev, &io, &s).expect("forward");
+    let ran = |name: &str| dev.launches().iter().any(|l| l.kernel == name);
+    let exact = reference == Reference::ExactMax;
+    assert_eq!(ran("msa_forward_kv_max_sm90"), exact, "the max pass");
+    assert_eq!(
+        ran("fwd_kv_reference"),
+        exact,
+        "the reference from the maxima"
+    );
+    assert_eq!(ran("fwd_kv_bound"), !exact, "the bound");
     let pass = match pool {
         OPool::F32 => "msa_forward_kv_sm90",
         OPool::F16 => "msa_forward_kv_f16_sm90",
@@ -267,9 +291,9 @@ fn an_outlier_key_sends_the_rows_of_its_block_to_the_recompute_pass_exactly() {
     eprintln!("outlier key, {recomputed} rows recomputed: {stats}");
 }
 
-/// A NaN query row with the `pool`: its `lse` NaN and `out` 0, the verdict
-/// `ForwardReferenceRange` for that one row, every other row exact.
-fn nan_row_case(pool: OPool) {
+/// A NaN query row with the pool and reference of `how`: its `lse` NaN and `out` 0, the
+/// verdict `ForwardReferenceRange` for that one row, every other row exact.
+fn nan_row_case(how: (OPool, Reference)) {
     let cu = cu_of(&[200]);
     let q2k = causal_support(&cu).unwrap();
     let mut inp = inputs(&cu, &q2k, 24);
@@ -277,7 +301,7 @@ fn nan_row_case(pool: OPool) {
     for d in 0..128 {
         inp.q[bad_row * 128 + d] = bf16::from_f32(f32::NAN);
     }
-    let (out, lse, verdict) = run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), pool);
+    let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
     assert!(
         lse[bad_row].is_nan(),
         "lse of the NaN row: {}",
@@ -305,7 +329,7 @@ fn nan_row_case(pool: OPool) {
 
 #[test]
 fn a_nan_query_row_comes_out_nan_and_is_reported() {
-    nan_row_case(OPool::F32);
+    nan_row_case((OPool::F32, Reference::Bound));
 }
 
 // ---- the f16 o_pool (OPool::F16) ------------------------------------------------------------
@@ -400,7 +424,58 @@ fn f16_pool_sends_the_outlier_rows_to_the_recompute_pass() {
 
 #[test]
 fn f16_pool_reports_a_nan_query_row() {
-    nan_row_case(OPool::F16);
+    nan_row_case((OPool::F16, Reference::Bound));
+}
+
+// ---- the exact reference (Reference::ExactMax) --------------------------------------------
+
+#[test]
+fn exact_max_references_keep_every_unit_normal_row_in_the_f16_window() {
+    // The inputs on which the bound sends every f16 row to the recompute pass: with the max
+    // pass's exact maxima as references no row is recomputed, and both pools match the
+    // reference.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = inputs(&cu, &q2k, 22);
+    for pool in [OPool::F16, OPool::F32] {
+        let how = (pool, Reference::ExactMax);
+        let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
+        let recomputed = verdict.unwrap_or_else(|e| panic!("{pool:?}: {e}"));
+        assert_eq!(recomputed, 0, "{pool:?}: no row recomputed");
+        let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{pool:?}: {e}"));
+        eprintln!("exact references, {pool:?} pool: {stats}");
+    }
+}
+
+#[test]
+fn exact_max_references_need_no_recompute_for_an_outlier_key_or_scaled_values() {
+    // The outlier key lifts only the bound, not the rows' maxima: no recompute pass.
+    let (cu, q2k, inp) = outlier_case();
+    let how = (OPool::F16, Reference::ExactMax);
+    let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
+    assert_eq!(verdict.expect("every row normalised"), 0);
+    compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("outlier: {e}"));
+    // V × 4096 on unit-normal Q and K: the scale still follows max|v|.
+    let cu = cu_of(&[260, 3]);
+    let q2k = causal_support(&cu).unwrap();
+    let mut inp = inputs(&cu, &q2k, 26);
+    let factor = 4096.0f32;
+    for v in inp.va.iter_mut() {
+        *v = bf16::from_f32(v.to_f32() * factor);
+    }
+    let want = reference_of(&cu, &q2k, &inp);
+    let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
+    assert_eq!(verdict.expect("every row normalised"), 0);
+    let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
+    inp.want_out = norm(&want.out);
+    inp.want_lse = want.lse;
+    compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("V × 4096: {e}"));
+}
+
+#[test]
+fn exact_max_references_report_a_nan_query_row() {
+    nan_row_case((OPool::F16, Reference::ExactMax));
 }
 
 // ---- planted bugs in the shipped msa_forward_kv_sm90 text ---------------------------------
