@@ -6,18 +6,20 @@
 //! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [MIN,BLOCKS;MIN,BLOCKS...]
 //! ```
 //!
-//! Lines `kv, f16 pool`, `kv, f16 pool, exact max` and `kv, f32 pool, exact max` time the KV
-//! forward with its experimental f16 `o_pool` and with the max pass's exact references. The optional
+//! Lines `kv, f32 pool, bound`, `kv, f16 pool, bound` and `kv, f32 pool, exact max` time the
+//! KV forward with other `o_pool` types and references than its defaults (f16, exact max). The optional
 //! last argument times the KV forward once more per task-order locality rule
 //! (`msa_runtime::contract::Locality { min_window_log2, blocks_log2 }`), one line each.
 //!
 //! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
 //! schedule built once; `run_forward ms` is one whole `run_forward` call (the device schedule
 //! build, the output allocations and the kernel); `kv ms` is one
-//! `forward_kv::MsaForwardKv::run_on` (the experimental KV-parallel forward: bound, task build,
-//! pass, combine) on the same schedule, and `kv vs sm90` the largest difference of its `out`
-//! from `msa_forward_sm90`'s (and of `lse`), with its verdict (rows recomputed); a line after each case
-//! gives the KV forward's median ms per operation (through `TimedBackend`). Medians over REPS (default 20) calls between
+//! `forward_kv::MsaForwardKv::run_on` (the KV-parallel forward with its defaults: f16 pool,
+//! max pass, task build, sum pass, combine) on the same schedule, and `kv vs sm90` the
+//! largest difference of its `out` from `msa_forward_sm90`'s (and of `lse`), with its verdict
+//! (rows recomputed). Lines after each case give the KV forward's median ms per operation
+//! (through `TimedBackend`) and what `MsaAttention::forward` takes with the algorithm `Auto`
+//! picks. Medians over REPS (default 20) calls between
 //! CUDA events after 3 warm-up calls, a 256 MiB L2 flush before each. Useful forward FLOP =
 //! `2·(128 + 128)·16·Σ keys attended` (keys summed over the 4 index heads and all tokens, ×16
 //! query heads per index head). Inputs are uniform bf16 (timing does not depend on them).
@@ -285,12 +287,13 @@ fn main() -> Res<()> {
             sched,
         )?;
         println!("  kv breakdown (median of 5):{line}");
-        let f16 = || MsaForwardKv::new().with_o_pool(OPool::F16);
-        let line = breakdown(f16(), &stream, &mut flush, &io_kv, sizes, sched)?;
-        println!("  kv, f16 pool, breakdown (median of 5):{line}");
-        let exact = f16().with_reference(Reference::ExactMax);
-        let line = breakdown(exact, &stream, &mut flush, &io_kv, sizes, sched)?;
-        println!("  kv, f16 pool, exact max, breakdown (median of 5):{line}");
+        fn f32_bound<B: Backend>() -> MsaForwardKv<B> {
+            MsaForwardKv::new()
+                .with_o_pool(OPool::F32)
+                .with_reference(Reference::Bound)
+        }
+        let line = breakdown(f32_bound(), &stream, &mut flush, &io_kv, sizes, sched)?;
+        println!("  kv, f32 pool, bound, breakdown (median of 5):{line}");
         // What a user of MsaAttention gets (schedule build, outputs, the algorithm Auto picks).
         let mut attn = MsaAttention::new();
         let auto =
@@ -320,22 +323,17 @@ fn main() -> Res<()> {
             if auto { "KV-parallel" } else { "Q-parallel" },
             flop / (m as f64 * 1e-3) / 1e12
         );
-        // The experimental f16 o_pool (not the default; its recompute count says how many
-        // rows fell outside its window on these inputs), then the locality sweep.
+        // The other pools and references (the recompute counts say how many rows fell
+        // outside the pool's window on these inputs), then the locality sweep.
         let mut variants = vec![
+            ("f32 pool, bound".to_string(), f32_bound()),
             (
-                "f16 pool".to_string(),
-                MsaForwardKv::new().with_o_pool(OPool::F16),
-            ),
-            (
-                "f16 pool, exact max".to_string(),
-                MsaForwardKv::new()
-                    .with_o_pool(OPool::F16)
-                    .with_reference(Reference::ExactMax),
+                "f16 pool, bound".to_string(),
+                MsaForwardKv::new().with_reference(Reference::Bound),
             ),
             (
                 "f32 pool, exact max".to_string(),
-                MsaForwardKv::new().with_reference(Reference::ExactMax),
+                MsaForwardKv::new().with_o_pool(OPool::F32),
             ),
         ];
         for &l in &localities {

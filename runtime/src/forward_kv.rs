@@ -61,14 +61,14 @@ pub struct ForwardKvBuffers {
 /// The element type of the KV forward's `o_pool`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OPool {
-    /// f32 (the default; measured on the H200).
-    #[default]
+    /// f32: twice the bytes reduced, 1.3-1.5× slower on the H200, no range to manage.
     F32,
-    /// f16, half the bytes the TMA reduces (experimental: checked on the simulator, not yet
-    /// run on a GPU). The bound lowers each row's reference by `ln c`, `c =
-    /// 2^⌊log2(8 / max|v|)⌋`, so that no sum leaves f16's range; rows whose maximum lies more
-    /// than 7 below the lowered reference (their sums would reach f16's subnormals) are
-    /// recomputed with `R' = max − ln c`.
+    /// f16 (the default), half the bytes the TMA reduces. Each row's reference is lowered
+    /// by `ln c`, `c = 2^⌊log2(8 / max|v|)⌋`, so that no sum leaves f16's range; rows whose
+    /// maximum lies more than 7 below the lowered reference (their sums would reach f16's
+    /// subnormals) are recomputed with `R' = max − ln c`, which [`Reference::ExactMax`]
+    /// makes needless.
+    #[default]
     F16,
 }
 
@@ -128,11 +128,12 @@ pub enum Reference {
     /// (`fwd_kv_key_max`, `fwd_kv_bound`): 0.3 ms at packed64k, but on unit-variance inputs
     /// it lies about 9 above the row's maximum, past the f16 pool's window of 7, so that
     /// nearly every row of an f16 pool is recomputed.
-    #[default]
     Bound,
     /// The row's exact maximum from a max pass over the task tables
     /// (`msa_forward_kv_max_sm90`: the S GEMMs and the mask alone; then `fwd_kv_reference`),
-    /// so that every row with a finite maximum lies in either pool's window.
+    /// so that every row with a finite maximum lies in either pool's window (the default:
+    /// 4.7 ms at packed64k, and no recompute).
+    #[default]
     ExactMax,
 }
 
@@ -161,8 +162,8 @@ impl<B: Backend> Default for MsaForwardKv<B> {
         MsaForwardKv {
             owner: None,
             locality: FORWARD_KV_LOCALITY,
-            pool: OPool::F32,
-            reference: Reference::Bound,
+            pool: OPool::F16,
+            reference: Reference::ExactMax,
             tasks: None,
             work: None,
             status_at: None,
@@ -186,23 +187,26 @@ pub const FORWARD_KV_LOCALITY: Locality = Locality {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ForwardAlgorithm {
     /// The KV-parallel forward where it was measured faster (a 9.0 device, the default
-    /// mode, documents of [`KV_FORWARD_MIN_MEAN_DOC`] tokens or more on average), the
-    /// Q-parallel one otherwise.
+    /// mode, documents of [`KV_FORWARD_MIN_MEAN_DOC`] tokens or more on average, and its
+    /// workspace allocated), the Q-parallel one otherwise.
     #[default]
     Auto,
     /// `msa_forward_sm90` / `msa_forward_sm100`: bitwise reproducible, no workspace.
     QParallel,
-    /// [`MsaForwardKv`] (9.0 only): its `o_pool` sums are float adds in whatever order the
-    /// tasks finish, and its workspace is about 33 KB per token (f32 `o_pool [T, 64, 128]`,
-    /// `l`, `m`, `R`) besides the task tables.
+    /// [`MsaForwardKv`] with its defaults (9.0 only): its `o_pool` sums are float adds in
+    /// whatever order the tasks finish, and its workspace is about 17 KB per token (f16
+    /// `o_pool [T, 64, 128]`; `l`, `m`, `R [T, 64]`) besides the task tables.
     KvParallel,
 }
 
 /// The mean document length (tokens) from which [`ForwardAlgorithm::Auto`] takes the KV
 /// forward. The Q-parallel kernel executes a tile for every block any of its 4 queries
-/// selected, a waste that grows with the document; the KV forward wastes nothing but adds f32
-/// rows in L2 at a cost flat with length.
-pub const KV_FORWARD_MIN_MEAN_DOC: usize = 16384;
+/// selected, a waste that grows with the document; the KV forward wastes no tile but adds
+/// its rows in L2, at a cost flat with length. On the H200
+/// (`bench/results/h200-2026-12-03-s15-forward.md`) the two were within 5 % at doc8k and
+/// packed64k (mean 6.5K), and the KV forward 1.3× faster at doc16k, 1.7× at doc32k, 2.2× at
+/// doc64k.
+pub const KV_FORWARD_MIN_MEAN_DOC: usize = 8192;
 
 impl ForwardAlgorithm {
     /// Whether a forward of `t` tokens in `docs` documents against `w` aligned K/V rows, on
@@ -284,7 +288,7 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// The same flow with [`MsaForwardKv::run_on`]'s references from `reference` (default
-    /// [`Reference::Bound`]).
+    /// [`Reference::ExactMax`]).
     pub fn with_reference(mut self, reference: Reference) -> Self {
         self.reference = reference;
         self
@@ -303,7 +307,7 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// The same flow with [`MsaForwardKv::run_on`]'s `o_pool` in `pool` (default
-    /// [`OPool::F32`]). [`OPool::F16`] is experimental: not yet run on a GPU.
+    /// [`OPool::F16`]).
     pub fn with_o_pool(mut self, pool: OPool) -> Self {
         self.pool = pool;
         self

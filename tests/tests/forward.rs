@@ -14,8 +14,21 @@ use msa_tests::{gpu_stream, Rng};
 const Q_ROW: usize = 64 * 128;
 const KV_ROW: usize = 4 * 128;
 
-/// Forward and chained backward of `p` (built from `cu`, `q2k`, `seed`).
+/// Forward and chained backward of `p` (built from `cu`, `q2k`, `seed`), with both forward
+/// algorithms.
 fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
+    let both = [ForwardAlgorithm::QParallel, ForwardAlgorithm::KvParallel];
+    run_case_with(name, cu, q2k, seed, &both);
+}
+
+/// [`run_case`] with each of `algorithms`.
+fn run_case_with(
+    name: &'static str,
+    cu: Vec<i32>,
+    q2k: Vec<i32>,
+    seed: u64,
+    algorithms: &[ForwardAlgorithm],
+) {
     let Some(stream) = gpu_stream() else { return };
     let t = *cu.last().unwrap() as usize;
     // The same draws as `Problem::new` (q, k, v in that order), for the f32 reference forward.
@@ -32,7 +45,7 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let dout = stream.clone_htod(&p.grad_out).unwrap();
     let q2k_d = stream.clone_htod(&q2k).unwrap();
     let cu_d = stream.clone_htod(&cu).unwrap();
-    for algorithm in [ForwardAlgorithm::QParallel, ForwardAlgorithm::KvParallel] {
+    for &algorithm in algorithms {
         let label = format!("{algorithm:?} forward");
         let label = label.as_str();
         let mut attn = MsaAttention::new();
@@ -126,4 +139,24 @@ fn forward_random_top16_t8192() {
     let mut rng = Rng::new(8004);
     let q2k = random_top16(&cu, &mut rng);
     run_case("random top-16, T = 8192", cu, q2k, 8004);
+}
+
+#[test]
+fn forward_auto_one_document_of_8192() {
+    // A mean document of KV_FORWARD_MIN_MEAN_DOC tokens: Auto takes the KV forward on a 9.0
+    // device (the rule's own test is in forward_kv); the Q-parallel one elsewhere.
+    if cfg!(debug_assertions) {
+        eprintln!("SKIP: needs an optimised build for its CPU reference");
+        return;
+    }
+    let cu = docs(&[msa_runtime::KV_FORWARD_MIN_MEAN_DOC as i32]);
+    let mut rng = Rng::new(8005);
+    let q2k = random_top16(&cu, &mut rng);
+    run_case_with(
+        "Auto, one document of 8192",
+        cu,
+        q2k,
+        8005,
+        &[ForwardAlgorithm::Auto],
+    );
 }

@@ -155,8 +155,13 @@ fn forward_with(
             out: Span::new(out_ptr, t * Q_ROW),
             lse: Span::new(lse_ptr, t * NUM_Q_HEADS),
         };
-        match kv {
-            Some(kv) => kv.run_on(&mut backend, &io, &schedule)?,
+        match kv.map(|kv| kv.run_on(&mut backend, &io, &schedule)) {
+            // Auto takes the Q-parallel forward, which needs no workspace, when the KV
+            // forward's does not fit (it overwrites every element of `out` and `lse`).
+            Some(Err(RuntimeError::Alloc { .. })) if algorithm == ForwardAlgorithm::Auto => {
+                MsaForward.run_on(&mut backend, &io, &schedule)?
+            }
+            Some(r) => r?,
             None => MsaForward.run_on(&mut backend, &io, &schedule)?,
         }
     }
