@@ -38,6 +38,7 @@ LAYERS = {
     "aligned.rs": 3,
     "forward.rs": 3,
     "forward_kv.rs": 3,
+    "forward/buffers.rs": 3,
     "cp.rs": 3,
     "cuda.rs": 4,
     "device.rs": 4,

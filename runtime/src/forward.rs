@@ -21,15 +21,15 @@
 //! so `out` is 0 and `lse` −∞ and the backward on it writes zero gradients: never wrong values.
 
 use crate::backend::{Backend, KernelSpec, Ptr, Span, TileMapSpec};
-use crate::buffers::{check_regions, Region};
-use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS, NUM_Q_HEADS, TOPK_BLOCKS};
+use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS};
 use crate::error::RuntimeError;
 use crate::kernels::{msa_forward_sm100, msa_forward_sm90};
 use crate::ops::check_len;
 use crate::schedule_build::ResidentSchedule;
-use half::bf16;
 
+pub(crate) mod buffers;
 mod stream;
+pub use buffers::ForwardBuffers;
 pub use stream::{run_forward, ForwardOutput, MsaAttention, Saved};
 
 pub(crate) use crate::contract::{KV_ROW, Q_ROW};
@@ -38,49 +38,6 @@ pub const FORWARD_ITEM_QUERIES: usize = 8;
 /// Queries per work item of the schedule the forward builds (what the backward measured
 /// best with; any positive multiple of 8 is valid).
 pub const QUERIES_PER_WORK: usize = 64;
-
-/// The device buffers of one forward call; `T` and `W` come from the schedule's sizes.
-#[derive(Debug, Clone, Copy)]
-pub struct ForwardBuffers {
-    /// `q [T, 64, 128]` bf16.
-    pub q: Span<bf16>,
-    /// `k_aligned [W, 4, 128]` bf16 in the schedule's aligned layout, zero padding rows.
-    pub k_aligned: Span<bf16>,
-    /// `v_aligned`, as `k_aligned`.
-    pub v_aligned: Span<bf16>,
-    /// `q2k [4, T, 16]` int32, the selection the schedule was built from.
-    pub q2k: Span<i32>,
-    /// Output `out [T, 64, 128]` bf16.
-    pub out: Span<bf16>,
-    /// Output `lse [T, 64]` f32.
-    pub lse: Span<f32>,
-}
-
-impl ForwardBuffers {
-    /// The lengths of `q2k`, `out` and `lse` for `t` tokens (both forwards check them).
-    pub(crate) fn check_q2k_and_outputs(&self, t: usize) -> Result<(), RuntimeError> {
-        let q2k_len = NUM_INDEX_HEADS * t * TOPK_BLOCKS;
-        check_len("q2k", self.q2k.len, q2k_len, "[4, T, 16] int32")?;
-        check_len("out", self.out.len, t * Q_ROW, "[T, 64, 128] bf16")?;
-        check_len("lse", self.lse.len, t * NUM_Q_HEADS, "[T, 64] f32")
-    }
-
-    /// No output on an input or on the other output (both forwards check it).
-    pub(crate) fn check_no_overlap(&self) -> Result<(), RuntimeError> {
-        check_regions(
-            &[
-                Region::input("q", self.q)?,
-                Region::input("k_aligned", self.k_aligned)?,
-                Region::input("v_aligned", self.v_aligned)?,
-                Region::input("q2k", self.q2k)?,
-                Region::output("out", self.out)?,
-                Region::output("lse", self.lse)?,
-            ],
-            false,
-            "no in-place forward",
-        )
-    }
-}
 
 /// The capabilities the forward has a kernel for, for error messages.
 const SUPPORTED: &str = "9.0 (msa_forward_sm90), 10.0 (msa_forward_sm100)";

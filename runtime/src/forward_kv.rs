@@ -1,29 +1,32 @@
-//! The KV-parallel forward (experimental): `msa_forward_kv_sm90` on the backward's task
-//! tables, where every selected (block, query slot) pair adds its rows'
-//! `Σ exp(S·scale − R)·v` (by TMA reduce-add), `Σ exp(S·scale − R)` and `max S·scale·log2e`
-//! into f32 pools against a per-row reference `R` (see the kernel's module docs for the design).
+//! The KV-parallel forward: `msa_forward_kv_*_sm90` on the backward's task tables, where every
+//! selected (block, query slot) pair adds its rows' `Σ exp(S·scale − R)·v` (by TMA
+//! reduce-add), `Σ exp(S·scale − R)` and `max S·scale·log2e` into pools against a per-row
+//! reference `R` (see the kernel's module docs for the design).
 //!
-//! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync:
-//!   `fwd_kv_key_max` and `fwd_kv_bound` (R = scale·‖q‖·max‖k‖ over the row's selected
-//!   blocks), the task build from a
-//!   [`ResidentSchedule`], the pass, `fwd_kv_combine` (`out = o/l`, `lse = R + ln l`), then
-//!   the pass and the combine again for the rows whose maximum lay too far below R, with that
-//!   maximum as their reference (both launches return at once when there is none).
-//!   [`MsaForwardKv::status`] gives the number of rows recomputed, or
-//!   [`RuntimeError::ForwardReferenceRange`] for rows still bad (a NaN or infinite logit:
-//!   their `lse` is NaN, `out` 0).
-//! - [`MsaForwardKv::run_to_pools`]: the pass alone with the caller's R and pools, and
+//! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync. By default
+//!   ([`Reference::ExactMax`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
+//!   scale), the task build from a [`ResidentSchedule`], the max pass
+//!   (`msa_forward_kv_max_sm90`) and `fwd_kv_reference` (R = each row's maximum), the sum
+//!   pass, the combine (`out = o/l`, `lse = R + ln l`), then the pass and the combine again
+//!   for the rows outside the pool's window, with their maximum as reference (both launches
+//!   return at once when there is none, as with the exact reference unless a logit is NaN or
+//!   infinite). [`Reference::Bound`] takes R from `fwd_kv_bound` instead (scale·‖q‖·max‖k‖
+//!   over the row's selected blocks). [`MsaForwardKv::status`] gives the number of rows
+//!   recomputed, or [`RuntimeError::ForwardReferenceRange`] for rows still bad (their `lse`
+//!   is NaN, `out` 0).
+//! - [`MsaForwardKv::run_to_pools`]: the sum pass alone with the caller's R and pools, and
 //!   [`combine_row`], the combine's host form, for tests.
+//! - [`ForwardAlgorithm`]: when [`MsaAttention`](crate::MsaAttention) takes this forward
+//!   rather than [`MsaForward`](crate::MsaForward).
 //!
 //! Checked against the CPU reference on the simulator and on the H200; timed there
-//! (`bench/results/h200-2026-12-03-s14-forward-kv.md`). Not behind
-//! [`run_forward`](crate::run_forward).
+//! (`bench/results/h200-2026-12-03-s15-forward.md`).
 
 use crate::backend::{Backend, KernelSpec, Ptr, PtrMut, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
-use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, NUM_Q_HEADS};
+use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW};
 use crate::error::RuntimeError;
-use crate::forward::{ForwardBuffers, KV_ROW, Q_ROW};
+use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
     fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, fwd_kv_reference,
     msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,

@@ -1,6 +1,6 @@
-//! The row kernels around `msa_forward_kv_sm90` (experimental): the reference `R` before the
-//! pass and the combine after it. One warp per 128-element row (the bound: per 16 rows), each
-//! lane 4 elements.
+//! The row kernels around `msa_forward_kv_sm90`: the reference `R` before the pass and the
+//! combine after it. One warp per 128-element row, each lane 4 elements (the bound: per 16
+//! rows; the reference: one thread per row).
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
@@ -12,7 +12,10 @@
 //!   only the bounds of the rows that selected its block. The square root is
 //!   `exp2(lg2(x)/2)`: the pass is exact for any `R` that keeps the row's terms in range, so R
 //!   need not be rounded right.
-//! - The f16 pool (`fwd_kv_combine_f16`, experimental): the bound lowers every reference by
+//! - `fwd_kv_reference`: `R[row] = max − ln c` from the max pass's `m_pool` (0 for a row with
+//!   no finite maximum, which the combine then writes empty or reports), the exact reference
+//!   the runtime uses by default.
+//! - The f16 pool (`fwd_kv_combine_f16`): the bound (or `fwd_kv_reference`) lowers every reference by
 //!   `ln c`, `c = 2^⌊log2(8 / max|v|)⌋` (`f16_shift`), so that every term `exp(S·scale − R')·v`
 //!   is at most `8e` and a row's sum of at most 2048 stays under f16's 65504. The combine
 //!   undoes the shift in its window (`R − max ≥ −1`) and bounds `R' − max` by
@@ -84,7 +87,7 @@ pub const REFERENCE: KernelDesc = KernelDesc {
     describe: describe_reference,
 };
 
-/// The combine of the f16 pool (experimental, not yet run on a GPU).
+/// The combine of the f16 pool.
 pub const COMBINE_F16: KernelDesc = KernelDesc {
     name: "fwd_kv_combine_f16",
     about: "fwd_kv_combine for the f16 o_pool: the reference's shift from max|v| undone in the \

@@ -1,6 +1,7 @@
 //! `msa_forward_kv_sm90`: the KV-parallel MSA forward for Hopper (sm_90a), on the backward's
-//! task tables. Experimental: checked against the CPU reference on the simulator and on the
-//! H200, timed there (below), not behind `run_forward`.
+//! task tables, with its f16 variant `msa_forward_kv_f16_sm90` and its max pass
+//! `msa_forward_kv_max_sm90`. Checked against the CPU reference on the simulator and on the
+//! H200, timed there (below); `MsaAttention` takes it for long documents.
 //!
 //! # Why
 //! `msa_forward_sm90` is Q-parallel: an m64 tile holds 4 queries, so with random selections it
@@ -44,31 +45,37 @@
 //!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
 //!   its own last read), checked at codegen time.
 //!
-//! # The f16 pool (`msa_forward_kv_f16_sm90`, experimental, not yet run on a GPU)
+//! # The f16 pool (`msa_forward_kv_f16_sm90`, the runtime's default)
 //! [`OPool::F16`]: the same kernel with each warp's rows staged as f16 (`cvt.rn.f16x2.f32`,
 //! `stmatrix`, two boxes of 16 heads × 64 d) and added by a TMA f16 reduce-add: the bf16
 //! pool's bytes with 11 significant bits instead of 8. The caller lowers the reference so that
 //! no sum leaves f16's range, and recomputes the rows whose sums would sink into its
-//! subnormals (`forward_kv_rows`). On the simulator's unit-normal inputs the Cauchy-Schwarz
-//! bound lies about 10 above each row's maximum, past that window, so every row is
-//! recomputed; with Q and K halved (a gap of about 3, as on the benchmark's uniform inputs)
-//! none is.
+//! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
+//! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
-//! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md`)
-//! The whole forward (`MsaForwardKv::run_on`: bound, task build, pass, combine) at packed64k /
-//! doc32k / doc8k. In the same runs, fla-core 0.6.0 `parallel_nsa_fwd` took 36.9 / 20.7 /
-//! 4.74 ms and `msa_forward_sm90` 15.4 / 14.6 / 1.81 ms:
-//! - `red.global.add.v4.f32` from registers (session 13): 24.2 / 14.3 / 3.24 ms. The pass
-//!   alone took 21.1 ms at packed64k, and 5.1 ms without the O reduction (tensor pipe 38 %).
+//! # The max pass (`msa_forward_kv_max_sm90`, [`Pass::Max`])
+//! The same walk with K alone: the S GEMM, the mask and the rows' `red.max`, no V, no P·V, no
+//! staging, no reference. `forward_kv_rows::REFERENCE` turns the maxima into the sum pass's
+//! references, so that no row leaves either pool's window.
+//!
+//! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md` and `-s15-forward.md`)
+//! The whole forward (`MsaForwardKv::run_on`) at packed64k / doc32k / doc8k, with fla-core
+//! 0.6.0 `parallel_nsa_fwd` at 36.6 / 20.7 / 4.74 ms and `msa_forward_sm90` at 15.4 / 14.5 /
+//! 1.79 ms in the same runs:
+//! - `red.global.add.v4.f32` from registers (session 13): 24.2 / 14.3 / 3.24 ms. Without the
+//!   O reduction the pass alone took 5.1 ms at packed64k (tensor pipe 38 %).
 //! - TMA f32 reduce-add with the backward's 8192-query task windows: 20.3 / 12.1 / 2.71 ms.
-//!   The pass took 18.0 ms. ncu: 70 GB through L2 and DRAM at 47 %, because a window's o rows
-//!   (256 MB in f32) miss L2 between the tasks that add into them.
-//! - The same with the runtime's `FORWARD_KV_LOCALITY` (512-query windows) and the bound per
-//!   (token, KV head): 15.1 / 8.98 / 1.98 ms. That is 239 / 230 / 237 useful TFLOP/s, flat
-//!   with length, and 2.4× / 2.3× / 2.4× fla.
-//! - A bf16 `o_pool` (TMA bf16 adds, as the backward's dQ) took 10.3 / 6.4 / 1.41 ms with the
-//!   8192-query windows. Its sums round to bf16 at every add, so `out` came out one bf16 step
-//!   off in two GPU tests: 0.031 max-abs at |out| ≈ 4, against the 0.025 tolerance.
+//!   ncu: 70 GB through L2, DRAM at 47 %: a window's o rows (256 MB in f32) miss L2 between
+//!   the tasks that add into them. With the runtime's 512-query windows
+//!   (`FORWARD_KV_LOCALITY`) and the bound per (token, KV head): 15.1 / 9.1 / 1.99 ms.
+//! - A bf16 pool took 10.3 / 6.4 / 1.41 ms with the 8192-query windows, but its sums round
+//!   to bf16 at every add: `out` came out one bf16 step off (0.031 max-abs at |out| ≈ 4,
+//!   against 0.025).
+//! - The f16 pool with the max pass's references (session 15, the default): 14.6 / 8.4 /
+//!   1.84 ms, 247 / 247 / 254 useful TFLOP/s (doc16k 258, doc64k 245), no row recomputed.
+//!   At packed64k the sum pass takes 7.9 ms and the max pass 4.7. The max pass is
+//!   latency-bound (ncu: compute 42 %, L2 33 %): a consumer waits for its task's Q and
+//!   one-stage row scalars, and its tensor pipe idles during the mask and maximum.
 
 use super::common;
 use super::KernelDesc;
@@ -140,7 +147,7 @@ pub const DESC: KernelDesc = KernelDesc {
     describe: |b| describe(b, Pass::Sum(OPool::F32)),
 };
 
-/// The kernel with an f16 `o_pool` (experimental, not yet run on a GPU).
+/// The kernel with an f16 `o_pool`.
 pub const DESC_F16: KernelDesc = KernelDesc {
     name: "msa_forward_kv_f16_sm90",
     about:
@@ -758,9 +765,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
             b.bar_warp_sync();
             match pool {
-                OPool::F32 => o_lane.store(b, &o_acc),
+                OPool::F32 => o_lane.store(b, o_acc),
                 OPool::F16 => {
-                    common::stage_rows_16(b, &o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
+                    common::stage_rows_16(b, o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
                 }
             }
             // The async proxy reads the staged rows: each lane's stores are fenced, then the

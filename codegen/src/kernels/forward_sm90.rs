@@ -82,13 +82,11 @@
 //!
 //! A KV-parallel forward on the backward's task tables, which hold only selected (query,
 //! block) pairs, so no tile is wasted, is built as [`forward_kv_sm90`](super::forward_kv_sm90)
-//! (sessions 13-14, experimental). It needs no second pass: every row is summed against a fixed
-//! upper bound of its logits, and a row whose maximum lies too far below it is recomputed. Its
-//! GEMMs take 5.1 ms at packed64k, but every task adds its rows' f32 `o` into a pool in L2:
-//! with 512-query task windows the whole forward takes 15.1 / 8.98 / 1.98 ms (packed64k /
-//! doc32k / doc8k), flat at 230-239 useful TFLOP/s, against this kernel's 15.4 / 14.6 / 1.81
-//! in the same run.
-//! A bf16 pool halves those bytes but misses the `out` tolerance (its module docs).
+//! (sessions 13-15). It needs no online maximum: a max pass gives every row's exact maximum,
+//! and the sum pass adds each task's rows against it into f16 pools in L2. At packed64k /
+//! doc32k / doc8k it takes 14.6 / 8.4 / 1.84 ms, flat at 245-258 useful TFLOP/s, against this
+//! kernel's 15.4 / 14.5 / 1.79 in the same run. `MsaAttention` takes it from a mean document
+//! of 8192 tokens.
 
 use super::common;
 use super::forward_list as list;
