@@ -195,21 +195,45 @@ pub fn kv_pipeline(pass: Pass) -> Pipeline {
     }
 }
 
-/// Q: two stages of 8 slots × 2 d-halves of 16 heads × 64 d, released by each consumer warp
-/// once its S GEMM has completed.
-pub fn q_pipeline() -> Pipeline {
+/// Stages of Q and of the row scalars in the max pass. Its consumers do little besides the S
+/// GEMM, so the producers must run further ahead; the shared memory the sum passes spend on
+/// V and the O staging holds them.
+pub const MAX_PASS_STAGES: u32 = 4;
+
+/// Q: two stages ([`MAX_PASS_STAGES`] in the max pass) of 8 slots × 2 d-halves of 16 heads ×
+/// 64 d, released by each consumer warp once its S GEMM has completed.
+pub fn q_pipeline(pass: Pass) -> Pipeline {
+    let stages = match pass {
+        Pass::Sum(_) => 2,
+        Pass::Max => MAX_PASS_STAGES,
+    };
     Pipeline {
         tx: boxes([64, 16, 1], 16),
         declared_tx: Some(TILE_BYTES),
         fills: vec![Buf::Q],
-        ..Pipeline::new("q", 2, Role::Load, &[Role::Compute], 1, 8)
+        ..Pipeline::new("q", stages, Role::Load, &[Role::Compute], 1, 8)
     }
 }
 
-/// The row scalars: one stage, filled by the gather warp's 32 lanes, released by each of the
-/// 256 consumer threads after its own last read.
-pub fn rows_pipeline() -> Pipeline {
-    Pipeline::new("rows", 1, Role::Scalar, &[Role::Compute], 32, 256)
+/// The row scalars: one stage ([`MAX_PASS_STAGES`] in the max pass), filled by the gather
+/// warp's 32 lanes, released by each of the 256 consumer threads after its own last read.
+pub fn rows_pipeline(pass: Pass) -> Pipeline {
+    let stages = match pass {
+        Pass::Sum(_) => 1,
+        Pass::Max => MAX_PASS_STAGES,
+    };
+    Pipeline::new("rows", stages, Role::Scalar, &[Role::Compute], 32, 256)
+}
+
+/// Stage `index` of a row-scalar buffer at `at` (the shared base plus the lane's offset): the
+/// fixed stage 0 when the pipeline has one stage.
+fn rows_stage(b: &mut KernelBuilder, buf: &Placed, at: Reg<U32>, index: Reg<U32>) -> SharedAddr {
+    if buf.spec.stages == 1 {
+        buf.at(at, 0)
+    } else {
+        let addr = buf.emit_stage_addr(b, at, index);
+        shared(addr, 0)
+    }
 }
 
 /// The shared layout: K, V, Q (one tile per stage), the O staging (8 KB of f32 rows per
@@ -243,7 +267,7 @@ pub fn smem_plan(pipelines: &PipelinePlan, pass: Pass) -> Result<SmemPlan, PlanE
 /// TMA fills.
 pub fn plan(pass: Pass) -> Result<Sm90Plan, PlanError> {
     let warps = Sm90Warps::new(PRODUCER_REGS, CONSUMER_REGS)?;
-    let pipes = vec![kv_pipeline(pass), q_pipeline(), rows_pipeline()];
+    let pipes = vec![kv_pipeline(pass), q_pipeline(pass), rows_pipeline(pass)];
     let pipelines = PipelinePlan::new(pipes, &warps)?;
     let smem = smem_plan(&pipelines, pass)?;
     Sm90Plan::new(warps, smem, pipelines, Vec::new(), Vec::new())
@@ -343,14 +367,12 @@ fn resolve(plan: &Sm90Plan, pass: Pass) -> Result<Resolved<'_>, String> {
             }
         }
     }
-    // K/V and the row scalars are addressed at stage 0.
-    for pipe in [r.kv, r.rows] {
-        if pipe.pipeline.stages != 1 {
-            return Err(format!(
-                "pipeline `{}` has {} stages; the kernel addresses its buffers as one stage",
-                pipe.pipeline.name, pipe.pipeline.stages
-            ));
-        }
+    // K/V is addressed at stage 0 (the row scalars at their stage: `rows_stage`).
+    if r.kv.pipeline.stages != 1 {
+        return Err(format!(
+            "pipeline `kv` has {} stages; the kernel addresses its buffers as one stage",
+            r.kv.pipeline.stages
+        ));
     }
     Ok(r)
 }
@@ -454,12 +476,19 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let tasks = b.mov::<U32>(0u32);
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "gather_row", |b, row| {
         let st = r.rows.producer_acquire(b, bars, tasks);
-        let m = common::task_meta_at(b, &p.meta, row);
-        let tables = (&p.qrows, &p.reference, None);
-        let (r4, _) = common::gather_rows_from(b, tables, row, m[1], &g);
-        let row8 = b.shl(row, 3u32);
-        let at = b.add(base, g.lane16);
-        b.st_v(&r.neg_ref.at(at, 0), r4);
+        // The max pass needs no reference.
+        let row8 = if let Pass::Sum(_) = ctx.pass {
+            let m = common::task_meta_at(b, &p.meta, row);
+            let tables = (&p.qrows, &p.reference, None);
+            let (r4, _) = common::gather_rows_from(b, tables, row, m[1], &g);
+            let row8 = b.shl(row, 3u32);
+            let at = b.add(base, g.lane16);
+            let dst = rows_stage(b, &r.neg_ref, at, st.index);
+            b.st_v(&dst, r4);
+            row8
+        } else {
+            b.shl(row, 3u32)
+        };
         b.if_then(g.word_lane, "gather_slots", |b| {
             let idx = b.add(row8, g.lane);
             let qpos = b.ld_param_ptr(&p.qpos);
@@ -470,8 +499,10 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             let q = b.ld::<S32, _>(&at_qrows);
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
-            b.st(&r.qpos.at(at, 0), v);
-            b.st(&r.qrows.at(at, 0), q);
+            let dst = rows_stage(b, &r.qpos, at, st.index);
+            b.st(&dst, v);
+            let dst = rows_stage(b, &r.qrows, at, st.index);
+            b.st(&dst, q);
         });
         r.rows.producer_commit(b, bars, &st);
         let next = b.add(tasks, 1u32);
@@ -631,14 +662,14 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let at = b.add(base, frow4);
         // (The max pass needs no reference.)
         let neg_ref = staging.is_some().then(|| {
-            [
-                b.ld::<F32, _>(&r.neg_ref.at(at, 0)),
-                b.ld::<F32, _>(&r.neg_ref.at(at, 0).offset(32)),
-            ]
+            let src = rows_stage(b, &r.neg_ref, at, rst.index);
+            [b.ld::<F32, _>(&src), b.ld::<F32, _>(&src.offset(32))]
         });
         let sat = b.add(base, slot4);
-        let qpos = b.ld::<S32, _>(&r.qpos.at(sat, 0));
-        let qrow = b.ld::<S32, _>(&r.qrows.at(sat, 0));
+        let src = rows_stage(b, &r.qpos, sat, rst.index);
+        let qpos = b.ld::<S32, _>(&src);
+        let src = rows_stage(b, &r.qrows, sat, rst.index);
+        let qrow = b.ld::<S32, _>(&src);
         b.comment("this thread's last read of the row scalars");
         rows.consumer_release(b, &bars, &rst);
 
@@ -855,10 +886,13 @@ mod tests {
         // A release count no role produces (the rows need each consumer thread's arrival).
         let rows = Pipeline {
             consumer_arrivals: 255,
-            ..rows_pipeline()
+            ..rows_pipeline(Pass::Max)
         };
-        let e = PipelinePlan::new(vec![kv_pipeline(Pass::Max), q_pipeline(), rows], &warps)
-            .unwrap_err();
+        let e = PipelinePlan::new(
+            vec![kv_pipeline(Pass::Max), q_pipeline(Pass::Max), rows],
+            &warps,
+        )
+        .unwrap_err();
         assert!(
             matches!(
                 &e,
@@ -874,7 +908,9 @@ mod tests {
             stages: 2,
             ..kv_pipeline(Pass::Sum(OPool::F32))
         };
-        let pipes = PipelinePlan::new(vec![kv, q_pipeline(), rows_pipeline()], &warps).unwrap();
+        let sum = Pass::Sum(OPool::F32);
+        let pipes = vec![kv, q_pipeline(sum), rows_pipeline(sum)];
+        let pipes = PipelinePlan::new(pipes, &warps).unwrap();
         let smem = smem_plan(&pipes, Pass::Sum(OPool::F32)).unwrap();
         match Sm90Plan::new(warps, smem, pipes, Vec::new(), Vec::new()) {
             Ok(plan) => assert!(resolve(&plan, Pass::Sum(OPool::F32)).is_err()),

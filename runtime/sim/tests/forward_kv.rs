@@ -185,12 +185,25 @@ fn run_device_with(
 fn run_device_full(
     cu: &[i32],
     q2k: &[i32],
+    inputs: (&[bf16], &[bf16], &[bf16]),
+    how: (OPool, Reference),
+) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
+    run_device_on(SimDevice::new(Arch::Sm90, 132), cu, q2k, inputs, how).expect("forward")
+}
+
+/// What [`run_device_on`] returns: `out`, `lse` and the verdict.
+type DeviceRun = (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>);
+
+/// [`run_device_full`] on `dev`; an error of the flow (a simulator fault) as text.
+fn run_device_on(
+    mut dev: SimDevice,
+    cu: &[i32],
+    q2k: &[i32],
     (q, ka, va): (&[bf16], &[bf16], &[bf16]),
     (pool, reference): (OPool, Reference),
-) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
+) -> Result<DeviceRun, String> {
     let t = *cu.last().unwrap() as usize;
     let w = ka.len() / KV_ROW;
-    let mut dev = SimDevice::new(Arch::Sm90, 132);
     let (s, q2k_s) = device_schedule(&mut dev, cu, q2k, w);
     let q_d = dev.upload_new("q", q);
     let k_d = dev.upload_new("k", ka);
@@ -208,7 +221,7 @@ fn run_device_full(
     let mut fwd = MsaForwardKv::new()
         .with_o_pool(pool)
         .with_reference(reference);
-    fwd.run_on(&mut dev, &io, &s).expect("forward");
+    fwd.run_on(&mut dev, &io, &s).map_err(|e| e.to_string())?;
     let ran = |name: &str| dev.launches().iter().any(|l| l.kernel == name);
     let exact = reference == Reference::ExactMax;
     assert_eq!(ran("msa_forward_kv_max_sm90"), exact, "the max pass");
@@ -229,7 +242,7 @@ fn run_device_full(
     let verdict = fwd.status(&mut dev);
     let out: Vec<bf16> = dev.read(io.out.addr, t * Q_ROW).unwrap();
     let lse: Vec<f32> = dev.read(io.lse.addr, t * 64).unwrap();
-    (out.iter().map(|x| x.to_f32()).collect(), lse, verdict)
+    Ok((out.iter().map(|x| x.to_f32()).collect(), lse, verdict))
 }
 
 #[test]
@@ -471,6 +484,34 @@ fn exact_max_references_need_no_recompute_for_an_outlier_key_or_scaled_values() 
     inp.want_out = norm(&want.out);
     inp.want_lse = want.lse;
     compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("V × 4096: {e}"));
+}
+
+#[test]
+fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
+    // Two SMs: many tasks per CTA, so every one of the max pass's Q and row-scalar stages is
+    // reused; the gather warp runs last, so the consumers wait on the row-scalar ring.
+    let (cu, q2k, inp) = planted_case();
+    let dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
+    let how = (OPool::F16, Reference::ExactMax);
+    let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
+    let (out, lse, verdict) = run_device_on(dev, &cu, &q2k, inputs, how).expect("forward");
+    assert_eq!(verdict.expect("every row normalised"), 0);
+    let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("starved gather: {e}"));
+    eprintln!("max pass, 2 SMs, starved gather: {stats}");
+    // The same with the max pass's wait for its row scalars removed: reported.
+    let text = msa_runtime::kernels::msa_forward_kv_max_sm90::PTX_SM_90A;
+    let planted = without_wait_before(text, "this thread's last read of the row scalars");
+    let mut dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
+    dev.override_ptx("msa_forward_kv_max_sm90", planted);
+    let e = match run_device_on(dev, &cu, &q2k, inputs, how) {
+        Err(e) => e,
+        Ok((out, lse, _)) => match compare(&inp, &out, &lse) {
+            Ok(stats) => panic!("the planted bug went unnoticed: {stats}"),
+            Err(e) => e,
+        },
+    };
+    assert!(e.contains("deadlock"), "{e}");
+    eprintln!("max pass without its row-scalar wait: {e}");
 }
 
 #[test]
