@@ -81,8 +81,31 @@ fn max_abs_diff(a: &[bf16], b: &[bf16]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// `reps` timed calls of `fwd.run_on` after 3 warm-ups, the L2 flushed before each; the
-/// times and the verdict of `status` after the last.
+/// The times of `reps` calls of `call` after 3 warm-ups, each between CUDA events with the L2
+/// flushed before it; what a call returns is dropped after its end event.
+fn time_calls<T>(
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+    reps: usize,
+    mut call: impl FnMut() -> Res<T>,
+) -> Res<Vec<f32>> {
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut ms = Vec::new();
+    for i in 0..reps + 3 {
+        stream.memset_zeros(flush)?;
+        let a = stream.record_event(timing)?;
+        let r = call()?;
+        let b = stream.record_event(timing)?;
+        if i >= 3 {
+            ms.push(a.elapsed_ms(&b)?);
+        }
+        drop(r);
+    }
+    stream.synchronize()?;
+    Ok(ms)
+}
+
+/// [`time_calls`] of `fwd.run_on`, and the verdict of `status` after the last call.
 fn time_kv(
     mut fwd: MsaForwardKv<CudaBackend>,
     (stream, flush): (&Arc<CudaStream>, &mut CudaSlice<u8>),
@@ -90,18 +113,9 @@ fn time_kv(
     (io, schedule): (&ForwardBuffers, &ResidentSchedule<CudaBackend>),
     reps: usize,
 ) -> Res<(Vec<f32>, String)> {
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut ms = Vec::new();
-    for i in 0..reps + 3 {
-        stream.memset_zeros(flush)?;
-        let a = stream.record_event(timing)?;
-        fwd.run_on(backend, io, schedule)?;
-        let b = stream.record_event(timing)?;
-        if i >= 3 {
-            ms.push(a.elapsed_ms(&b)?);
-        }
-    }
-    stream.synchronize()?;
+    let ms = time_calls(stream, flush, reps, || {
+        Ok(fwd.run_on(backend, io, schedule)?)
+    })?;
     let verdict = match fwd.status(backend) {
         Ok(n) => format!("ok, {n} rows recomputed"),
         Err(e) => e.to_string(),
@@ -163,7 +177,6 @@ fn main() -> Res<()> {
     };
     let stream = dev.context().default_stream();
     let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
-    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     println!(
         "| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s | kv ms | \
          useful TFLOP/s | kv vs sm90: out max-abs, lse max-abs, verdict |"
@@ -213,36 +226,16 @@ fn main() -> Res<()> {
             out: Span::new(out.device_ptr_mut(&stream).0, t * 8192),
             lse: Span::new(lse.device_ptr_mut(&stream).0, t * 64),
         };
-        let mut kernel = Vec::new();
-        for i in 0..reps + 3 {
-            stream.memset_zeros(&mut flush)?;
-            let a = stream.record_event(timing)?;
-            MsaForward.run_on(&mut backend, &io, &schedule)?;
-            let b = stream.record_event(timing)?;
-            if i >= 3 {
-                kernel.push(a.elapsed_ms(&b)?);
-            }
-        }
-        stream.synchronize()?;
-        let mut whole = Vec::new();
-        for i in 0..reps + 3 {
-            stream.memset_zeros(&mut flush)?;
-            let a = stream.record_event(timing)?;
-            let r = run_forward(
-                &stream,
-                &q.as_view(),
-                &k.as_view(),
-                &v.as_view(),
-                &q2k_d.as_view(),
-                &cu_d.as_view(),
-            )?;
-            let b = stream.record_event(timing)?;
-            if i >= 3 {
-                whole.push(a.elapsed_ms(&b)?);
-            }
-            drop(r);
-        }
-        stream.synchronize()?;
+        let kernel = time_calls(&stream, &mut flush, reps, || {
+            Ok(MsaForward.run_on(&mut backend, &io, &schedule)?)
+        })?;
+        let views = (q.as_view(), k.as_view(), v.as_view());
+        let sel = (q2k_d.as_view(), cu_d.as_view());
+        let whole = time_calls(&stream, &mut flush, reps, || {
+            Ok(run_forward(
+                &stream, &views.0, &views.1, &views.2, &sel.0, &sel.1,
+            )?)
+        })?;
         // The KV-parallel forward on the same schedule, into outputs of its own.
         let mut out_kv = stream.alloc_zeros::<bf16>(t * 8192)?;
         let mut lse_kv = stream.alloc_zeros::<f32>(t * 64)?;
@@ -298,25 +291,9 @@ fn main() -> Res<()> {
         let mut attn = MsaAttention::new();
         let auto =
             ForwardAlgorithm::Auto.uses_kv(backend.capability(), 0, (t, cu.len() - 1, w), false)?;
-        let mut ms = Vec::new();
-        for i in 0..reps + 3 {
-            stream.memset_zeros(&mut flush)?;
-            let a = stream.record_event(timing)?;
-            let r = attn.forward(
-                &stream,
-                &q.as_view(),
-                &k.as_view(),
-                &v.as_view(),
-                &q2k_d.as_view(),
-                &cu_d.as_view(),
-            )?;
-            let b = stream.record_event(timing)?;
-            if i >= 3 {
-                ms.push(a.elapsed_ms(&b)?);
-            }
-            drop(r);
-        }
-        stream.synchronize()?;
+        let ms = time_calls(&stream, &mut flush, reps, || {
+            Ok(attn.forward(&stream, &views.0, &views.1, &views.2, &sel.0, &sel.1)?)
+        })?;
         let m = median(ms);
         println!(
             "  MsaAttention::forward (Auto: {}): {m:.3} ms, {:.1} useful TFLOP/s",
