@@ -135,7 +135,7 @@ pub enum Reference {
     /// The row's exact maximum from a max pass over the task tables
     /// (`msa_forward_kv_max_sm90`: the S GEMMs and the mask alone; then `fwd_kv_reference`),
     /// so that every row with a finite maximum lies in either pool's window (the default:
-    /// 4.7 ms at packed64k, and no recompute).
+    /// 4.2 ms at packed64k, and no recompute).
     #[default]
     ExactMax,
 }
@@ -206,10 +206,10 @@ pub enum ForwardAlgorithm {
 /// forward. The Q-parallel kernel executes a tile for every block any of its 4 queries
 /// selected, a waste that grows with the document; the KV forward wastes no tile but adds
 /// its rows in L2, at a cost flat with length. On the H200
-/// (`bench/results/h200-2026-12-03-s15-forward.md`) the two were within 5 % at doc8k and
-/// packed64k (mean 6.5K), and the KV forward 1.3× faster at doc16k, 1.7× at doc32k, 2.2× at
-/// doc64k.
-pub const KV_FORWARD_MIN_MEAN_DOC: usize = 8192;
+/// (`bench/results/h200-2026-12-03-s15-forward.md`, call 4) the KV forward took 1.01× the
+/// Q-parallel kernel's time at doc8k, and was 1.08× faster at packed64k (mean 6.5K), 1.3× at
+/// doc16k, 1.8× at doc32k and 2.2× at doc64k. Shorter means were not measured.
+pub const KV_FORWARD_MIN_MEAN_DOC: usize = 6144;
 
 impl ForwardAlgorithm {
     /// Whether a forward of `t` tokens in `docs` documents against `w` aligned K/V rows, on

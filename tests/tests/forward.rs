@@ -143,13 +143,14 @@ fn forward_random_top16_t8192() {
 
 #[test]
 fn forward_auto_one_document_of_8192() {
-    // A mean document of KV_FORWARD_MIN_MEAN_DOC tokens: Auto takes the KV forward on a 9.0
-    // device (the rule's own test is in forward_kv); the Q-parallel one elsewhere.
+    // A mean document above KV_FORWARD_MIN_MEAN_DOC tokens: Auto takes the KV forward on a
+    // 9.0 device (the rule's own test is in forward_kv); the Q-parallel one elsewhere.
     if cfg!(debug_assertions) {
         eprintln!("SKIP: needs an optimised build for its CPU reference");
         return;
     }
-    let cu = docs(&[msa_runtime::KV_FORWARD_MIN_MEAN_DOC as i32]);
+    const { assert!(8192 >= msa_runtime::KV_FORWARD_MIN_MEAN_DOC) };
+    let cu = docs(&[8192]);
     let mut rng = Rng::new(8005);
     let q2k = random_top16(&cu, &mut rng);
     run_case_with(

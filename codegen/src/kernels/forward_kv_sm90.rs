@@ -71,11 +71,12 @@
 //! - A bf16 pool took 10.3 / 6.4 / 1.41 ms with the 8192-query windows, but its sums round
 //!   to bf16 at every add: `out` came out one bf16 step off (0.031 max-abs at |out| ≈ 4,
 //!   against 0.025).
-//! - The f16 pool with the max pass's references (session 15, the default): 14.6 / 8.4 /
-//!   1.84 ms, 247 / 247 / 254 useful TFLOP/s (doc16k 258, doc64k 245), no row recomputed.
-//!   At packed64k the sum pass takes 7.9 ms and the max pass 4.7. The max pass is
-//!   latency-bound (ncu: compute 42 %, L2 33 %): a consumer waits for its task's Q and
-//!   one-stage row scalars, and its tensor pipe idles during the mask and maximum.
+//! - The f16 pool with the max pass's references (session 15, the default): 14.2 / 8.1 /
+//!   1.83 ms, 255 / 256 / 256 useful TFLOP/s (doc16k 258, doc64k 254), no row recomputed.
+//!   At packed64k the sum pass takes 7.8 ms and the max pass 4.2. With one stage of row
+//!   scalars and two of Q the max pass took 4.7 ms and was latency-bound (ncu: compute 42 %,
+//!   L2 33 %): its consumers wait for each task's scalars and Q, and the tensor pipe idles
+//!   during the mask and maximum. [`MAX_PASS_STAGES`] of each took it to 4.2 ms.
 
 use super::common;
 use super::KernelDesc;

@@ -84,9 +84,9 @@
 //! block) pairs, so no tile is wasted, is built as [`forward_kv_sm90`](super::forward_kv_sm90)
 //! (sessions 13-15). It needs no online maximum: a max pass gives every row's exact maximum,
 //! and the sum pass adds each task's rows against it into f16 pools in L2. At packed64k /
-//! doc32k / doc8k it takes 14.6 / 8.4 / 1.84 ms, flat at 245-258 useful TFLOP/s, against this
-//! kernel's 15.4 / 14.5 / 1.79 in the same run. `MsaAttention` takes it from a mean document
-//! of 8192 tokens.
+//! doc32k / doc8k it takes 14.2 / 8.1 / 1.83 ms, flat at 254-258 useful TFLOP/s, against this
+//! kernel's 15.2 / 14.3 / 1.81 in the same run. `MsaAttention` takes it from a mean document
+//! of 6144 tokens.
 
 use super::common;
 use super::forward_list as list;
