@@ -787,6 +787,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                     b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
                 }
             });
+            // The max pass is done: it has no O rows.
             let (Some((o_acc, _)), Some((pool, stage, o_lane))) = (&sums, &staging) else {
                 return;
             };
