@@ -196,7 +196,22 @@ type DeviceRun = (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>);
 
 /// [`run_device_full`] on `dev`; an error of the flow (a simulator fault) as text.
 fn run_device_on(
+    dev: SimDevice,
+    cu: &[i32],
+    q2k: &[i32],
+    inputs: (&[bf16], &[bf16], &[bf16]),
+    (pool, reference): (OPool, Reference),
+) -> Result<DeviceRun, String> {
+    let mut fwd = MsaForwardKv::new()
+        .with_o_pool(pool)
+        .with_reference(reference);
+    run_device_with_flow(dev, &mut fwd, cu, q2k, inputs, (pool, reference))
+}
+
+/// [`run_device_on`] with the caller's flow `fwd` (whose settings `how` states).
+fn run_device_with_flow(
     mut dev: SimDevice,
+    fwd: &mut MsaForwardKv<SimDevice>,
     cu: &[i32],
     q2k: &[i32],
     (q, ka, va): (&[bf16], &[bf16], &[bf16]),
@@ -218,9 +233,6 @@ fn run_device_on(
         out: Span::new(out_d.ptr.addr(), t * Q_ROW),
         lse: Span::new(lse_d.ptr.addr(), t * 64),
     };
-    let mut fwd = MsaForwardKv::new()
-        .with_o_pool(pool)
-        .with_reference(reference);
     fwd.run_on(&mut dev, &io, &s).map_err(|e| e.to_string())?;
     let ran = |name: &str| dev.launches().iter().any(|l| l.kernel == name);
     let exact = reference == Reference::ExactMax;
@@ -512,6 +524,31 @@ fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
     };
     assert!(e.contains("deadlock"), "{e}");
     eprintln!("max pass without its row-scalar wait: {e}");
+}
+
+#[test]
+fn one_flow_on_two_devices_allocates_on_each() {
+    // The flow keeps its workspaces between calls; a call on another device (another memory
+    // space) must not run on the first device's buffers.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = inputs(&cu, &q2k, 22);
+    let how = (OPool::F16, Reference::ExactMax);
+    let mut fwd = MsaForwardKv::new();
+    for (i, dev) in [
+        SimDevice::new(Arch::Sm90, 132),
+        SimDevice::new(Arch::Sm90, 132),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
+        let (out, lse, verdict) = run_device_with_flow(dev, &mut fwd, &cu, &q2k, inputs, how)
+            .unwrap_or_else(|e| panic!("device {i}: {e}"));
+        assert_eq!(verdict.expect("every row normalised"), 0);
+        compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("device {i}: {e}"));
+    }
 }
 
 #[test]
