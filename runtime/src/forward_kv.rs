@@ -316,11 +316,12 @@ impl<B: Backend> MsaForwardKv<B> {
         self
     }
 
-    /// Issues the whole forward on `backend`'s stream, with no host sync: the reference
-    /// `R = scale·‖q‖·max‖k‖` per row (over its selected blocks), the task build, the pass
-    /// into pools of its own, the combine into `io.out` and `io.lse`, and the gated recompute
-    /// pass and combine (`io.q2k` must be the selection `schedule` was built from; its length
-    /// is checked). Then [`MsaForwardKv::status`] gives the verdict.
+    /// Issues the whole forward on `backend`'s stream, with no host sync: the task build, the
+    /// reference per row (the max pass's exact maximum, or the bound `scale·‖q‖·max‖k‖` over
+    /// its selected blocks: [`Reference`]), the pass into pools of its own, the combine into
+    /// `io.out` and `io.lse`, and the gated recompute pass and combine (`io.q2k` must be the
+    /// selection `schedule` was built from; its length is checked). Then
+    /// [`MsaForwardKv::status`] gives the verdict.
     ///
     /// # Errors
     /// As [`MsaForwardKv::run_to_pools`], and [`RuntimeError::Overlap`] for an output on an
@@ -374,20 +375,21 @@ impl<B: Backend> MsaForwardKv<B> {
         let bound = self.reference == Reference::Bound;
         let key_max = bound || self.pool == OPool::F16;
         if t > 0 {
-            let combine = match self.pool {
+            // The kernels this call launches, and no other.
+            let mut kernels: Vec<&KernelSpec> = vec![match self.pool {
                 OPool::F32 => &fwd_kv_combine::KERNEL,
                 OPool::F16 => &fwd_kv_combine_f16::KERNEL,
-            };
-            let rows_kernels: [&KernelSpec; 3] = if bound {
-                [&fwd_kv_key_max::KERNEL, &fwd_kv_bound::KERNEL, combine]
-            } else {
-                [&fwd_kv_key_max::KERNEL, &fwd_kv_reference::KERNEL, combine]
-            };
-            for k in rows_kernels {
-                backend.load(k)?;
+            }];
+            if key_max {
+                kernels.push(&fwd_kv_key_max::KERNEL);
             }
-            if !bound {
-                backend.load(&msa_forward_kv_max_sm90::KERNEL)?;
+            if bound {
+                kernels.push(&fwd_kv_bound::KERNEL);
+            } else {
+                kernels.extend([&msa_forward_kv_max_sm90::KERNEL, &fwd_kv_reference::KERNEL]);
+            }
+            for k in kernels {
+                backend.load(k)?;
             }
         }
         backend.zero("forward_kv kmax2, status and max|v|", kmax2.addr, k_b + 12)?;

@@ -188,28 +188,23 @@ fn run_device_full(
     inputs: (&[bf16], &[bf16], &[bf16]),
     how: (OPool, Reference),
 ) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
-    run_device_on(SimDevice::new(Arch::Sm90, 132), cu, q2k, inputs, how).expect("forward")
+    let dev = SimDevice::new(Arch::Sm90, 132);
+    run_device_on(dev, &mut flow(how), cu, q2k, inputs, how).expect("forward")
+}
+
+/// A flow with `o_pool` in `pool` and the references from `reference`.
+fn flow((pool, reference): (OPool, Reference)) -> MsaForwardKv<SimDevice> {
+    MsaForwardKv::new()
+        .with_o_pool(pool)
+        .with_reference(reference)
 }
 
 /// What [`run_device_on`] returns: `out`, `lse` and the verdict.
 type DeviceRun = (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>);
 
-/// [`run_device_full`] on `dev`; an error of the flow (a simulator fault) as text.
+/// [`run_device_full`] on `dev` with the caller's flow `fwd` (whose settings `how` states); an
+/// error of the flow (a simulator fault) as text.
 fn run_device_on(
-    dev: SimDevice,
-    cu: &[i32],
-    q2k: &[i32],
-    inputs: (&[bf16], &[bf16], &[bf16]),
-    (pool, reference): (OPool, Reference),
-) -> Result<DeviceRun, String> {
-    let mut fwd = MsaForwardKv::new()
-        .with_o_pool(pool)
-        .with_reference(reference);
-    run_device_with_flow(dev, &mut fwd, cu, q2k, inputs, (pool, reference))
-}
-
-/// [`run_device_on`] with the caller's flow `fwd` (whose settings `how` states).
-fn run_device_with_flow(
     mut dev: SimDevice,
     fwd: &mut MsaForwardKv<SimDevice>,
     cu: &[i32],
@@ -506,7 +501,8 @@ fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
     let dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
     let how = (OPool::F16, Reference::ExactMax);
     let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-    let (out, lse, verdict) = run_device_on(dev, &cu, &q2k, inputs, how).expect("forward");
+    let (out, lse, verdict) =
+        run_device_on(dev, &mut flow(how), &cu, &q2k, inputs, how).expect("forward");
     assert_eq!(verdict.expect("every row normalised"), 0);
     let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("starved gather: {e}"));
     eprintln!("max pass, 2 SMs, starved gather: {stats}");
@@ -515,7 +511,7 @@ fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
     let planted = without_wait_before(text, "this thread's last read of the row scalars");
     let mut dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
     dev.override_ptx("msa_forward_kv_max_sm90", planted);
-    let e = match run_device_on(dev, &cu, &q2k, inputs, how) {
+    let e = match run_device_on(dev, &mut flow(how), &cu, &q2k, inputs, how) {
         Err(e) => e,
         Ok((out, lse, _)) => match compare(&inp, &out, &lse) {
             Ok(stats) => panic!("the planted bug went unnoticed: {stats}"),
@@ -544,7 +540,7 @@ fn one_flow_on_two_devices_allocates_on_each() {
     .enumerate()
     {
         let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-        let (out, lse, verdict) = run_device_with_flow(dev, &mut fwd, &cu, &q2k, inputs, how)
+        let (out, lse, verdict) = run_device_on(dev, &mut fwd, &cu, &q2k, inputs, how)
             .unwrap_or_else(|e| panic!("device {i}: {e}"));
         assert_eq!(verdict.expect("every row normalised"), 0);
         compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("device {i}: {e}"));
