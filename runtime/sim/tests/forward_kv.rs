@@ -531,7 +531,7 @@ fn one_flow_on_two_devices_allocates_on_each() {
     let q2k = random_q2k(&cu, &mut rng, &[1]);
     let inp = inputs(&cu, &q2k, 22);
     let how = (OPool::F16, Reference::ExactMax);
-    let mut fwd = MsaForwardKv::new();
+    let mut fwd = flow(how);
     for (i, dev) in [
         SimDevice::new(Arch::Sm90, 132),
         SimDevice::new(Arch::Sm90, 132),
