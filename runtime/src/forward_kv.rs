@@ -451,11 +451,17 @@ impl<B: Backend> MsaForwardKv<B> {
                     unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
                 }
                 let pass = pass_kernel(self.pool);
-                self.launch_pass(backend, pass, &pools, &launch, None)?;
+                // Under the exact reference m_pool already holds every row's maximum: the
+                // sum passes get a null one and skip theirs.
+                let sum_pools = ForwardKvBuffers {
+                    m_pool: if bound { pools.m_pool } else { Span::new(0, 0) },
+                    ..pools
+                };
+                self.launch_pass(backend, pass, &sum_pools, &launch, None)?;
                 self.combine(backend, &pools, io, status, vmax, None)?;
                 // The rows the first combine handed back, with their exact maxima as
                 // references; both launches return at once when there is none.
-                self.launch_pass(backend, pass, &pools, &launch, Some(status))?;
+                self.launch_pass(backend, pass, &sum_pools, &launch, Some(status))?;
                 self.combine(backend, &pools, io, status, vmax, Some(status))?;
             }
             // No task: the combine writes every row empty.

@@ -421,20 +421,35 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let inside = b.setp(Cmp::Lt, row, rows);
     b.bra_unless(inside, &exit);
     let done = b.label("done");
+    // The first combine reads every row's o: its loads go out first, so that their latency
+    // overlaps the scalars' instead of following it. (The second reads only the rows it
+    // takes, below.)
+    let idx = b.mad_lo(row, 32u32, lane);
+    let op = b.ld_param_ptr(&o_p);
+    let o_at = common::elem_bytes(b, op, idx, if f16 { 8 } else { 16 });
+    let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
+        if f16 {
+            b.ld_v::<U32, _, 2>(&o_at).to_vec()
+        } else {
+            b.ld_v::<U32, _, 4>(&o_at).to_vec()
+        }
+    };
+    let mut o_first = Vec::new();
+    b.predicated(second, true, |b| o_first = load_o(b));
     let rp = b.ld_param_ptr(&r_p);
     let r_at = common::elem::<F32>(b, rp, row);
     let r = b.ld::<F32, _>(&r_at);
-    // The second combine takes only the rows the first one handed to the recompute pass
-    // (the others' references are +inf by then).
-    let settled = b.setp(Cmp::Eq, r, f32::INFINITY);
-    let skip = b.and_pred(second, settled);
-    b.bra_if(skip, &done);
     let lp = b.ld_param_ptr(&l_p);
     let l_at = common::elem::<F32>(b, lp, row);
     let l = b.ld::<F32, _>(&l_at);
     let mp = b.ld_param_ptr(&m_p);
     let at = common::elem::<U32>(b, mp, row);
     let key = b.ld::<U32, _>(&at);
+    // The second combine takes only the rows the first one handed to the recompute pass
+    // (the others' references are +inf by then).
+    let settled = b.setp(Cmp::Eq, r, f32::INFINITY);
+    let skip = b.and_pred(second, settled);
+    b.bra_if(skip, &done);
     let (some, m) = max_from_key(b, key);
     let gap = b.sub(r, m);
     let lo_ok = b.setp(Cmp::Ge, gap, lo_gap);
@@ -458,16 +473,27 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let lse = b.fma(lg, std::f32::consts::LN_2, r);
     let lse = b.selp(lse, f32::NEG_INFINITY, good);
     let lse = b.selp(f32::NAN, lse, bad);
-    let idx = b.mad_lo(row, 32u32, lane);
-    let op = b.ld_param_ptr(&o_p);
-    let o_at = common::elem_bytes(b, op, idx, if f16 { 8 } else { 16 });
-    let o: [Reg<F32>; 4] = if f16 {
-        let w: [Reg<F16x2>; 2] = b.ld_v(&o_at);
-        let (a0, a1) = b.f16x2_to_f32(w[0]);
-        let (a2, a3) = b.f16x2_to_f32(w[1]);
-        [a0, a1, a2, a3]
+    let o_second: Vec<Reg<U32>> = o_first.iter().map(|_| b.reg()).collect();
+    b.if_then(second, "second_o", |b| {
+        for (dst, w) in o_second.iter().zip(load_o(b)) {
+            b.set(*dst, w);
+        }
+    });
+    let raw: Vec<Reg<U32>> = o_first
+        .iter()
+        .zip(&o_second)
+        .map(|(&a, &c)| b.selp(c, a, second))
+        .collect();
+    let o: Vec<Reg<F32>> = if f16 {
+        raw.iter()
+            .flat_map(|&w| {
+                let h = b.bitcast::<F16x2, U32>(w);
+                let (lo, hi) = b.f16x2_to_f32(h);
+                [lo, hi]
+            })
+            .collect()
     } else {
-        b.ld_v(&o_at)
+        raw.iter().map(|&w| b.bitcast::<F32, U32>(w)).collect()
     };
     // Not `o·0` for a row that is not good: its `o` may hold NaN.
     let y: Vec<Reg<F32>> = o

@@ -303,7 +303,8 @@ pub struct ForwardKvParams {
     pub desc: ParamRef<U64>,
     /// `l_pool [T, 64]` f32, zeroed by the caller.
     pub l_pool: ParamRef<U64>,
-    /// `m_pool [T, 64]` u32 order-preserving keys of the row maxima (log2 units), zeroed.
+    /// `m_pool [T, 64]` u32 order-preserving keys of the row maxima (log2 units), zeroed; or,
+    /// for a sum pass, null: the max pass has filled it, and the rows' maxima are skipped.
     pub m_pool: ParamRef<U64>,
     /// A gate word, or null: a gated launch (the recompute pass) does nothing while the word
     /// is zero (no row to recompute).
@@ -557,6 +558,12 @@ impl OStageLane {
     }
 }
 
+/// The key column of accumulator register `i` of an m64n128 f32 fragment, relative to the
+/// thread's first (`2·(lane % 4)`).
+fn acc_col(i: usize) -> i32 {
+    (8 * (i / 4) + i % 2) as i32
+}
+
 fn k_major() -> SmemDesc {
     SmemDesc::sw128_tile(Target::Sm90a, Major::K)
 }
@@ -612,6 +619,16 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             Some((pool, stage, o_lane))
         }
         _ => None,
+    };
+
+    // Whether to compute the row maxima: always in the max pass; in a sum pass unless
+    // m_pool is null (the max pass has filled it). Uniform over the CTA.
+    let want_max = match ctx.pass {
+        Pass::Max => always,
+        Pass::Sum(_) => {
+            let raw = b.ld_param(&p.m_pool);
+            b.setp(Cmp::Ne, raw, 0u64)
+        }
     };
 
     let (kv, qp, rows) = (r.kv, r.q_pipe, r.rows);
@@ -678,39 +695,63 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         b.comment("this warp's wgmma reads of Q are complete: release the stage");
         b.predicated(lane0, false, |b| qp.consumer_release(b, &bars, &qst));
 
-        b.comment("mask qpos >= key position; row maxima; P = exp2(S*scale*log2e - R*log2e)");
+        // Every block before the slot's own (the diagonal) needs no mask, so the warp skips
+        // it there. Masked logits become −∞ in place: after the wait the accumulator is
+        // plain registers.
+        b.comment("mask qpos >= key position, only in the diagonal block");
         let key0 = b.shl(kb, 7u32);
         let key0 = b.add(key0, col0);
         let key0 = b.bitcast::<S32, U32>(key0);
-        let mut x = Vec::with_capacity(64);
-        for (i, s) in s_acc.iter().enumerate() {
-            let n = (8 * (i / 4) + i % 2) as i32;
-            let kp = b.add(key0, n);
-            let seen = b.setp(Cmp::Ge, qpos, kp);
-            let y = b.fmul(*s, scale_log2e);
-            x.push(b.selp(y, neg_inf, seen));
-        }
-        let mut row_max = Vec::with_capacity(2);
-        for rr in 0..2usize {
-            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
-            let mut mx = x[idx[0]];
-            for &i in &idx[1..] {
-                mx = b.max(mx, x[i]);
+        // This thread's keys lie at key0 + acc_col(i); it needs no mask once its last is seen.
+        let dq = b.sub(qpos, key0);
+        let last = (0..64).map(acc_col).max().expect("64 columns");
+        let full = b.setp(Cmp::Ge, dq, last);
+        b.unless(full, "mask", |b| {
+            for (i, s) in s_acc.iter().enumerate() {
+                let seen = b.setp(Cmp::Ge, dq, acc_col(i));
+                let y = b.selp(*s, neg_inf, seen);
+                b.set(*s, y);
             }
-            for d in [1u32, 2] {
-                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
-                mx = b.max(mx, o);
+        });
+        // Row maxima of S, scaled once per row (scaling by a positive factor and rounding
+        // are monotonic, so this equals the maximum of the scaled logits). A sum pass given a
+        // null m_pool (the max pass filled it) skips them.
+        let row_maxima = |b: &mut KernelBuilder| -> Vec<Reg<F32>> {
+            (0..2usize)
+                .map(|rr| {
+                    let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+                    let mut mx = s_acc[idx[0]];
+                    for &i in &idx[1..] {
+                        mx = b.max(mx, s_acc[i]);
+                    }
+                    for d in [1u32, 2] {
+                        let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+                        mx = b.max(mx, o);
+                    }
+                    b.fmul(mx, scale_log2e)
+                })
+                .collect()
+        };
+        let row_max: Vec<Reg<F32>> = match ctx.pass {
+            Pass::Max => row_maxima(b),
+            Pass::Sum(_) => {
+                let row_max: Vec<Reg<F32>> = (0..2).map(|_| b.mov::<F32>(neg_inf)).collect();
+                b.if_then(want_max, "row_max", |b| {
+                    for (dst, mx) in row_max.iter().zip(row_maxima(b)) {
+                        b.set(*dst, mx);
+                    }
+                });
+                row_max
             }
-            row_max.push(mx);
-        }
-        // A sum pass: P, O = P·V and the row sums (a max pass has the maxima already).
+        };
+        // A sum pass: P = exp2(S*scale*log2e - R*log2e), O = P·V and the row sums.
         let sums = r.v.zip(neg_ref).map(|(v, neg_ref)| {
             let v_addr = v.emit_stage_addr(b, base, zero);
             let mut pv = Vec::with_capacity(64);
             let mut sums: [Option<Reg<F32>>; 2] = [None, None];
-            for (i, xi) in x.iter().enumerate() {
+            for (i, s) in s_acc.iter().enumerate() {
                 let rr = (i / 2) % 2;
-                let d = b.add(*xi, neg_ref[rr]);
+                let d = b.fma(*s, scale_log2e, neg_ref[rr]);
                 let pe = b.ex2_approx(d);
                 sums[rr] = Some(match sums[rr] {
                     None => pe,
@@ -782,9 +823,11 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                         let at_l_pool = common::elem::<F32>(b, l_pool, i);
                         b.red_add_f32(&at_l_pool, l_row[rr]);
                     }
-                    let key = order_key(b, row_max[rr]);
-                    let at_m_pool = common::elem::<U32>(b, m_pool, i);
-                    b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
+                    b.predicated(want_max, false, |b| {
+                        let key = order_key(b, row_max[rr]);
+                        let at_m_pool = common::elem::<U32>(b, m_pool, i);
+                        b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
+                    });
                 }
             });
             // The max pass is done: it has no O rows.
