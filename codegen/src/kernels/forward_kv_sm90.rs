@@ -422,7 +422,10 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
         (tid, leader),
         |b| producer(b, &ctx),
         |b| gather(b, &ctx, tid),
-        |b| consumer(b, &ctx, tid),
+        |b| match pass {
+            Pass::Sum(pool) => consumer(b, &ctx, tid, pool),
+            Pass::Max => max_consumer(b, &ctx, tid),
+        },
     );
 }
 
@@ -584,54 +587,343 @@ fn order_key(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
     b.xor(u, mask)
 }
 
+/// A consumer thread's place: consumer `c` (folded rows `64c..`, slots `4c..4c+4`), its warp
+/// (slot `4c + warp`) and lane, and the constants every consumer uses.
+struct Lanes {
+    lane: Reg<U32>,
+    quad: Reg<U32>,
+    col0: Reg<U32>,
+    slot: Reg<U32>,
+    slot4: Reg<U32>,
+    /// This thread's accumulator rows: folded rows 16·slot + quad and + 8 (heads quad,
+    /// quad+8), in bytes of f32.
+    frow4: Reg<U32>,
+    lane0: Reg<Pred>,
+    head_lane: Reg<Pred>,
+    zero: Reg<U32>,
+    always: Reg<Pred>,
+    never: Reg<Pred>,
+    /// Consumer c's first Q row in bytes.
+    c_rows: Reg<U32>,
+}
+
+impl Lanes {
+    fn new(b: &mut KernelBuilder, tid: Reg<U32>) -> Self {
+        let t = b.sub(tid, 128u32);
+        let c = b.shr(t, 7u32);
+        let tw = b.and(t, 127u32);
+        let warp = b.shr(tw, 5u32);
+        let lane = b.and(tw, 31u32);
+        let quad = b.shr(lane, 2u32);
+        let pair = b.and(lane, 3u32);
+        let col0 = b.shl(pair, 1u32);
+        let slot = b.mad_lo(c, 4u32, warp);
+        let slot4 = b.shl(slot, 2u32);
+        let frow = b.mad_lo(slot, 16u32, quad);
+        let frow4 = b.shl(frow, 2u32);
+        let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+        let head_lane = b.setp(Cmp::Eq, pair, 0u32);
+        let zero = b.mov::<U32>(0u32);
+        let always = b.setp(Cmp::Eq, zero, 0u32);
+        let never = b.setp(Cmp::Ne, zero, 0u32);
+        let c_rows = b.mul_lo(c, 64 * 128);
+        Lanes {
+            lane,
+            quad,
+            col0,
+            slot,
+            slot4,
+            frow4,
+            lane0,
+            head_lane,
+            zero,
+            always,
+            never,
+            c_rows,
+        }
+    }
+}
+
+/// `S = Q_c·Kᵀ` of the task whose Q lies in stage `q_index`, into `acc`, committed as one
+/// group (the caller has waited for the stage and for K).
+fn s_gemm(b: &mut KernelBuilder, ctx: &Ctx, l: &Lanes, q_index: Reg<U32>, acc: &[Reg<F32>]) {
+    let (r, base) = (ctx.r, ctx.base);
+    let q_tile = r.q.emit_stage_addr(b, base, q_index);
+    let a_base = b.add(q_tile, l.c_rows);
+    let k_addr = r.k.emit_stage_addr(b, base, l.zero);
+    b.comment("S = Q_c*K^T");
+    b.wgmma_fence();
+    let a0 = k_major().emit(b, a_base);
+    let b0 = k_major().emit(b, k_addr);
+    common::wgmma_ss_k128(b, acc, Major::K, (a0, b0), (l.never, l.always));
+    b.wgmma_commit();
+}
+
+/// The slot's query position and compact row from the gather warp's scalars of task `n`
+/// (this thread's last read of them: the stage is released), and, for a sum pass, this
+/// thread's two rows' `−R·log2e`.
+fn read_rows(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    l: &Lanes,
+    n: Reg<U32>,
+    with_ref: bool,
+) -> (Reg<S32>, Reg<S32>, Option<[Reg<F32>; 2]>) {
+    let (r, base, bars) = (ctx.r, ctx.base, &ctx.bars);
+    b.comment("the gather warp's row scalars for this task");
+    let rst = r.rows.consumer_wait(b, bars, n);
+    let neg_ref = with_ref.then(|| {
+        let at = b.add(base, l.frow4);
+        let src = rows_stage(b, &r.neg_ref, at, rst.index);
+        [b.ld::<F32, _>(&src), b.ld::<F32, _>(&src.offset(32))]
+    });
+    let sat = b.add(base, l.slot4);
+    let src = rows_stage(b, &r.qpos, sat, rst.index);
+    let qpos = b.ld::<S32, _>(&src);
+    let src = rows_stage(b, &r.qrows, sat, rst.index);
+    let qrow = b.ld::<S32, _>(&src);
+    b.comment("this thread's last read of the row scalars");
+    r.rows.consumer_release(b, bars, &rst);
+    (qpos, qrow, neg_ref)
+}
+
+/// The causal mask `qpos ≥ key` on `acc` (key block `kb`), in place: masked logits become
+/// −∞. Every block before the slot's own (the diagonal) needs none, so the warp skips it
+/// there; after the wait the accumulator is plain registers.
+fn mask_diagonal(b: &mut KernelBuilder, l: &Lanes, acc: &[Reg<F32>], qpos: Reg<S32>, kb: Reg<U32>) {
+    b.comment("mask qpos >= key position, only in the diagonal block");
+    let key0 = b.shl(kb, 7u32);
+    let key0 = b.add(key0, l.col0);
+    let key0 = b.bitcast::<S32, U32>(key0);
+    // This thread's keys lie at key0 + acc_col(i); it needs no mask once its last is seen.
+    let dq = b.sub(qpos, key0);
+    let last = (0..64).map(acc_col).max().expect("64 columns");
+    let full = b.setp(Cmp::Ge, dq, last);
+    b.unless(full, "mask", |b| {
+        for (i, s) in acc.iter().enumerate() {
+            let seen = b.setp(Cmp::Ge, dq, acc_col(i));
+            let y = b.selp(*s, f32::NEG_INFINITY, seen);
+            b.set(*s, y);
+        }
+    });
+}
+
+/// This thread's two rows' maxima of `acc`, in log2 units (`S·scale·log2e`), scaled once
+/// per row: scaling by a positive factor and rounding are monotonic, so this equals the
+/// maximum of the scaled logits.
+fn row_maxima(b: &mut KernelBuilder, acc: &[Reg<F32>]) -> Vec<Reg<F32>> {
+    (0..2usize)
+        .map(|rr| {
+            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+            let mut mx = acc[idx[0]];
+            for &i in &idx[1..] {
+                mx = b.max(mx, acc[i]);
+            }
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+                mx = b.max(mx, o);
+            }
+            b.fmul(mx, common::SCALE_LOG2E)
+        })
+        .collect()
+}
+
+/// [`row_maxima`] of `acc` under the causal mask of [`mask_diagonal`], leaving `acc` as it
+/// is: writing an accumulator while another GEMM is in flight would make ptxas serialize the
+/// wgmma pipeline.
+fn masked_row_maxima(
+    b: &mut KernelBuilder,
+    l: &Lanes,
+    acc: &[Reg<F32>],
+    qpos: Reg<S32>,
+    kb: Reg<U32>,
+) -> Vec<Reg<F32>> {
+    let key0 = b.shl(kb, 7u32);
+    let key0 = b.add(key0, l.col0);
+    let key0 = b.bitcast::<S32, U32>(key0);
+    let dq = b.sub(qpos, key0);
+    let last = (0..64).map(acc_col).max().expect("64 columns");
+    let full = b.setp(Cmp::Ge, dq, last);
+    let maxima: Vec<Reg<F32>> = (0..2).map(|_| b.reg()).collect();
+    let thread_max = |b: &mut KernelBuilder, x: &[Reg<F32>]| {
+        for (rr, dst) in maxima.iter().enumerate() {
+            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+            let mut mx = x[idx[0]];
+            for &i in &idx[1..] {
+                mx = b.max(mx, x[i]);
+            }
+            b.set(*dst, mx);
+        }
+    };
+    let masked = b.label("masked_max");
+    let done = b.label("max_done");
+    b.bra_unless(full, &masked);
+    thread_max(b, acc);
+    b.bra(&done);
+    b.place(&masked);
+    b.comment("the diagonal block: masked logits count as -inf");
+    let x: Vec<Reg<F32>> = acc
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let seen = b.setp(Cmp::Ge, dq, acc_col(i));
+            b.selp(*s, f32::NEG_INFINITY, seen)
+        })
+        .collect();
+    thread_max(b, &x);
+    b.place(&done);
+    maxima
+        .iter()
+        .map(|&m| {
+            let mut mx = m;
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+                mx = b.max(mx, o);
+            }
+            b.fmul(mx, common::SCALE_LOG2E)
+        })
+        .collect()
+}
+
+/// The pool row of this thread's first accumulator row: compact row `qrow`, heads
+/// `16·head + quad` (its second row is 8 further).
+fn pool_row(b: &mut KernelBuilder, l: &Lanes, qrow: Reg<S32>, head: Reg<U32>) -> Reg<U32> {
+    let qr = b.bitcast::<U32, S32>(qrow);
+    let head16 = b.shl(head, 4u32);
+    let prow = b.mad_lo(qr, 64u32, head16);
+    b.add(prow, l.quad)
+}
+
+/// `red.max` of the two rows' maxima into `m_pool` at `prow` and `prow + 8` (the caller
+/// picks the lane).
+fn red_row_maxima(b: &mut KernelBuilder, ctx: &Ctx, prow: Reg<U32>, row_max: &[Reg<F32>]) {
+    let m_pool = b.ld_param_ptr(&ctx.p.m_pool);
+    for (rr, mx) in row_max.iter().enumerate() {
+        let i = b.add(prow, 8 * rr as u32);
+        let key = order_key(b, *mx);
+        let at_m_pool = common::elem::<U32>(b, m_pool, i);
+        b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
+    }
+}
+
+/// The max pass's consumers: the sum passes' walk with the S GEMMs software-pipelined. Two
+/// accumulators alternate (the loop is unrolled by two): within a segment, task `n + 1`'s
+/// GEMM is issued before task `n`'s mask and maxima, so that the tensor pipe does not idle
+/// through them. A task that starts a segment waits for its K, which the producer loads only
+/// once every consumer warp has released the last; so the previous task is finished first.
+fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+    let (p, r, walk, bars) = (ctx.p, ctx.r, &ctx.walk, &ctx.bars);
+    let l = Lanes::new(b, tid);
+    let accs: [Vec<Reg<F32>>; 2] = std::array::from_fn(|_| (0..64).map(|_| b.reg()).collect());
+    let segments = b.mov::<U32>(0u32);
+    // The next task's (index head, kblock).
+    let next_head = b.mov::<U32>(0u32);
+    let next_kb = b.mov::<U32>(0u32);
+    // Every path into a merge point carries the same GEMMs in flight (ptxas would otherwise
+    // wait for them there): an empty walk and the last task leave straight for the exit.
+    let exit = b.label("max_walk_done");
+    let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
+    b.bra_unless(any, &exit);
+    let m = common::task_meta_at(b, &p.meta, walk.lo);
+    b.set(next_head, m[1]);
+    b.set(next_kb, m[2]);
+    r.kv.consumer_wait(b, bars, segments);
+    let qst = r.q_pipe.consumer_wait(b, bars, l.zero);
+    s_gemm(b, ctx, &l, qst.index, &accs[0]);
+    // Task `row` (the `n`-th of the walk), its S GEMM issued into `cur`; the next one's goes
+    // into `other`.
+    let step = |b: &mut KernelBuilder, row: Reg<U32>, cur: &[Reg<F32>], other: &[Reg<F32>]| {
+        let head = b.mov::<U32>(next_head);
+        let kb = b.mov::<U32>(next_kb);
+        let n = b.sub(row, walk.lo);
+        let cur_bucket = common::bucket(b, &[l.zero, head, kb, l.zero]);
+        let next_row = b.add(row, 1u32);
+        let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
+        b.unless(last_task, "next_meta", |b| {
+            let m = common::task_meta_at(b, &p.meta, next_row);
+            b.set(next_head, m[1]);
+            b.set(next_kb, m[2]);
+        });
+        let next_bucket = common::bucket(b, &[l.zero, next_head, next_kb, l.zero]);
+        let new_segment = b.setp(Cmp::Ne, next_bucket, cur_bucket);
+        let is_end = b.or_pred(new_segment, last_task);
+        let n1 = b.add(n, 1u32);
+        // Task n's mask, maxima and K release; `pending` GEMM groups may stay in flight.
+        let finish = |b: &mut KernelBuilder, pending: u32| {
+            let (qpos, qrow, _) = read_rows(b, ctx, &l, n, false);
+            b.wgmma_wait(pending);
+            b.comment("this warp's wgmma reads of task n's Q are complete: release the stage");
+            let qst = r.q_pipe.locate(b, bars, n.into());
+            b.predicated(l.lane0, false, |b| r.q_pipe.consumer_release(b, bars, &qst));
+            b.if_then(is_end, "kv_release", |b| {
+                let st = r.kv.locate(b, bars, segments.into());
+                b.predicated(l.lane0, false, |b| r.kv.consumer_release(b, bars, &st));
+                let next = b.add(segments, 1u32);
+                b.set(segments, next);
+            });
+            let row_max = masked_row_maxima(b, &l, cur, qpos, kb);
+            b.comment("the warp's 16 row maxima into m_pool (a -1 slot has none)");
+            let live = b.setp(Cmp::Ge, qrow, 0i32);
+            let stats = b.and_pred(live, l.head_lane);
+            b.if_then(stats, "row_stats", |b| {
+                let prow = pool_row(b, &l, qrow, head);
+                red_row_maxima(b, ctx, prow, &row_max);
+            });
+        };
+        let ahead = b.not_pred(is_end);
+        let done = b.label("step_done");
+        let behind = b.label("step_behind");
+        b.bra_unless(ahead, &behind);
+        b.comment("the next task shares K: its GEMM first");
+        let qst = r.q_pipe.consumer_wait(b, bars, n1);
+        s_gemm(b, ctx, &l, qst.index, other);
+        finish(b, 1);
+        b.bra(&done);
+        b.place(&behind);
+        finish(b, 0);
+        b.bra_if(last_task, &exit);
+        b.comment("the next task starts a segment: its K, then its GEMM");
+        r.kv.consumer_wait(b, bars, segments);
+        let qst = r.q_pipe.consumer_wait(b, bars, n1);
+        s_gemm(b, ctx, &l, qst.index, other);
+        b.place(&done);
+    };
+    // The walk leaves only through its last task (above), so the loop has no other exit.
+    let row = b.mov::<U32>(walk.lo);
+    let top = b.label("max_task");
+    b.place(&top);
+    step(b, row, &accs[0], &accs[1]);
+    let row1 = b.add(row, 1u32);
+    step(b, row1, &accs[1], &accs[0]);
+    let row2 = b.add(row, 2u32);
+    b.set(row, row2);
+    b.bra(&top);
+    b.place(&exit);
+}
+
+/// The sum passes' consumers: per task the S GEMM, the mask, `P`, `O = P·V` and the row
+/// sums (and maxima, unless `m_pool` is null), then the O rows staged and reduced.
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
+fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let (p, r, base, walk) = (ctx.p, ctx.r, ctx.base, &ctx.walk);
     let bars = ctx.bars;
-    let t = b.sub(tid, 128u32);
-    let c = b.shr(t, 7u32); // consumer 0/1: folded rows 64c.., slots 4c..4c+4
-    let tw = b.and(t, 127u32);
-    let warp = b.shr(tw, 5u32);
-    let lane = b.and(tw, 31u32);
-    let quad = b.shr(lane, 2u32);
-    let pair = b.and(lane, 3u32);
-    let col0 = b.shl(pair, 1u32);
-    let slot = b.mad_lo(c, 4u32, warp);
-    let slot4 = b.shl(slot, 2u32);
-    // This thread's accumulator rows: folded rows 16·slot + quad and + 8 (heads quad, quad+8).
-    let frow = b.mad_lo(slot, 16u32, quad);
-    let frow4 = b.shl(frow, 2u32);
-    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
-    let head_lane = b.setp(Cmp::Eq, pair, 0u32);
-    let zero = b.mov::<U32>(0u32);
-    let always = b.setp(Cmp::Eq, zero, 0u32);
-    let never = b.setp(Cmp::Ne, zero, 0u32);
-    let neg_inf = f32::NEG_INFINITY;
+    let l = Lanes::new(b, tid);
+    let (lane, slot, lane0, head_lane, zero) = (l.lane, l.slot, l.lane0, l.head_lane, l.zero);
+    let (never, always) = (l.never, l.always);
     let scale_log2e = common::SCALE_LOG2E;
-    let c_rows = b.mul_lo(c, 64 * 128);
-    // This warp's part of the O staging (a sum pass): consumer c's warp w at
-    // (4c + w)·warp_bytes.
-    let staging = match (ctx.pass, r.o_stage) {
-        (Pass::Sum(pool), Some(o_stage)) => {
-            let stage = b.mad_lo(slot, pool.warp_bytes(), base);
-            let stage = b.add(stage, o_stage.offset);
-            let o_lane = OStageLane::new(b, lane, &stage);
-            Some((pool, stage, o_lane))
-        }
-        _ => None,
+    // This warp's part of the O staging: consumer c's warp w at (4c + w)·warp_bytes.
+    let Some((o_stage, v)) = r.o_stage.zip(r.v) else {
+        return b.error("a sum pass needs V and the O staging".into());
     };
+    let stage = b.mad_lo(slot, pool.warp_bytes(), base);
+    let stage = b.add(stage, o_stage.offset);
+    let o_lane = OStageLane::new(b, lane, &stage);
+    // Whether to compute the row maxima: unless m_pool is null (the max pass has filled
+    // it). Uniform over the CTA.
+    let raw = b.ld_param(&p.m_pool);
+    let want_max = b.setp(Cmp::Ne, raw, 0u64);
 
-    // Whether to compute the row maxima: always in the max pass; in a sum pass unless
-    // m_pool is null (the max pass has filled it). Uniform over the CTA.
-    let want_max = match ctx.pass {
-        Pass::Max => always,
-        Pass::Sum(_) => {
-            let raw = b.ld_param(&p.m_pool);
-            b.setp(Cmp::Ne, raw, 0u64)
-        }
-    };
-
-    let (kv, qp, rows) = (r.kv, r.q_pipe, r.rows);
+    let (kv, qp) = (r.kv, r.q_pipe);
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
@@ -663,89 +955,24 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         });
 
         let qst = qp.consumer_wait(b, &bars, tasks);
-        let q_tile = r.q.emit_stage_addr(b, base, qst.index);
-        let a_base = b.add(q_tile, c_rows);
-        let k_addr = r.k.emit_stage_addr(b, base, zero);
-
-        b.comment("S = Q_c*K^T");
         let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-        b.wgmma_fence();
-        let a0 = k_major().emit(b, a_base);
-        let b0 = k_major().emit(b, k_addr);
-        common::wgmma_ss_k128(b, &s_acc, Major::K, (a0, b0), (never, always));
-        b.wgmma_commit();
-
-        b.comment("the gather warp's row scalars for this task");
-        let rst = rows.consumer_wait(b, &bars, tasks);
-        let at = b.add(base, frow4);
-        // (The max pass needs no reference.)
-        let neg_ref = staging.is_some().then(|| {
-            let src = rows_stage(b, &r.neg_ref, at, rst.index);
-            [b.ld::<F32, _>(&src), b.ld::<F32, _>(&src.offset(32))]
-        });
-        let sat = b.add(base, slot4);
-        let src = rows_stage(b, &r.qpos, sat, rst.index);
-        let qpos = b.ld::<S32, _>(&src);
-        let src = rows_stage(b, &r.qrows, sat, rst.index);
-        let qrow = b.ld::<S32, _>(&src);
-        b.comment("this thread's last read of the row scalars");
-        rows.consumer_release(b, &bars, &rst);
+        s_gemm(b, ctx, &l, qst.index, &s_acc);
+        let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
+        let neg_ref = neg_ref.expect("read with the reference");
 
         b.wgmma_wait(0);
         b.comment("this warp's wgmma reads of Q are complete: release the stage");
         b.predicated(lane0, false, |b| qp.consumer_release(b, &bars, &qst));
 
-        // Every block before the slot's own (the diagonal) needs no mask, so the warp skips
-        // it there. Masked logits become −∞ in place: after the wait the accumulator is
-        // plain registers.
-        b.comment("mask qpos >= key position, only in the diagonal block");
-        let key0 = b.shl(kb, 7u32);
-        let key0 = b.add(key0, col0);
-        let key0 = b.bitcast::<S32, U32>(key0);
-        // This thread's keys lie at key0 + acc_col(i); it needs no mask once its last is seen.
-        let dq = b.sub(qpos, key0);
-        let last = (0..64).map(acc_col).max().expect("64 columns");
-        let full = b.setp(Cmp::Ge, dq, last);
-        b.unless(full, "mask", |b| {
-            for (i, s) in s_acc.iter().enumerate() {
-                let seen = b.setp(Cmp::Ge, dq, acc_col(i));
-                let y = b.selp(*s, neg_inf, seen);
-                b.set(*s, y);
+        mask_diagonal(b, &l, &s_acc, qpos, kb);
+        let row_max: Vec<Reg<F32>> = (0..2).map(|_| b.mov::<F32>(f32::NEG_INFINITY)).collect();
+        b.if_then(want_max, "row_max", |b| {
+            for (dst, mx) in row_max.iter().zip(row_maxima(b, &s_acc)) {
+                b.set(*dst, mx);
             }
         });
-        // Row maxima of S, scaled once per row (scaling by a positive factor and rounding
-        // are monotonic, so this equals the maximum of the scaled logits). A sum pass given a
-        // null m_pool (the max pass filled it) skips them.
-        let row_maxima = |b: &mut KernelBuilder| -> Vec<Reg<F32>> {
-            (0..2usize)
-                .map(|rr| {
-                    let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
-                    let mut mx = s_acc[idx[0]];
-                    for &i in &idx[1..] {
-                        mx = b.max(mx, s_acc[i]);
-                    }
-                    for d in [1u32, 2] {
-                        let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
-                        mx = b.max(mx, o);
-                    }
-                    b.fmul(mx, scale_log2e)
-                })
-                .collect()
-        };
-        let row_max: Vec<Reg<F32>> = match ctx.pass {
-            Pass::Max => row_maxima(b),
-            Pass::Sum(_) => {
-                let row_max: Vec<Reg<F32>> = (0..2).map(|_| b.mov::<F32>(neg_inf)).collect();
-                b.if_then(want_max, "row_max", |b| {
-                    for (dst, mx) in row_max.iter().zip(row_maxima(b)) {
-                        b.set(*dst, mx);
-                    }
-                });
-                row_max
-            }
-        };
-        // A sum pass: P = exp2(S*scale*log2e - R*log2e), O = P·V and the row sums.
-        let sums = r.v.zip(neg_ref).map(|(v, neg_ref)| {
+        b.comment("P = exp2(S*scale*log2e - R*log2e), O = P*V and the row sums");
+        let (o_acc, l_row) = {
             let v_addr = v.emit_stage_addr(b, base, zero);
             let mut pv = Vec::with_capacity(64);
             let mut sums: [Option<Reg<F32>>; 2] = [None, None];
@@ -794,7 +1021,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             }
             b.wgmma_wait(0);
             (o_acc, l_row)
-        });
+        };
 
         b.comment("segment end: this warp's reads of K/V are complete");
         let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
@@ -810,40 +1037,27 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         b.comment("the warp's 16 rows into the pools (a -1 slot has none)");
         let live = b.setp(Cmp::Ge, qrow, 0i32);
         b.if_then(live, "pools", |b| {
-            let qr = b.bitcast::<U32, S32>(qrow);
-            let head16 = b.shl(head, 4u32);
-            let prow = b.mad_lo(qr, 64u32, head16);
-            let prow = b.add(prow, quad);
+            let prow = pool_row(b, &l, qrow, head);
             b.if_then(head_lane, "row_stats", |b| {
                 let l_pool = b.ld_param_ptr(&p.l_pool);
-                let m_pool = b.ld_param_ptr(&p.m_pool);
-                for rr in 0..2usize {
+                for (rr, l_rr) in l_row.iter().enumerate() {
                     let i = b.add(prow, 8 * rr as u32);
-                    if let Some((_, l_row)) = &sums {
-                        let at_l_pool = common::elem::<F32>(b, l_pool, i);
-                        b.red_add_f32(&at_l_pool, l_row[rr]);
-                    }
-                    b.predicated(want_max, false, |b| {
-                        let key = order_key(b, row_max[rr]);
-                        let at_m_pool = common::elem::<U32>(b, m_pool, i);
-                        b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
-                    });
+                    let at_l_pool = common::elem::<F32>(b, l_pool, i);
+                    b.red_add_f32(&at_l_pool, *l_rr);
                 }
+                b.if_then(want_max, "m_pool", |b| {
+                    red_row_maxima(b, ctx, prow, &row_max)
+                });
             });
-            // The max pass is done: it has no O rows.
-            let (Some((o_acc, _)), Some((pool, stage, o_lane))) = (&sums, &staging) else {
-                return;
-            };
-            let (pool, stage) = (*pool, *stage);
             b.comment("its O rows into the warp's staging, TMA reduce-add into o_pool");
             // The warp's reduction of the previous task has read the staging by now (a whole
             // task later); lane 0 waits for it, then the warp meets before overwriting it.
             b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
             b.bar_warp_sync();
             match pool {
-                OPool::F32 => o_lane.store(b, o_acc),
+                OPool::F32 => o_lane.store(b, &o_acc),
                 OPool::F16 => {
-                    common::stage_rows_16(b, o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
+                    common::stage_rows_16(b, &o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
                 }
             }
             // The async proxy reads the staged rows: each lane's stores are fenced, then the
@@ -866,10 +1080,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
-    if staging.is_some() {
-        b.comment("the staged rows' last reduction has read them before the CTA exits");
-        b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
-    }
+    b.comment("the staged rows' last reduction has read them before the CTA exits");
+    b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
 }
 
 #[cfg(test)]
