@@ -553,6 +553,38 @@ pub fn load_qdo_tiles<const N: usize>(
     }
 }
 
+/// The 8 compact query rows of task row `row` (`task_qrows [capacity, 8]`), for
+/// [`load_q_tiles`].
+pub fn load_task_qrows(b: &mut KernelBuilder, qrows: Reg<U64>, row: Reg<U32>) -> [Reg<S32>; 8] {
+    let rows_at = elem_bytes(b, qrows, row, 32);
+    let lo4: [Reg<S32>; 4] = b.ld_v(&rows_at);
+    let hi4: [Reg<S32>; 4] = b.ld_v(&rows_at.offset(16));
+    [
+        lo4[0], lo4[1], lo4[2], lo4[3], hi4[0], hi4[1], hi4[2], hi4[3],
+    ]
+}
+
+/// [`load_qdo_tiles`] of one tensor with the task's compact rows already loaded (the KV
+/// forward loads them a task ahead).
+pub fn load_q_tiles(
+    b: &mut KernelBuilder,
+    map: Reg<U64>,
+    tile: SharedAddr,
+    slots: [Reg<S32>; 8],
+    meta: &[Reg<U32>; 4],
+    bar: &SharedAddr,
+) {
+    let head16 = b.shl(meta[1], 4u32);
+    let head16 = b.bitcast::<S32, U32>(head16);
+    for (slot, qrow) in slots.into_iter().enumerate() {
+        for panel in 0..2 {
+            let d0 = b.mov::<S32>(panel * 64);
+            let off = panel as i64 * PANEL + slot as i64 * 2048;
+            b.tma_load_3d(&tile.offset(off), map, [d0, head16, qrow], bar);
+        }
+    }
+}
+
 /// A scalar-gather lane's place: lane `4·slot + part` covers folded rows `4·lane .. +4`
 /// (slot `lane/4`, heads `4·part ..`). Computed once, outside the task loop.
 pub struct GatherLane {

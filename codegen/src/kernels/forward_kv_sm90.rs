@@ -442,7 +442,9 @@ pub fn gate(b: &mut KernelBuilder, gate: &ParamRef<U64>) {
     });
 }
 
-/// Thread 0: K/V at each segment's start, Q for every task.
+/// Thread 0: K/V at each segment's start, Q for every task. Each task's meta and compact
+/// rows are loaded a task ahead, so that their latency overlaps the previous task's issue and
+/// stage wait instead of adding to them.
 fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
     let qrows = b.ld_param_ptr(&p.qrows);
@@ -452,8 +454,26 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
-    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
+    let next_meta: [Reg<U32>; 4] = std::array::from_fn(|_| b.reg());
+    let next_rows: [Reg<S32>; 8] = std::array::from_fn(|_| b.reg());
+    let fetch = |b: &mut KernelBuilder, row: Reg<U32>| {
         let m = common::task_meta_at(b, &p.meta, row);
+        let q8 = common::load_task_qrows(b, qrows, row);
+        for (dst, v) in next_meta.iter().zip(m) {
+            b.set(*dst, v);
+        }
+        for (dst, v) in next_rows.iter().zip(q8) {
+            b.set(*dst, v);
+        }
+    };
+    let any = b.setp(Cmp::Lt, ctx.walk.lo, ctx.walk.hi);
+    b.if_then(any, "first_task", |b| fetch(b, ctx.walk.lo));
+    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
+        let m: [Reg<U32>; 4] = std::array::from_fn(|i| b.mov::<U32>(next_meta[i]));
+        let q8: [Reg<S32>; 8] = std::array::from_fn(|i| b.mov::<S32>(next_rows[i]));
+        let next_row = b.add(row, 1u32);
+        let more = b.setp(Cmp::Lt, next_row, ctx.walk.hi);
+        b.if_then(more, "prefetch", |b| fetch(b, next_row));
         let counters = (prev, segments);
         match r.v.zip(tv) {
             Some((v, tv)) => {
@@ -467,7 +487,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         }
         let st = r.q_pipe.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
-        common::load_qdo_tiles(b, [tq], [shared(q_tile, 0)], qrows, row, &m, &st.full);
+        common::load_q_tiles(b, tq, shared(q_tile, 0), q8, &m, &st.full);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
@@ -475,44 +495,140 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
 
 /// Warp 1: per task, `−R·log2e` of its 128 folded rows (−∞ for an empty slot) and the 8
 /// slots' compact rows and positions. Lane `4·slot + part` fills rows `4·lane .. 4·lane+4`.
+///
+/// The loads run two tasks ahead, branch-free, so that none waits on another of the same
+/// iteration: task `row + 2`'s compact rows, positions and index head, and task `row + 1`'s
+/// references, addressed by what the previous iteration loaded. Task `row`'s values, loaded
+/// earlier, are stored once its stage is free.
 fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
+    let (lo, hi) = (ctx.walk.lo, ctx.walk.hi);
     let g = common::gather_lane(b, tid);
+    let sum = matches!(ctx.pass, Pass::Sum(_));
     let tasks = b.mov::<U32>(0u32);
-    b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "gather_row", |b, row| {
-        let st = r.rows.producer_acquire(b, bars, tasks);
-        // The max pass needs no reference.
-        let row8 = if let Pass::Sum(_) = ctx.pass {
+    // Lanes 0..8 copy slot `lane`'s words; the others load the same words unused.
+    let word = b.and(g.lane, 7u32);
+    // What one task needs: its slot's compact row (the references' row), index head, the
+    // word lane's position and compact row, and (a sum pass) the raw references.
+    struct Rows {
+        slot_row: Reg<S32>,
+        head: Reg<U32>,
+        qpos: Reg<S32>,
+        qrow: Reg<S32>,
+        reference: [Reg<F32>; 4],
+    }
+    let regs = |b: &mut KernelBuilder| Rows {
+        slot_row: b.reg(),
+        head: b.reg(),
+        qpos: b.reg(),
+        qrow: b.reg(),
+        reference: std::array::from_fn(|_| b.reg()),
+    };
+    let (ready, early) = (regs(b), regs(b));
+    // Task `row`'s words into `early` (all but the references).
+    let load_words = |b: &mut KernelBuilder, row: Reg<U32>| {
+        let row8 = b.shl(row, 3u32);
+        let idx = b.add(row8, word);
+        let qpos = b.ld_param_ptr(&p.qpos);
+        let at = common::elem::<S32>(b, qpos, idx);
+        let v = b.ld::<S32, _>(&at);
+        b.set(early.qpos, v);
+        let qrows = b.ld_param_ptr(&p.qrows);
+        let at = common::elem::<S32>(b, qrows, idx);
+        let v = b.ld::<S32, _>(&at);
+        b.set(early.qrow, v);
+        if sum {
+            let idx = b.add(row8, g.slot);
+            let at = common::elem::<S32>(b, qrows, idx);
+            let v = b.ld::<S32, _>(&at);
+            b.set(early.slot_row, v);
             let m = common::task_meta_at(b, &p.meta, row);
-            let tables = (&p.qrows, &p.reference, None);
-            let (r4, _) = common::gather_rows_from(b, tables, row, m[1], &g);
-            let row8 = b.shl(row, 3u32);
+            b.set(early.head, m[1]);
+        }
+    };
+    // `early` (loaded an iteration ago) into `ready`, with its references.
+    let promote = |b: &mut KernelBuilder| {
+        b.set(ready.qpos, early.qpos);
+        b.set(ready.qrow, early.qrow);
+        if sum {
+            b.set(ready.slot_row, early.slot_row);
+            let v = reference_rows(b, ctx, early.slot_row, early.head, &g);
+            for (dst, x) in ready.reference.iter().zip(v) {
+                b.set(*dst, x);
+            }
+        }
+    };
+    let any = b.setp(Cmp::Lt, lo, hi);
+    b.if_then(any, "first_tasks", |b| {
+        load_words(b, lo);
+        promote(b);
+        let second = b.add(lo, 1u32);
+        let more = b.setp(Cmp::Lt, second, hi);
+        b.if_then(more, "second_task", |b| load_words(b, second));
+    });
+    b.for_range(lo, hi, 1, "gather_row", |b, row| {
+        // This task's values (the references only in a sum pass: the max pass never sets
+        // them).
+        let qpos = b.mov::<S32>(ready.qpos);
+        let qrow = b.mov::<S32>(ready.qrow);
+        let refs = sum.then(|| {
+            let slot_row = b.mov::<S32>(ready.slot_row);
+            let r4: [Reg<F32>; 4] = std::array::from_fn(|i| b.mov::<F32>(ready.reference[i]));
+            (slot_row, r4)
+        });
+        let next_row = b.add(row, 1u32);
+        let more = b.setp(Cmp::Lt, next_row, hi);
+        b.if_then(more, "prefetch", |b| {
+            promote(b);
+            let after = b.add(row, 2u32);
+            let more = b.setp(Cmp::Lt, after, hi);
+            b.if_then(more, "prefetch_words", |b| load_words(b, after));
+        });
+        let st = r.rows.producer_acquire(b, bars, tasks);
+        if let Some((slot_row, r4)) = refs {
+            let neg_log2e = -(std::f64::consts::LOG2_E as f32);
+            let valid = b.setp(Cmp::Ge, slot_row, 0i32);
+            let r4 = r4.map(|x| {
+                let y = b.fmul(x, neg_log2e);
+                b.selp(y, f32::NEG_INFINITY, valid)
+            });
             let at = b.add(base, g.lane16);
             let dst = rows_stage(b, &r.neg_ref, at, st.index);
             b.st_v(&dst, r4);
-            row8
-        } else {
-            b.shl(row, 3u32)
-        };
+        }
         b.if_then(g.word_lane, "gather_slots", |b| {
-            let idx = b.add(row8, g.lane);
-            let qpos = b.ld_param_ptr(&p.qpos);
-            let at_qpos = common::elem::<S32>(b, qpos, idx);
-            let v = b.ld::<S32, _>(&at_qpos);
-            let qrows = b.ld_param_ptr(&p.qrows);
-            let at_qrows = common::elem::<S32>(b, qrows, idx);
-            let q = b.ld::<S32, _>(&at_qrows);
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
             let dst = rows_stage(b, &r.qpos, at, st.index);
-            b.st(&dst, v);
+            b.st(&dst, qpos);
             let dst = rows_stage(b, &r.qrows, at, st.index);
-            b.st(&dst, q);
+            b.st(&dst, qrow);
         });
         r.rows.producer_commit(b, bars, &st);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
+}
+
+/// Gather lane `g`'s raw references of its four folded rows (index head `head`) for the
+/// slot's compact row `slot_row`; an empty slot (−1) reads row 0's and the caller discards
+/// them.
+fn reference_rows(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    slot_row: Reg<S32>,
+    head: Reg<U32>,
+    g: &common::GatherLane,
+) -> [Reg<F32>; 4] {
+    let head16 = b.shl(head, 4u32);
+    let hcol = b.add(head16, g.part4);
+    let valid = b.setp(Cmp::Ge, slot_row, 0i32);
+    let r = b.selp(slot_row, 0i32, valid);
+    let r = b.bitcast::<U32, S32>(r);
+    let i = b.mad_lo(r, 64u32, hcol);
+    let reference = b.ld_param_ptr(&ctx.p.reference);
+    let a = common::elem::<F32>(b, reference, i);
+    b.ld_global_nc_v(&a)
 }
 
 /// Bytes of one staged O box: 16 heads × 32 f32 (one 128-byte SW128 row per head).
@@ -729,8 +845,7 @@ fn row_maxima(b: &mut KernelBuilder, acc: &[Reg<F32>]) -> Vec<Reg<F32>> {
 }
 
 /// [`row_maxima`] of `acc` under the causal mask of [`mask_diagonal`], leaving `acc` as it
-/// is: writing an accumulator while another GEMM is in flight would make ptxas serialize the
-/// wgmma pipeline.
+/// is (ptxas serializes a wgmma pipeline whose accumulators other instructions write).
 fn masked_row_maxima(
     b: &mut KernelBuilder,
     l: &Lanes,
@@ -806,37 +921,32 @@ fn red_row_maxima(b: &mut KernelBuilder, ctx: &Ctx, prow: Reg<U32>, row_max: &[R
     }
 }
 
-/// The max pass's consumers: the sum passes' walk with the S GEMMs software-pipelined. Two
-/// accumulators alternate (the loop is unrolled by two): within a segment, task `n + 1`'s
-/// GEMM is issued before task `n`'s mask and maxima, so that the tensor pipe does not idle
-/// through them. A task that starts a segment waits for its K, which the producer loads only
-/// once every consumer warp has released the last; so the previous task is finished first.
+/// The max pass's consumers: per task the S GEMM, the masked row maxima and their `red.max`.
+/// (Issuing the next task's GEMM before this task's maxima, with two accumulators, was
+/// 5-10 % slower on the H200: the consumers are not what limits this pass.)
 fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let (p, r, walk, bars) = (ctx.p, ctx.r, &ctx.walk, &ctx.bars);
     let l = Lanes::new(b, tid);
-    let accs: [Vec<Reg<F32>>; 2] = std::array::from_fn(|_| (0..64).map(|_| b.reg()).collect());
+    let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
-    // The next task's (index head, kblock).
     let next_head = b.mov::<U32>(0u32);
     let next_kb = b.mov::<U32>(0u32);
-    // Every path into a merge point carries the same GEMMs in flight (ptxas would otherwise
-    // wait for them there): an empty walk and the last task leave straight for the exit.
-    let exit = b.label("max_walk_done");
     let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
-    b.bra_unless(any, &exit);
-    let m = common::task_meta_at(b, &p.meta, walk.lo);
-    b.set(next_head, m[1]);
-    b.set(next_kb, m[2]);
-    r.kv.consumer_wait(b, bars, segments);
-    let qst = r.q_pipe.consumer_wait(b, bars, l.zero);
-    s_gemm(b, ctx, &l, qst.index, &accs[0]);
-    // Task `row` (the `n`-th of the walk), its S GEMM issued into `cur`; the next one's goes
-    // into `other`.
-    let step = |b: &mut KernelBuilder, row: Reg<U32>, cur: &[Reg<F32>], other: &[Reg<F32>]| {
+    b.if_then(any, "first_meta", |b| {
+        let m = common::task_meta_at(b, &p.meta, walk.lo);
+        b.set(next_head, m[1]);
+        b.set(next_kb, m[2]);
+    });
+    b.for_range(walk.lo, walk.hi, 1, "max_task", |b, row| {
         let head = b.mov::<U32>(next_head);
         let kb = b.mov::<U32>(next_kb);
         let n = b.sub(row, walk.lo);
-        let cur_bucket = common::bucket(b, &[l.zero, head, kb, l.zero]);
+        let cur = common::bucket(b, &[l.zero, head, kb, l.zero]);
+        let same = b.setp(Cmp::Eq, cur, prev);
+        b.unless(same, "kv_wait", |b| {
+            r.kv.consumer_wait(b, bars, segments);
+            b.set(prev, cur);
+        });
         let next_row = b.add(row, 1u32);
         let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
         b.unless(last_task, "next_meta", |b| {
@@ -844,61 +954,32 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
             b.set(next_head, m[1]);
             b.set(next_kb, m[2]);
         });
-        let next_bucket = common::bucket(b, &[l.zero, next_head, next_kb, l.zero]);
-        let new_segment = b.setp(Cmp::Ne, next_bucket, cur_bucket);
-        let is_end = b.or_pred(new_segment, last_task);
-        let n1 = b.add(n, 1u32);
-        // Task n's mask, maxima and K release; `pending` GEMM groups may stay in flight.
-        let finish = |b: &mut KernelBuilder, pending: u32| {
-            let (qpos, qrow, _) = read_rows(b, ctx, &l, n, false);
-            b.wgmma_wait(pending);
-            b.comment("this warp's wgmma reads of task n's Q are complete: release the stage");
-            let qst = r.q_pipe.locate(b, bars, n.into());
-            b.predicated(l.lane0, false, |b| r.q_pipe.consumer_release(b, bars, &qst));
-            b.if_then(is_end, "kv_release", |b| {
-                let st = r.kv.locate(b, bars, segments.into());
-                b.predicated(l.lane0, false, |b| r.kv.consumer_release(b, bars, &st));
-                let next = b.add(segments, 1u32);
-                b.set(segments, next);
-            });
-            let row_max = masked_row_maxima(b, &l, cur, qpos, kb);
-            b.comment("the warp's 16 row maxima into m_pool (a -1 slot has none)");
-            let live = b.setp(Cmp::Ge, qrow, 0i32);
-            let stats = b.and_pred(live, l.head_lane);
-            b.if_then(stats, "row_stats", |b| {
-                let prow = pool_row(b, &l, qrow, head);
-                red_row_maxima(b, ctx, prow, &row_max);
-            });
-        };
-        let ahead = b.not_pred(is_end);
-        let done = b.label("step_done");
-        let behind = b.label("step_behind");
-        b.bra_unless(ahead, &behind);
-        b.comment("the next task shares K: its GEMM first");
-        let qst = r.q_pipe.consumer_wait(b, bars, n1);
-        s_gemm(b, ctx, &l, qst.index, other);
-        finish(b, 1);
-        b.bra(&done);
-        b.place(&behind);
-        finish(b, 0);
-        b.bra_if(last_task, &exit);
-        b.comment("the next task starts a segment: its K, then its GEMM");
-        r.kv.consumer_wait(b, bars, segments);
-        let qst = r.q_pipe.consumer_wait(b, bars, n1);
-        s_gemm(b, ctx, &l, qst.index, other);
-        b.place(&done);
-    };
-    // The walk leaves only through its last task (above), so the loop has no other exit.
-    let row = b.mov::<U32>(walk.lo);
-    let top = b.label("max_task");
-    b.place(&top);
-    step(b, row, &accs[0], &accs[1]);
-    let row1 = b.add(row, 1u32);
-    step(b, row1, &accs[1], &accs[0]);
-    let row2 = b.add(row, 2u32);
-    b.set(row, row2);
-    b.bra(&top);
-    b.place(&exit);
+        let qst = r.q_pipe.consumer_wait(b, bars, n);
+        let acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+        s_gemm(b, ctx, &l, qst.index, &acc);
+        let (qpos, qrow, _) = read_rows(b, ctx, &l, n, false);
+        b.wgmma_wait(0);
+        b.comment("this warp's wgmma reads of Q are complete: release the stage");
+        b.predicated(l.lane0, false, |b| r.q_pipe.consumer_release(b, bars, &qst));
+        b.comment("segment end: this warp's reads of K are complete");
+        let next = common::bucket(b, &[l.zero, next_head, next_kb, l.zero]);
+        let other_bucket = b.setp(Cmp::Ne, next, cur);
+        let is_end = b.or_pred(other_bucket, last_task);
+        b.if_then(is_end, "kv_release", |b| {
+            let st = r.kv.locate(b, bars, segments.into());
+            b.predicated(l.lane0, false, |b| r.kv.consumer_release(b, bars, &st));
+            let next = b.add(segments, 1u32);
+            b.set(segments, next);
+        });
+        let row_max = masked_row_maxima(b, &l, &acc, qpos, kb);
+        b.comment("the warp's 16 row maxima into m_pool (a -1 slot has none)");
+        let live = b.setp(Cmp::Ge, qrow, 0i32);
+        let stats = b.and_pred(live, l.head_lane);
+        b.if_then(stats, "row_stats", |b| {
+            let prow = pool_row(b, &l, qrow, head);
+            red_row_maxima(b, ctx, prow, &row_max);
+        });
+    });
 }
 
 /// The sum passes' consumers: per task the S GEMM, the mask, `P`, `O = P·V` and the row
