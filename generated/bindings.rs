@@ -1127,13 +1127,16 @@ pub mod msa_forward_kv_sm90 {
         l_pool: PtrMut<f32>,
         m_pool: PtrMut<u32>,
         gate: Ptr<u32>,
+        zero: PtrMut<u32>,
+        zero_words: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(tmap_o), KernelArg::from(reference),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
-            KernelArg::from(m_pool), KernelArg::from(gate)
+            KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
+            KernelArg::from(zero_words)
         ]
     }
 }
@@ -1175,13 +1178,16 @@ pub mod msa_forward_kv_f16_sm90 {
         l_pool: PtrMut<f32>,
         m_pool: PtrMut<u32>,
         gate: Ptr<u32>,
+        zero: PtrMut<u32>,
+        zero_words: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(tmap_o), KernelArg::from(reference),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
-            KernelArg::from(m_pool), KernelArg::from(gate)
+            KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
+            KernelArg::from(zero_words)
         ]
     }
 }
@@ -1223,13 +1229,16 @@ pub mod msa_forward_kv_max_sm90 {
         l_pool: PtrMut<f32>,
         m_pool: PtrMut<u32>,
         gate: Ptr<u32>,
+        zero: PtrMut<u32>,
+        zero_words: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
             KernelArg::from(tmap_o), KernelArg::from(reference),
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
-            KernelArg::from(m_pool), KernelArg::from(gate)
+            KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
+            KernelArg::from(zero_words)
         ]
     }
 }

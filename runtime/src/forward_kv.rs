@@ -432,13 +432,17 @@ impl<B: Backend> MsaForwardKv<B> {
             // [T, 64].
             unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
         }
-        match self.prepare(backend, &pools, schedule)? {
+        let zero_o = if bound {
+            ZeroO::Prepare
+        } else {
+            ZeroO::InMaxPass
+        };
+        match self.prepare(backend, &pools, schedule, zero_o)? {
             Some(launch) => {
                 if !bound {
-                    // The exact maxima into m_pool (the sum pass adds the same ones again),
-                    // then R from them.
-                    let max_pass = &msa_forward_kv_max_sm90::KERNEL;
-                    self.launch_pass(backend, max_pass, &pools, &launch, None)?;
+                    // The exact maxima into m_pool (and o_pool zeroed beside them), then R
+                    // from them.
+                    self.launch_pass(backend, Pass::Max, &pools, &launch, None)?;
                     let args = fwd_kv_reference::args(
                         pools.m_pool.ptr(),
                         vmax,
@@ -450,7 +454,7 @@ impl<B: Backend> MsaForwardKv<B> {
                     // workspace (set by fwd_kv_key_max), or null (f32 pool: not read).
                     unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
                 }
-                let pass = pass_kernel(self.pool);
+                let pass = Pass::Sum(self.pool);
                 // Under the exact reference m_pool already holds every row's maximum: the
                 // sum passes get a null one and skip theirs.
                 let sum_pools = ForwardKvBuffers {
@@ -568,9 +572,9 @@ impl<B: Backend> MsaForwardKv<B> {
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
-        match self.prepare(backend, io, schedule)? {
+        match self.prepare(backend, io, schedule, ZeroO::Prepare)? {
             Some(launch) => {
-                let pass = pass_kernel(io.o_pool.kind());
+                let pass = Pass::Sum(io.o_pool.kind());
                 self.launch_pass(backend, pass, io, &launch, None)
             }
             None => Ok(()),
@@ -584,6 +588,7 @@ impl<B: Backend> MsaForwardKv<B> {
         backend: &mut B,
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
+        zero_o: ZeroO,
     ) -> Result<Option<PassLaunch>, RuntimeError> {
         self.claim(backend);
         let z = *schedule.sizes();
@@ -614,7 +619,7 @@ impl<B: Backend> MsaForwardKv<B> {
             "no pool on an input or another pool",
         )?;
         // The task build loads its own kernels (`TaskWorkspace::build_from`).
-        backend.load(pass_kernel(io.o_pool.kind()))?;
+        backend.load(pass_kernel(Pass::Sum(io.o_pool.kind())))?;
         let shape = ScheduleShape {
             num_tokens: z.num_tokens,
             num_docs: z.num_documents,
@@ -642,13 +647,20 @@ impl<B: Backend> MsaForwardKv<B> {
         };
         let tasks = self.tasks.insert(tasks);
         let o_bytes = io.o_pool.kind().bytes() * io.o_pool.len();
-        backend.zero("o_pool", io.o_pool.addr(), o_bytes)?;
+        // The max pass zeroes o_pool itself, when it launches and the count fits its word.
+        let o_words = u32::try_from(o_bytes / 16)
+            .ok()
+            .filter(|&w| w < 1 << 31 && zero_o == ZeroO::InMaxPass && grid > 0);
+        if o_words.is_none() {
+            backend.zero("o_pool", io.o_pool.addr(), o_bytes)?;
+        }
         backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
         backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
         tasks.build_from(backend, &schedule.refs())?;
         Ok((grid > 0).then_some(PassLaunch {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
             grid,
+            zero: o_words.map(|w| (io.o_pool.addr(), w)),
         }))
     }
 
@@ -657,12 +669,14 @@ impl<B: Backend> MsaForwardKv<B> {
     fn launch_pass(
         &self,
         backend: &mut B,
-        kernel: &KernelSpec,
+        pass: Pass,
         io: &ForwardKvBuffers,
         launch: &PassLaunch,
         gate: Option<Span<u32>>,
     ) -> Result<(), RuntimeError> {
         let tasks = self.tasks.as_ref().expect("prepare built the task tables");
+        // Only the max pass zeroes o_pool (it precedes every add into it).
+        let zero = launch.zero.filter(|_| pass == Pass::Max);
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
         // Every pass takes the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
@@ -678,19 +692,32 @@ impl<B: Backend> MsaForwardKv<B> {
             io.l_pool.ptr_mut(),
             io.m_pool.ptr_mut(),
             gate.map_or(Ptr::new(0), |g| g.ptr()),
+            PtrMut::new(zero.map_or(0, |(at, _)| at)),
+            zero.map_or(0, |(_, words)| words),
         );
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
-        // from a workspace built for the launch's grid; a null gate is never read.
-        unsafe { backend.launch(kernel, (launch.grid, 1, 1), &args) }
+        // from a workspace built for the launch's grid; a null gate is never read; `zero`
+        // is null or o_pool's own 16-byte words.
+        unsafe { backend.launch(pass_kernel(pass), (launch.grid, 1, 1), &args) }
     }
 }
 
-/// The pass for an `o_pool` element type (both take the same parameters).
-fn pass_kernel(pool: OPool) -> &'static KernelSpec {
-    match pool {
-        OPool::F32 => &msa_forward_kv_sm90::KERNEL,
-        OPool::F16 => &msa_forward_kv_f16_sm90::KERNEL,
+/// Which kernel a launch of the pass runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// The sums into an `o_pool` of this type.
+    Sum(OPool),
+    /// The row maxima alone (and `o_pool`'s zeroing).
+    Max,
+}
+
+/// The kernel of a pass (all take the same parameters).
+fn pass_kernel(pass: Pass) -> &'static KernelSpec {
+    match pass {
+        Pass::Sum(OPool::F32) => &msa_forward_kv_sm90::KERNEL,
+        Pass::Sum(OPool::F16) => &msa_forward_kv_f16_sm90::KERNEL,
+        Pass::Max => &msa_forward_kv_max_sm90::KERNEL,
     }
 }
 
@@ -698,6 +725,16 @@ fn pass_kernel(pool: OPool) -> &'static KernelSpec {
 struct PassLaunch {
     maps: [TensorMap; 4],
     grid: u32,
+    /// `o_pool`'s address and 16-byte words, when the max pass is to zero it (then
+    /// `prepare` did not).
+    zero: Option<(u64, u32)>,
+}
+
+/// Who zeroes `o_pool`: `prepare` (a memset), or the max pass that precedes the sum pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ZeroO {
+    Prepare,
+    InMaxPass,
 }
 
 /// The checks both entry points make before any launch: a 9.0 device, a schedule of its

@@ -49,6 +49,29 @@ pub fn sm90_roles(
     gather: impl FnOnce(&mut KernelBuilder),
     consumer: impl FnOnce(&mut KernelBuilder),
 ) {
+    let no_spare: Option<fn(&mut KernelBuilder)> = None;
+    sm90_roles_with_spare(
+        b,
+        warps,
+        (tid, leader),
+        producer,
+        gather,
+        no_spare,
+        consumer,
+    );
+}
+
+/// [`sm90_roles`] with work for the producer warpgroup's spare warps 2 and 3 (64 threads,
+/// `tid` 64..128), which otherwise return at once. They take no part in any pipeline.
+pub fn sm90_roles_with_spare(
+    b: &mut KernelBuilder,
+    warps: &Sm90Warps,
+    (tid, leader): (Reg<U32>, Reg<Pred>),
+    producer: impl FnOnce(&mut KernelBuilder),
+    gather: impl FnOnce(&mut KernelBuilder),
+    spare: Option<impl FnOnce(&mut KernelBuilder)>,
+    consumer: impl FnOnce(&mut KernelBuilder),
+) {
     let wg = b.shr(tid, 7u32);
     let is_producer = b.setp(Cmp::Eq, wg, 0u32);
     let consumers = b.label("consumers");
@@ -58,6 +81,10 @@ pub fn sm90_roles(
     let warp = b.shr(tid, 5u32);
     let is_gather = b.setp(Cmp::Eq, warp, 1u32);
     b.if_then(is_gather, "gather", gather);
+    if let Some(spare) = spare {
+        let is_spare = b.setp(Cmp::Ge, warp, 2u32);
+        b.if_then(is_spare, "spare", spare);
+    }
     b.ret();
 
     b.place(&consumers);

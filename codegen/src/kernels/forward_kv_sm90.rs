@@ -309,6 +309,11 @@ pub struct ForwardKvParams {
     /// A gate word, or null: a gated launch (the recompute pass) does nothing while the word
     /// is zero (no row to recompute).
     pub gate: ParamRef<U64>,
+    /// Memory the max pass's spare warps zero beside their walk (`o_pool`, for the sum pass
+    /// after it), or null; 16-byte aligned. The sum passes ignore it.
+    pub zero: ParamRef<U64>,
+    /// The 16-byte words at `zero`.
+    pub zero_words: ParamRef<U32>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -325,6 +330,8 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         l_pool: b.param_ptr("l_pool", HostElem::F32, true),
         m_pool: b.param_ptr("m_pool", HostElem::U32, true),
         gate: b.param_ptr("gate", HostElem::U32, false),
+        zero: b.param_ptr("zero", HostElem::U32, true),
+        zero_words: b.param_u32("zero_words"),
     }
 }
 
@@ -416,17 +423,51 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
         walk,
     };
 
-    common::sm90_roles(
+    // The max pass's spare warps zero `o_pool` for the sum pass: its tensor and shared
+    // memory pipes are busy, its stores to DRAM are not.
+    let spare = (pass == Pass::Max).then_some(|b: &mut KernelBuilder| zero_words(b, &p, tid));
+    common::sm90_roles_with_spare(
         b,
         plan.warps(),
         (tid, leader),
         |b| producer(b, &ctx),
         |b| gather(b, &ctx, tid),
+        spare,
         |b| match pass {
             Pass::Sum(pool) => consumer(b, &ctx, tid, pool),
             Pass::Max => max_consumer(b, &ctx, tid),
         },
     );
+}
+
+/// Spare threads `tid` 64..128 of every CTA: `st.global.v4` zeros over the `zero_words`
+/// 16-byte words at `zero` (nothing when it is null), striding over the grid.
+fn zero_words(b: &mut KernelBuilder, p: &ForwardKvParams, tid: Reg<U32>) {
+    let raw = b.ld_param(&p.zero);
+    let some = b.setp(Cmp::Ne, raw, 0u64);
+    b.if_then(some, "zero", |b| {
+        let at = b.ld_param_ptr(&p.zero);
+        let words = b.ld_param(&p.zero_words);
+        let cta = b.sreg(SReg::CtaidX);
+        let ctas = b.sreg(SReg::NctaidX);
+        let t = b.sub(tid, 64u32);
+        let first = b.mad_lo(cta, 64u32, t);
+        let stride = b.mul_lo(ctas, 64u32);
+        let z = b.mov::<U32>(0u32);
+        // (The runtime keeps `zero_words` under 2^31, so `i + stride` cannot wrap.)
+        let i = b.mov::<U32>(first);
+        let top = b.label("zero_word");
+        let done = b.label("zero_done");
+        b.place(&top);
+        let out = b.setp(Cmp::Ge, i, words);
+        b.bra_if(out, &done);
+        let a = common::elem_bytes(b, at, i, 16);
+        b.st_v(&a, [z, z, z, z]);
+        let next = b.add(i, stride);
+        b.set(i, next);
+        b.bra(&top);
+        b.place(&done);
+    });
 }
 
 /// The launch's gate: with a non-null `gate` whose word is zero, every thread returns at once

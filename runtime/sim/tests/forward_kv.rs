@@ -188,8 +188,8 @@ fn run_device_full(
     inputs: (&[bf16], &[bf16], &[bf16]),
     how: (OPool, Reference),
 ) -> (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>) {
-    let dev = SimDevice::new(Arch::Sm90, 132);
-    run_device_on(dev, &mut flow(how), cu, q2k, inputs, how).expect("forward")
+    let mut dev = SimDevice::new(Arch::Sm90, 132);
+    run_device_on(&mut dev, &mut flow(how), cu, q2k, inputs, how).expect("forward")
 }
 
 /// A flow with `o_pool` in `pool` and the references from `reference`.
@@ -205,7 +205,7 @@ type DeviceRun = (Vec<f32>, Vec<f32>, Result<u32, msa_runtime::RuntimeError>);
 /// [`run_device_full`] on `dev` with the caller's flow `fwd` (whose settings `how` states); an
 /// error of the flow (a simulator fault) as text.
 fn run_device_on(
-    mut dev: SimDevice,
+    dev: &mut SimDevice,
     fwd: &mut MsaForwardKv<SimDevice>,
     cu: &[i32],
     q2k: &[i32],
@@ -214,7 +214,7 @@ fn run_device_on(
 ) -> Result<DeviceRun, String> {
     let t = *cu.last().unwrap() as usize;
     let w = ka.len() / KV_ROW;
-    let (s, q2k_s) = device_schedule(&mut dev, cu, q2k, w);
+    let (s, q2k_s) = device_schedule(dev, cu, q2k, w);
     let q_d = dev.upload_new("q", q);
     let k_d = dev.upload_new("k", ka);
     let v_d = dev.upload_new("v", va);
@@ -228,7 +228,7 @@ fn run_device_on(
         out: Span::new(out_d.ptr.addr(), t * Q_ROW),
         lse: Span::new(lse_d.ptr.addr(), t * 64),
     };
-    fwd.run_on(&mut dev, &io, &s).map_err(|e| e.to_string())?;
+    fwd.run_on(dev, &io, &s).map_err(|e| e.to_string())?;
     let ran = |name: &str| dev.launches().iter().any(|l| l.kernel == name);
     let exact = reference == Reference::ExactMax;
     assert_eq!(ran("msa_forward_kv_max_sm90"), exact, "the max pass");
@@ -246,7 +246,7 @@ fn run_device_on(
         dev.launches().iter().any(|l| l.kernel == pass),
         "the {pool:?} pass ran"
     );
-    let verdict = fwd.status(&mut dev);
+    let verdict = fwd.status(dev);
     let out: Vec<bf16> = dev.read(io.out.addr, t * Q_ROW).unwrap();
     let lse: Vec<f32> = dev.read(io.lse.addr, t * 64).unwrap();
     Ok((out.iter().map(|x| x.to_f32()).collect(), lse, verdict))
@@ -498,11 +498,11 @@ fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
     // Two SMs: many tasks per CTA, so every one of the max pass's Q and row-scalar stages is
     // reused; the gather warp runs last, so the consumers wait on the row-scalar ring.
     let (cu, q2k, inp) = planted_case();
-    let dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
+    let mut dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
     let how = (OPool::F16, Reference::ExactMax);
     let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
     let (out, lse, verdict) =
-        run_device_on(dev, &mut flow(how), &cu, &q2k, inputs, how).expect("forward");
+        run_device_on(&mut dev, &mut flow(how), &cu, &q2k, inputs, how).expect("forward");
     assert_eq!(verdict.expect("every row normalised"), 0);
     let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("starved gather: {e}"));
     eprintln!("max pass, 2 SMs, starved gather: {stats}");
@@ -511,7 +511,7 @@ fn exact_max_pass_on_two_sms_with_the_gather_warp_starved() {
     let planted = without_wait_before(text, "this thread's last read of the row scalars");
     let mut dev = SimDevice::with_limits(Arch::Sm90, 2, gather_starved());
     dev.override_ptx("msa_forward_kv_max_sm90", planted);
-    let e = match run_device_on(dev, &mut flow(how), &cu, &q2k, inputs, how) {
+    let e = match run_device_on(&mut dev, &mut flow(how), &cu, &q2k, inputs, how) {
         Err(e) => e,
         Ok((out, lse, _)) => match compare(&inp, &out, &lse) {
             Ok(stats) => panic!("the planted bug went unnoticed: {stats}"),
@@ -532,7 +532,7 @@ fn one_flow_on_two_devices_allocates_on_each() {
     let inp = inputs(&cu, &q2k, 22);
     let how = (OPool::F16, Reference::ExactMax);
     let mut fwd = flow(how);
-    for (i, dev) in [
+    for (i, mut dev) in [
         SimDevice::new(Arch::Sm90, 132),
         SimDevice::new(Arch::Sm90, 132),
     ]
@@ -540,10 +540,36 @@ fn one_flow_on_two_devices_allocates_on_each() {
     .enumerate()
     {
         let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-        let (out, lse, verdict) = run_device_on(dev, &mut fwd, &cu, &q2k, inputs, how)
+        let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)
             .unwrap_or_else(|e| panic!("device {i}: {e}"));
         assert_eq!(verdict.expect("every row normalised"), 0);
         compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("device {i}: {e}"));
+    }
+}
+
+#[test]
+fn a_second_call_on_the_same_workspace_starts_from_zeroed_pools() {
+    // The flow keeps its workspace between calls, so o_pool still holds the first call's
+    // sums when the second starts: under the exact reference the max pass zeroes it, under
+    // the bound a memset does. A second call on other inputs must match its own reference.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let (first, second) = (inputs(&cu, &q2k, 22), inputs(&cu, &q2k, 23));
+    for how in [
+        (OPool::F16, Reference::ExactMax),
+        (OPool::F32, Reference::ExactMax),
+        (OPool::F32, Reference::Bound),
+    ] {
+        let mut dev = SimDevice::new(Arch::Sm90, 132);
+        let mut fwd = flow(how);
+        for (i, inp) in [&first, &second].into_iter().enumerate() {
+            let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
+            let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)
+                .unwrap_or_else(|e| panic!("{how:?}, call {i}: {e}"));
+            assert_eq!(verdict.expect("every row normalised"), 0);
+            compare(inp, &out, &lse).unwrap_or_else(|e| panic!("{how:?}, call {i}: {e}"));
+        }
     }
 }
 
