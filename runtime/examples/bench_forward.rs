@@ -151,6 +151,28 @@ fn breakdown(
         let ms = median((0..calls).map(|c| ops[c * per_call + k].2).collect());
         line.push_str(&format!(" {} {ms:.3};", ops[k].0));
     }
+    // The stream's time from the first operation's start to the last one's end, and how much
+    // of it no operation ran (the events' own cost included); the largest such gap, and the
+    // operation after it (in the median call by span).
+    let call = |c: usize| &ops[c * per_call..(c + 1) * per_call];
+    let span = |c: usize| {
+        let o = call(c);
+        o[per_call - 1].1 + o[per_call - 1].2 - o[0].1
+    };
+    let mut by_span: Vec<usize> = (0..calls).collect();
+    by_span.sort_by(|&a, &b| span(a).total_cmp(&span(b)));
+    let c = by_span[calls / 2];
+    let o = call(c);
+    let busy: f32 = o.iter().map(|op| op.2).sum();
+    let (gap, before) = o
+        .windows(2)
+        .map(|w| (w[1].1 - (w[0].1 + w[0].2), w[1].0))
+        .fold((0.0f32, ""), |a, g| if g.0 > a.0 { g } else { a });
+    line.push_str(&format!(
+        " span {:.3}, idle {:.3} (largest gap {gap:.3} before {before})",
+        span(c),
+        span(c) - busy
+    ));
     Ok(line)
 }
 

@@ -255,6 +255,10 @@ impl ForwardAlgorithm {
 /// Rows per CTA of the row kernels (`forward_kv_rows::ROWS_PER_CTA`, tied by a test).
 pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 
+/// Rows per CTA of `fwd_kv_combine` and `fwd_kv_combine_f16` (one per half-warp;
+/// `forward_kv_rows::COMBINE_ROWS_PER_CTA`, tied by a test).
+pub const COMBINE_ROWS_PER_CTA: usize = 16;
+
 /// Rows per CTA of `fwd_kv_reference` (`forward_kv_rows::REFERENCE_ROWS_PER_CTA`, tied by a
 /// test): one per thread.
 pub const REFERENCE_ROWS_PER_CTA: usize = 256;
@@ -515,7 +519,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let gate_ptr = gate.map_or(Ptr::new(0), |g| g.ptr());
         let second = u32::from(gate.is_some());
         let cap = grid_dim("combine CTAs", COMBINE_MAX_CTAS_PER_SM * backend.sm_count())?;
-        let grid = row_grid(rows)?.min(cap);
+        let grid = grid_dim("rows", rows.div_ceil(COMBINE_ROWS_PER_CTA))?.min(cap);
         let (kernel, args) = match pools.o_pool {
             OPoolSpan::F32(o) => (
                 &fwd_kv_combine::KERNEL,

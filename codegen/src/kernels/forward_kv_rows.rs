@@ -1,6 +1,7 @@
 //! The row kernels around `msa_forward_kv_sm90`: the reference `R` before the pass and the
-//! combine after it. One warp per 128-element row, each lane 4 elements (the bound: per 16
-//! rows; the reference: one thread per row).
+//! combine after it. The combines take one 128-element row per half-warp, each lane 8
+//! elements (16-byte words); the bound one warp per 16 rows; the reference one thread per
+//! row.
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
@@ -42,6 +43,9 @@ const THREADS: u32 = 256;
 pub const REFERENCE_ROWS_PER_CTA: u32 = THREADS;
 /// Rows per CTA: one per warp.
 pub const ROWS_PER_CTA: u32 = THREADS / 32;
+/// Rows per CTA of the combines: one per half-warp (16 lanes of 8 elements each), so that
+/// each lane moves 16-byte words and each warp two rows' bytes at once.
+pub const COMBINE_ROWS_PER_CTA: u32 = THREADS / 16;
 /// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
 /// terms, each at least `exp(−gap)` of the largest, and f32's smallest normal is `exp(−87.3)`.
 pub const MAX_GAP: f32 = 60.0;
@@ -365,7 +369,7 @@ fn describe_bound(b: &mut KernelBuilder) {
 }
 
 fn describe_combine(b: &mut KernelBuilder, f16: bool) {
-    b.grid("[min(ceil(T * 64 / 8), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
+    b.grid("[min(ceil(T * 64 / 16), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
     let o_p = if f16 {
         b.param_ptr("o_pool", HostElem::U16, true)
     } else {
@@ -405,14 +409,15 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let tid = b.sreg(SReg::TidX);
     let cta = b.sreg(SReg::CtaidX);
     let ctas = b.sreg(SReg::NctaidX);
-    let warp = b.shr(tid, 5u32);
-    let lane = b.and(tid, 31u32);
+    // Half-warp `tid / 16` takes a row; its lane `lane` 8 elements of it.
+    let half = b.shr(tid, 4u32);
+    let lane = b.and(tid, 15u32);
     let lane0 = b.setp(Cmp::Eq, lane, 0u32);
-    let row = b.mad_lo(cta, ROWS_PER_CTA, warp);
-    let stride = b.mul_lo(ctas, ROWS_PER_CTA);
+    let row = b.mad_lo(cta, COMBINE_ROWS_PER_CTA, half);
+    let stride = b.mul_lo(ctas, COMBINE_ROWS_PER_CTA);
     let rows = b.ld_param(&rows_p);
-    // Lane 0's counts of the rows handed back and still bad, added to `status` once per warp
-    // at the end (one word taking a red per row would serialize millions of them).
+    // Lane 0's counts of the rows handed back and still bad, added to `status` once per
+    // half-warp at the end (one word taking a red per row would serialize millions of them).
     let handed = b.mov::<U32>(0u32);
     let unresolved = b.mov::<U32>(0u32);
     let next_row = b.label("next_row");
@@ -424,15 +429,15 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     // The first combine reads every row's o: its loads go out first, so that their latency
     // overlaps the scalars' instead of following it. (The second reads only the rows it
     // takes, below.)
-    let idx = b.mad_lo(row, 32u32, lane);
+    let idx = b.mad_lo(row, 16u32, lane);
     let op = b.ld_param_ptr(&o_p);
-    let o_at = common::elem_bytes(b, op, idx, if f16 { 8 } else { 16 });
+    let o_at = common::elem_bytes(b, op, idx, if f16 { 16 } else { 32 });
     let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
-        if f16 {
-            b.ld_v::<U32, _, 2>(&o_at).to_vec()
-        } else {
-            b.ld_v::<U32, _, 4>(&o_at).to_vec()
+        let mut w = b.ld_v::<U32, _, 4>(&o_at).to_vec();
+        if !f16 {
+            w.extend(b.ld_v::<U32, _, 4>(&o_at.offset(16)));
         }
+        w
     };
     let mut o_first = Vec::new();
     b.predicated(second, true, |b| o_first = load_o(b));
@@ -503,11 +508,13 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
             b.selp(v, 0.0f32, good)
         })
         .collect();
-    let lo = b.cvt_bf16x2(y[1], y[0]);
-    let hi = b.cvt_bf16x2(y[3], y[2]);
+    let words: [Reg<U32>; 4] = std::array::from_fn(|i| {
+        let w = b.cvt_bf16x2(y[2 * i + 1], y[2 * i]);
+        b.bitcast::<U32, Bf16x2>(w)
+    });
     let outp = b.ld_param_ptr(&out_p);
-    let at = common::elem_bytes(b, outp, idx, 8);
-    b.st_v(&at, [lo, hi]);
+    let at = common::elem_bytes(b, outp, idx, 16);
+    b.st_v(&at, words);
     b.if_then(lane0, "lse", |b| {
         let lsp = b.ld_param_ptr(&lse_p);
         let at = common::elem::<F32>(b, lsp, row);
@@ -526,11 +533,10 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         b.comment("hand a bad row to the recompute pass: R = its maximum, its sums zeroed");
         b.if_then(bad, "recompute", |b| {
             let z = b.mov::<F32>(0.0f32);
-            if f16 {
-                let z2 = b.mov::<U32>(0u32);
-                b.st_v(&o_at, [z2, z2]);
-            } else {
-                b.st_v(&o_at, [z, z, z, z]);
+            let z4 = b.mov::<U32>(0u32);
+            b.st_v(&o_at, [z4, z4, z4, z4]);
+            if !f16 {
+                b.st_v(&o_at.offset(16), [z4, z4, z4, z4]);
             }
             b.if_then(lane0, "recompute_row", |b| {
                 b.st(&l_at, z);
