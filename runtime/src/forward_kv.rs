@@ -404,15 +404,22 @@ impl<B: Backend> MsaForwardKv<B> {
         }
         if key_max {
             let key_rows = 4 * w;
+            // The key maxima only for the bound (a null kmax2 skips them).
+            let kmax2_out = if bound {
+                kmax2.ptr_mut()
+            } else {
+                PtrMut::new(0)
+            };
             let args = fwd_kv_key_max::args(
                 io.k_aligned.ptr(),
-                kmax2.ptr_mut(),
+                kmax2_out,
                 io.v_aligned.ptr(),
                 PtrMut::new(vmax.addr()),
                 u32_arg("key rows", key_rows)?,
             );
             // SAFETY: k_aligned and v_aligned are [W, 4, 128] (checked above), kmax2
-            // [W/128, 4]; vmax is one word of the workspace, or null (then V is not read).
+            // [W/128, 4] or null (then K is not read); vmax is one word of the workspace, or null
+            // (then V is not read).
             unsafe { backend.launch(&fwd_kv_key_max::KERNEL, (row_grid(key_rows)?, 1, 1), &args) }?;
         }
         if bound {

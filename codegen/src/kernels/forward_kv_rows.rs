@@ -5,8 +5,9 @@
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
-//!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller. With a non-null
-//!   `vmax` word (the f16 pool) it also takes `max |v|` over all of V into it.
+//!   floats order as their bits). `kmax2 [W/128, 4]` is zeroed by the caller, or null (the
+//!   exact reference needs no key maxima). With a non-null `vmax` word (the f16 pool) it also
+//!   takes `max |v|` over all of V into it.
 //! - `fwd_kv_bound`: `R[t, h] = scale·‖q[t, h]‖·max √kmax2[b, h/16]` over the blocks `b` that
 //!   `q2k[h/16, t]` selects (one warp per token and KV head: its 16 rows share the selection), a Cauchy-Schwarz bound of the row's logits `S·scale` (0 for a
 //!   row that selects nothing). Per block rather than per head, so that an outlier key raises
@@ -227,8 +228,6 @@ fn describe_key_max(b: &mut KernelBuilder) {
     let rows_p = b.param_u32("rows");
     let (row, lane, inside) = row_lane(b, &rows_p);
     b.if_then(inside, "key", |b| {
-        let k = b.ld_param_ptr(&k_p);
-        let n2 = row_norm2(b, k, row, lane);
         let lane0 = b.setp(Cmp::Eq, lane, 0u32);
         // The f16 pool's scale needs max|v| over all of V (a null `vmax`: not asked for).
         let raw = b.ld_param(&vmax_p);
@@ -269,7 +268,17 @@ fn describe_key_max(b: &mut KernelBuilder) {
                 });
             });
         });
-        b.if_then(lane0, "key_max", |b| {
+        // The key maxima feed only the bound (a null `kmax2`: not asked for).
+        let raw = b.ld_param(&kmax_p);
+        let want = b.setp(Cmp::Ne, raw, 0u64);
+        let key_lane = b.and_pred(want, lane0);
+        let k = b.ld_param_ptr(&k_p);
+        let n2 = b.mov::<F32>(0.0f32);
+        b.if_then(want, "key_norm", |b| {
+            let x = row_norm2(b, k, row, lane);
+            b.set(n2, x);
+        });
+        b.if_then(key_lane, "key_max", |b| {
             // Aligned row `row / 4` of head `row % 4`: entry (row / 512)·4 + row % 4.
             let g = b.and(row, 3u32);
             let blk = b.shr(row, 9u32);
