@@ -82,7 +82,11 @@ fn max_abs_diff(a: &[bf16], b: &[bf16]) -> f32 {
 }
 
 /// The times of `reps` calls of `call` after 3 warm-ups, each between CUDA events with the L2
-/// flushed before it; what a call returns is dropped after its end event.
+/// flushed before it; what the calls return is dropped at the end. The times are read
+/// after one synchronization at the end, as `bench/baselines.py` times its baselines: the host
+/// issues ahead, so a call's time is the stream's, not the host's issue latency. (Until
+/// session 16 each call's time was read right after it, which made the stream wait for the
+/// host at the start of every call: 0.6 ms of the KV forward's 12.3 at packed64k.)
 fn time_calls<T>(
     stream: &Arc<CudaStream>,
     flush: &mut CudaSlice<u8>,
@@ -90,19 +94,24 @@ fn time_calls<T>(
     mut call: impl FnMut() -> Res<T>,
 ) -> Res<Vec<f32>> {
     let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut ms = Vec::new();
-    for i in 0..reps + 3 {
-        stream.memset_zeros(flush)?;
-        let a = stream.record_event(timing)?;
-        let r = call()?;
-        let b = stream.record_event(timing)?;
-        if i >= 3 {
-            ms.push(a.elapsed_ms(&b)?);
-        }
-        drop(r);
+    for _ in 0..3 {
+        drop(call()?);
     }
     stream.synchronize()?;
-    Ok(ms)
+    // What the calls return lives until the end: freeing it mid-loop could wait for the
+    // device.
+    let mut events = Vec::with_capacity(reps);
+    let mut kept = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        stream.memset_zeros(flush)?;
+        let a = stream.record_event(timing)?;
+        kept.push(call()?);
+        let b = stream.record_event(timing)?;
+        events.push((a, b));
+    }
+    stream.synchronize()?;
+    drop(kept);
+    events.iter().map(|(a, b)| Ok(a.elapsed_ms(b)?)).collect()
 }
 
 /// [`time_calls`] of `fwd.run_on`, and the verdict of `status` after the last call.
