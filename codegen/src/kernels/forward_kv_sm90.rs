@@ -31,7 +31,8 @@
 //!   heads, and all 128 keys: no consumer waits for the other.
 //! - **Per task** (wgmma m64, bf16 in, f32 accumulators in registers): `S = Q_c·Kᵀ`
 //!   (m64n128k16 × 8, both operands K-major SW128); the causal predicate `qpos ≥ key` in
-//!   workspace coordinates; `P = exp2(S·scale·log2e − R·log2e)`; `O = P·V` with P rounded to
+//!   workspace coordinates, only where a thread's keys reach past its query (the diagonal
+//!   block); `P = exp2(S·scale·log2e − R·log2e)` as one `fma` and `ex2`; `O = P·V` with P rounded to
 //!   bf16 in registers as the A fragment and V an MN-major descriptor; then the warp's row
 //!   sums and maxima (quad shuffles, `red.add.f32` and `red.max.u32`) go to the pools, and its
 //!   16 rows of O are staged in its own 8 KB (a lane-pair exchange, then sixteen
@@ -56,7 +57,16 @@
 //! # The max pass (`msa_forward_kv_max_sm90`, [`Pass::Max`])
 //! The same walk with K alone: the S GEMM, the mask and the rows' `red.max`, no V, no P·V, no
 //! staging, no reference. `forward_kv_rows::REFERENCE` turns the maxima into the sum pass's
-//! references, so that no row leaves either pool's window.
+//! references, so that no row leaves either pool's window; the sum pass, given a null
+//! `m_pool`, then skips its own maxima. The producer warpgroup's spare warps 2 and 3 zero
+//! `o_pool` for the sum pass meanwhile (`zero`, `zero_words`): the pass keeps the tensor and
+//! shared-memory pipes busy, not its stores.
+//!
+//! # Loads ahead
+//! The producer thread loads each task's meta and 8 compact rows one task ahead; the gather
+//! warp loads its words two tasks ahead and the references (addressed by those words) one
+//! ahead, without branches, so that no load waits on another of its iteration. Before, each
+//! task's TMA issue waited for two dependent global loads, which bounded the max pass.
 //!
 //! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md` and `-s15-forward.md`)
 //! The whole forward (`MsaForwardKv::run_on`) at packed64k / doc32k / doc8k, with fla-core
@@ -77,6 +87,12 @@
 //!   scalars and two of Q the max pass took 4.7 ms and was latency-bound (ncu: compute 42 %,
 //!   L2 33 %): its consumers wait for each task's scalars and Q, and the tensor pipe idles
 //!   during the mask and maximum. [`MAX_PASS_STAGES`] of each took it to 4.2 ms.
+//! - Session 16 (`-s16-forward.md`): the mask only on the diagonal, the fused scale, the sum
+//!   pass without maxima, the loads ahead, `o_pool` zeroed in the max pass and a faster
+//!   combine: 12.3 / 6.9 / 1.53 ms (294 / 298 / 307 useful TFLOP/s; doc16k 305, doc64k 280),
+//!   3.00× / 3.00× / 3.13× fla in the same run (doc16k 3.09×, doc64k 2.85×). Max pass 3.4 ms
+//!   (tensor pipe 60 %), sum pass 7.2 (56 %, L2 68 %). Issuing the next task's S GEMM before
+//!   this task's maxima (two accumulators) made the max pass 5-10 % slower and was dropped.
 
 use super::common;
 use super::KernelDesc;
