@@ -83,10 +83,10 @@ fn max_abs_diff(a: &[bf16], b: &[bf16]) -> f32 {
 
 /// The times of `reps` calls of `call` after 3 warm-ups, each between CUDA events with the L2
 /// flushed before it; what the calls return is dropped at the end. The times are read
-/// after one synchronization at the end, as `bench/baselines.py` times its baselines: the host
-/// issues ahead, so a call's time is the stream's, not the host's issue latency. (Until
-/// session 16 each call's time was read right after it, which made the stream wait for the
-/// host at the start of every call: 0.6 ms of the KV forward's 12.3 at packed64k.)
+/// after one synchronization at the end, as `bench/baselines.py` times its baselines, so that
+/// both sides are timed the same way. (Until session 16 each call's time was read right after
+/// it, which also made the stream wait for the host to issue the next call; on the H200 the
+/// two methods gave times within the run-to-run spread.)
 fn time_calls<T>(
     stream: &Arc<CudaStream>,
     flush: &mut CudaSlice<u8>,

@@ -90,7 +90,8 @@
 //! - Session 16 (`-s16-forward.md`): the mask only on the diagonal, the fused scale, the sum
 //!   pass without maxima, the loads ahead, `o_pool` zeroed in the max pass and a faster
 //!   combine: 12.3 / 6.9 / 1.53 ms (294 / 298 / 307 useful TFLOP/s; doc16k 305, doc64k 280),
-//!   3.00× / 3.00× / 3.13× fla in the same run (doc16k 3.09×, doc64k 2.85×). Max pass 3.4 ms
+//!   2.998× / 3.00× / 3.13× fla in the same run (doc16k 3.09×, doc64k 2.85×); a second run
+//!   gave 2.92× / 2.92× / 3.12× (doc16k 2.95×, doc64k 2.85×). Max pass 3.4 ms
 //!   (tensor pipe 60 %), sum pass 7.2 (56 %, L2 68 %). Issuing the next task's S GEMM before
 //!   this task's maxima (two accumulators) made the max pass 5-10 % slower and was dropped.
 
