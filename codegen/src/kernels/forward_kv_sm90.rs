@@ -903,7 +903,8 @@ fn row_maxima(b: &mut KernelBuilder, acc: &[Reg<F32>]) -> Vec<Reg<F32>> {
 }
 
 /// [`row_maxima`] of `acc` under the causal mask of [`mask_diagonal`], leaving `acc` as it
-/// is (ptxas serializes a wgmma pipeline whose accumulators other instructions write).
+/// is: the max pass's form, written for its pipelined variant (ptxas serializes a wgmma
+/// pipeline whose accumulators other instructions write) and kept as the H200 ran it.
 fn masked_row_maxima(
     b: &mut KernelBuilder,
     l: &Lanes,
