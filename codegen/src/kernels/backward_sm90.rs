@@ -108,10 +108,9 @@
 //!   consumers only read eight words before they release it; dQ goes as integer-valued f32
 //!   head quads (`red.add.v4.f32`), dK/dV as i64 (`red.add.u64`) at a segment's end.
 
-use super::common::{self, MainParams, Walk};
+use super::common::{self, k_major, mn_major, MainParams, Walk};
 use super::fixed_point;
 use super::KernelDesc;
-use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe};
 use crate::plan::sm90::{Sm90Plan, Sm90Warps, WarpgroupBarrier};
 use crate::plan::smem::{Buf, Major, Placed, PANEL_BYTES};
@@ -351,15 +350,6 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
-}
-
-/// SW128 tile descriptors (from the typed GEMM plan): K-major and MN-major views.
-fn k_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
-}
-
-fn mn_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
 }
 
 #[allow(clippy::too_many_lines)]

@@ -759,6 +759,67 @@ pub fn load_if(
     out
 }
 
+/// The SW128 tile descriptor of a K-major sm_90a wgmma operand (the typed GEMM plan's view).
+pub fn k_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
+}
+
+/// The SW128 tile descriptor of an MN-major sm_90a wgmma operand.
+pub fn mn_major() -> SmemDesc {
+    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
+}
+
+/// The largest of this thread's 32 values of row `rr` (0: row `quad`, 1: `quad + 8`) of an
+/// m64n128 f32 accumulator fragment `x` (64 registers).
+pub fn thread_row_max(b: &mut KernelBuilder, x: &[Reg<F32>], rr: usize) -> Reg<F32> {
+    let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
+    let mut mx = x[idx[0]];
+    for &i in &idx[1..] {
+        mx = b.max(mx, x[i]);
+    }
+    mx
+}
+
+/// The maximum of `mx` over the quad of lanes that share a fragment row.
+pub fn quad_max(b: &mut KernelBuilder, mut mx: Reg<F32>) -> Reg<F32> {
+    for d in [1u32, 2] {
+        let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
+        mx = b.max(mx, o);
+    }
+    mx
+}
+
+/// An m64n128 f32 fragment `p` (64 values per thread) rounded to bf16 as the 32 words of a
+/// wgmma A operand from registers: k16 step `k` reads words `4k .. 4k + 4`.
+pub fn bf16_a_frags(b: &mut KernelBuilder, p: &[Reg<F32>]) -> Vec<Reg<Bf16x2>> {
+    let mut frags = Vec::with_capacity(32);
+    for jj in 0..16usize {
+        for rr in 0..2usize {
+            let i = 4 * jj + 2 * rr;
+            frags.push(b.cvt_bf16x2(p[i + 1], p[i]));
+        }
+    }
+    frags
+}
+
+/// One Hopper wgmma GEMM over K = 128 with A from registers (`frags`, [`bf16_a_frags`]) and B
+/// an MN-major SW128 tile whose descriptor starts at `b0`: eight k16 steps, the first with
+/// scale-d `first` (false: overwrite `acc`), the others accumulating (`always`, a true
+/// predicate). Fenced and committed by the caller.
+pub fn wgmma_rs_k128(
+    b: &mut KernelBuilder,
+    acc: &[Reg<F32>],
+    frags: &[Reg<Bf16x2>],
+    b0: Reg<B64>,
+    (first, always): (Reg<Pred>, Reg<Pred>),
+) {
+    for k in 0..8u32 {
+        let b_desc = mn_major().emit_step(b, b0, k);
+        let a = std::array::from_fn(|e| frags[(4 * k) as usize + e]);
+        b.wgmma_rs(acc, a, b_desc, if k == 0 { first } else { always }, true);
+    }
+}
+
 /// One Hopper wgmma GEMM over K = 128 with both operands in shared memory: eight k16 steps
 /// over the SW128 tile views (`major`; MN-major operands are transposed) whose descriptors
 /// start at `a0` and `b0`, committed by the caller. The first step overwrites `acc`

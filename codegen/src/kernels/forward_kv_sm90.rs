@@ -95,9 +95,8 @@
 //!   (tensor pipe 60 %), sum pass 7.2 (56 %, L2 68 %). Issuing the next task's S GEMM before
 //!   this task's maxima (two accumulators) made the max pass 5-10 % slower and was dropped.
 
-use super::common;
+use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
-use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline, PipelinePlan, TmaBox};
 use crate::plan::roles::Role;
 use crate::plan::sm90::{Sm90Plan, Sm90Warps, SLOTS};
@@ -741,14 +740,6 @@ fn acc_col(i: usize) -> i32 {
     (8 * (i / 4) + i % 2) as i32
 }
 
-fn k_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
-}
-
-fn mn_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
-}
-
 /// The order-preserving u32 key of an f32 (`u32` order = `f32` order, −0 below +0): the sign
 /// bit set for a non-negative value, every bit flipped for a negative one. 0 lies below every
 /// key of a non-NaN value, so a zeroed pool is below any maximum.
@@ -888,15 +879,8 @@ fn mask_diagonal(b: &mut KernelBuilder, l: &Lanes, acc: &[Reg<F32>], qpos: Reg<S
 fn row_maxima(b: &mut KernelBuilder, acc: &[Reg<F32>]) -> Vec<Reg<F32>> {
     (0..2usize)
         .map(|rr| {
-            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
-            let mut mx = acc[idx[0]];
-            for &i in &idx[1..] {
-                mx = b.max(mx, acc[i]);
-            }
-            for d in [1u32, 2] {
-                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
-                mx = b.max(mx, o);
-            }
+            let mx = common::thread_row_max(b, acc, rr);
+            let mx = common::quad_max(b, mx);
             b.fmul(mx, common::SCALE_LOG2E)
         })
         .collect()
@@ -921,11 +905,7 @@ fn masked_row_maxima(
     let maxima: Vec<Reg<F32>> = (0..2).map(|_| b.reg()).collect();
     let thread_max = |b: &mut KernelBuilder, x: &[Reg<F32>]| {
         for (rr, dst) in maxima.iter().enumerate() {
-            let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
-            let mut mx = x[idx[0]];
-            for &i in &idx[1..] {
-                mx = b.max(mx, x[i]);
-            }
+            let mx = common::thread_row_max(b, x, rr);
             b.set(*dst, mx);
         }
     };
@@ -949,11 +929,7 @@ fn masked_row_maxima(
     maxima
         .iter()
         .map(|&m| {
-            let mut mx = m;
-            for d in [1u32, 2] {
-                let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
-                mx = b.max(mx, o);
-            }
+            let mx = common::quad_max(b, m);
             b.fmul(mx, common::SCALE_LOG2E)
         })
         .collect()
@@ -1052,9 +1028,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let (never, always) = (l.never, l.always);
     let scale_log2e = common::SCALE_LOG2E;
     // This warp's part of the O staging: consumer c's warp w at (4c + w)·warp_bytes.
-    let Some((o_stage, v)) = r.o_stage.zip(r.v) else {
-        return b.error("a sum pass needs V and the O staging".into());
-    };
+    let (o_stage, v) = r
+        .o_stage
+        .zip(r.v)
+        .expect("resolve() rejects a sum pass without V or the O staging");
     let stage = b.mad_lo(slot, pool.warp_bytes(), base);
     let stage = b.add(stage, o_stage.offset);
     let o_lane = OStageLane::new(b, lane, &stage);
@@ -1126,29 +1103,13 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
                 });
                 pv.push(pe);
             }
-            let mut frags = Vec::with_capacity(32);
-            for jj in 0..16usize {
-                for rr in 0..2usize {
-                    let i = 4 * jj + 2 * rr;
-                    frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
-                }
-            }
+            let frags = common::bf16_a_frags(b, &pv);
 
             b.comment("O = P*V (A from registers, V MN-major)");
             let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
             b.wgmma_fence();
             let v0 = mn_major().emit(b, v_addr);
-            for kk in 0..8u32 {
-                let b_desc = mn_major().emit_step(b, v0, kk);
-                let a = std::array::from_fn(|e| frags[(4 * kk) as usize + e]);
-                b.wgmma_rs(
-                    &o_acc,
-                    a,
-                    b_desc,
-                    if kk == 0 { never } else { always },
-                    true,
-                );
-            }
+            common::wgmma_rs_k128(b, &o_acc, &frags, v0, (never, always));
             b.wgmma_commit();
             let mut l_row = Vec::with_capacity(2);
             for s in sums {

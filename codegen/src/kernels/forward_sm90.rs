@@ -88,10 +88,9 @@
 //! kernel's 15.2 / 14.3 / 1.81 in the same run. `MsaAttention` takes it from a mean document
 //! of 6144 tokens.
 
-use super::common;
+use super::common::{self, k_major, mn_major};
 use super::forward_list as list;
 use super::KernelDesc;
-use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe, Pipeline, PipelinePlan, TmaBox};
 use crate::plan::roles::Role;
 use crate::plan::sm90::{Sm90Plan, Sm90Warps};
@@ -439,14 +438,6 @@ fn tma_thread(b: &mut KernelBuilder, r: &Resolved, p: &ForwardParams, base: Reg<
     });
 }
 
-fn k_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::K)
-}
-
-fn mn_major() -> SmemDesc {
-    SmemDesc::sw128_tile(Target::Sm90a, Major::MN)
-}
-
 #[allow(clippy::too_many_lines)]
 fn consumer(
     b: &mut KernelBuilder,
@@ -545,15 +536,8 @@ fn consumer(
                 let mut alpha = Vec::new();
                 let mut m_use = Vec::new();
                 for (rr, &m_old) in m_row.iter().enumerate() {
-                    let idx: Vec<usize> = (0..64).filter(|i| (i / 2) % 2 == rr).collect();
-                    let mut mx = v[idx[0]];
-                    for &i in &idx[1..] {
-                        mx = b.max(mx, v[i]);
-                    }
-                    for d in [1u32, 2] {
-                        let o = b.shfl(Shfl::Bfly, mx, d, 0x1f);
-                        mx = b.max(mx, o);
-                    }
+                    let mx = common::thread_row_max(b, &v, rr);
+                    let mx = common::quad_max(b, mx);
                     let m_new = b.max(m_old, mx);
                     let empty = b.setp(Cmp::Eq, m_new, neg_inf);
                     let mu = b.selp(0.0f32, m_new, empty);
@@ -584,27 +568,12 @@ fn consumer(
                     let x = b.fmul(*o, alpha[rr]);
                     b.set(*o, x);
                 }
-                let mut frags = Vec::with_capacity(32);
-                for jj in 0..16usize {
-                    for rr in 0..2usize {
-                        let i = 4 * jj + 2 * rr;
-                        frags.push(b.cvt_bf16x2(pv[i + 1], pv[i]));
-                    }
-                }
+                let frags = common::bf16_a_frags(b, &pv);
 
                 b.comment("O += P*V (A from registers, V MN-major)");
                 b.wgmma_fence();
                 let b0 = mn_major().emit(b, v_addr);
-                for kk in 0..8u32 {
-                    let b_desc = mn_major().emit_step(b, b0, kk);
-                    let a = [
-                        frags[(4 * kk) as usize],
-                        frags[(4 * kk + 1) as usize],
-                        frags[(4 * kk + 2) as usize],
-                        frags[(4 * kk + 3) as usize],
-                    ];
-                    b.wgmma_rs(&o_acc, a, b_desc, always, true);
-                }
+                common::wgmma_rs_k128(b, &o_acc, &frags, b0, (always, always));
                 b.wgmma_commit();
                 b.wgmma_wait(0);
             });
