@@ -25,7 +25,7 @@
 //!   boxes; empty: one arrival per consumer warpgroup), Q/dO two stages (32 boxes), row
 //!   scalars one stage (full: the gather warp's 32 lanes; empty: all 256 consumer threads).
 //!   Stage indices and parities come from [`Pipe`] over running counters, never written by
-//!   hand; the operand descriptors are the plan's [`SmemDesc`] SW128 views (Hopper encoding).
+//!   hand; the operand descriptors are the plan's [`SmemDesc`](crate::plan::gemm::SmemDesc) SW128 views (Hopper encoding).
 //! - **GEMMs** (wgmma, bf16 in, f32 in registers), per task and consumer, over two 64-row
 //!   halves of the folded rows:
 //!   - `S^T = K_c·Q_hᵀ` and `dP^T = V_c·dO_hᵀ`: m64n64k16, both operands K-major SW128,
