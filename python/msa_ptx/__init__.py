@@ -46,6 +46,7 @@ from ._native import (  # noqa: F401  (re-exported contract constants and CTA-wa
     chunk_map,
     clear_cp_cache,
     clear_workspace_cache,
+    forward_workspace_cache,
     grid_launch_bound,
     rows_per_cta,
     workspace_cache,
@@ -64,7 +65,9 @@ __all__ = [
     "sm_capability",
     "sm_count",
     "workspace_cache",
+    "forward_workspace_cache",
     "clear_workspace_cache",
+    "FORWARD_ALGORITHMS",
     "CPLayout",
     "cp_layout",
     "cp_slice",
@@ -397,13 +400,33 @@ def run_backward(q: Any, k_aligned: Any, v_aligned: Any, grad_out: Any, lse: Any
 # Autograd
 
 
-def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABackwardSchedule):
+FORWARD_ALGORITHMS = ("auto", "q_parallel", "kv_parallel")
+
+
+def _algorithm(algorithm: Any) -> str:
+    """``algorithm`` checked before any work is enqueued: one of ``FORWARD_ALGORITHMS``."""
+    if not isinstance(algorithm, str):
+        raise TypeError(f"`algorithm`: found {type(algorithm).__name__}, expected a str")
+    if algorithm not in FORWARD_ALGORITHMS:
+        raise ValueError(f"`algorithm`: found {algorithm!r}, expected one of "
+                         f"{', '.join(map(repr, FORWARD_ALGORITHMS))}")
+    return algorithm
+
+
+def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABackwardSchedule,
+             algorithm: str = "auto", deterministic: bool = False):
     """The MSA forward: ``(out [T, 64, 128] bf16, lse [T, 64] fp32, natural log)`` of
     ``q``, the aligned ``k``/``v`` and ``q2k`` on ``schedule``, which must have been built on
-    the device from this ``q2k`` (``build_schedule`` of a CUDA ``q2k``). Runs
-    ``msa_forward_sm90`` (compute capability 9.0) or ``msa_forward_sm100`` (10.0, never run on
-    hardware, simulated in CI) on ``torch.cuda.current_stream(q.device)``. A row with no key gets ``out = 0`` and
-    ``lse = -inf``; so does every row when the schedule build flagged the selection."""
+    the device from this ``q2k`` (``build_schedule`` of a CUDA ``q2k``), on
+    ``torch.cuda.current_stream(q.device)``. ``algorithm`` (``msa_runtime::ForwardAlgorithm``):
+    ``"auto"`` runs the KV-parallel ``msa_forward_kv_*_sm90`` on compute capability 9.0 for
+    documents of 6144 tokens or more on average (2.2-2.5x faster at 64K-token documents on the
+    H200) unless ``deterministic``, and the Q-parallel ``msa_forward_sm90`` (9.0) or
+    ``msa_forward_sm100`` (10.0, never run on hardware, simulated in CI) otherwise;
+    ``"q_parallel"`` and ``"kv_parallel"`` force one. A row with no key gets ``out = 0`` and
+    ``lse = -inf``; so does every row when the schedule build flagged the selection. The KV
+    forward gives a row with a NaN or infinite logit ``out = 0``, ``lse = NaN``."""
+    _algorithm(algorithm)
     handle = _schedule_handle(schedule)
     torch = _torch()
     q, k_aligned, v_aligned, q2k = (_operand(x) for x in (q, k_aligned, v_aligned, q2k))
@@ -411,18 +434,21 @@ def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABack
     out = torch.empty_like(q)
     lse = torch.empty((t, q.shape[1]), dtype=torch.float32, device=q.device)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    _native.run_forward(q, k_aligned, v_aligned, q2k, out, lse, handle, stream)
+    _native.run_forward(q, k_aligned, v_aligned, q2k, out, lse, handle, stream, algorithm,
+                        deterministic)
     return out, lse
 
 
-def run_forward(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any):
+def run_forward(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any, *, algorithm: str = "auto"):
     """The MSA forward from compact tensors: ``q [T, 64, 128]``, ``k``, ``v [T, 4, 128]``
     (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32, CUDA). Builds the schedule on
-    the device, lays out K/V aligned and runs the forward, with no host sync; returns
-    ``(out, lse, schedule, k_aligned, v_aligned)``, the last three for ``run_backward``."""
+    the device, lays out K/V aligned and runs the forward ``algorithm`` picks (see
+    ``_forward``), with no host sync; returns ``(out, lse, schedule, k_aligned, v_aligned)``,
+    the last three for ``run_backward``."""
+    _algorithm(algorithm)
     schedule = build_schedule(q2k, cu_seqlens)
     k_aligned, v_aligned = to_aligned(k, v, schedule)
-    out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule)
+    out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule, algorithm)
     return out, lse, schedule, k_aligned, v_aligned
 
 
@@ -434,11 +460,11 @@ def _function():
         """``out = MSA(q, k, v)`` for a block selection; the backward runs ``run_backward``."""
 
         @staticmethod
-        def forward(ctx, q, k, v, q2k, cu_seqlens, deterministic):
+        def forward(ctx, q, k, v, q2k, cu_seqlens, deterministic, algorithm):
             ctx.deterministic = deterministic
             schedule = build_schedule(q2k, cu_seqlens)
             k_aligned, v_aligned = to_aligned(k, v, schedule)
-            out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule)
+            out, lse = _forward(q, k_aligned, v_aligned, q2k, schedule, algorithm, deterministic)
             ctx.save_for_backward(q, k_aligned, v_aligned, out, lse, *schedule._fields())
             ctx.schedule_handle = schedule._handle
             ctx.mark_non_differentiable(lse)
@@ -453,23 +479,26 @@ def _function():
                 q, k_aligned, v_aligned, grad_out, lse, out, schedule,
                 deterministic=ctx.deterministic)
             dk, dv = from_aligned(dk_aligned, dv_aligned, schedule)
-            return dq, dk, dv, None, None, None
+            return dq, dk, dv, None, None, None, None
 
     return MSAAttention
 
 
 def msa_attention(q: Any, k: Any, v: Any, q2k: Any, cu_seqlens: Any, *,
-                  deterministic: bool = False):
+                  deterministic: bool = False, algorithm: str = "auto"):
     """MSA attention as a ``torch.autograd.Function``: ``q [T, 64, 128]``, compact ``k``, ``v
     [T, 4, 128]`` (bf16), ``q2k [4, T, 16]`` and ``cu_seqlens [D+1]`` (int32); returns
     ``out [T, 64, 128]`` (``loss.backward()`` runs the MSA backward).
 
-    Runs ``msa_forward_sm90`` (compute capability 9.0) or ``msa_forward_sm100`` (10.0) and, in
-    the backward, ``run_backward`` (``deterministic``: its bitwise reproducible mode; the
-    forward is reproducible either way). Not ``torch.compile``-able (see the README)."""
+    The forward is the one ``algorithm`` picks (see ``_forward``: by default the KV-parallel
+    one on 9.0 for long documents, else ``msa_forward_sm90`` / ``msa_forward_sm100``); the
+    backward is ``run_backward``. ``deterministic``: the backward's bitwise reproducible mode
+    and the Q-parallel forward (reproducible; ``algorithm="kv_parallel"`` is then an
+    error). Not ``torch.compile``-able (see the README)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"`deterministic`: found {type(deterministic).__name__}, expected a bool")
-    out, _lse = _function().apply(q, k, v, q2k, cu_seqlens, deterministic)
+    _algorithm(algorithm)
+    out, _lse = _function().apply(q, k, v, q2k, cu_seqlens, deterministic, algorithm)
     return out
 
 

@@ -211,9 +211,10 @@ pub fn workspace_cache() -> Vec<CacheRow> {
         .collect()
 }
 
-/// Drops every cached workspace (freed stream-ordered on its stream). Call it before
-/// destroying a stream the backward ran on.
+/// Drops every cached workspace, the backward's and the KV forward's (each freed
+/// stream-ordered on its stream). Call it before destroying a stream either ran on.
 #[pyfunction]
 pub fn clear_workspace_cache() {
     cache().lock().unwrap_or_else(|e| e.into_inner()).clear();
+    crate::forward::clear_cache();
 }

@@ -1,20 +1,72 @@
-//! `run_forward` on torch tensors: the checks, then `MsaForward::run_on` on the caller's CUDA
-//! stream with the tensors' own memory, on a schedule built on the device.
+//! `run_forward` on torch tensors: the checks, then the forward `algorithm` picks on the
+//! caller's CUDA stream with the tensors' own memory, on a schedule built on the device:
+//! `MsaForward::run_on` (Q-parallel) or `MsaForwardKv::run_on` (KV-parallel, its workspace
+//! cached per `(device, stream)` as the backward's is).
 
 use crate::backward::{check, Sched};
 use crate::error;
 use crate::schedule::ResidentSchedulePy;
 use crate::{cuda_stream, CudaStreamHandle};
-use msa_runtime::{CudaBackend, ForwardBuffers, MsaForward, RuntimeError};
+use msa_runtime::forward_kv::MsaForwardKv;
+use msa_runtime::{
+    Backend, CudaBackend, ForwardAlgorithm, ForwardBuffers, MsaForward, RuntimeError,
+};
 use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The KV forward's workspaces, one per `(device, stream)`.
+type Cache = Mutex<HashMap<(usize, u64), Arc<Mutex<MsaForwardKv<CudaBackend>>>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Drops the KV forward's cached workspaces (each freed stream-ordered on its stream);
+/// `clear_workspace_cache` calls it.
+pub fn clear_cache() {
+    cache().lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// The `(device, stream)` keys of the KV forward's cached workspaces, sorted.
+#[pyfunction]
+pub fn forward_workspace_cache() -> Vec<(usize, u64)> {
+    let map = cache().lock().unwrap_or_else(|e| e.into_inner());
+    let mut keys: Vec<_> = map.keys().copied().collect();
+    keys.sort_unstable();
+    keys
+}
+
+/// The `algorithm` argument: `"auto"`, `"q_parallel"` or `"kv_parallel"`.
+fn parse_algorithm(name: &str) -> PyResult<ForwardAlgorithm> {
+    match name {
+        "auto" => Ok(ForwardAlgorithm::Auto),
+        "q_parallel" => Ok(ForwardAlgorithm::QParallel),
+        "kv_parallel" => Ok(ForwardAlgorithm::KvParallel),
+        other => Err(error::value_error(
+            "algorithm",
+            format!("{other:?}"),
+            "\"auto\", \"q_parallel\" or \"kv_parallel\"",
+        )),
+    }
+}
 
 /// Runs the forward on `stream` (a `CUstream` of the tensors' device): reads `q`,
 /// `k_aligned`, `v_aligned` and `q2k`, writes `out [T, 64, 128]` bf16 and `lse [T, 64]` f32 in
 /// place, all through their `data_ptr()`. The schedule must be the one built on the device
 /// from this `q2k` (`build_schedule` of a CUDA `q2k`); every tensor must be contiguous and
 /// 16-byte aligned. Nothing is synchronized.
+///
+/// `algorithm` (`msa_runtime::ForwardAlgorithm`): `"auto"` takes the KV-parallel forward on
+/// capability 9.0 for documents of 6144 tokens or more on average, and the Q-parallel one
+/// otherwise, or when `deterministic` asks for a bitwise reproducible forward, or when the
+/// KV forward's workspace cannot be allocated; `"q_parallel"` and `"kv_parallel"` force one
+/// (the latter only on 9.0, and not with `deterministic`). The KV forward gives a row with a
+/// NaN or infinite logit `out = 0` and `lse = NaN`.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)] // the forward's inputs, its two outputs and the stream
+#[pyo3(signature = (q, k_aligned, v_aligned, q2k, out, lse, schedule, stream, algorithm = "auto", deterministic = false))]
+#[allow(clippy::too_many_arguments)] // the forward's inputs, its two outputs, the stream and the mode
 pub fn run_forward(
     py: Python<'_>,
     q: &Bound<'_, PyAny>,
@@ -25,7 +77,10 @@ pub fn run_forward(
     lse: &Bound<'_, PyAny>,
     schedule: &Bound<'_, PyAny>,
     stream: u64,
+    algorithm: &str,
+    deterministic: bool,
 ) -> PyResult<()> {
+    let algorithm = parse_algorithm(algorithm)?;
     let sched = schedule.cast::<ResidentSchedulePy>().map_err(|_| {
         error::type_error(
             "schedule",
@@ -52,11 +107,33 @@ pub fn run_forward(
         out: x[4].span(),
         lse: x[5].span(),
     };
+    let device = args.device;
+    let z = sched.sizes;
     py.detach(|| -> Result<(), RuntimeError> {
-        let handle: CudaStreamHandle = cuda_stream(args.device, stream)?;
+        let handle: CudaStreamHandle = cuda_stream(device, stream)?;
         let mut backend = CudaBackend::new(&handle.0)?;
+        let shape = (z.num_tokens, z.num_documents, z.workspace_rows);
+        let (cc, ordinal) = (backend.capability(), backend.ordinal());
+        let kv = algorithm.uses_kv(cc, ordinal, shape, deterministic)?;
         let s = sched.inner.lock().unwrap_or_else(|e| e.into_inner());
-        MsaForward.run_on(&mut backend, &io, &s)
+        if !kv {
+            return MsaForward.run_on(&mut backend, &io, &s);
+        }
+        let entry = {
+            let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
+            map.entry((device, stream))
+                .or_insert_with(|| Arc::new(Mutex::new(MsaForwardKv::new())))
+                .clone()
+        };
+        let mut forward = entry.lock().unwrap_or_else(|e| e.into_inner());
+        match forward.run_on(&mut backend, &io, &s) {
+            // As `MsaAttention`: Auto falls back to the Q-parallel forward, which needs no
+            // workspace and overwrites every element of `out` and `lse`.
+            Err(RuntimeError::Alloc { .. }) if algorithm == ForwardAlgorithm::Auto => {
+                MsaForward.run_on(&mut backend, &io, &s)
+            }
+            r => r,
+        }
     })
     .map_err(error::runtime)
 }

@@ -111,6 +111,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backward::check_backward, m)?)?;
     m.add_function(wrap_pyfunction!(backward::run_backward, m)?)?;
     m.add_function(wrap_pyfunction!(forward::run_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(forward::forward_workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(backward::workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(backward::clear_workspace_cache, m)?)?;
     m.add_function(wrap_pyfunction!(cp::cp_forward, m)?)?;

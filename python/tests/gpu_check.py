@@ -4,12 +4,13 @@
 1. Gradients of ``msa_ptx.run_backward`` against the fp32 PyTorch reference of
    ``bench/baselines.py`` within the seed tolerances (seed-design §4.3: dQ 0.035/0.007,
    dK 0.075/0.007, dV 0.1/0.007 max-abs/L2-rel), on the device-built and the host-built
-   schedule; non-contiguous and misaligned inputs; a side stream; the autograd Function with
-   the reference standing in for the forward (which the package does not have yet); a
-   flagged selection (ValueError, zero gradients); errors on real tensors; the
-   context-parallel entry points on a one-rank NCCL group.
+   schedule; non-contiguous and misaligned inputs; a side stream; the forward with each
+   algorithm (`out` within 0.025/0.006, `lse` within 1e-3 of the reference, empty rows exact)
+   and the autograd Function on it; a flagged selection (ValueError, zero gradients); errors
+   on real tensors; the context-parallel entry points on a one-rank NCCL group.
 2. The backward timed against fla's ``parallel_nsa_bwd`` on the same inputs in the same run
-   (``bench/baselines.py``'s cases, timing and fla setup).
+   (``bench/baselines.py``'s cases, timing and fla setup), and the forward with each
+   algorithm.
 
 Exits non-zero if any check fails. Run from the repository root with the wheel importable:
     python3 python/tests/gpu_check.py --json $OUT/python-h200.json
@@ -110,27 +111,36 @@ def check_case(name, docs, topk, seed, report):
     entry["side stream"] = res
     expect(ok and (0, side.cuda_stream) in keys,
            f"{name} side stream: {bl.fmt_cmp(res)}; cached workspaces {keys}")
-    # The forward (msa_forward_sm90) against the fp32 reference's O and LSE.
-    out, lse, fsched, _, _ = msa_ptx.run_forward(c.q, c.k, c.v, c.q2k, cu)
-    fsched.check()
-    finite = torch.isfinite(ref["lse"])                     # rows with at least one key
-    got, want = out.float()[finite], ref["o"][finite]
-    o_err = (got - want).abs().max().item() if finite.any() else 0.0
-    o_rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item() if finite.any() else 0.0
-    lse_err = (lse[finite] - ref["lse"][finite]).abs().max().item() if finite.any() else 0.0
-    empty_ok = bool((lse[~finite] == float("-inf")).all()) and bool((out[~finite] == 0).all())
-    entry["forward"] = {"out_max_abs": o_err, "out_l2_rel": o_rel, "lse_max_abs": lse_err,
-                        "empty_rows_exact": empty_ok}
-    expect(o_err <= 0.025 and o_rel <= 0.006 and lse_err <= 1e-3 and empty_ok,
-           f"{name} forward: out max-abs {o_err:.3g} L2-rel {o_rel:.3g}, lse max-abs "
-           f"{lse_err:.3g}, empty rows exact {empty_ok}")
-    # The autograd Function: our forward, then loss.backward() runs our backward.
-    q, k, v = (x.detach().clone().requires_grad_() for x in (c.q, c.k, c.v))
-    out = msa_ptx.msa_attention(q, k, v, c.q2k, cu)
-    out.backward(c.do)
-    res, ok = bl.compare({"dq": q.grad, "dk": k.grad, "dv": v.grad}, ref)
-    entry["autograd"] = res
-    expect(ok, f"{name} autograd Function backward: {bl.fmt_cmp(res)}")
+    # The forward against the fp32 reference's O and LSE: each algorithm ("auto" takes the
+    # Q-parallel one at these lengths, so both kernels run by name too).
+    for algorithm in msa_ptx.FORWARD_ALGORITHMS:
+        out, lse, fsched, _, _ = msa_ptx.run_forward(c.q, c.k, c.v, c.q2k, cu,
+                                                     algorithm=algorithm)
+        fsched.check()
+        finite = torch.isfinite(ref["lse"])                 # rows with at least one key
+        got, want = out.float()[finite], ref["o"][finite]
+        o_err = (got - want).abs().max().item() if finite.any() else 0.0
+        o_rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item() \
+            if finite.any() else 0.0
+        lse_err = (lse[finite] - ref["lse"][finite]).abs().max().item() if finite.any() else 0.0
+        empty_ok = bool((lse[~finite] == float("-inf")).all()) and bool((out[~finite] == 0).all())
+        entry[f"forward {algorithm}"] = {"out_max_abs": o_err, "out_l2_rel": o_rel,
+                                         "lse_max_abs": lse_err, "empty_rows_exact": empty_ok}
+        expect(o_err <= 0.025 and o_rel <= 0.006 and lse_err <= 1e-3 and empty_ok,
+               f"{name} forward {algorithm}: out max-abs {o_err:.3g} L2-rel {o_rel:.3g}, "
+               f"lse max-abs {lse_err:.3g}, empty rows exact {empty_ok}")
+    keys = msa_ptx.forward_workspace_cache()
+    expect((0, torch.cuda.current_stream().cuda_stream) in keys,
+           f"{name} the KV forward's workspace is cached per stream: {keys}")
+    # The autograd Function: our forward (each algorithm), then loss.backward() runs our
+    # backward.
+    for algorithm in ("auto", "kv_parallel"):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (c.q, c.k, c.v))
+        out = msa_ptx.msa_attention(q, k, v, c.q2k, cu, algorithm=algorithm)
+        out.backward(c.do)
+        res, ok = bl.compare({"dq": q.grad, "dk": k.grad, "dv": v.grad}, ref)
+        entry[f"autograd {algorithm}"] = res
+        expect(ok, f"{name} autograd Function ({algorithm} forward) backward: {bl.fmt_cmp(res)}")
     report["checks"][name] = entry
     return c, ref
 
@@ -147,6 +157,9 @@ def check_errors(c, ref):
     raises(NotImplementedError,
            lambda: msa_ptx.run_backward(c.q, ka, va, c.do, lse, out.cpu(), sched), "cpu out")
     raises(NotImplementedError, lambda: msa_ptx.require_sm100("cuda:0"), "require_sm100 on 9.0")
+    raises(ValueError, lambda: msa_ptx.msa_attention(c.q, c.k, c.v, c.q2k, cu, deterministic=True,
+                                                     algorithm="kv_parallel"),
+           "the KV forward in deterministic mode")
     # A selection the device flags: block 1 of the first query (after its own block 0).
     bad = c.q2k.clone()
     bad[0, 0, 1] = 1
@@ -236,6 +249,18 @@ def bench(names, reps, warmup, report):
         row = {"case": name, "T": c.T, "q2k_checksum": info["q2k_checksum"], "ours": t_ours,
                "fla": t_fla, "fla_over_ours": t_fla["ms_median"] / t_ours["ms_median"],
                "ours_useful_tflops": useful / (t_ours["ms_median"] * 1e-3) / 1e12}
+        # The forward as msa_attention runs it, each algorithm (the same timing: L2 flushed,
+        # events read after one final sync). Useful forward FLOP per (query head, key) is
+        # 2·(128 + 128), against the backward's 10·128 (`msa_inputs.useful_flop`).
+        fwd_useful = useful * 4 / 10
+        for algorithm in msa_ptx.FORWARD_ALGORITHMS:
+            def ours_fwd(a=algorithm):
+                return msa_ptx._forward(c.q, ka, va, c.q2k, schedule, a)
+
+            t = bl.summary(bl.time_backward(ours_fwd, reps, warmup, flush))
+            row[f"forward {algorithm}"] = t
+            log(f"bench {name}: msa_ptx forward ({algorithm}) {t['ms_median']:.3f} ms, "
+                f"{fwd_useful / (t['ms_median'] * 1e-3) / 1e12:.0f} useful TFLOP/s")
         report["bench"].append(row)
         log(f"bench {name}: msa_ptx.run_backward {t_ours['ms_median']:.3f} ms, fla "
             f"{t_fla['ms_median']:.3f} ms, fla/ours {row['fla_over_ours']:.2f}x"

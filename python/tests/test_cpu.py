@@ -289,6 +289,41 @@ class Devices(unittest.TestCase):
             _native.run_forward(*args, h, 0)
 
 
+class Forward(unittest.TestCase):
+    """The forward's `algorithm` argument is checked before any work is enqueued."""
+
+    def fwd_args(self):
+        return [Fake([T, 64, 128]), Fake([128, 4, 128]), Fake([128, 4, 128]),
+                Fake([4, T, 16], "torch.int32"), Fake([T, 64, 128]),
+                Fake([T, 64], "torch.float32")]
+
+    def test_an_unknown_algorithm_is_a_value_error_naming_it(self):
+        for bad in ("fast", "KV_PARALLEL", ""):
+            with self.assertRaisesRegex(ValueError, r"`algorithm`.*auto.*q_parallel.*kv_parallel"):
+                msa_ptx.run_forward(*self.fwd_args()[:4], Fake([2], "torch.int32"),
+                                    algorithm=bad)
+            with self.assertRaisesRegex(ValueError, r"`algorithm`"):
+                msa_ptx.msa_attention(*self.fwd_args()[:4], Fake([2], "torch.int32"),
+                                      algorithm=bad)
+        with self.assertRaisesRegex(TypeError, r"`algorithm`.*int"):
+            msa_ptx.run_forward(*self.fwd_args()[:4], Fake([2], "torch.int32"), algorithm=1)
+        self.assertEqual(msa_ptx.FORWARD_ALGORITHMS, ("auto", "q_parallel", "kv_parallel"))
+
+    def test_the_native_forward_checks_the_algorithm_first(self):
+        h = msa_ptx.MSABackwardSchedule(*tiny_fields()).validate()._handle
+        with self.assertRaisesRegex(ValueError, r"argument `algorithm`: found \"kv\""):
+            _native.run_forward(*self.fwd_args(), h, 0, "kv", False)
+        # A known algorithm gets as far as the schedule check.
+        for name in msa_ptx.FORWARD_ALGORITHMS:
+            with self.assertRaisesRegex(TypeError, r"`schedule`.*built on the device"):
+                _native.run_forward(*self.fwd_args(), h, 0, name, True)
+
+    def test_clearing_the_caches_leaves_no_forward_workspace(self):
+        msa_ptx.clear_workspace_cache()
+        self.assertEqual(msa_ptx.forward_workspace_cache(), [])
+        self.assertEqual(msa_ptx.workspace_cache(), [])
+
+
 class ContextParallel(unittest.TestCase):
     """The rank layout of docs/design.md and runtime/src/cp.rs, derived by hand: documents of
     1000, 3000, 2500 and 1692 tokens hold 8 + 24 + 20 + 14 = 66 blocks of 128 (W = 8448); two

@@ -94,6 +94,14 @@
 //!   gave 2.92× / 2.92× / 3.12× (doc16k 2.95×, doc64k 2.85×). Max pass 3.4 ms
 //!   (tensor pipe 60 %), sum pass 7.2 (56 %, L2 68 %). Issuing the next task's S GEMM before
 //!   this task's maxima (two accumulators) made the max pass 5-10 % slower and was dropped.
+//! - Session 17 (`-s17-forward.md`), each against this build in the same run, all dropped:
+//!   the consumers issuing their GEMMs in turn (FlashAttention-3's ping-pong, named
+//!   barriers): sum pass 2-8 % slower; with three Q stages, slower still; the row sums'
+//!   `red.add` after the staging's fence: 2-4 % slower; every 4th or 2nd exponential by a
+//!   polynomial on the FMA pipe (FlashAttention-4's split): 9-12 % slower. ncu: no unit
+//!   saturated (shared memory 44-50 %, SM 53-57 %), each consumer bound by its own chain of
+//!   about 490 (sum) or 200 (max) instructions per warp and task; and the GPU runs at
+//!   1.35-1.95 GHz under its 700 W cap during both passes.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
