@@ -10,7 +10,7 @@
 use crate::error;
 use crate::schedule::HostSchedule;
 use crate::tensor::{common_device, Dtype, Tensor};
-use crate::{cuda_stream, CudaStreamHandle};
+use crate::{cuda_stream, entry, Cache, CudaStreamHandle};
 use half::bf16;
 use msa_runtime::{
     Collective, CpBackward, CpBuffers, CpForward, CpForwardBuffers, CpLayout, RankSchedule,
@@ -18,8 +18,7 @@ use msa_runtime::{
 use msa_runtime::{CudaBackend, RuntimeError, Span, HEAD_DIM, NUM_INDEX_HEADS, NUM_KV_HEADS};
 use msa_runtime::{NUM_Q_HEADS, TOPK_BLOCKS};
 use pyo3::prelude::*;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 /// How a packed sequence is split across the ranks of a context-parallel group (the rank
 /// layout of `msa_runtime::cp`): rank `r` holds the compact tokens `token_rows(r)` and the
@@ -231,22 +230,16 @@ impl Collective<CudaBackend> for PyCollective {
     }
 }
 
-/// One cached rank state (the backward's workspaces, the gathered K/V) per `(device, stream)`.
-type Cache<T> = Mutex<HashMap<(usize, u64), Arc<Mutex<T>>>>;
-
+/// The backward's rank state (its workspaces) per `(device, stream)`.
 fn backward_cache() -> &'static Cache<CpBackward<CudaBackend>> {
     static CACHE: OnceLock<Cache<CpBackward<CudaBackend>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
+/// The forward's rank state (the gathered K/V) per `(device, stream)`.
 fn forward_cache() -> &'static Cache<CpForward<CudaBackend>> {
     static CACHE: OnceLock<Cache<CpForward<CudaBackend>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
-}
-
-fn entry<T: Default>(cache: &'static Cache<T>, key: (usize, u64)) -> Arc<Mutex<T>> {
-    let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
-    map.entry(key).or_default().clone()
 }
 
 /// Reads and checks a rank's tensors: `(name, dtype, shape, shape text)` each, all on one

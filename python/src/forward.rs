@@ -6,20 +6,17 @@
 use crate::backward::{check, Sched};
 use crate::error;
 use crate::schedule::ResidentSchedulePy;
-use crate::{cuda_stream, CudaStreamHandle};
+use crate::{cuda_stream, entry, Cache, CudaStreamHandle};
 use msa_runtime::forward_kv::MsaForwardKv;
 use msa_runtime::{
     Backend, CudaBackend, ForwardAlgorithm, ForwardBuffers, MsaForward, RuntimeError,
 };
 use pyo3::prelude::*;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// The KV forward's workspaces, one per `(device, stream)`.
-type Cache = Mutex<HashMap<(usize, u64), Arc<Mutex<MsaForwardKv<CudaBackend>>>>>;
-
-fn cache() -> &'static Cache {
-    static CACHE: OnceLock<Cache> = OnceLock::new();
+fn cache() -> &'static Cache<MsaForwardKv<CudaBackend>> {
+    static CACHE: OnceLock<Cache<MsaForwardKv<CudaBackend>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
@@ -119,13 +116,8 @@ pub fn run_forward(
         if !kv {
             return MsaForward.run_on(&mut backend, &io, &s);
         }
-        let entry = {
-            let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-            map.entry((device, stream))
-                .or_insert_with(|| Arc::new(Mutex::new(MsaForwardKv::new())))
-                .clone()
-        };
-        let mut forward = entry.lock().unwrap_or_else(|e| e.into_inner());
+        let state = entry(cache(), (device, stream));
+        let mut forward = state.lock().unwrap_or_else(|e| e.into_inner());
         match forward.run_on(&mut backend, &io, &s) {
             // As `MsaAttention`: Auto falls back to the Q-parallel forward, which needs no
             // workspace and overwrites every element of `out` and `lse`.

@@ -20,6 +20,16 @@ use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// Host-flow state cached per `(device, stream)`: its workspaces, freed stream-ordered on
+/// their own stream when the entry is dropped.
+pub(crate) type Cache<T> = Mutex<HashMap<(usize, u64), Arc<Mutex<T>>>>;
+
+/// The entry of `key` in `cache`, a fresh `T` the first time.
+pub(crate) fn entry<T: Default>(cache: &'static Cache<T>, key: (usize, u64)) -> Arc<Mutex<T>> {
+    let mut map = cache.lock().unwrap_or_else(|e| e.into_inner());
+    map.entry(key).or_default().clone()
+}
+
 /// A CUDA stream owned by torch, wrapped for cudarc without taking ownership.
 #[derive(Clone)]
 pub(crate) struct CudaStreamHandle(pub(crate) Arc<CudaStream>);
