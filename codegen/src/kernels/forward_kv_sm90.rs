@@ -479,18 +479,10 @@ fn zero_words(b: &mut KernelBuilder, p: &ForwardKvParams, tid: Reg<U32>) {
         let stride = b.mul_lo(ctas, 64u32);
         let z = b.mov::<U32>(0u32);
         // (The runtime keeps `zero_words` under 2^31, so `i + stride` cannot wrap.)
-        let i = b.mov::<U32>(first);
-        let top = b.label("zero_word");
-        let done = b.label("zero_done");
-        b.place(&top);
-        let out = b.setp(Cmp::Ge, i, words);
-        b.bra_if(out, &done);
-        let a = common::elem_bytes(b, at, i, 16);
-        b.st_v(&a, [z, z, z, z]);
-        let next = b.add(i, stride);
-        b.set(i, next);
-        b.bra(&top);
-        b.place(&done);
+        b.for_range(first, words, stride, "zero_word", |b, i| {
+            let a = common::elem_bytes(b, at, i, 16);
+            b.st_v(&a, [z, z, z, z]);
+        });
     });
 }
 

@@ -90,7 +90,7 @@ impl KernelBuilder {
         &mut self,
         start: impl Src<U32>,
         end: impl Src<U32> + Copy,
-        step: u32,
+        step: impl Src<U32>,
         hint: &'static str,
         body: impl FnOnce(&mut Self, Reg<U32>),
     ) {
