@@ -318,22 +318,6 @@ fn main() -> Res<()> {
         }
         let line = breakdown(f32_bound(), &stream, &mut flush, &io_kv, sizes, sched)?;
         println!("  kv, f32 pool, bound, breakdown (median of 5):{line}");
-        // The default flow timed again, on a fresh flow after the breakdowns: in session 16
-        // the first timing exceeded the breakdown's span by 0.7-1.5 ms at packed64k and doc64k
-        // (the f32-bound path showed no such gap); this says whether the first timing is
-        // what differs.
-        let (again, _) = time_kv(
-            MsaForwardKv::new(),
-            (&stream, &mut flush),
-            &mut backend,
-            (&io_kv, &schedule),
-            reps,
-        )?;
-        let m = median(again);
-        println!(
-            "  kv, timed again after the breakdowns: {m:.3} ms, {:.1} useful TFLOP/s",
-            rate(m)
-        );
         // What a user of MsaAttention gets (schedule build, outputs, the algorithm Auto picks).
         let mut attn = MsaAttention::new();
         let auto =
