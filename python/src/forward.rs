@@ -8,9 +8,7 @@ use crate::error;
 use crate::schedule::ResidentSchedulePy;
 use crate::{cuda_stream, entry, Cache, CudaStreamHandle};
 use msa_runtime::forward_kv::MsaForwardKv;
-use msa_runtime::{
-    Backend, CudaBackend, ForwardAlgorithm, ForwardBuffers, MsaForward, RuntimeError,
-};
+use msa_runtime::{Backend, CudaBackend, ForwardAlgorithm, ForwardBuffers, RuntimeError};
 use pyo3::prelude::*;
 use std::sync::OnceLock;
 
@@ -113,19 +111,11 @@ pub fn run_forward(
         let (cc, ordinal) = (backend.capability(), backend.ordinal());
         let kv = algorithm.uses_kv(cc, ordinal, shape, deterministic)?;
         let s = sched.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if !kv {
-            return MsaForward.run_on(&mut backend, &io, &s);
-        }
-        let state = entry(cache(), (device, stream));
-        let mut forward = state.lock().unwrap_or_else(|e| e.into_inner());
-        match forward.run_on(&mut backend, &io, &s) {
-            // As `MsaAttention`: Auto falls back to the Q-parallel forward, which needs no
-            // workspace and overwrites every element of `out` and `lse`.
-            Err(RuntimeError::Alloc { .. }) if algorithm == ForwardAlgorithm::Auto => {
-                MsaForward.run_on(&mut backend, &io, &s)
-            }
-            r => r,
-        }
+        let state = kv.then(|| entry(cache(), (device, stream)));
+        let mut forward = state
+            .as_ref()
+            .map(|st| st.lock().unwrap_or_else(|e| e.into_inner()));
+        algorithm.run_on(forward.as_deref_mut(), &mut backend, &io, &s)
     })
     .map_err(error::runtime)
 }

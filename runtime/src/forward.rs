@@ -23,6 +23,7 @@
 use crate::backend::{Backend, KernelSpec, Ptr, Span, TileMapSpec};
 use crate::contract::{BLOCK_SIZE, NUM_INDEX_HEADS};
 use crate::error::RuntimeError;
+use crate::forward_kv::{ForwardAlgorithm, MsaForwardKv};
 use crate::kernels::{msa_forward_sm100, msa_forward_sm90};
 use crate::ops::check_len;
 use crate::schedule_build::ResidentSchedule;
@@ -192,6 +193,34 @@ pub(crate) struct QueryRows {
     pub ws_starts: Span<i32>,
     pub status: Ptr<i32>,
     pub first_token: usize,
+}
+
+// Beside `MsaForward` rather than in `forward_kv`, which `forward/stream.rs` (re-exported
+// here) imports: that would be an import circle.
+impl ForwardAlgorithm {
+    /// Runs the forward [`ForwardAlgorithm::uses_kv`] chose: with `kv` (its workspaces) the
+    /// KV forward, without it the Q-parallel [`MsaForward`]. Under [`ForwardAlgorithm::Auto`]
+    /// a KV forward whose workspace cannot be allocated falls back to the Q-parallel one,
+    /// which needs none and overwrites every element of `out` and `lse`.
+    ///
+    /// # Errors
+    /// Those of [`MsaForwardKv::run_on`] (but [`RuntimeError::Alloc`] under `Auto`) and of
+    /// [`MsaForward::run_on`].
+    pub fn run_on<B: Backend>(
+        self,
+        kv: Option<&mut MsaForwardKv<B>>,
+        backend: &mut B,
+        io: &ForwardBuffers,
+        schedule: &ResidentSchedule<B>,
+    ) -> Result<(), RuntimeError> {
+        match kv.map(|kv| kv.run_on(backend, io, schedule)) {
+            Some(Err(RuntimeError::Alloc { .. })) if self == ForwardAlgorithm::Auto => {
+                MsaForward.run_on(backend, io, schedule)
+            }
+            Some(r) => r,
+            None => MsaForward.run_on(backend, io, schedule),
+        }
+    }
 }
 
 #[cfg(test)]

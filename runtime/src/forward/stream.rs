@@ -1,7 +1,7 @@
 //! Layer 5, the cudarc convenience API of the forward: [`run_forward`] on cudarc views and the
 //! paired [`MsaAttention`].
 
-use super::{forward_kernel, ForwardBuffers, MsaForward, KV_ROW, QUERIES_PER_WORK, Q_ROW};
+use super::{forward_kernel, ForwardBuffers, KV_ROW, QUERIES_PER_WORK, Q_ROW};
 use crate::backend::{Backend, Span};
 use crate::backward::{Gradients, MsaBackward};
 use crate::contract::NUM_Q_HEADS;
@@ -43,7 +43,7 @@ impl std::fmt::Debug for ForwardOutput {
 ///
 /// # Errors
 /// Those of [`ScheduleBuildSizes::new`], [`ResidentSchedule::build`] and
-/// [`MsaForward::run_on`]; [`RuntimeError::Input`] for a buffer of another context or a
+/// [`MsaForward::run_on`](super::MsaForward::run_on); [`RuntimeError::Input`] for a buffer of another context or a
 /// length that is not a whole number of rows; [`RuntimeError::Alloc`].
 pub fn run_forward(
     stream: &Arc<CudaStream>,
@@ -155,15 +155,7 @@ fn forward_with(
             out: Span::new(out_ptr, t * Q_ROW),
             lse: Span::new(lse_ptr, t * NUM_Q_HEADS),
         };
-        match kv.map(|kv| kv.run_on(&mut backend, &io, &schedule)) {
-            // Auto takes the Q-parallel forward, which needs no workspace, when the KV
-            // forward's does not fit (it overwrites every element of `out` and `lse`).
-            Some(Err(RuntimeError::Alloc { .. })) if algorithm == ForwardAlgorithm::Auto => {
-                MsaForward.run_on(&mut backend, &io, &schedule)?
-            }
-            Some(r) => r?,
-            None => MsaForward.run_on(&mut backend, &io, &schedule)?,
-        }
+        algorithm.run_on(kv, &mut backend, &io, &schedule)?;
     }
     Ok(ForwardOutput { out, lse, schedule })
 }
