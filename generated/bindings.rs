@@ -1089,6 +1089,59 @@ pub mod fwd_kv_bound {
         ]
     }
 }
+/// `fwd_kv_probe`: per query row a reference for the sum pass without a max pass: the largest S*scale of the row against the first key of each selected block it sees (a lower bound of its maximum), by mma.sync, lowered by ln c of the f16 pool at scale 1.
+pub mod fwd_kv_probe {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_probe";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_probe` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_probe.sm_90a.ptx");
+    /// PTX of `fwd_kv_probe` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_probe.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [ceil(T * 4 / 8), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        q: Ptr<bf16>,
+        k_aligned: Ptr<bf16>,
+        q2k: Ptr<i32>,
+        cu_seqlens: Ptr<i32>,
+        document_workspace_starts: Ptr<i32>,
+        vmax: Ptr<u32>,
+        reference: PtrMut<f32>,
+        m_pool: PtrMut<u32>,
+        groups: u32,
+        num_tokens: u32,
+        num_docs: u32,
+        num_blocks: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(q), KernelArg::from(k_aligned), KernelArg::from(q2k),
+            KernelArg::from(cu_seqlens), KernelArg::from(document_workspace_starts),
+            KernelArg::from(vmax), KernelArg::from(reference), KernelArg::from(m_pool),
+            KernelArg::from(groups), KernelArg::from(num_tokens),
+            KernelArg::from(num_docs), KernelArg::from(num_blocks)
+        ]
+    }
+}
 /// `msa_forward_kv_sm90`: KV-parallel MSA forward for Hopper on the backward's task tables: per row, exp(S*scale - R)*V (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R.
 pub mod msa_forward_kv_sm90 {
     use super::*;
@@ -1324,13 +1377,14 @@ pub mod fwd_kv_combine {
         status: PtrMut<u32>,
         gate: Ptr<u32>,
         second: u32,
+        window_on_sum: u32,
         rows: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
             KernelArg::from(status), KernelArg::from(gate), KernelArg::from(second),
-            KernelArg::from(rows)
+            KernelArg::from(window_on_sum), KernelArg::from(rows)
         ]
     }
 }
@@ -1375,13 +1429,15 @@ pub mod fwd_kv_combine_f16 {
         gate: Ptr<u32>,
         vmax: Ptr<u32>,
         second: u32,
+        window_on_sum: u32,
         rows: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
             KernelArg::from(status), KernelArg::from(gate), KernelArg::from(vmax),
-            KernelArg::from(second), KernelArg::from(rows)
+            KernelArg::from(second), KernelArg::from(window_on_sum),
+            KernelArg::from(rows)
         ]
     }
 }

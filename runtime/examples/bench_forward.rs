@@ -318,6 +318,9 @@ fn main() -> Res<()> {
         }
         let line = breakdown(f32_bound(), &stream, &mut flush, &io_kv, sizes, sched)?;
         println!("  kv, f32 pool, bound, breakdown (median of 5):{line}");
+        let exact = MsaForwardKv::new().with_reference(Reference::ExactMax);
+        let line = breakdown(exact, &stream, &mut flush, &io_kv, sizes, sched)?;
+        println!("  kv, f16 pool, exact max, breakdown (median of 5):{line}");
         // What a user of MsaAttention gets (schedule build, outputs, the algorithm Auto picks).
         let mut attn = MsaAttention::new();
         let auto =
@@ -340,7 +343,11 @@ fn main() -> Res<()> {
                 MsaForwardKv::new().with_reference(Reference::Bound),
             ),
             (
-                "f32 pool, exact max".to_string(),
+                "f16 pool, exact max".to_string(),
+                MsaForwardKv::new().with_reference(Reference::ExactMax),
+            ),
+            (
+                "f32 pool, probe".to_string(),
                 MsaForwardKv::new().with_o_pool(OPool::F32),
             ),
         ];

@@ -4,16 +4,17 @@
 //! reference `R` (see the kernel's module docs for the design).
 //!
 //! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync. By default
-//!   ([`Reference::ExactMax`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
-//!   scale), the task build from a [`ResidentSchedule`], the max pass
-//!   (`msa_forward_kv_max_sm90`) and `fwd_kv_reference` (R = each row's maximum), the sum
-//!   pass, the combine (`out = o/l`, `lse = R + ln l`), then the pass and the combine again
-//!   for the rows outside the pool's window, with their maximum as reference (both launches
-//!   return at once when there is none, as with the exact reference unless a logit is NaN or
-//!   infinite). [`Reference::Bound`] takes R from `fwd_kv_bound` instead (scale·‖q‖·max‖k‖
-//!   over the row's selected blocks). [`MsaForwardKv::status`] gives the number of rows
-//!   recomputed, or [`RuntimeError::ForwardReferenceRange`] for rows still bad (their `lse`
-//!   is NaN, `out` 0).
+//!   ([`Reference::Probe`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
+//!   scale), the task build from a [`ResidentSchedule`], `fwd_kv_probe` (R = the row's largest
+//!   logit against the first key of each block it sees, a lower bound of its maximum), the
+//!   sum pass, the combine (`out = o/l`, `lse = R + ln l`, each row judged by its sum), then
+//!   the pass and the combine again for the rows outside the pool's window, with their `lse`
+//!   as reference (both launches return at once when there is none). [`Reference::ExactMax`]
+//!   takes R from a max pass (`msa_forward_kv_max_sm90`, then `fwd_kv_reference`: each row's
+//!   maximum) and judges rows by it; [`Reference::Bound`] from `fwd_kv_bound`
+//!   (scale·‖q‖·max‖k‖ over the row's selected blocks). [`MsaForwardKv::status`] gives the
+//!   number of rows recomputed, or [`RuntimeError::ForwardReferenceRange`] for rows still bad
+//!   (their `lse` is NaN, `out` 0).
 //! - [`MsaForwardKv::run_to_pools`]: the sum pass alone with the caller's R and pools, and
 //!   [`combine_row`], the combine's host form, for tests.
 //! - [`ForwardAlgorithm`]: when [`MsaAttention`](crate::MsaAttention) takes this forward
@@ -28,8 +29,8 @@ use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW
 use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
-    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, fwd_kv_reference,
-    msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, fwd_kv_probe,
+    fwd_kv_reference, msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
 };
 use crate::ops::{check_len, grid_dim, u32_arg};
 use crate::schedule_build::ResidentSchedule;
@@ -136,8 +137,17 @@ pub enum Reference {
     /// (`msa_forward_kv_max_sm90`: the S GEMMs and the mask alone; then `fwd_kv_reference`),
     /// so that every row with a finite maximum lies in either pool's window (the default:
     /// 4.2 ms at packed64k, and no recompute).
-    #[default]
     ExactMax,
+    /// A lower bound of the row's maximum with no pass over the task tables
+    /// (`fwd_kv_probe`): the largest logit of the row against the first key of each block it
+    /// selects and sees (sixteen `mma.sync` per token and KV head). The combine then judges
+    /// each row by its sum rather than its maximum (the sum is at least about 1 at the probed
+    /// key, and must stay under f16's range) and recomputes the rows outside with their
+    /// `lse` as reference. Rows whose probed keys lie far below their maximum (a sum past
+    /// 7500 times the pool's scale, `PROBE_SUM_MAX` of the kernels' `forward_kv_rows`) cost
+    /// the recompute pass. The default.
+    #[default]
+    Probe,
 }
 
 /// The KV-parallel pass's host flow; it keeps the task-build workspace between calls.
@@ -166,7 +176,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             owner: None,
             locality: FORWARD_KV_LOCALITY,
             pool: OPool::F16,
-            reference: Reference::ExactMax,
+            reference: Reference::Probe,
             tasks: None,
             work: None,
             status_at: None,
@@ -377,6 +387,7 @@ impl<B: Backend> MsaForwardKv<B> {
         self.status_at = None;
         // The key maxima feed the bound; max|v| (the same launch) the f16 pool's scale.
         let bound = self.reference == Reference::Bound;
+        let probe = self.reference == Reference::Probe;
         let key_max = bound || self.pool == OPool::F16;
         if t > 0 {
             // The kernels this call launches, and no other.
@@ -387,10 +398,12 @@ impl<B: Backend> MsaForwardKv<B> {
             if key_max {
                 kernels.push(&fwd_kv_key_max::KERNEL);
             }
-            if bound {
-                kernels.push(&fwd_kv_bound::KERNEL);
-            } else {
-                kernels.extend([&msa_forward_kv_max_sm90::KERNEL, &fwd_kv_reference::KERNEL]);
+            match self.reference {
+                Reference::Bound => kernels.push(&fwd_kv_bound::KERNEL),
+                Reference::Probe => kernels.push(&fwd_kv_probe::KERNEL),
+                Reference::ExactMax => {
+                    kernels.extend([&msa_forward_kv_max_sm90::KERNEL, &fwd_kv_reference::KERNEL])
+                }
             }
             for k in kernels {
                 backend.load(k)?;
@@ -443,14 +456,38 @@ impl<B: Backend> MsaForwardKv<B> {
             // [T, 64].
             unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
         }
-        let zero_o = if bound {
-            ZeroO::Prepare
-        } else {
+        let zero_o = if self.reference == Reference::ExactMax {
             ZeroO::InMaxPass
+        } else {
+            ZeroO::Prepare
         };
         match self.prepare(backend, &pools, schedule, zero_o)? {
             Some(launch) => {
-                if !bound {
+                if probe {
+                    // After `prepare`, which zeroes m_pool: the probe marks there the rows that
+                    // see a block (the combine's test for an empty row).
+                    let args = fwd_kv_probe::args(
+                        io.q.ptr(),
+                        io.k_aligned.ptr(),
+                        io.q2k.ptr(),
+                        schedule.cu_seqlens_ptr(),
+                        Ptr::new(schedule.refs().ws_starts),
+                        vmax,
+                        pools.reference.ptr_mut(),
+                        pools.m_pool.ptr_mut(),
+                        u32_arg("groups", 4 * t)?,
+                        u32_arg("num_tokens", t)?,
+                        u32_arg("num_docs", z.num_documents)?,
+                        u32_arg("num_blocks", blocks)?,
+                    );
+                    // SAFETY: q is [T, 64, 128], k_aligned [W, 4, 128] and q2k [4, T, 16] (all
+                    // checked), cu_seqlens [D+1] and the workspace starts [D] are the
+                    // schedule's own, a block id at or past W/128 is not read (nor any other
+                    // that the row does not see: those read K row 0); vmax is one word of the
+                    // workspace or null (f32 pool); the reference and m_pool are [T, 64].
+                    let grid = row_grid(4 * t)?;
+                    unsafe { backend.launch(&fwd_kv_probe::KERNEL, (grid, 1, 1), &args) }?;
+                } else if !bound {
                     // The exact maxima into m_pool (and o_pool zeroed beside them), then R
                     // from them.
                     self.launch_pass(backend, Pass::Max, &pools, &launch, None)?;
@@ -466,8 +503,9 @@ impl<B: Backend> MsaForwardKv<B> {
                     unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
                 }
                 let pass = Pass::Sum(self.pool);
-                // Under the exact reference m_pool already holds every row's maximum: the
-                // sum passes get a null one and skip theirs.
+                // Under the exact reference m_pool already holds every row's maximum, under
+                // the probe its lower bound (the combine needs only whether the row sees a
+                // block): the sum passes get a null one and skip theirs.
                 let sum_pools = ForwardKvBuffers {
                     m_pool: if bound { pools.m_pool } else { Span::new(0, 0) },
                     ..pools
@@ -525,6 +563,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let rows = pools.l_pool.len;
         let gate_ptr = gate.map_or(Ptr::new(0), |g| g.ptr());
         let second = u32::from(gate.is_some());
+        let on_sum = u32::from(self.reference == Reference::Probe);
         let cap = grid_dim("combine CTAs", COMBINE_MAX_CTAS_PER_SM * backend.sm_count())?;
         let grid = grid_dim("rows", rows.div_ceil(COMBINE_ROWS_PER_CTA))?.min(cap);
         let (kernel, args) = match pools.o_pool {
@@ -540,6 +579,7 @@ impl<B: Backend> MsaForwardKv<B> {
                     status.ptr_mut(),
                     gate_ptr,
                     second,
+                    on_sum,
                     u32_arg("rows", rows)?,
                 ),
             ),
@@ -556,6 +596,7 @@ impl<B: Backend> MsaForwardKv<B> {
                     gate_ptr,
                     vmax,
                     second,
+                    on_sum,
                     u32_arg("rows", rows)?,
                 ),
             ),

@@ -34,7 +34,7 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let want = reference::forward(&q32, &k32, &v32, &q2k, &cu).unwrap();
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
     for pool in [OPool::F32, OPool::F16] {
-        for reference in [Reference::Bound, Reference::ExactMax] {
+        for reference in [Reference::Bound, Reference::ExactMax, Reference::Probe] {
             run_pool(&stream, (&cu, &q2k), &p, &want, (pool, reference));
         }
     }

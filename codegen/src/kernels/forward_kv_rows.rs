@@ -14,6 +14,14 @@
 //!   only the bounds of the rows that selected its block. The square root is
 //!   `exp2(lg2(x)/2)`: the pass is exact for any `R` that keeps the row's terms in range, so R
 //!   need not be rounded right.
+//! - `fwd_kv_probe` (the runtime's default reference): one warp per token and KV head
+//!   computes `D = Q_g·K_repᵀ` (16 heads × 16 slots, sixteen `mma.sync.m16n8k16`), `K_rep`
+//!   the first key of each selected block, the one key of a block that every row seeing the
+//!   block sees. `R[row] = scale·max D − ln c₁` over the slots the row sees (a lower bound of
+//!   its maximum, so its sum is at least about 1), with the f16 pool's `c₁ = 2^⌊log2(1 /
+//!   max|v|)⌋` ([`PROBE_F16_SCALE_TARGET`]); `m_pool` gets the key of that bound, or 0 for a
+//!   row that sees no block (the combine's empty-row test). No pass over the task tables:
+//!   it reads Q once.
 //! - `fwd_kv_reference`: `R[row] = max − ln c` from the max pass's `m_pool` (0 for a row with
 //!   no finite maximum, which the combine then writes empty or reports), the exact reference
 //!   the runtime uses by default.
@@ -33,6 +41,12 @@
 //!   (`msa_forward_kv_sm90` gated on `status[0]`) adds only zeros to it. The second combine
 //!   (`second = 1`, gated likewise) finishes the recomputed rows; one still bad (a NaN or an
 //!   infinite logit) keeps `lse = NaN`, `out = 0` and is counted in `status[1]`.
+//! - Under the probe (`window_on_sum = 1`) the combines judge a row by its sum instead:
+//!   `ln(l/c) ∈ [−gap, ln PROBE_SUM_MAX]` (f16; `[−60, 80]` for f32), which bounds both the
+//!   f16 overflow (`|o| ≤ l·max|v|`) and the subnormal loss without the row's maximum; a row
+//!   outside is recomputed with `R' = lse − ln c₁`, so that its sum becomes `c₁`. A recompute
+//!   reference that is not finite becomes f32::MAX, so that the second combine counts the
+//!   row rather than passing it as settled.
 
 use super::common;
 use super::KernelDesc;
@@ -63,6 +77,16 @@ pub const MAX_GAP_F16: f32 = 7.0;
 /// with `c = 2^⌊log2(8 / max|v|)⌋`.
 pub const F16_SCALE_TARGET: f32 = 8.0;
 
+/// The probe's f16 pool scale target: `c = 2^⌊log2(1 / max|v|)⌋`, so that a row sum
+/// `l = Σ exp(S·scale − R)` (at least about 1 at the probed key, `R` below the maximum) may grow
+/// to [`PROBE_SUM_MAX`] relative to `c` before `o` nears f16's 65504.
+pub const PROBE_F16_SCALE_TARGET: f32 = 1.0;
+/// The combine's bound on `l / c` under the probe (f16 pool): `|o| ≤ l·max|v| ≤ 8·l/c`
+/// (the combine's `c` is that of [`F16_SCALE_TARGET`]) stays under 60000 < 65504.
+pub const PROBE_SUM_MAX: f32 = 7500.0;
+/// The same bound for the f32 pool, as a natural log: `l ≤ e^80` keeps every sum finite.
+pub const PROBE_SUM_MAX_F32_LN: f32 = 80.0;
+
 /// `‖k‖²` maxima per KV head.
 pub const KEY_MAX: KernelDesc = KernelDesc {
     name: "fwd_kv_key_max",
@@ -79,6 +103,17 @@ pub const BOUND: KernelDesc = KernelDesc {
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_bound,
+};
+
+/// The probe's reference: a lower bound of each row's maximum from one key per selected block.
+pub const PROBE: KernelDesc = KernelDesc {
+    name: "fwd_kv_probe",
+    about: "per query row a reference for the sum pass without a max pass: the largest \
+            S*scale of the row against the first key of each selected block it sees (a lower \
+            bound of its maximum), by mma.sync, lowered by ln c of the f16 pool at scale 1",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_probe,
 };
 
 /// The exact reference from the max pass's row maxima.
@@ -152,6 +187,11 @@ fn row_norm2(b: &mut KernelBuilder, base: Reg<U64>, row: Reg<U32>, lane: Reg<U32
 /// word `vmax` (the bits of max|v| over V), or 0 when `vmax` is null (the f32 pool). The
 /// bound subtracts it from R and the combine adds it back: both compute it the same way.
 fn f16_shift(b: &mut KernelBuilder, vmax_p: &ParamRef<U64>) -> Reg<F32> {
+    f16_shift_to(b, vmax_p, F16_SCALE_TARGET)
+}
+
+/// [`f16_shift`] for `c = 2^⌊log2(target / max|v|)⌋`.
+fn f16_shift_to(b: &mut KernelBuilder, vmax_p: &ParamRef<U64>, target: f32) -> Reg<F32> {
     let shift = b.mov::<F32>(0.0f32);
     let raw = b.ld_param(vmax_p);
     let some = b.setp(Cmp::Ne, raw, 0u64);
@@ -160,7 +200,7 @@ fn f16_shift(b: &mut KernelBuilder, vmax_p: &ParamRef<U64>) -> Reg<F32> {
         let bits = b.ld::<U32, _>(&global(at, 0));
         let vmax = b.bitcast::<F32, U32>(bits);
         let lg = b.lg2_approx(vmax);
-        let target = b.mov::<F32>(F16_SCALE_TARGET.log2());
+        let target = b.mov::<F32>(target.log2());
         let e = b.sub(target, lg);
         let e = b.floor_f32(e);
         let e = b.max(e, -60.0f32);
@@ -377,6 +417,162 @@ fn describe_bound(b: &mut KernelBuilder) {
     b.ret();
 }
 
+fn describe_probe(b: &mut KernelBuilder) {
+    b.grid("[ceil(T * 4 / 8), 1, 1]");
+    let q_p = b.param_ptr("q", HostElem::Bf16, false);
+    let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
+    let q2k_p = b.param_ptr("q2k", HostElem::I32, false);
+    let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
+    let ws_p = b.param_ptr("document_workspace_starts", HostElem::I32, false);
+    let vmax_p = b.param_ptr("vmax", HostElem::U32, false);
+    let r_p = b.param_ptr("reference", HostElem::F32, true);
+    let m_p = b.param_ptr("m_pool", HostElem::U32, true);
+    let groups_p = b.param_u32("groups");
+    let tokens_p = b.param_u32("num_tokens");
+    let docs_p = b.param_u32("num_docs");
+    let blocks_p = b.param_u32("num_blocks");
+    // One warp per (token, KV head): D[16 heads × 16 slots] = Q_g·K_repᵀ by sixteen
+    // m16n8k16 (two n-tiles of 8 slots, eight k-steps). The warp takes part as a whole or
+    // not at all (mma.sync is .aligned): the grid's last warps past `groups` skip it whole.
+    let (grp, lane, inside) = row_lane(b, &groups_p);
+    b.if_then(inside, "probe", |b| {
+        let t = b.shr(grp, 2u32);
+        let g = b.and(grp, 3u32);
+        let quad = b.shr(lane, 2u32);
+        let tq = b.and(lane, 3u32);
+        b.comment(
+            "this lane's slots quad and quad + 8: their blocks, and whether the row sees them",
+        );
+        let cu = b.ld_param_ptr(&cu_p);
+        let d = common::doc_search(b, cu, &docs_p, t);
+        let start = common::load_u32(b, cu, d);
+        let pos = b.sub(t, start);
+        let ws = b.ld_param_ptr(&ws_p);
+        let first = common::load_u32(b, ws, d);
+        let first = b.shr(first, 7u32);
+        let tokens = b.ld_param(&tokens_p);
+        let gt = b.mad_lo(g, tokens, t);
+        let sel0 = b.shl(gt, 4u32);
+        let q2k = b.ld_param_ptr(&q2k_p);
+        let blocks = b.ld_param(&blocks_p);
+        let kp = b.ld_param_ptr(&k_p);
+        // The k-step order is free as long as A and B share it: lane (quad, tq) takes, per
+        // 32 elements of d, the 16 bytes at 8·tq, so that each fragment pair is one v4 load.
+        let mut b_frag: Vec<[Reg<U32>; 4]> = Vec::new();
+        let mut seen = Vec::new();
+        for nt in 0..2u32 {
+            let slot = b.add(quad, 8 * nt);
+            let idx = b.add(sel0, slot);
+            let at = common::elem::<S32>(b, q2k, idx);
+            let id = b.ld::<S32, _>(&at);
+            let idu = b.bitcast::<U32, S32>(id);
+            let blk = b.add(first, idu);
+            let chosen = b.setp(Cmp::Ge, id, 0i32);
+            let in_ws = b.setp(Cmp::Lt, blk, blocks);
+            // Its first key (local 128·id) is the one key every row that sees the block sees.
+            let key0 = b.shl(idu, 7u32);
+            let visible = b.setp(Cmp::Le, key0, pos);
+            let ok = b.and_pred(chosen, in_ws);
+            let ok = b.and_pred(ok, visible);
+            seen.push(b.ballot(ok));
+            // A slot it does not see reads K row 0 (in bounds) and is masked below.
+            let blk = b.selp(blk, 0u32, ok);
+            let krow = b.shl(blk, 7u32);
+            let krow = b.mad_lo(krow, 4u32, g);
+            let kidx = b.mad_lo(krow, 16u32, tq);
+            for kk in 0..4u32 {
+                let at = common::elem_bytes(b, kp, kidx, 16);
+                let at = at.offset(i64::from(64 * kk));
+                b_frag.push(b.ld_global_nc_v::<U32, 4>(&at));
+            }
+        }
+        b.comment("Q's rows quad and quad + 8 of the group's 16 heads");
+        let qp = b.ld_param_ptr(&q_p);
+        let row0 = b.shl(grp, 4u32);
+        let mut a_frag: Vec<[[Reg<U32>; 4]; 2]> = Vec::new();
+        let rows: Vec<Reg<U32>> = [0u32, 8]
+            .iter()
+            .map(|&h| {
+                let r = b.add(row0, quad);
+                b.add(r, h)
+            })
+            .collect();
+        for kk in 0..4u32 {
+            let pair: [[Reg<U32>; 4]; 2] = std::array::from_fn(|i| {
+                let qidx = b.mad_lo(rows[i], 16u32, tq);
+                let at = common::elem_bytes(b, qp, qidx, 16).offset(i64::from(64 * kk));
+                b.ld_global_nc_v::<U32, 4>(&at)
+            });
+            a_frag.push(pair);
+        }
+        let zero = b.mov::<F32>(0.0f32);
+        let mut acc = [[zero; 4]; 2];
+        for kk in 0..4usize {
+            for half in 0..2usize {
+                let w = |x: Reg<U32>, b: &mut KernelBuilder| b.bitcast::<Bf16x2, U32>(x);
+                let [lo, hi] = a_frag[kk];
+                let a = [
+                    w(lo[2 * half], b),
+                    w(hi[2 * half], b),
+                    w(lo[2 * half + 1], b),
+                    w(hi[2 * half + 1], b),
+                ];
+                for nt in 0..2usize {
+                    let kf = b_frag[4 * nt + kk];
+                    let bb = [w(kf[2 * half], b), w(kf[2 * half + 1], b)];
+                    acc[nt] = b.mma_m16n8k16_bf16(a, bb, acc[nt]);
+                }
+            }
+        }
+        b.comment("each head's largest logit over the slots it sees (lanes of a quad share rows)");
+        let neg_inf = b.mov::<F32>(f32::NEG_INFINITY);
+        let mut best = [neg_inf; 2];
+        for (nt, d4) in acc.iter().enumerate() {
+            for (i, &x) in d4.iter().enumerate() {
+                // D[row][2tq + i % 2] of n-tile nt: slot 8·nt + 2·tq + i % 2, whose ballot
+                // bit is lane 4·(2tq + i % 2).
+                let col = b.shl(tq, 1u32);
+                let col = b.add(col, (i % 2) as u32);
+                let bit = b.shl(col, 2u32);
+                let word = b.shr(seen[nt], bit);
+                let word = b.and(word, 1u32);
+                let ok = b.setp(Cmp::Ne, word, 0u32);
+                let v = b.selp(x, neg_inf, ok);
+                best[i / 2] = b.max(best[i / 2], v);
+            }
+        }
+        for m in best.iter_mut() {
+            for dd in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, *m, dd, 0x1f);
+                *m = b.max(*m, o);
+            }
+        }
+        let any = b.or(seen[0], seen[1]);
+        let some = b.setp(Cmp::Ne, any, 0u32);
+        // The pass's terms are `exp(S·scale − R)`, at least 1 at the probed key: the f16 pool
+        // is scaled to max|v| = 1, not 8 as under the exact reference (see `PROBE_SUM_MAX`).
+        let shift = f16_shift_to(b, &vmax_p, 1.0);
+        let lead = b.setp(Cmp::Eq, tq, 0u32);
+        b.if_then(lead, "store", |b| {
+            let rp = b.ld_param_ptr(&r_p);
+            let mp = b.ld_param_ptr(&m_p);
+            for (i, &m) in best.iter().enumerate() {
+                let l = b.fmul(m, common::SCALE);
+                let r = b.sub(l, shift);
+                let r = b.selp(r, 0.0f32, some);
+                let at = common::elem::<F32>(b, rp, rows[i]);
+                b.st(&at, r);
+                let l2 = b.fmul(m, common::SCALE_LOG2E);
+                let key = super::forward_kv_sm90::order_key(b, l2);
+                let key = b.selp(key, 0u32, some);
+                let at = common::elem::<U32>(b, mp, rows[i]);
+                b.st(&at, key);
+            }
+        });
+    });
+    b.ret();
+}
+
 fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     b.grid("[min(ceil(T * 64 / 16), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
     let o_p = if f16 {
@@ -397,6 +593,7 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         None
     };
     let second_p = b.param_u32("second");
+    let on_sum_p = b.param_u32("window_on_sum");
     let rows_p = b.param_u32("rows");
     super::forward_kv_sm90::gate(b, &gate_p);
     let second = b.ld_param(&second_p);
@@ -406,6 +603,18 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let (shift, max_gap) = match &vmax_p {
         Some(v) => (f16_shift(b, v), MAX_GAP_F16),
         None => (b.mov::<F32>(0.0f32), MAX_GAP),
+    };
+    // Under the probe's reference (`window_on_sum`) the window is on the row sum instead:
+    // `ln(l/c) ∈ [−max_gap, ln PROBE_SUM_MAX]`, and a recomputed row's reference is its
+    // `lse` lowered by the probe's own shift.
+    let on_sum = b.ld_param(&on_sum_p);
+    let on_sum = b.setp(Cmp::Ne, on_sum, 0u32);
+    let (probe_shift, sum_hi) = match &vmax_p {
+        Some(v) => (
+            f16_shift_to(b, v, PROBE_F16_SCALE_TARGET),
+            PROBE_SUM_MAX.ln(),
+        ),
+        None => (b.mov::<F32>(0.0f32), PROBE_SUM_MAX_F32_LN),
     };
     let lo = b.mov::<F32>(-MAX_EXCESS);
     let lo_gap = b.sub(lo, shift);
@@ -469,7 +678,17 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let lo_ok = b.setp(Cmp::Ge, gap, lo_gap);
     let hi_ok = b.setp(Cmp::Le, gap, hi_gap);
     let l_ok = b.setp(Cmp::Gt, l, 0.0f32);
-    let in_range = b.and_pred(lo_ok, hi_ok);
+    let on_max = b.and_pred(lo_ok, hi_ok);
+    let lg = b.lg2_approx(l);
+    let ln_l = b.fmul(lg, std::f32::consts::LN_2);
+    let rel = b.sub(ln_l, shift);
+    let sum_lo_ok = b.setp(Cmp::Ge, rel, -max_gap);
+    let sum_hi_ok = b.setp(Cmp::Le, rel, sum_hi);
+    let on_l = b.and_pred(sum_lo_ok, sum_hi_ok);
+    let by_sum = b.and_pred(on_l, on_sum);
+    let by_max = b.not_pred(on_sum);
+    let by_max = b.and_pred(on_max, by_max);
+    let in_range = b.or_pred(by_sum, by_max);
     let in_range = b.and_pred(in_range, l_ok);
     let good = b.and_pred(some, in_range);
     // A NaN anywhere fails the ordered comparisons above: such a row counts as bad.
@@ -483,9 +702,8 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let bad = b.or_pred(bad, poisoned);
     let inv = b.rcp_rn(l);
     let inv = b.selp(inv, 0.0f32, good);
-    let lg = b.lg2_approx(l);
-    let lse = b.fma(lg, std::f32::consts::LN_2, r);
-    let lse = b.selp(lse, f32::NEG_INFINITY, good);
+    let row_lse = b.fma(lg, std::f32::consts::LN_2, r);
+    let lse = b.selp(row_lse, f32::NEG_INFINITY, good);
     let lse = b.selp(f32::NAN, lse, bad);
     let o_second: Vec<Reg<U32>> = o_first.iter().map(|_| b.reg()).collect();
     b.if_then(second, "second_o", |b| {
@@ -549,9 +767,17 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
             }
             b.if_then(lane0, "recompute_row", |b| {
                 b.st(&l_at, z);
-                // The f16 pool's recompute keeps its scale: R' = max − ln c.
+                // The f16 pool's recompute keeps its scale: R' = max − ln c (or, under the
+                // probe, lse − its ln c). A reference that is not finite (an infinite logit,
+                // or a sum that left f32) becomes f32::MAX: the second combine then counts
+                // the row, where +inf would pass it as settled.
                 let m_ref = b.sub(m, shift);
-                b.st(&r_at, m_ref);
+                let lse_ref = b.sub(row_lse, probe_shift);
+                let new_r = b.selp(lse_ref, m_ref, on_sum);
+                let diff = b.sub(new_r, new_r);
+                let finite = b.setp(Cmp::Eq, diff, 0.0f32);
+                let new_r = b.selp(new_r, f32::MAX, finite);
+                b.st(&r_at, new_r);
                 let n = b.add(handed, 1u32);
                 b.set(handed, n);
             });

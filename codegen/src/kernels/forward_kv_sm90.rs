@@ -743,7 +743,7 @@ fn acc_col(i: usize) -> i32 {
 /// The order-preserving u32 key of an f32 (`u32` order = `f32` order, −0 below +0): the sign
 /// bit set for a non-negative value, every bit flipped for a negative one. 0 lies below every
 /// key of a non-NaN value, so a zeroed pool is below any maximum.
-fn order_key(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
+pub(super) fn order_key(b: &mut KernelBuilder, x: Reg<F32>) -> Reg<U32> {
     let bits = b.bitcast::<S32, F32>(x);
     let sign = b.shr(bits, 31u32);
     let sign = b.bitcast::<U32, S32>(sign);

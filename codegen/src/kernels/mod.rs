@@ -70,6 +70,7 @@ pub fn all() -> &'static [KernelDesc] {
         forward_sm100::DESC,
         forward_kv_rows::KEY_MAX,
         forward_kv_rows::BOUND,
+        forward_kv_rows::PROBE,
         forward_kv_sm90::DESC,
         forward_kv_sm90::DESC_F16,
         forward_kv_sm90::DESC_MAX,

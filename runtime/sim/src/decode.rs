@@ -816,6 +816,27 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 mask: ctx.src(&ops[0], Ty::B(32))?,
             }
         }
+        "mma" => {
+            if !(m.take("sync") && m.take("aligned")) {
+                return malformed("mma needs .sync.aligned");
+            }
+            if !(m.take("m16n8k16") && m.take("row") && m.take("col")) {
+                return unsupported("mma shape or layout (only .m16n8k16.row.col is modelled)");
+            }
+            let types = m.types();
+            m.finish()?;
+            if types != [Ty::F32, Ty::Bf16, Ty::Bf16, Ty::F32] {
+                return unsupported("mma types (only .f32.bf16.bf16.f32 is modelled)");
+            }
+            arity(ops, 4)?;
+            let (w, f) = (Ty::B(32), Ty::F32);
+            Op::MmaBf16 {
+                d: ctx.dsts(&ops[0], 4)?,
+                a: ctx.srcs(&ops[1], 4, w)?,
+                b: ctx.srcs(&ops[2], 2, w)?,
+                c: ctx.srcs(&ops[3], 4, f)?,
+            }
+        }
         "stmatrix" => {
             if !(m.take("sync") && m.take("aligned")) {
                 return malformed("stmatrix needs .sync.aligned");

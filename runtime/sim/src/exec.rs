@@ -1091,6 +1091,7 @@ impl<'a> Cta<'a> {
             | Op::Elect { .. }
             | Op::Ballot { .. }
             | Op::Stmatrix { .. }
+            | Op::MmaBf16 { .. }
             | Op::WarpSync { .. } => self.step_warp(pcu, w, group, exec, op)?,
             Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
             Op::MbarrierInit { .. }

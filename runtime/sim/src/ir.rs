@@ -1051,6 +1051,19 @@ pub enum Op {
         /// One 32-bit register per matrix.
         src: Vec<Src>,
     },
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d×4}, {a×4}, {b×2}, {c×4}`:
+    /// the warp's `D[16×8] = A[16×16]·B[16×8] + C` in the ISA's fragment layout
+    /// (9.7.14.5.8).
+    MmaBf16 {
+        /// Each lane's four f32 results.
+        d: Vec<Dst>,
+        /// Each lane's four bf16x2 words of A.
+        a: Vec<Src>,
+        /// Each lane's two bf16x2 words of B.
+        b: Vec<Src>,
+        /// Each lane's four f32 addends.
+        c: Vec<Src>,
+    },
     /// `bar.warp.sync membermask`: the lanes of the mask meet.
     WarpSync {
         /// The member mask.
@@ -1239,6 +1252,10 @@ impl Op {
                 v.iter().for_each(|x| src(out, x));
             }
             Op::WarpSync { mask } => src(out, mask),
+            Op::MmaBf16 { d, a, b, c } => {
+                d.iter().for_each(|x| dst(out, x));
+                a.iter().chain(b).chain(c).for_each(|x| src(out, x));
+            }
             Op::Tcgen05(t) => match &**t {
                 Tcgen05::Alloc { dst, ncols } => {
                     addr(out, dst);

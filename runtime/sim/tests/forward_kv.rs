@@ -237,7 +237,16 @@ fn run_device_on(
         exact,
         "the reference from the maxima"
     );
-    assert_eq!(ran("fwd_kv_bound"), !exact, "the bound");
+    assert_eq!(
+        ran("fwd_kv_bound"),
+        reference == Reference::Bound,
+        "the bound"
+    );
+    assert_eq!(
+        ran("fwd_kv_probe"),
+        reference == Reference::Probe,
+        "the probe"
+    );
     let pass = match pool {
         OPool::F32 => "msa_forward_kv_sm90",
         OPool::F16 => "msa_forward_kv_f16_sm90",
@@ -560,6 +569,7 @@ fn a_second_call_on_the_same_workspace_starts_from_zeroed_pools() {
         (OPool::F16, Reference::ExactMax),
         (OPool::F32, Reference::ExactMax),
         (OPool::F32, Reference::Bound),
+        (OPool::F16, Reference::Probe),
     ] {
         let mut dev = SimDevice::new(Arch::Sm90, 132);
         let mut fwd = flow(how);
@@ -720,4 +730,83 @@ fn forward_kv_exiting_before_the_last_reduction_read_its_rows_is_reported() {
         Limits::default(),
         "the CTA finished while",
     );
+}
+
+// ---- the probe's reference (Reference::Probe) -----------------------------------------------
+
+#[test]
+fn probe_references_keep_unit_normal_rows_in_either_window() {
+    // The inputs on which the bound sends every f16 row to the recompute pass: against the
+    // first key of each selected block, every row's sum stays inside the window, so there is
+    // one pass and no recompute, with both pools, on random selections with holes and a
+    // silent head and on the causal support.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(21);
+    let random = random_q2k(&cu, &mut rng, &[1]);
+    let causal = causal_support(&cu).unwrap();
+    for (what, q2k, seed) in [("random", &random, 22), ("causal", &causal, 25)] {
+        let inp = inputs(&cu, q2k, seed);
+        for pool in [OPool::F16, OPool::F32] {
+            let how = (pool, Reference::Probe);
+            let (out, lse, verdict) = run_device_full(&cu, q2k, (&inp.q, &inp.ka, &inp.va), how);
+            let recomputed = verdict.unwrap_or_else(|e| panic!("{what}, {pool:?}: {e}"));
+            assert_eq!(recomputed, 0, "{what}, {pool:?}: no row recomputed");
+            let stats =
+                compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}, {pool:?}: {e}"));
+            eprintln!("probe references, {what}, {pool:?} pool: {stats}");
+        }
+    }
+}
+
+#[test]
+fn probe_references_send_the_outlier_rows_to_the_recompute_pass() {
+    // The outlier key (key 190 of block 1) is not the block's first key: the rows that see
+    // it and score it high sum far past the f16 window against their probed keys. They, and
+    // only rows of heads 0-15 at or after key 190 (10 queries), are recomputed with their
+    // lse as reference. The f32 pool's window (sums up to e^80) holds them all in one pass.
+    // Every row matches the reference.
+    let (cu, q2k, inp) = outlier_case();
+    for (pool, most) in [(OPool::F16, 10 * 16), (OPool::F32, 0)] {
+        let how = (pool, Reference::Probe);
+        let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
+        let recomputed = verdict.unwrap_or_else(|e| panic!("{pool:?}: {e}"));
+        assert!(
+            recomputed <= most && (most == 0 || recomputed > 0),
+            "{pool:?}: {recomputed} rows recomputed"
+        );
+        let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{pool:?}: {e}"));
+        eprintln!("probe, outlier key, {pool:?} pool, {recomputed} rows recomputed: {stats}");
+    }
+}
+
+#[test]
+fn probe_references_scale_large_and_small_values_into_range() {
+    // V scaled by 2^12 and by 2^-14 on unit-normal Q and K: the f16 pool's scale follows
+    // max|v| under the probe too.
+    let cu = cu_of(&[260, 3]);
+    let q2k = causal_support(&cu).unwrap();
+    let how = (OPool::F16, Reference::Probe);
+    for (what, factor) in [("V × 4096", 4096.0f32), ("V × 2^-14", 1.0 / 16384.0)] {
+        let mut inp = inputs(&cu, &q2k, 26);
+        for v in inp.va.iter_mut() {
+            *v = bf16::from_f32(v.to_f32() * factor);
+        }
+        let want = reference_of(&cu, &q2k, &inp);
+        let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
+        assert_eq!(
+            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
+            0,
+            "{what}"
+        );
+        let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
+        inp.want_out = norm(&want.out);
+        inp.want_lse = want.lse;
+        let stats = compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("probe, {what}: {stats}");
+    }
+}
+
+#[test]
+fn probe_references_report_a_nan_query_row() {
+    nan_row_case((OPool::F16, Reference::Probe));
 }

@@ -270,6 +270,74 @@ $L_end:
     assert!(e.contains("stmatrix") && e.contains("lane 16"), "{e}");
 }
 
+/// `mma.m16n8k16.row.col.f32.bf16.bf16.f32`: each lane loads its fragment words, laid out
+/// here from the PTX ISA's tables (9.7.14.5.8) rather than from the simulator, and stores its
+/// four results; the product is checked against a plain matrix product. The entries are small
+/// integers, so every sum is exact.
+#[test]
+fn mma_m16n8k16_follows_the_isa_fragment_layout() {
+    let a = |row: u32, k: u32| row as f32 - k as f32 + 0.5 * (k % 3) as f32;
+    let b = |k: u32, col: u32| k as f32 + 2.0 * col as f32 - 8.0;
+    let c = |row: u32, col: u32| (row * 8 + col) as f32;
+    let pair = |lo: f32, hi: f32| {
+        let h = |x: f32| half::bf16::from_f32(x).to_bits() as u32;
+        h(lo) | h(hi) << 16
+    };
+    // Per lane: a0..a3; b0, b1 and two words of padding; c0..c3 (48 bytes).
+    let mut input = Vec::new();
+    for lane in 0..32u32 {
+        let (g, t) = (lane / 4, lane % 4);
+        for (row, k) in [
+            (g, 2 * t),
+            (g + 8, 2 * t),
+            (g, 2 * t + 8),
+            (g + 8, 2 * t + 8),
+        ] {
+            input.push(pair(a(row, k), a(row, k + 1)));
+        }
+        for k in [2 * t, 2 * t + 8] {
+            input.push(pair(b(k, g), b(k + 1, g)));
+        }
+        input.extend([0, 0]);
+        for (row, col) in [
+            (g, 2 * t),
+            (g, 2 * t + 1),
+            (g + 8, 2 * t),
+            (g + 8, 2 * t + 1),
+        ] {
+            input.push(c(row, col).to_bits());
+        }
+    }
+    let body = r#"
+	mov.u32 %r0, %laneid;
+	mul.lo.u32 %r0, %r0, 48;
+	cvt.u64.u32 %rd0, %r0;
+	add.u64 %rd0, %o1, %rd0;
+	ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd0];
+	ld.global.v2.u32 {%r5, %r6}, [%rd0+16];
+	ld.global.v4.f32 {%f0, %f1, %f2, %f3}, [%rd0+32];
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f4, %f5, %f6, %f7}, {%r1, %r2, %r3, %r4}, {%r5, %r6}, {%f0, %f1, %f2, %f3};
+	st.global.v4.f32 [%o0], {%f4, %f5, %f6, %f7};
+"#;
+    let out = run_grid(body, (1, 1), (32, 1), 4, &input);
+    for lane in 0..32u32 {
+        let (g, t) = (lane / 4, lane % 4);
+        for (i, (row, col)) in [
+            (g, 2 * t),
+            (g, 2 * t + 1),
+            (g + 8, 2 * t),
+            (g + 8, 2 * t + 1),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let want: f32 = (0..16).map(|k| a(row, k) * b(k, col)).sum::<f32>() + c(row, col);
+            let got = f32::from_bits(out[(4 * lane) as usize + i]);
+            assert_eq!(got, want, "lane {lane} D[{row}][{col}]");
+        }
+    }
+}
+
 #[test]
 fn prmt_default_mode() {
     let body = r#"

@@ -8,4 +8,5 @@ pub mod atomic;
 pub mod control;
 pub mod convert;
 pub mod memory;
+pub mod mma;
 pub mod sync;

@@ -1,10 +1,10 @@
-//! The warp collectives `shfl.sync`, `elect.sync`, `vote.sync.ballot`, `bar.warp.sync` and
-//! `stmatrix`, and their membermask contract.
+//! The warp collectives `shfl.sync`, `elect.sync`, `vote.sync.ballot`, `bar.warp.sync`,
+//! `stmatrix` and `mma.sync`, and their membermask contract.
 
 use super::{lanes, Cta, Flow, Place};
 use crate::error::{FaultKind, MemoryFault, MemoryFaultKind, SimError};
 use crate::ir::{Addr, Dst, Op, Reg, ShflMode, Space, Src};
-use crate::numeric::shfl_source;
+use crate::numeric::{bf16_to_f32, shfl_source};
 
 impl Cta<'_> {
     /// Executes the warp collectives `shfl.sync`, `elect.sync` and `vote.sync.ballot`.
@@ -44,6 +44,7 @@ impl Cta<'_> {
                 }
             }
             Op::Stmatrix { addr, src } => self.stmatrix(pcu, w, group, exec, addr, src)?,
+            Op::MmaBf16 { d, a, b, c } => self.mma_bf16(pcu, w, group, exec, d, [a, b, c])?,
             _ => unreachable!("step dispatches only warp instructions here"),
         }
         Ok(Flow::Advance)
@@ -232,6 +233,56 @@ impl Cta<'_> {
                     let word = (v[from] as u32).to_le_bytes();
                     self.write_bytes(Place::Shared(off + 4 * k), &word);
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: with `g = lane / 4` and
+    /// `t = lane % 4`, A's element (row, k) sits in lane `4·(row % 8) + (k % 8) / 2`,
+    /// register `row / 8 + 2·(k / 8)`, half `k % 2`; B's (k, col) in lane `4·col + (k % 8) / 2`,
+    /// register `k / 8`, half `k % 2`; D's (row, col) in lane `4·(row % 8) + col / 2`, register
+    /// `2·(row / 8) + col % 2`. The products are exact in f64 and each sum is rounded to f32
+    /// once (the hardware's order of additions is unspecified). The whole warp executes it.
+    fn mma_bf16(
+        &mut self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        d: &[Dst],
+        [a, b, c]: [&[Src]; 3],
+    ) -> Result<(), SimError> {
+        if exec == 0 {
+            return Ok(());
+        }
+        if exec != u32::MAX {
+            let l = (!exec).trailing_zeros() as usize;
+            let why = self.absence(w, l, group);
+            return Err(self.fault(
+                pc,
+                w,
+                exec.trailing_zeros() as usize,
+                FaultKind::Sync(format!("mma.sync (.aligned) without lane {l}: it {why}")),
+            ));
+        }
+        let [a, b, c] = [a, b, c].map(|v| v.iter().map(|s| self.gather(w, *s)).collect::<Vec<_>>());
+        let half = |word: u64, k: usize| bf16_to_f32((word >> (16 * (k % 2))) as u16) as f64;
+        let a_at =
+            |row: usize, k: usize| half(a[row / 8 + 2 * (k / 8)][4 * (row % 8) + (k % 8) / 2], k);
+        let b_at = |k: usize, col: usize| half(b[k / 8][4 * col + (k % 8) / 2], k);
+        let mut out = vec![[0u64; 32]; 4];
+        for row in 0..16 {
+            for col in 0..8 {
+                let (lane, reg) = (4 * (row % 8) + col / 2, 2 * (row / 8) + col % 2);
+                let acc = f32::from_bits(c[reg][lane] as u32) as f64;
+                let sum: f64 = (0..16).map(|k| a_at(row, k) * b_at(k, col)).sum::<f64>() + acc;
+                out[reg][lane] = (sum as f32).to_bits() as u64;
+            }
+        }
+        for (dst, vals) in d.iter().zip(&out) {
+            if let Dst::Reg(r) = dst {
+                self.put(w, *r, exec, vals, 32);
             }
         }
         Ok(())
