@@ -57,6 +57,9 @@ CASES = {
     "doc256k": [262144],
     "doc1m": [1048576],
     "packed1m": [n * k for k in (1, 3, 12) for n in PACKED_64K],
+    # 64K tokens in equal documents, for where the KV forward starts to pay (Auto's threshold)
+    "docs2k": [2048] * 32,
+    "docs4k": [4096] * 16,
 }
 TIMED_CASES = ["doc8k", "doc32k", "packed64k"]
 # name -> (document lengths, topk)

@@ -14,7 +14,7 @@
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
 //! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
-//! the max pass's exact references) on that forward's schedule, checked the same way. Every
+//! the max pass's exact references, then both with the probe's) on that forward's schedule, checked the same way. Every
 //! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
@@ -207,12 +207,14 @@ fn device_path(
         lse: Span::new(lse_kv.device_ptr_mut(stream).0, t * 64),
     };
     let mut backend = CudaBackend::new(stream).map_err(e)?;
-    // Both o_pool types (the f16 one runs its own pass and combine kernels), and the exact
-    // references (the max pass and fwd_kv_reference).
+    // Both o_pool types (the f16 one runs its own pass and combine kernels), the exact
+    // references (the max pass and fwd_kv_reference) and the probe's (the default).
     let ways = [
         (OPool::F32, Reference::Bound),
         (OPool::F16, Reference::Bound),
         (OPool::F16, Reference::ExactMax),
+        (OPool::F16, Reference::Probe),
+        (OPool::F32, Reference::Probe),
     ];
     for (pool, refs) in ways {
         let mut kv = MsaForwardKv::new().with_o_pool(pool).with_reference(refs);

@@ -54,7 +54,7 @@
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
-//! # The max pass (`msa_forward_kv_max_sm90`, [`Pass::Max`])
+//! # The max pass (`msa_forward_kv_max_sm90`, [`Pass::Max`]; `Reference::ExactMax` only)
 //! The same walk with K alone: the S GEMM, the mask and the rows' `red.max`, no V, no P·V, no
 //! staging, no reference. `forward_kv_rows::REFERENCE` turns the maxima into the sum pass's
 //! references, so that no row leaves either pool's window; the sum pass, given a null
@@ -102,6 +102,11 @@
 //!   saturated (shared memory 44-50 %, SM 53-57 %), each consumer bound by its own chain of
 //!   about 490 (sum) or 200 (max) instructions per warp and task; and the GPU runs at
 //!   1.35-1.95 GHz under its 700 W cap during both passes.
+//! - Session 18 (`-s18-forward.md`): the runtime's default reference became
+//!   `fwd_kv_probe`'s lower bound (`forward_kv_rows`), so the max pass no longer runs by
+//!   default: 8.9 / 5.1 / 1.16 ms (405 / 407 / 405 useful TFLOP/s; doc16k 406, doc64k 385),
+//!   4.10× / 4.08× / 4.11× fla in the same run (doc16k 4.08×, doc64k 3.89×), no row
+//!   recomputed.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
