@@ -148,11 +148,11 @@ pub enum RuntimeError {
         ranks: Vec<usize>,
     },
     /// The KV-parallel forward ([`crate::forward_kv::MsaForwardKv`]) left rows it could not
-    /// normalise even against their exact maximum (a NaN or infinite logit): their `lse` is
-    /// NaN and their `out` 0, never a wrong finite value.
+    /// normalise even against their exact maximum or their `lse` (a NaN or infinite logit):
+    /// their `lse` is NaN and their `out` 0, never a wrong finite value.
     #[error(
         "KV-parallel forward: {rows} row(s) could not be normalised against their own maximum \
-         (a NaN or infinite logit?): their lse is NaN and their out 0"
+         or lse (a NaN or infinite logit?): their lse is NaN and their out 0"
     )]
     ForwardReferenceRange {
         /// How many rows.

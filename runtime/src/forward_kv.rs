@@ -331,8 +331,8 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// Issues the whole forward on `backend`'s stream, with no host sync: the task build, the
-    /// reference per row (the max pass's exact maximum, or the bound `scale·‖q‖·max‖k‖` over
-    /// its selected blocks: [`Reference`]), the pass into pools of its own, the combine into
+    /// reference per row (the probe's lower bound of its maximum, the max pass's exact
+    /// maximum, or the bound `scale·‖q‖·max‖k‖` over its selected blocks: [`Reference`]), the pass into pools of its own, the combine into
     /// `io.out` and `io.lse`, and the gated recompute pass and combine (`io.q2k` must be the
     /// selection `schedule` was built from; its length is checked). Then
     /// [`MsaForwardKv::status`] gives the verdict.
@@ -525,8 +525,8 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// The verdict on the last [`MsaForwardKv::run_on`]: `Ok` with the number of rows that were
-    /// recomputed with their exact maximum as reference (their bound lay too far above it).
-    /// Synchronizes.
+    /// recomputed, with their exact maximum (or, under the probe, their `lse`) as reference,
+    /// because the first reference left them outside the pool's window. Synchronizes.
     ///
     /// # Errors
     /// [`RuntimeError::ForwardReferenceRange`] with the count of rows still out of range after
