@@ -420,8 +420,8 @@ def _forward(q: Any, k_aligned: Any, v_aligned: Any, q2k: Any, schedule: MSABack
     the device from this ``q2k`` (``build_schedule`` of a CUDA ``q2k``), on
     ``torch.cuda.current_stream(q.device)``. ``algorithm`` (``msa_runtime::ForwardAlgorithm``):
     ``"auto"`` runs the KV-parallel ``msa_forward_kv_*_sm90`` on compute capability 9.0 for
-    documents of 6144 tokens or more on average (2.2-2.5x faster at 64K-token documents on the
-    H200) unless ``deterministic``, and the Q-parallel ``msa_forward_sm90`` (9.0) or
+    documents of 4096 tokens or more on average (1.1x faster at 4K-token documents and 3.4x
+    at one 64K-token document on the H200) unless ``deterministic``, and the Q-parallel ``msa_forward_sm90`` (9.0) or
     ``msa_forward_sm100`` (10.0, never run on hardware, simulated in CI) otherwise;
     ``"q_parallel"`` and ``"kv_parallel"`` force one. A row with no key gets ``out = 0`` and
     ``lse = -inf``; so does every row when the schedule build flagged the selection. The KV

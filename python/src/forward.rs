@@ -54,7 +54,7 @@ fn parse_algorithm(name: &str) -> PyResult<ForwardAlgorithm> {
 /// 16-byte aligned. Nothing is synchronized.
 ///
 /// `algorithm` (`msa_runtime::ForwardAlgorithm`): `"auto"` takes the KV-parallel forward on
-/// capability 9.0 for documents of 6144 tokens or more on average, and the Q-parallel one
+/// capability 9.0 for documents of 4096 tokens or more on average, and the Q-parallel one
 /// otherwise, or when `deterministic` asks for a bitwise reproducible forward, or when the
 /// KV forward's workspace cannot be allocated; `"q_parallel"` and `"kv_parallel"` force one
 /// (the latter only on 9.0, and not with `deterministic`). The KV forward gives a row with a

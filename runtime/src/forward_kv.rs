@@ -215,11 +215,13 @@ pub enum ForwardAlgorithm {
 /// The mean document length (tokens) from which [`ForwardAlgorithm::Auto`] takes the KV
 /// forward. The Q-parallel kernel executes a tile for every block any of its 4 queries
 /// selected, a waste that grows with the document; the KV forward wastes no tile but adds
-/// its rows in L2, at a cost flat with length. On the H200
-/// (`bench/results/h200-2026-12-03-s15-forward.md`, call 4) the KV forward took 1.01× the
-/// Q-parallel kernel's time at doc8k, and was 1.08× faster at packed64k (mean 6.5K), 1.3× at
-/// doc16k, 1.8× at doc32k and 2.2× at doc64k. Shorter means were not measured.
-pub const KV_FORWARD_MIN_MEAN_DOC: usize = 6144;
+/// its rows in L2, at a cost flat with length. On the H200 with the probe reference
+/// (`bench/results/h200-2026-12-03-s18-forward.md`, calls 2-3; the whole KV forward against
+/// the Q-parallel kernel alone) the KV forward took 1.17× the Q-parallel time at 64K tokens
+/// in 2K-token documents, and was 1.13× faster in 4K-token documents, 1.56× at doc8k, 1.69×
+/// at packed64k (mean 6.5K), 2.1× at doc16k and 3.4× at doc64k. The crossover lies near
+/// 3.3K; this threshold is the shortest mean measured faster.
+pub const KV_FORWARD_MIN_MEAN_DOC: usize = 4096;
 
 impl ForwardAlgorithm {
     /// Whether a forward of `t` tokens in `docs` documents against `w` aligned K/V rows, on
