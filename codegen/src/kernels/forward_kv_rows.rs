@@ -551,7 +551,7 @@ fn describe_probe(b: &mut KernelBuilder) {
         let some = b.setp(Cmp::Ne, any, 0u32);
         // The pass's terms are `exp(S·scale − R)`, at least 1 at the probed key: the f16 pool
         // is scaled to max|v| = 1, not 8 as under the exact reference (see `PROBE_SUM_MAX`).
-        let shift = f16_shift_to(b, &vmax_p, 1.0);
+        let shift = f16_shift_to(b, &vmax_p, PROBE_F16_SCALE_TARGET);
         let lead = b.setp(Cmp::Eq, tq, 0u32);
         b.if_then(lead, "store", |b| {
             let rp = b.ld_param_ptr(&r_p);

@@ -338,6 +338,36 @@ fn mma_m16n8k16_follows_the_isa_fragment_layout() {
     }
 }
 
+/// An `mma.sync` that part of the warp skips is an error, not a partial product.
+#[test]
+fn mma_in_a_partial_warp_is_reported() {
+    let text = r#".version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry t()
+{
+	.reg .pred %p<2>;
+	.reg .u32 %r<8>;
+	.reg .f32 %f<8>;
+	mov.u32 %r0, %laneid;
+	mov.f32 %f0, 0f00000000;
+	setp.ge.u32 %p0, %r0, 8;
+	@%p0 bra $L_end;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r0, %r0, %r0, %r0}, {%r0, %r0}, {%f0, %f0, %f0, %f0};
+$L_end:
+	ret;
+}
+"#;
+    let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
+    let mut gpu = Gpu::new();
+    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1));
+    let e = gpu
+        .launch(m.kernel("t").unwrap(), &cfg, &[])
+        .expect_err("a quarter of a warp executed mma.sync")
+        .to_string();
+    assert!(e.contains("mma.sync") && e.contains("lane 8"), "{e}");
+}
+
 #[test]
 fn prmt_default_mode() {
     let body = r#"

@@ -172,6 +172,33 @@ impl Cta<'_> {
         Ok(())
     }
 
+    /// The `.aligned` contract of a warp instruction without a membermask: `Ok(false)` when no
+    /// lane executes it, `Ok(true)` when all 32 do, an error naming the first absent lane
+    /// otherwise.
+    fn whole_warp(
+        &self,
+        pc: usize,
+        w: usize,
+        group: u32,
+        exec: u32,
+        what: &str,
+    ) -> Result<bool, SimError> {
+        if exec == 0 {
+            return Ok(false);
+        }
+        if exec != u32::MAX {
+            let l = (!exec).trailing_zeros() as usize;
+            let why = self.absence(w, l, group);
+            return Err(self.fault(
+                pc,
+                w,
+                exec.trailing_zeros() as usize,
+                FaultKind::Sync(format!("{what} (.sync.aligned) without lane {l}: it {why}")),
+            ));
+        }
+        Ok(true)
+    }
+
     /// `stmatrix.m8n8.x{1,2,4}`: matrix `i`'s row `r` (16 bytes at the address of lane
     /// `8i + r`) is register `i` of lanes `4r .. 4r + 4`, in lane order. The whole warp
     /// executes it (`.aligned`).
@@ -184,20 +211,8 @@ impl Cta<'_> {
         addr: &Addr,
         src: &[Src],
     ) -> Result<(), SimError> {
-        if exec == 0 {
+        if !self.whole_warp(pc, w, group, exec, "stmatrix")? {
             return Ok(());
-        }
-        if exec != u32::MAX {
-            let l = (!exec).trailing_zeros() as usize;
-            let why = self.absence(w, l, group);
-            return Err(self.fault(
-                pc,
-                w,
-                exec.trailing_zeros() as usize,
-                FaultKind::Sync(format!(
-                    "stmatrix (.sync.aligned) without lane {l}: it {why}"
-                )),
-            ));
         }
         let vals: Vec<[u64; 32]> = src.iter().map(|s| self.gather(w, *s)).collect();
         for (i, v) in vals.iter().enumerate() {
@@ -253,18 +268,8 @@ impl Cta<'_> {
         d: &[Dst],
         [a, b, c]: [&[Src]; 3],
     ) -> Result<(), SimError> {
-        if exec == 0 {
+        if !self.whole_warp(pc, w, group, exec, "mma.sync")? {
             return Ok(());
-        }
-        if exec != u32::MAX {
-            let l = (!exec).trailing_zeros() as usize;
-            let why = self.absence(w, l, group);
-            return Err(self.fault(
-                pc,
-                w,
-                exec.trailing_zeros() as usize,
-                FaultKind::Sync(format!("mma.sync (.aligned) without lane {l}: it {why}")),
-            ));
         }
         let [a, b, c] = [a, b, c].map(|v| v.iter().map(|s| self.gather(w, *s)).collect::<Vec<_>>());
         let half = |word: u64, k: usize| bf16_to_f32((word >> (16 * (k % 2))) as u16) as f64;
