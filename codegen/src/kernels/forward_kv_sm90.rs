@@ -46,13 +46,21 @@
 //!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
 //!   its own last read), checked at codegen time.
 //!
-//! # The f16 pool (`msa_forward_kv_f16_sm90`, the runtime's default)
+//! # The f16 pool (`msa_forward_kv_f16_sm90`, the runtime's default pool)
 //! [`OPool::F16`]: the same kernel with each warp's rows staged as f16 (`cvt.rn.f16x2.f32`,
 //! `stmatrix`, two boxes of 16 heads × 64 d) and added by a TMA f16 reduce-add: the bf16
 //! pool's bytes with 11 significant bits instead of 8. The caller lowers the reference so that
 //! no sum leaves f16's range, and recomputes the rows whose sums would sink into its
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
+//!
+//! # The probe's reference (the runtime's default since session 18)
+//! The pass needs only that every row's terms stay in its pool's range, not that `R` bound
+//! the logits. `fwd_kv_probe` (`forward_kv_rows`) gives a lower bound of each row's
+//! maximum instead, its logit against the first key of each block it sees: terms may then
+//! exceed 1, but the row sum is at least about 1, and the combine checks it against the f16
+//! range (the pool's scale leaves it room up to 60000) and recomputes the rows beyond with
+//! their `lse`. No pass precedes this one, and the sum pass gets a null `m_pool`.
 //!
 //! # The max pass (`msa_forward_kv_max_sm90`, [`Pass::Max`]; `Reference::ExactMax` only)
 //! The same walk with K alone: the S GEMM, the mask and the rows' `red.max`, no V, no P·V, no
