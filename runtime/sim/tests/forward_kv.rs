@@ -810,3 +810,111 @@ fn probe_references_scale_large_and_small_values_into_range() {
 fn probe_references_report_a_nan_query_row() {
     nan_row_case((OPool::F16, Reference::Probe));
 }
+
+#[test]
+fn the_probe_takes_each_rows_logit_against_the_first_key_of_each_block_it_sees() {
+    // `fwd_kv_probe` alone, against its definition computed here: R = scale·max over the
+    // row's selected blocks whose first key it sees (document-local 128·id ≤ its position) of
+    // q·k_first, and 0 with an m_pool key of 0 for a row that sees none; R never above the
+    // row's true maximum over its visible keys. Random selections with holes and a silent
+    // head, on odd document lengths; the f32 pool (no vmax: no scale).
+    use msa_runtime::kernels::fwd_kv_probe;
+    use msa_runtime::{workspace_layout, Backend, Ptr, PtrMut};
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(31);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = inputs(&cu, &q2k, 32);
+    let (t, w) = (inp.t, inp.ka.len() / KV_ROW);
+    let mut dev = SimDevice::new(Arch::Sm90, 132);
+    let (s, q2k_s) = device_schedule(&mut dev, &cu, &q2k, w);
+    let q_d = dev.upload_new("q", &inp.q);
+    let k_d = dev.upload_new("k", &inp.ka);
+    let r_d = dev.upload_new("reference", &vec![f32::NAN; t * 64]);
+    let m_d = dev.upload_new("m_pool", &vec![u32::MAX; t * 64]);
+    let args = fwd_kv_probe::args(
+        Ptr::new(q_d.ptr.addr()),
+        Ptr::new(k_d.ptr.addr()),
+        q2k_s.ptr(),
+        s.cu_seqlens_ptr(),
+        Ptr::new(s.refs().ws_starts),
+        Ptr::new(0),
+        PtrMut::new(r_d.ptr.addr()),
+        PtrMut::new(m_d.ptr.addr()),
+        (4 * t) as u32,
+        t as u32,
+        (cu.len() - 1) as u32,
+        (w / 128) as u32,
+    );
+    dev.load(&fwd_kv_probe::KERNEL).expect("load");
+    // SAFETY: every buffer has the length the kernel's parameters describe (T tokens, W
+    // aligned rows, cu.len() − 1 documents).
+    unsafe {
+        dev.launch(
+            &fwd_kv_probe::KERNEL,
+            ((4 * t).div_ceil(8) as u32, 1, 1),
+            &args,
+        )
+    }
+    .expect("probe");
+    let r: Vec<f32> = dev.read(r_d.ptr.addr(), t * 64).unwrap();
+    let m: Vec<u32> = dev.read(m_d.ptr.addr(), t * 64).unwrap();
+    let (starts, _) = workspace_layout(&cu).unwrap();
+    let scale = (128f64).powf(-0.5);
+    let dot = |row: usize, key: usize, g: usize| -> f64 {
+        let q = &inp.q[row * 128..row * 128 + 128];
+        let k = &inp.ka[(key * 4 + g) * 128..(key * 4 + g) * 128 + 128];
+        q.iter()
+            .zip(k)
+            .map(|(a, b)| a.to_f64() * b.to_f64())
+            .sum::<f64>()
+            * scale
+    };
+    let (mut seen_rows, mut empty_rows) = (0, 0);
+    for d in 0..cu.len() - 1 {
+        for tok in cu[d] as usize..cu[d + 1] as usize {
+            let pos = tok - cu[d] as usize;
+            for g in 0..4 {
+                let ids: Vec<usize> = (0..16)
+                    .map(|j| q2k[(g * t + tok) * 16 + j])
+                    .filter(|&id| id >= 0 && 128 * id as usize <= pos)
+                    .map(|id| id as usize)
+                    .collect();
+                for h in 0..16 {
+                    let row = tok * 64 + 16 * g + h;
+                    if ids.is_empty() {
+                        assert_eq!((r[row], m[row]), (0.0, 0), "row {row} sees no block");
+                        empty_rows += 1;
+                        continue;
+                    }
+                    let first_key = |id: usize| starts[d] as usize + 128 * id;
+                    let want = ids
+                        .iter()
+                        .map(|&id| dot(row, first_key(id), g))
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    let max = ids
+                        .iter()
+                        .flat_map(|&id| (0..128).map(move |k| (id, k)))
+                        .filter(|&(id, k)| 128 * id + k <= pos)
+                        .map(|(id, k)| dot(row, first_key(id) + k, g))
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    let got = f64::from(r[row]);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "row {row}: R {got}, want {want}"
+                    );
+                    assert!(
+                        got <= max + 1e-5,
+                        "row {row}: R {got} above its maximum {max}"
+                    );
+                    assert!(m[row] > 0x007f_ffff, "row {row}: m_pool key {:#x}", m[row]);
+                    seen_rows += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        seen_rows > 0 && empty_rows > 0,
+        "{seen_rows} rows with a block, {empty_rows} without"
+    );
+    eprintln!("probe: {seen_rows} rows with a block, {empty_rows} without");
+}
