@@ -135,8 +135,8 @@ pub enum Reference {
     Bound,
     /// The row's exact maximum from a max pass over the task tables
     /// (`msa_forward_kv_max_sm90`: the S GEMMs and the mask alone; then `fwd_kv_reference`),
-    /// so that every row with a finite maximum lies in either pool's window (the default:
-    /// 4.2 ms at packed64k, and no recompute).
+    /// so that every row with a finite maximum lies in either pool's window (the default
+    /// until session 18: 3.6 ms at packed64k, and no recompute).
     ExactMax,
     /// A lower bound of the row's maximum with no pass over the task tables
     /// (`fwd_kv_probe`): the largest logit of the row against the first key of each block it
@@ -334,10 +334,10 @@ impl<B: Backend> MsaForwardKv<B> {
 
     /// Issues the whole forward on `backend`'s stream, with no host sync: the task build, the
     /// reference per row (the probe's lower bound of its maximum, the max pass's exact
-    /// maximum, or the bound `scale·‖q‖·max‖k‖` over its selected blocks: [`Reference`]), the pass into pools of its own, the combine into
-    /// `io.out` and `io.lse`, and the gated recompute pass and combine (`io.q2k` must be the
-    /// selection `schedule` was built from; its length is checked). Then
-    /// [`MsaForwardKv::status`] gives the verdict.
+    /// maximum, or the bound `scale·‖q‖·max‖k‖` over its selected blocks: [`Reference`]), the
+    /// pass into pools of its own, the combine into `io.out` and `io.lse`, and the gated
+    /// recompute pass and combine (`io.q2k` must be the selection `schedule` was built from;
+    /// its length is checked). Then [`MsaForwardKv::status`] gives the verdict.
     ///
     /// # Errors
     /// As [`MsaForwardKv::run_to_pools`], and [`RuntimeError::Overlap`] for an output on an
@@ -389,7 +389,6 @@ impl<B: Backend> MsaForwardKv<B> {
         self.status_at = None;
         // The key maxima feed the bound; max|v| (the same launch) the f16 pool's scale.
         let bound = self.reference == Reference::Bound;
-        let probe = self.reference == Reference::Probe;
         let key_max = bound || self.pool == OPool::F16;
         if t > 0 {
             // The kernels this call launches, and no other.
@@ -465,44 +464,49 @@ impl<B: Backend> MsaForwardKv<B> {
         };
         match self.prepare(backend, &pools, schedule, zero_o)? {
             Some(launch) => {
-                if probe {
+                match self.reference {
+                    // The bound is in place already (before `prepare`).
+                    Reference::Bound => {}
                     // After `prepare`, which zeroes m_pool: the probe marks there the rows that
                     // see a block (the combine's test for an empty row).
-                    let args = fwd_kv_probe::args(
-                        io.q.ptr(),
-                        io.k_aligned.ptr(),
-                        io.q2k.ptr(),
-                        schedule.cu_seqlens_ptr(),
-                        Ptr::new(schedule.refs().ws_starts),
-                        vmax,
-                        pools.reference.ptr_mut(),
-                        pools.m_pool.ptr_mut(),
-                        u32_arg("groups", 4 * t)?,
-                        u32_arg("num_tokens", t)?,
-                        u32_arg("num_docs", z.num_documents)?,
-                        u32_arg("num_blocks", blocks)?,
-                    );
-                    // SAFETY: q is [T, 64, 128], k_aligned [W, 4, 128] and q2k [4, T, 16] (all
-                    // checked), cu_seqlens [D+1] and the workspace starts [D] are the
-                    // schedule's own, a block id at or past W/128 is not read (nor any other
-                    // that the row does not see: those read K row 0); vmax is one word of the
-                    // workspace or null (f32 pool); the reference and m_pool are [T, 64].
-                    let grid = row_grid(4 * t)?;
-                    unsafe { backend.launch(&fwd_kv_probe::KERNEL, (grid, 1, 1), &args) }?;
-                } else if !bound {
+                    Reference::Probe => {
+                        let args = fwd_kv_probe::args(
+                            io.q.ptr(),
+                            io.k_aligned.ptr(),
+                            io.q2k.ptr(),
+                            schedule.cu_seqlens_ptr(),
+                            Ptr::new(schedule.refs().ws_starts),
+                            vmax,
+                            pools.reference.ptr_mut(),
+                            pools.m_pool.ptr_mut(),
+                            u32_arg("groups", 4 * t)?,
+                            u32_arg("num_tokens", t)?,
+                            u32_arg("num_docs", z.num_documents)?,
+                            u32_arg("num_blocks", blocks)?,
+                        );
+                        // SAFETY: q is [T, 64, 128], k_aligned [W, 4, 128] and q2k [4, T, 16] (all
+                        // checked), cu_seqlens [D+1] and the workspace starts [D] are the
+                        // schedule's own, a block id at or past W/128 is not read (nor any other
+                        // that the row does not see: those read K row 0); vmax is one word of the
+                        // workspace or null (f32 pool); the reference and m_pool are [T, 64].
+                        let grid = row_grid(4 * t)?;
+                        unsafe { backend.launch(&fwd_kv_probe::KERNEL, (grid, 1, 1), &args) }?;
+                    }
                     // The exact maxima into m_pool (and o_pool zeroed beside them), then R
                     // from them.
-                    self.launch_pass(backend, Pass::Max, &pools, &launch, None)?;
-                    let args = fwd_kv_reference::args(
-                        pools.m_pool.ptr(),
-                        vmax,
-                        pools.reference.ptr_mut(),
-                        u32_arg("rows", rows)?,
-                    );
-                    let grid = grid_dim("rows", rows.div_ceil(REFERENCE_ROWS_PER_CTA))?;
-                    // SAFETY: m_pool and the reference are [T, 64]; vmax is one word of the
-                    // workspace (set by fwd_kv_key_max), or null (f32 pool: not read).
-                    unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
+                    Reference::ExactMax => {
+                        self.launch_pass(backend, Pass::Max, &pools, &launch, None)?;
+                        let args = fwd_kv_reference::args(
+                            pools.m_pool.ptr(),
+                            vmax,
+                            pools.reference.ptr_mut(),
+                            u32_arg("rows", rows)?,
+                        );
+                        let grid = grid_dim("rows", rows.div_ceil(REFERENCE_ROWS_PER_CTA))?;
+                        // SAFETY: m_pool and the reference are [T, 64]; vmax is one word of the
+                        // workspace (set by fwd_kv_key_max), or null (f32 pool: not read).
+                        unsafe { backend.launch(&fwd_kv_reference::KERNEL, (grid, 1, 1), &args) }?;
+                    }
                 }
                 let pass = Pass::Sum(self.pool);
                 // Under the exact reference m_pool already holds every row's maximum, under
@@ -514,8 +518,9 @@ impl<B: Backend> MsaForwardKv<B> {
                 };
                 self.launch_pass(backend, pass, &sum_pools, &launch, None)?;
                 self.combine(backend, &pools, io, status, vmax, None)?;
-                // The rows the first combine handed back, with their exact maxima as
-                // references; both launches return at once when there is none.
+                // The rows the first combine handed back, with their exact maxima (under the
+                // probe, their lse) as references; both launches return at once when there is
+                // none.
                 self.launch_pass(backend, pass, &sum_pools, &launch, Some(status))?;
                 self.combine(backend, &pools, io, status, vmax, Some(status))?;
             }

@@ -14,8 +14,8 @@
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
 //! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
-//! the max pass's exact references, then both with the probe's) on that forward's schedule, checked the same way. Every
-//! sm_90a kernel of the runtime runs at least once.
+//! the max pass's exact references, then both with the probe's) on that forward's schedule,
+//! checked the same way. Every sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in

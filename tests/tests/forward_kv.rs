@@ -4,7 +4,8 @@
 //! empty rows exactly `out = 0`, `lse = −∞`, and the verdict `Ok` with no row recomputed; and
 //! the same cases with the experimental f16 `o_pool` (`OPool::F16`), whose verdict may count
 //! recomputed rows (printed) but must be `Ok`; and both pools with the max pass's exact
-//! references (`Reference::ExactMax`), where no row may be recomputed.
+//! references (`Reference::ExactMax`), where no row may be recomputed, and with the probe's
+//! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute).
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};

@@ -43,8 +43,8 @@ impl std::fmt::Debug for ForwardOutput {
 ///
 /// # Errors
 /// Those of [`ScheduleBuildSizes::new`], [`ResidentSchedule::build`] and
-/// [`MsaForward::run_on`](super::MsaForward::run_on); [`RuntimeError::Input`] for a buffer of another context or a
-/// length that is not a whole number of rows; [`RuntimeError::Alloc`].
+/// [`MsaForward::run_on`](super::MsaForward::run_on); [`RuntimeError::Input`] for a buffer of
+/// another context or a length that is not a whole number of rows; [`RuntimeError::Alloc`].
 pub fn run_forward(
     stream: &Arc<CudaStream>,
     q: &CudaView<'_, bf16>,
