@@ -285,6 +285,34 @@ fn reference_of(cu: &[i32], q2k: &[i32], inp: &Inputs) -> reference::Forward {
     reference::forward(&f(&inp.q), &ks, &vs, q2k, cu).unwrap()
 }
 
+/// The device flow of `how` on `inp` with V scaled by `factor` (a power of 2), against the
+/// reference of the scaled inputs: no row recomputed, and `out` within the tolerances relative
+/// to its scale (they are for unit-sized values).
+fn check_v_scaled(
+    what: &str,
+    cu: &[i32],
+    q2k: &[i32],
+    mut inp: Inputs,
+    factor: f32,
+    how: (OPool, Reference),
+) {
+    for v in inp.va.iter_mut() {
+        *v = bf16::from_f32(v.to_f32() * factor);
+    }
+    let want = reference_of(cu, q2k, &inp);
+    let (out, lse, verdict) = run_device_full(cu, q2k, (&inp.q, &inp.ka, &inp.va), how);
+    assert_eq!(
+        verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
+        0,
+        "{what}"
+    );
+    let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
+    inp.want_out = norm(&want.out);
+    inp.want_lse = want.lse;
+    let stats = compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+    eprintln!("{how:?}, {what}: {stats}");
+}
+
 /// One document of 200 tokens, every causal block selected, and one key of KV head 0 with a
 /// norm of 256 (key 190: one document, so the workspace row is the token; along d = 0), with
 /// its reference.
@@ -422,23 +450,8 @@ fn f16_pool_scales_large_and_small_values_into_range() {
     let cu = cu_of(&[260, 3]);
     let q2k = causal_support(&cu).unwrap();
     for (what, factor) in [("V × 4096", 4096.0f32), ("V × 2^-14", 1.0 / 16384.0)] {
-        let mut inp = inputs(&cu, &q2k, 26);
-        for v in inp.va.iter_mut() {
-            *v = bf16::from_f32(v.to_f32() * factor);
-        }
-        let mut inp = tight(&cu, &q2k, inp);
-        let (out, lse, verdict) =
-            run_device_with(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), OPool::F16);
-        assert_eq!(
-            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
-            0,
-            "{what}"
-        );
-        // Compare out relative to its scale: the tolerances are for unit-sized values.
-        let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
-        inp.want_out = norm(&inp.want_out);
-        let stats = compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
-        eprintln!("f16 pool, {what}: {stats}");
+        let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 26));
+        check_v_scaled(what, &cu, &q2k, inp, factor, (OPool::F16, Reference::Bound));
     }
 }
 
@@ -488,18 +501,7 @@ fn exact_max_references_need_no_recompute_for_an_outlier_key_or_scaled_values() 
     // V × 4096 on unit-normal Q and K: the scale still follows max|v|.
     let cu = cu_of(&[260, 3]);
     let q2k = causal_support(&cu).unwrap();
-    let mut inp = inputs(&cu, &q2k, 26);
-    let factor = 4096.0f32;
-    for v in inp.va.iter_mut() {
-        *v = bf16::from_f32(v.to_f32() * factor);
-    }
-    let want = reference_of(&cu, &q2k, &inp);
-    let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
-    assert_eq!(verdict.expect("every row normalised"), 0);
-    let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
-    inp.want_out = norm(&want.out);
-    inp.want_lse = want.lse;
-    compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("V × 4096: {e}"));
+    check_v_scaled("V × 4096", &cu, &q2k, inputs(&cu, &q2k, 26), 4096.0, how);
 }
 
 #[test]
@@ -787,22 +789,7 @@ fn probe_references_scale_large_and_small_values_into_range() {
     let q2k = causal_support(&cu).unwrap();
     let how = (OPool::F16, Reference::Probe);
     for (what, factor) in [("V × 4096", 4096.0f32), ("V × 2^-14", 1.0 / 16384.0)] {
-        let mut inp = inputs(&cu, &q2k, 26);
-        for v in inp.va.iter_mut() {
-            *v = bf16::from_f32(v.to_f32() * factor);
-        }
-        let want = reference_of(&cu, &q2k, &inp);
-        let (out, lse, verdict) = run_device_full(&cu, &q2k, (&inp.q, &inp.ka, &inp.va), how);
-        assert_eq!(
-            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
-            0,
-            "{what}"
-        );
-        let norm = |x: &[f32]| x.iter().map(|v| v / factor).collect::<Vec<f32>>();
-        inp.want_out = norm(&want.out);
-        inp.want_lse = want.lse;
-        let stats = compare(&inp, &norm(&out), &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
-        eprintln!("probe, {what}: {stats}");
+        check_v_scaled(what, &cu, &q2k, inputs(&cu, &q2k, 26), factor, how);
     }
 }
 

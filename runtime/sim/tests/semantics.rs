@@ -238,6 +238,16 @@ fn stmatrix_x4_stores_rows_from_the_fragment_layout() {
     }
 }
 
+/// The error of kernel `t` of `text` launched as one warp, which must fail (`why` says why).
+fn one_warp_error(text: &str, why: &str) -> String {
+    let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
+    let mut gpu = Gpu::new();
+    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1));
+    gpu.launch(m.kernel("t").unwrap(), &cfg, &[])
+        .expect_err(why)
+        .to_string()
+}
+
 /// A `stmatrix` that part of the warp skips is an error, not a partial store.
 #[test]
 fn stmatrix_in_a_partial_warp_is_reported() {
@@ -260,13 +270,7 @@ $L_end:
 	ret;
 }
 "#;
-    let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
-    let mut gpu = Gpu::new();
-    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1));
-    let e = gpu
-        .launch(m.kernel("t").unwrap(), &cfg, &[])
-        .expect_err("half a warp executed stmatrix")
-        .to_string();
+    let e = one_warp_error(text, "half a warp executed stmatrix");
     assert!(e.contains("stmatrix") && e.contains("lane 16"), "{e}");
 }
 
@@ -358,13 +362,7 @@ $L_end:
 	ret;
 }
 "#;
-    let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
-    let mut gpu = Gpu::new();
-    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1));
-    let e = gpu
-        .launch(m.kernel("t").unwrap(), &cfg, &[])
-        .expect_err("a quarter of a warp executed mma.sync")
-        .to_string();
+    let e = one_warp_error(text, "a quarter of a warp executed mma.sync");
     assert!(e.contains("mma.sync") && e.contains("lane 8"), "{e}");
 }
 
