@@ -24,6 +24,10 @@
 //! `2·(128 + 128)·16·Σ keys attended` (keys summed over the 4 index heads and all tokens, ×16
 //! query heads per index head). Inputs are uniform bf16 (timing does not depend on them).
 //! Without a GPU it says so and exits 0.
+//!
+//! With `BENCH_KV_ONLY=1` it times the KV forward alone (its line and its default breakdown;
+//! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`): the form
+//! for A/B runs of two builds.
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -208,6 +212,7 @@ fn main() -> Res<()> {
     };
     let stream = dev.context().default_stream();
     let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
+    let kv_only = std::env::var_os("BENCH_KV_ONLY").is_some_and(|v| v == "1");
     println!(
         "| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s | kv ms | \
          useful TFLOP/s | kv vs sm90: out max-abs, lse max-abs, verdict |"
@@ -257,16 +262,21 @@ fn main() -> Res<()> {
             out: Span::new(out.device_ptr_mut(&stream).0, t * 8192),
             lse: Span::new(lse.device_ptr_mut(&stream).0, t * 64),
         };
-        let kernel = time_calls(&stream, &mut flush, reps, || {
-            Ok(MsaForward.run_on(&mut backend, &io, &schedule)?)
-        })?;
         let views = (q.as_view(), k.as_view(), v.as_view());
         let sel = (q2k_d.as_view(), cu_d.as_view());
-        let whole = time_calls(&stream, &mut flush, reps, || {
-            Ok(run_forward(
-                &stream, &views.0, &views.1, &views.2, &sel.0, &sel.1,
-            )?)
-        })?;
+        let (kernel, whole) = if kv_only {
+            (Vec::new(), Vec::new())
+        } else {
+            let kernel = time_calls(&stream, &mut flush, reps, || {
+                Ok(MsaForward.run_on(&mut backend, &io, &schedule)?)
+            })?;
+            let whole = time_calls(&stream, &mut flush, reps, || {
+                Ok(run_forward(
+                    &stream, &views.0, &views.1, &views.2, &sel.0, &sel.1,
+                )?)
+            })?;
+            (kernel, whole)
+        };
         // The KV-parallel forward on the same schedule, into outputs of its own.
         let mut out_kv = stream.alloc_zeros::<bf16>(t * 8192)?;
         let mut lse_kv = stream.alloc_zeros::<f32>(t * 64)?;
@@ -282,6 +292,19 @@ fn main() -> Res<()> {
             (&io_kv, &schedule),
             reps,
         )?;
+        let rate = |ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
+        let sched = (q2k_s, Span::new(cu_d.device_ptr(&stream).0, cu.len()));
+        if kv_only {
+            let kvm = median(kv);
+            println!(
+                "| {name} | {t} | - | - | - | - | {kvm:.3} | {:.1} | -, -, {verdict} |",
+                rate(kvm)
+            );
+            let fwd = MsaForwardKv::new();
+            let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
+            println!("  kv breakdown (median of 5):{line}");
+            continue;
+        }
         // The last kernel-loop call of MsaForward left its outputs in `out`/`lse`.
         MsaForward.run_on(&mut backend, &io, &schedule)?;
         let d_out = max_abs_diff(&stream.clone_dtoh(&out)?, &stream.clone_dtoh(&out_kv)?);
@@ -293,7 +316,6 @@ fn main() -> Res<()> {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         let (km, wm, kvm) = (median(kernel), median(whole), median(kv));
-        let rate = |ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
         println!(
             "| {name} | {t} | {km:.3} | {:.1} | {wm:.3} | {:.1} | {kvm:.3} | {:.1} | \
              {d_out:.3e}, {d_lse:.3e}, {verdict} |",
@@ -301,7 +323,6 @@ fn main() -> Res<()> {
             rate(wm),
             rate(kvm)
         );
-        let sched = (q2k_s, Span::new(cu_d.device_ptr(&stream).0, cu.len()));
         let line = breakdown(
             MsaForwardKv::new(),
             &stream,
