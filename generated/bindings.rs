@@ -1201,7 +1201,7 @@ pub mod msa_forward_kv_f16_sm90 {
     /// Threads per CTA.
     pub const THREADS: (u32, u32, u32) = (384, 1, 1);
     /// Dynamic shared memory the launch requests, in bytes.
-    pub const DYNAMIC_SHARED_BYTES: u32 = 165504;
+    pub const DYNAMIC_SHARED_BYTES: u32 = 231056;
     /// PTX of `msa_forward_kv_f16_sm90` for `sm_90a`.
     pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_f16_sm90.sm_90a.ptx");
     /// PTX per compute capability.

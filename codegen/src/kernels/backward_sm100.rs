@@ -780,10 +780,7 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
         let t = b.mov::<U32>(0u32);
         b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "load_task", |b, row| {
             let m = common::task_meta(b, p, row);
-            let tiles = [
-                shared(ctx.base, resolved.k.offset as i64),
-                shared(ctx.base, resolved.v.offset as i64),
-            ];
+            let tiles = [(&resolved.k, ctx.base), (&resolved.v, ctx.base)];
             let maps = [tk, tv];
             common::load_kv_if_new_segment(b, &resolved.kv, bars, (prev, seg), maps, tiles, &m);
             let st = resolved.q_do.producer_acquire(b, bars, t);

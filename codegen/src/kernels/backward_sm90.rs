@@ -296,7 +296,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     b.for_range(ctx.walk.lo, ctx.walk.hi, 1, "producer_row", |b, row| {
         let m = common::task_meta(b, p, row);
         // A new segment waits until both consumers released the previous K/V.
-        let tiles = [r.k.at(base, 0), r.v.at(base, 0)];
+        let tiles = [(&r.k, base), (&r.v, base)];
         common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m);
         let st = r.q_do.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);

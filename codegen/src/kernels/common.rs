@@ -4,7 +4,7 @@
 use crate::plan::gemm::SmemDesc;
 use crate::plan::pipeline::{Barriers, Pipe, PipelinePlan};
 use crate::plan::sm90::Sm90Warps;
-use crate::plan::smem::Major;
+use crate::plan::smem::{Major, Placed};
 use crate::ptx::*;
 use crate::target::Target;
 
@@ -499,7 +499,8 @@ const PANEL: i64 = 128 * 128;
 /// The producer's K/V load at a segment's start: when task row `meta`'s bucket differs from
 /// `prev` (the bucket last loaded; `u32::MAX` before the first), it acquires the K/V stage of
 /// `kv` (`segments`: the loads so far), loads K and V (or K alone: one map and tile) into
-/// `tiles` ([`load_kv_tiles`]) and advances both. Shared by the main kernels on the task tables.
+/// that stage of the `tiles` buffers (each at its base address; [`load_kv_tiles`]) and
+/// advances both. Shared by the main kernels on the task tables.
 #[allow(clippy::too_many_arguments)]
 pub fn load_kv_if_new_segment<const N: usize>(
     b: &mut KernelBuilder,
@@ -507,13 +508,14 @@ pub fn load_kv_if_new_segment<const N: usize>(
     bars: &Barriers,
     (prev, segments): (Reg<U32>, Reg<U32>),
     maps: [Reg<U64>; N],
-    tiles: [SharedAddr; N],
+    tiles: [(&Placed, Reg<U32>); N],
     meta: &[Reg<U32>; 4],
 ) {
     let cur = bucket(b, meta);
     let same = b.setp(Cmp::Eq, cur, prev);
     b.unless(same, "kv_load", |b| {
         let st = kv.producer_acquire(b, bars, segments);
+        let tiles = tiles.map(|(buf, base)| buf.stage_at(b, base, st.index));
         load_kv_tiles(b, maps, tiles, meta, &st.full);
         let next = b.add(segments, 1u32);
         b.set(segments, next);

@@ -217,8 +217,19 @@ fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
     ]
 }
 
-/// K/V: one stage of two 128-key × 64-d boxes each of K and V (of K alone for the max pass),
-/// released by each consumer warp (8 arrivals) at a segment's end.
+/// Stages of K/V: two in the f16 sum pass, so that the next segment's K/V loads while this
+/// one's last tasks run instead of after all 8 consumer warps released it (a segment is
+/// about 16-22 tasks at 64K tokens); one where the shared memory has no room (the f32
+/// staging's 64 KB) or the pass was not measured with two (the max pass).
+pub fn kv_stages(pass: Pass) -> u32 {
+    match pass {
+        Pass::Sum(OPool::F16) => 2,
+        Pass::Sum(OPool::F32) | Pass::Max => 1,
+    }
+}
+
+/// K/V: [`kv_stages`] stages of two 128-key × 64-d boxes each of K and V (of K alone for the
+/// max pass), each released by each consumer warp (8 arrivals) at its segment's end.
 pub fn kv_pipeline(pass: Pass) -> Pipeline {
     let fills = match pass {
         Pass::Sum(_) => vec![Buf::K, Buf::V],
@@ -229,7 +240,7 @@ pub fn kv_pipeline(pass: Pass) -> Pipeline {
         tx: boxes([64, 1, 128], 2 * tiles as usize),
         declared_tx: Some(tiles * TILE_BYTES),
         fills,
-        ..Pipeline::new("kv", 1, Role::Load, &[Role::Compute], 1, 8)
+        ..Pipeline::new("kv", kv_stages(pass), Role::Load, &[Role::Compute], 1, 8)
     }
 }
 
@@ -263,26 +274,15 @@ pub fn rows_pipeline(pass: Pass) -> Pipeline {
     Pipeline::new("rows", stages, Role::Scalar, &[Role::Compute], 32, 256)
 }
 
-/// Stage `index` of a row-scalar buffer at `at` (the shared base plus the lane's offset): the
-/// fixed stage 0 when the pipeline has one stage.
-fn rows_stage(b: &mut KernelBuilder, buf: &Placed, at: Reg<U32>, index: Reg<U32>) -> SharedAddr {
-    if buf.spec.stages == 1 {
-        buf.at(at, 0)
-    } else {
-        let addr = buf.emit_stage_addr(b, at, index);
-        shared(addr, 0)
-    }
-}
-
-/// The shared layout: K, V, Q (one tile per stage), the O staging (8 KB of f32 rows per
+/// The shared layout: K, V, Q (one tile per stage; K/V at the `kv` pipeline's stages), the O staging (8 KB of f32 rows per
 /// consumer warp: two tiles' worth), the barriers, then the row scalars (`−R·log2e` per folded
 /// row, the slots' compact rows and positions). The max pass has neither V nor the staging.
 pub fn smem_plan(pipelines: &PipelinePlan, pass: Pass) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
-    let (q, rows) = (stages("q")?, stages("rows")?);
-    let mut buffers = vec![BufferSpec::tile(Buf::K, 1)];
+    let (kv, q, rows) = (stages("kv")?, stages("q")?, stages("rows")?);
+    let mut buffers = vec![BufferSpec::tile(Buf::K, kv)];
     if let Pass::Sum(pool) = pass {
-        buffers.push(BufferSpec::tile(Buf::V, 1));
+        buffers.push(BufferSpec::tile(Buf::V, kv));
         buffers.push(BufferSpec::tile(Buf::Q, q));
         // 8 consumer warps' staging: 64 KB in f32 (two tiles), 32 KB in f16 (one).
         buffers.push(BufferSpec::tile(
@@ -413,13 +413,6 @@ fn resolve(plan: &Sm90Plan, pass: Pass) -> Result<Resolved<'_>, String> {
             }
         }
     }
-    // K/V is addressed at stage 0 (the row scalars at their stage: `rows_stage`).
-    if r.kv.pipeline.stages != 1 {
-        return Err(format!(
-            "pipeline `kv` has {} stages; the kernel addresses its buffers as one stage",
-            r.kv.pipeline.stages
-        ));
-    }
     Ok(r)
 }
 
@@ -545,13 +538,13 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         let more = b.setp(Cmp::Lt, next_row, ctx.walk.hi);
         b.if_then(more, "prefetch", |b| fetch(b, next_row));
         let counters = (prev, segments);
-        match r.v.zip(tv) {
+        match r.v.as_ref().zip(tv) {
             Some((v, tv)) => {
-                let tiles = [r.k.at(base, 0), v.at(base, 0)];
+                let tiles = [(&r.k, base), (v, base)];
                 common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk, tv], tiles, &m);
             }
             None => {
-                let tiles = [r.k.at(base, 0)];
+                let tiles = [(&r.k, base)];
                 common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk], tiles, &m);
             }
         }
@@ -663,15 +656,15 @@ fn gather(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
                 b.selp(y, f32::NEG_INFINITY, valid)
             });
             let at = b.add(base, g.lane16);
-            let dst = rows_stage(b, &r.neg_ref, at, st.index);
+            let dst = r.neg_ref.stage_at(b, at, st.index);
             b.st_v(&dst, r4);
         }
         b.if_then(g.word_lane, "gather_slots", |b| {
             let lane4 = b.shl(g.lane, 2u32);
             let at = b.add(base, lane4);
-            let dst = rows_stage(b, &r.qpos, at, st.index);
+            let dst = r.qpos.stage_at(b, at, st.index);
             b.st(&dst, qpos);
-            let dst = rows_stage(b, &r.qrows, at, st.index);
+            let dst = r.qrows.stage_at(b, at, st.index);
             b.st(&dst, qrow);
         });
         r.rows.producer_commit(b, bars, &st);
@@ -822,13 +815,19 @@ impl Lanes {
     }
 }
 
-/// `S = Q_c·Kᵀ` of the task whose Q lies in stage `q_index`, into `acc`, committed as one
-/// group (the caller has waited for the stage and for K).
-fn s_gemm(b: &mut KernelBuilder, ctx: &Ctx, l: &Lanes, q_index: Reg<U32>, acc: &[Reg<F32>]) {
+/// `S = Q_c·Kᵀ` of the task whose Q lies in stage `q_index` and K in stage `kv_index`, into
+/// `acc`, committed as one group (the caller has waited for both stages).
+fn s_gemm(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    l: &Lanes,
+    (q_index, kv_index): (Reg<U32>, Reg<U32>),
+    acc: &[Reg<F32>],
+) {
     let (r, base) = (ctx.r, ctx.base);
     let q_tile = r.q.emit_stage_addr(b, base, q_index);
     let a_base = b.add(q_tile, l.c_rows);
-    let k_addr = r.k.emit_stage_addr(b, base, l.zero);
+    let k_addr = r.k.emit_stage_addr(b, base, kv_index);
     b.comment("S = Q_c*K^T");
     b.wgmma_fence();
     let a0 = k_major().emit(b, a_base);
@@ -852,13 +851,13 @@ fn read_rows(
     let rst = r.rows.consumer_wait(b, bars, n);
     let neg_ref = with_ref.then(|| {
         let at = b.add(base, l.frow4);
-        let src = rows_stage(b, &r.neg_ref, at, rst.index);
+        let src = r.neg_ref.stage_at(b, at, rst.index);
         [b.ld::<F32, _>(&src), b.ld::<F32, _>(&src.offset(32))]
     });
     let sat = b.add(base, l.slot4);
-    let src = rows_stage(b, &r.qpos, sat, rst.index);
+    let src = r.qpos.stage_at(b, sat, rst.index);
     let qpos = b.ld::<S32, _>(&src);
-    let src = rows_stage(b, &r.qrows, sat, rst.index);
+    let src = r.qrows.stage_at(b, sat, rst.index);
     let qrow = b.ld::<S32, _>(&src);
     b.comment("this thread's last read of the row scalars");
     r.rows.consumer_release(b, bars, &rst);
@@ -979,6 +978,8 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     let segments = b.mov::<U32>(0u32);
     let next_head = b.mov::<U32>(0u32);
     let next_kb = b.mov::<U32>(0u32);
+    // The K/V stage of the current segment.
+    let kv_index = b.mov::<U32>(0u32);
     let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
     b.if_then(any, "first_meta", |b| {
         let m = common::task_meta_at(b, &p.meta, walk.lo);
@@ -992,7 +993,8 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let cur = common::bucket(b, &[l.zero, head, kb, l.zero]);
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_wait", |b| {
-            r.kv.consumer_wait(b, bars, segments);
+            let st = r.kv.consumer_wait(b, bars, segments);
+            b.set(kv_index, st.index);
             b.set(prev, cur);
         });
         let next_row = b.add(row, 1u32);
@@ -1004,7 +1006,7 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         });
         let qst = r.q_pipe.consumer_wait(b, bars, n);
         let acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-        s_gemm(b, ctx, &l, qst.index, &acc);
+        s_gemm(b, ctx, &l, (qst.index, kv_index), &acc);
         let (qpos, qrow, _) = read_rows(b, ctx, &l, n, false);
         b.wgmma_wait(0);
         b.comment("this warp's wgmma reads of Q are complete: release the stage");
@@ -1060,6 +1062,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     // The task's (index head, kblock), loaded one task ahead.
     let next_head = b.mov::<U32>(0u32);
     let next_kb = b.mov::<U32>(0u32);
+    // The K/V stage of the current segment.
+    let kv_index = b.mov::<U32>(0u32);
     let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
     b.if_then(any, "first_meta", |b| {
         let m = common::task_meta_at(b, &p.meta, walk.lo);
@@ -1073,7 +1077,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         let cur = common::bucket(b, &[zero, head, kb, zero]);
         let same = b.setp(Cmp::Eq, cur, prev);
         b.unless(same, "kv_wait", |b| {
-            kv.consumer_wait(b, &bars, segments);
+            let st = kv.consumer_wait(b, &bars, segments);
+            b.set(kv_index, st.index);
             b.set(prev, cur);
         });
         let next_row = b.add(row, 1u32);
@@ -1086,7 +1091,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
 
         let qst = qp.consumer_wait(b, &bars, tasks);
         let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-        s_gemm(b, ctx, &l, qst.index, &s_acc);
+        s_gemm(b, ctx, &l, (qst.index, kv_index), &s_acc);
         let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
         let neg_ref = neg_ref.expect("read with the reference");
 
@@ -1103,7 +1108,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         });
         b.comment("P = exp2(S*scale*log2e - R*log2e), O = P*V and the row sums");
         let (o_acc, l_row) = {
-            let v_addr = v.emit_stage_addr(b, base, zero);
+            let v_addr = v.emit_stage_addr(b, base, kv_index);
             let mut pv = Vec::with_capacity(64);
             let mut sums: [Option<Reg<F32>>; 2] = [None, None];
             for (i, s) in s_acc.iter().enumerate() {
@@ -1205,23 +1210,26 @@ mod tests {
 
     #[test]
     fn the_plan_places_every_buffer_within_the_shared_memory() {
-        // The O staging: 8 warps × 16 rows × 128 d, 64 KB in f32, 32 KB in f16.
-        for (pool, staging) in [(OPool::F32, 2 * TILE_BYTES), (OPool::F16, TILE_BYTES)] {
+        // The O staging: 8 warps × 16 rows × 128 d, 64 KB in f32, 32 KB in f16; K/V in one
+        // stage beside the f32 staging, in two beside the f16 one.
+        for (pool, staging, kv) in [(OPool::F32, 2 * TILE_BYTES, 1), (OPool::F16, TILE_BYTES, 2)] {
             let plan = plan(Pass::Sum(pool)).unwrap();
             let smem = plan.smem();
             let at = |id| smem.offset(id).unwrap();
+            let q = 2 * kv * TILE_BYTES;
             assert_eq!(
                 [at(Buf::K), at(Buf::V), at(Buf::Q), at(Buf::OStage)],
-                [0, TILE_BYTES, 2 * TILE_BYTES, 4 * TILE_BYTES]
+                [0, kv * TILE_BYTES, q, q + 2 * TILE_BYTES]
             );
+            assert_eq!(plan.pipelines().get("kv").unwrap().pipeline.stages, kv);
             assert_eq!(8 * pool.warp_bytes(), staging);
-            assert_eq!(at(Buf::Barriers), 4 * TILE_BYTES + staging);
+            assert_eq!(at(Buf::Barriers), q + 2 * TILE_BYTES + staging);
             // The boxes cover a warp's 16 rows × 128 d in 2 KB boxes.
             let (count, width) = pool.boxes();
             assert_eq!(count * width, 128);
             assert_eq!(count * O_BOX_BYTES, pool.warp_bytes());
-            // kv one stage, q two, rows one: a full and an empty barrier per stage.
-            assert_eq!(plan.pipelines().barrier_slots(), 8);
+            // kv, q two, rows one: a full and an empty barrier per stage.
+            assert_eq!(plan.pipelines().barrier_slots(), 2 * (kv + 2 + 1));
             assert!(smem_bytes(&plan) <= MAX_SHARED_BYTES);
         }
     }
@@ -1274,18 +1282,15 @@ mod tests {
             ),
             "{e}"
         );
-        // Two K/V stages: the kernel addresses K/V at stage 0, so resolving must refuse.
-        let kv = Pipeline {
+        let f32 = Pass::Sum(OPool::F32);
+        // Two K/V stages beside the f32 staging: past the shared memory.
+        let kv2 = Pipeline {
             stages: 2,
-            ..kv_pipeline(Pass::Sum(OPool::F32))
+            ..kv_pipeline(f32)
         };
-        let sum = Pass::Sum(OPool::F32);
-        let pipes = vec![kv, q_pipeline(sum), rows_pipeline(sum)];
-        let pipes = PipelinePlan::new(pipes, &warps).unwrap();
-        let smem = smem_plan(&pipes, Pass::Sum(OPool::F32)).unwrap();
-        match Sm90Plan::new(warps, smem, pipes, Vec::new(), Vec::new()) {
-            Ok(plan) => assert!(resolve(&plan, Pass::Sum(OPool::F32)).is_err()),
-            Err(e) => assert!(matches!(e, PlanError::FillStages { .. }), "{e}"),
-        }
+        let pipes =
+            PipelinePlan::new(vec![kv2, q_pipeline(f32), rows_pipeline(f32)], &warps).unwrap();
+        let e = smem_plan(&pipes, f32).unwrap_err();
+        assert!(matches!(e, PlanError::SmemTotal { .. }), "{e}");
     }
 }

@@ -188,6 +188,16 @@ impl Placed {
     pub fn at(&self, base: Reg<U32>, stage: u32) -> SharedAddr {
         shared(base, self.stage_offset(stage) as i64)
     }
+
+    /// Stage `index` at `base`: the fixed stage 0 when the buffer has one stage (no
+    /// instruction), else [`Placed::emit_stage_addr`].
+    pub fn stage_at(&self, b: &mut KernelBuilder, base: Reg<U32>, index: Reg<U32>) -> SharedAddr {
+        if self.spec.stages == 1 {
+            self.at(base, 0)
+        } else {
+            shared(self.emit_stage_addr(b, base, index), 0)
+        }
+    }
 }
 
 /// Operand majorness: which dimension is contiguous along a tile's 128-B rows.
