@@ -457,10 +457,10 @@ impl<B: Backend> MsaForwardKv<B> {
             // [T, 64].
             unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
         }
-        let zero_o = if self.reference == Reference::ExactMax {
-            ZeroO::InMaxPass
-        } else {
-            ZeroO::Prepare
+        let zero_o = match self.reference {
+            Reference::ExactMax => ZeroO::InMaxPass,
+            Reference::Probe => ZeroO::InProbe,
+            Reference::Bound => ZeroO::Prepare,
         };
         match self.prepare(backend, &pools, schedule, zero_o)? {
             Some(launch) => {
@@ -483,12 +483,20 @@ impl<B: Backend> MsaForwardKv<B> {
                             u32_arg("num_tokens", t)?,
                             u32_arg("num_docs", z.num_documents)?,
                             u32_arg("num_blocks", blocks)?,
+                            PtrMut::new(pools.o_pool.addr()),
+                            u32_arg(
+                                "o_group_words",
+                                Q_ROW / 4 * pools.o_pool.kind().bytes() / 16,
+                            )?,
+                            pools.l_pool.ptr_mut(),
                         );
                         // SAFETY: q is [T, 64, 128], k_aligned [W, 4, 128] and q2k [4, T, 16] (all
                         // checked), cu_seqlens [D+1] and the workspace starts [D] are the
                         // schedule's own, a block id at or past W/128 is not read (nor any other
                         // that the row does not see: those read K row 0); vmax is one word of the
-                        // workspace or null (f32 pool); the reference and m_pool are [T, 64].
+                        // workspace or null (f32 pool); the reference, m_pool and l_pool are
+                        // [T, 64], o_pool [T, 64, 128] of the pool's type, whose (token, KV head)
+                        // group is `o_group_words` 16-byte words.
                         let grid = row_grid(4 * t)?;
                         unsafe { backend.launch(&fwd_kv_probe::KERNEL, (grid, 1, 1), &args) }?;
                     }
@@ -710,11 +718,15 @@ impl<B: Backend> MsaForwardKv<B> {
         let o_words = u32::try_from(o_bytes / 16)
             .ok()
             .filter(|&w| w < 1 << 31 && zero_o == ZeroO::InMaxPass && grid > 0);
-        if o_words.is_none() {
+        // The probe runs only when the pass does; without it the combine reads the pools.
+        let in_probe = zero_o == ZeroO::InProbe && grid > 0;
+        if o_words.is_none() && !in_probe {
             backend.zero("o_pool", io.o_pool.addr(), o_bytes)?;
         }
-        backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
-        backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
+        if !in_probe {
+            backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
+            backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
+        }
         tasks.build_from(backend, &schedule.refs())?;
         Ok((grid > 0).then_some(PassLaunch {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
@@ -789,11 +801,13 @@ struct PassLaunch {
     zero: Option<(u64, u32)>,
 }
 
-/// Who zeroes `o_pool`: `prepare` (a memset), or the max pass that precedes the sum pass.
+/// Who zeroes `o_pool`: `prepare` (a memset), the max pass that precedes the sum pass, or
+/// the probe (with `l_pool`; it writes all of `m_pool`), when the pass launches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ZeroO {
     Prepare,
     InMaxPass,
+    InProbe,
 }
 
 /// The checks both entry points make before any launch: a 9.0 device, a schedule of its
