@@ -1032,16 +1032,36 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
     });
 }
 
+/// `v` of lane 0 in every lane of the warp: a value ptxas knows to be warp-uniform.
+fn uniform<T: Word>(b: &mut KernelBuilder, v: Reg<T>) -> Reg<T> {
+    b.shfl(Shfl::Idx, v, 0, 0x1f)
+}
+
 /// The sum passes' consumers: per task the S GEMM, the mask, `P`, `O = P·V` and the row
 /// sums (and maxima, unless `m_pool` is null), then the O rows staged and reduced.
+///
+/// With two K/V stages ([`kv_stages`]) the next task's S GEMM is issued right after this
+/// task's `P·V` (FlashAttention-3's overlap within a warpgroup): it runs on the tensor pipe
+/// while the warp waits for `P·V`, releases a finished segment and stages its O rows. At a
+/// segment's end it reads the next segment's K/V stage, loaded under this one. With one stage
+/// (the f32 pool) each S GEMM is issued at its task's start.
 #[allow(clippy::too_many_lines)]
 fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
-    let (p, r, base, walk) = (ctx.p, ctx.r, ctx.base, &ctx.walk);
+    let (p, r, base) = (ctx.p, ctx.r, ctx.base);
+    // Every branch between a wgmma's issue and its wait must be one ptxas can prove uniform,
+    // or it serializes them all (C7518/C7519): what the branches test is broadcast from lane
+    // 0 (the walk, the task meta, the slot's row), and the lane-0 and head-lane parts are
+    // predicated instead.
+    let walk = &common::Walk {
+        lo: uniform(b, ctx.walk.lo),
+        hi: uniform(b, ctx.walk.hi),
+    };
     let bars = ctx.bars;
     let l = Lanes::new(b, tid);
     let (lane, slot, lane0, head_lane, zero) = (l.lane, l.slot, l.lane0, l.head_lane, l.zero);
     let (never, always) = (l.never, l.always);
     let scale_log2e = common::SCALE_LOG2E;
+    let ahead = r.kv.pipeline.stages >= 2;
     // This warp's part of the O staging: consumer c's warp w at (4c + w)·warp_bytes.
     let (o_stage, v) = r
         .o_stage
@@ -1062,42 +1082,71 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     // The task's (index head, kblock), loaded one task ahead.
     let next_head = b.mov::<U32>(0u32);
     let next_kb = b.mov::<U32>(0u32);
-    // The K/V stage of the current segment.
+    // The K/V stage of the current task's segment, and (issuing ahead) of the next task's.
     let kv_index = b.mov::<U32>(0u32);
+    let kv_next = b.mov::<U32>(0u32);
+    // The S accumulator, written by the GEMM issued a task ahead when `ahead`.
+    let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
     let any = b.setp(Cmp::Lt, walk.lo, walk.hi);
     b.if_then(any, "first_meta", |b| {
         let m = common::task_meta_at(b, &p.meta, walk.lo);
+        let m = m.map(|x| uniform(b, x));
         b.set(next_head, m[1]);
         b.set(next_kb, m[2]);
+        if ahead {
+            b.comment("the first task's S GEMM, on the first segment's K/V");
+            let cur = common::bucket(b, &[zero, m[1], m[2], zero]);
+            b.set(prev, cur);
+            let st = kv.consumer_wait(b, &bars, segments);
+            b.set(kv_index, st.index);
+            let qst = qp.consumer_wait(b, &bars, tasks);
+            s_gemm(b, ctx, &l, (qst.index, kv_index), &s_acc);
+        }
     });
 
     b.for_range(walk.lo, walk.hi, 1, "task", |b, row| {
         let head = b.mov::<U32>(next_head);
         let kb = b.mov::<U32>(next_kb);
         let cur = common::bucket(b, &[zero, head, kb, zero]);
-        let same = b.setp(Cmp::Eq, cur, prev);
-        b.unless(same, "kv_wait", |b| {
-            let st = kv.consumer_wait(b, &bars, segments);
-            b.set(kv_index, st.index);
-            b.set(prev, cur);
-        });
+        if !ahead {
+            let same = b.setp(Cmp::Eq, cur, prev);
+            b.unless(same, "kv_wait", |b| {
+                let st = kv.consumer_wait(b, &bars, segments);
+                b.set(kv_index, st.index);
+                b.set(prev, cur);
+            });
+        }
         let next_row = b.add(row, 1u32);
         let last_task = b.setp(Cmp::Ge, next_row, walk.hi);
         b.unless(last_task, "next_meta", |b| {
             let m = common::task_meta_at(b, &p.meta, next_row);
-            b.set(next_head, m[1]);
-            b.set(next_kb, m[2]);
+            let (h, k) = (uniform(b, m[1]), uniform(b, m[2]));
+            b.set(next_head, h);
+            b.set(next_kb, k);
         });
+        let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
+        let other_bucket = b.setp(Cmp::Ne, next, cur);
 
-        let qst = qp.consumer_wait(b, &bars, tasks);
-        let s_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-        s_gemm(b, ctx, &l, (qst.index, kv_index), &s_acc);
+        let qst = if ahead {
+            qp.locate(b, &bars, tasks.into())
+        } else {
+            let qst = qp.consumer_wait(b, &bars, tasks);
+            s_gemm(b, ctx, &l, (qst.index, kv_index), &s_acc);
+            qst
+        };
         let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
         let neg_ref = neg_ref.expect("read with the reference");
 
         b.wgmma_wait(0);
         b.comment("this warp's wgmma reads of Q are complete: release the stage");
-        b.predicated(lane0, false, |b| qp.consumer_release(b, &bars, &qst));
+        // (Issuing ahead, the walk's last task keeps its stage: its S GEMM runs once more.)
+        let release = if ahead {
+            let more = b.not_pred(last_task);
+            b.and_pred(lane0, more)
+        } else {
+            lane0
+        };
+        b.predicated(release, false, |b| qp.consumer_release(b, &bars, &qst));
 
         mask_diagonal(b, &l, &s_acc, qpos, kb);
         let row_max: Vec<Reg<F32>> = (0..2).map(|_| b.mov::<F32>(f32::NEG_INFINITY)).collect();
@@ -1107,44 +1156,55 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             }
         });
         b.comment("P = exp2(S*scale*log2e - R*log2e), O = P*V and the row sums");
-        let (o_acc, l_row) = {
-            let v_addr = v.emit_stage_addr(b, base, kv_index);
-            let mut pv = Vec::with_capacity(64);
-            let mut sums: [Option<Reg<F32>>; 2] = [None, None];
-            for (i, s) in s_acc.iter().enumerate() {
-                let rr = (i / 2) % 2;
-                let d = b.fma(*s, scale_log2e, neg_ref[rr]);
-                let pe = b.ex2_approx(d);
-                sums[rr] = Some(match sums[rr] {
-                    None => pe,
-                    Some(s) => b.add(s, pe),
-                });
-                pv.push(pe);
-            }
-            let frags = common::bf16_a_frags(b, &pv);
+        let v_addr = v.emit_stage_addr(b, base, kv_index);
+        let mut pv = Vec::with_capacity(64);
+        let mut sums: [Option<Reg<F32>>; 2] = [None, None];
+        for (i, s) in s_acc.iter().enumerate() {
+            let rr = (i / 2) % 2;
+            let d = b.fma(*s, scale_log2e, neg_ref[rr]);
+            let pe = b.ex2_approx(d);
+            sums[rr] = Some(match sums[rr] {
+                None => pe,
+                Some(s) => b.add(s, pe),
+            });
+            pv.push(pe);
+        }
+        let frags = common::bf16_a_frags(b, &pv);
 
-            b.comment("O = P*V (A from registers, V MN-major)");
-            let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
-            b.wgmma_fence();
-            let v0 = mn_major().emit(b, v_addr);
-            common::wgmma_rs_k128(b, &o_acc, &frags, v0, (never, always));
-            b.wgmma_commit();
-            let mut l_row = Vec::with_capacity(2);
-            for s in sums {
-                let mut l = s.expect("64 values");
-                for d in [1u32, 2] {
-                    let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
-                    l = b.add(l, o);
-                }
-                l_row.push(l);
+        b.comment("O = P*V (A from registers, V MN-major)");
+        let o_acc: Vec<Reg<F32>> = (0..64).map(|_| b.reg()).collect();
+        b.wgmma_fence();
+        let v0 = mn_major().emit(b, v_addr);
+        common::wgmma_rs_k128(b, &o_acc, &frags, v0, (never, always));
+        b.wgmma_commit();
+        if ahead {
+            // After the walk's last task it is that task's again, on its kept Q stage and
+            // K/V (its next meta is its own, so `other_bucket` is false): ptxas serializes
+            // every wgmma when one is issued on a path it cannot prove uniform.
+            b.comment("the next task's S GEMM, under this task's P*V, row sums and staging");
+            b.set(kv_next, kv_index);
+            b.if_then(other_bucket, "kv_next_wait", |b| {
+                let seg = b.add(segments, 1u32);
+                let st = kv.consumer_wait(b, &bars, seg);
+                b.set(kv_next, st.index);
+            });
+            let step = b.selp(0u32, 1u32, last_task);
+            let n1 = b.add(tasks, step);
+            let qst_next = qp.consumer_wait(b, &bars, n1);
+            s_gemm(b, ctx, &l, (qst_next.index, kv_next), &s_acc);
+        }
+        let mut l_row = Vec::with_capacity(2);
+        for s in sums {
+            let mut l = s.expect("64 values");
+            for d in [1u32, 2] {
+                let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
+                l = b.add(l, o);
             }
-            b.wgmma_wait(0);
-            (o_acc, l_row)
-        };
+            l_row.push(l);
+        }
+        b.wgmma_wait(u32::from(ahead));
 
         b.comment("segment end: this warp's reads of K/V are complete");
-        let next = common::bucket(b, &[zero, next_head, next_kb, zero]);
-        let other_bucket = b.setp(Cmp::Ne, next, cur);
         let is_end = b.or_pred(other_bucket, last_task);
         b.if_then(is_end, "kv_release", |b| {
             let st = kv.locate(b, &bars, segments.into());
@@ -1152,21 +1212,25 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             let next = b.add(segments, 1u32);
             b.set(segments, next);
         });
+        if ahead {
+            b.set(kv_index, kv_next);
+        }
 
         b.comment("the warp's 16 rows into the pools (a -1 slot has none)");
+        let qrow = uniform(b, qrow);
         let live = b.setp(Cmp::Ge, qrow, 0i32);
         b.if_then(live, "pools", |b| {
             let prow = pool_row(b, &l, qrow, head);
-            b.if_then(head_lane, "row_stats", |b| {
-                let l_pool = b.ld_param_ptr(&p.l_pool);
+            let l_pool = b.ld_param_ptr(&p.l_pool);
+            b.predicated(head_lane, false, |b| {
                 for (rr, l_rr) in l_row.iter().enumerate() {
                     let i = b.add(prow, 8 * rr as u32);
                     let at_l_pool = common::elem::<F32>(b, l_pool, i);
                     b.red_add_f32(&at_l_pool, *l_rr);
                 }
-                b.if_then(want_max, "m_pool", |b| {
-                    red_row_maxima(b, ctx, prow, &row_max)
-                });
+            });
+            b.if_then(want_max, "m_pool", |b| {
+                b.predicated(head_lane, false, |b| red_row_maxima(b, ctx, prow, &row_max));
             });
             b.comment("its O rows into the warp's staging, TMA reduce-add into o_pool");
             // The warp's reduction of the previous task has read the staging by now (a whole
@@ -1183,13 +1247,15 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             // warp meets before its lane 0 issues.
             b.fence_proxy_async_shared();
             b.bar_warp_sync();
-            b.if_then(lane0, "o_tma", |b| {
-                let map = b.tensor_map_addr(&p.tmap_o);
-                let h16 = b.shl(head, 4u32);
-                let h16 = b.bitcast::<S32, U32>(h16);
-                let (count, width) = pool.boxes();
-                for box_ in 0..count {
-                    let d0 = b.mov::<S32>((width * box_) as i32);
+            let map = b.tensor_map_addr(&p.tmap_o);
+            let h16 = b.shl(head, 4u32);
+            let h16 = b.bitcast::<S32, U32>(h16);
+            let (count, width) = pool.boxes();
+            let d0: Vec<Reg<S32>> = (0..count)
+                .map(|box_| b.mov::<S32>((width * box_) as i32))
+                .collect();
+            b.predicated(lane0, false, |b| {
+                for (box_, &d0) in (0..count).zip(&d0) {
                     let src = shared(stage, i64::from(O_BOX_BYTES * box_));
                     b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
                 }
@@ -1199,6 +1265,10 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
+    if ahead {
+        b.comment("the S GEMM issued after the last task (its own, again) is retired");
+        b.wgmma_wait(0);
+    }
     b.comment("the staged rows' last reduction has read them before the CTA exits");
     b.predicated(lane0, false, |b| b.bulk_wait_group_read(0));
 }

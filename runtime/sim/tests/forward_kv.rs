@@ -17,7 +17,7 @@ use msa_sim::{Limits, TmaCompletion};
 mod forward_common;
 mod ptx_edit;
 use forward_common::{compare, device_schedule, inputs, Inputs, KV_ROW, Q_ROW};
-use ptx_edit::{without_first_after, without_wait_before};
+use ptx_edit::{without_first_after, without_wait_at, without_wait_before};
 
 /// `scale·‖q‖·max‖k‖` per row (the largest key norm of the row's KV head), slightly raised:
 /// an upper bound of the row's logits, computed here from the bf16 inputs.
@@ -916,4 +916,72 @@ fn the_probe_takes_each_rows_logit_against_the_first_key_of_each_block_it_sees()
         "{seen_rows} rows with a block, {empty_rows} without"
     );
     eprintln!("probe: {seen_rows} rows with a block, {empty_rows} without");
+}
+
+// ---- the f16 pass, which issues each task's S GEMM during the previous task ----------------
+
+fn f16_ptx() -> &'static str {
+    msa_runtime::kernels::msa_forward_kv_f16_sm90::PTX_SM_90A
+}
+
+/// The default flow (f16 pool, probe) on the planted case on two SMs (every K/V and Q stage
+/// reused, S GEMMs issued across segment ends), with `text` in place of the f16 pass: the
+/// comparison's statistics, or what went wrong.
+fn run_f16(text: Option<String>, limits: Limits) -> Result<String, String> {
+    let (cu, q2k, inp) = planted_case();
+    let mut dev = SimDevice::with_limits(Arch::Sm90, 2, limits);
+    if let Some(text) = text {
+        dev.override_ptx("msa_forward_kv_f16_sm90", text);
+    }
+    let how = (OPool::F16, Reference::Probe);
+    let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
+    let (out, lse, verdict) = run_device_on(&mut dev, &mut flow(how), &cu, &q2k, inputs, how)?;
+    verdict.map_err(|e| e.to_string())?;
+    compare(&inp, &out, &lse)
+}
+
+#[test]
+fn f16_pass_issuing_s_ahead_passes_on_two_sms() {
+    for (what, limits) in [
+        ("default", Limits::default()),
+        (
+            "immediate TMA",
+            Limits {
+                tma_completion: TmaCompletion::Immediate,
+                ..Limits::default()
+            },
+        ),
+        ("gather warp starved", gather_starved()),
+    ] {
+        let stats = run_f16(None, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("{what}: {stats}");
+    }
+}
+
+#[test]
+fn f16_pass_staging_o_before_p_v_completed_is_reported() {
+    // Without the wait for all but the newest group (the next task's S GEMM), the staging
+    // reads P·V's accumulators in flight.
+    let text = without_first_after(f16_ptx(), "the next task's S GEMM", "wgmma.wait_group");
+    let e = run_f16(Some(text), Limits::default()).expect_err("the planted bug went unnoticed");
+    println!("{e}");
+    assert!(e.contains("in flight"), "{e}");
+}
+
+#[test]
+fn f16_pass_issuing_s_before_the_next_segments_k_landed_is_reported() {
+    // The S GEMM issued ahead across a segment end must wait for the next segment's K/V
+    // stage: without that wait it reads K before (or while) the TMA writes it.
+    let lines: Vec<&str> = f16_ptx().lines().collect();
+    let from = lines
+        .iter()
+        .position(|l| l.contains("the next task's S GEMM"))
+        .expect("the S GEMM issued ahead");
+    let at = (from..lines.len())
+        .find(|&i| lines[i].contains("mbarrier.try_wait"))
+        .expect("the next segment's K/V wait");
+    let e = run_f16(Some(without_wait_at(&lines, at)), Limits::default())
+        .expect_err("the planted bug went unnoticed");
+    println!("{e}");
+    assert!(e.contains("TMA"), "{e}");
 }
