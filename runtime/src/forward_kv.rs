@@ -6,8 +6,8 @@
 //! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync. By default
 //!   ([`Reference::Probe`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
 //!   scale), the task build from a [`ResidentSchedule`], `fwd_kv_probe` (R = the row's largest
-//!   logit against the first key of each block it sees, a lower bound of its maximum), the
-//!   sum pass, the combine (`out = o/l`, `lse = R + ln l`, each row judged by its sum), then
+//!   logit against the first key of each block it sees, a lower bound of its maximum; it
+//!   also zeroes the pools), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each row judged by its sum), then
 //!   the pass and the combine again for the rows outside the pool's window, with their `lse`
 //!   as reference (both launches return at once when there is none). [`Reference::ExactMax`]
 //!   takes R from a max pass (`msa_forward_kv_max_sm90`, then `fwd_kv_reference`: each row's
@@ -467,8 +467,10 @@ impl<B: Backend> MsaForwardKv<B> {
                 match self.reference {
                     // The bound is in place already (before `prepare`).
                     Reference::Bound => {}
-                    // After `prepare`, which zeroes m_pool: the probe marks there the rows that
-                    // see a block (the combine's test for an empty row).
+                    // After `prepare` (which left the pools to it): the probe writes every
+                    // row's m_pool word, a key for a row that sees a block and 0 for one that
+                    // sees none (the combine's test for an empty row), and zeroes o_pool and
+                    // l_pool for the sum pass.
                     Reference::Probe => {
                         let args = fwd_kv_probe::args(
                             io.q.ptr(),
@@ -649,7 +651,8 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// [`MsaForwardKv::run_to_pools`] up to the launch: checks, kernels, tensor maps, the task
-    /// build and the zeroed pools; `None` when there is nothing to launch.
+    /// build and the zeroed pools (`o_pool` and all three left to the max pass or the probe
+    /// that `zero_o` names, when the pass launches); `None` when there is nothing to launch.
     fn prepare(
         &mut self,
         backend: &mut B,

@@ -40,11 +40,20 @@
 //!   and added by lane 0's four `cp.reduce.async.bulk.tensor` (f32 add in L2, `tmap_o`). Lane
 //!   0 waits for their reads (`cp.async.bulk.wait_group.read`) before the warp stages its next
 //!   task's rows, and before the CTA exits. An empty slot's warp skips its reductions.
-//! - **Plan.** [`plan`]: the register budgets, the shared layout ([`SmemPlan`]: K, V, Q × 2,
-//!   the O staging, the barriers, the row scalars) and the pipelines ([`PipelinePlan`]: K/V one stage
-//!   released by each consumer warp at a segment's end, Q two stages released by each consumer
-//!   warp after its S GEMM, the row scalars one stage released by every consumer thread after
-//!   its own last read), checked at codegen time.
+//! - **S a task ahead** (the f16 pass, with two K/V stages): each consumer issues the next
+//!   task's S GEMM right after this task's `P·V` (FlashAttention-3's overlap within a
+//!   warpgroup), so that it runs while the warp sums its rows, waits for `P·V` and stages O;
+//!   across a segment end it reads the next segment's K/V stage. After the walk's last task it
+//!   issues that task's GEMM again (its Q stage kept), so that no wgmma sits on a branch:
+//!   ptxas serializes every wgmma of the kernel when one is issued or waited for on a path it
+//!   cannot prove uniform, so the branches in between test values broadcast from lane 0 and
+//!   the lane-0 and head-lane parts are predicated. The f32 pass (one K/V stage) issues each
+//!   S GEMM at its task's start.
+//! - **Plan.** [`plan`]: the register budgets, the shared layout ([`SmemPlan`]: K, V
+//!   ([`kv_stages`]), Q × 2, the O staging, the barriers, the row scalars) and the pipelines
+//!   ([`PipelinePlan`]: K/V released by each consumer warp at a segment's end, Q two stages
+//!   released by each consumer warp after its S GEMM, the row scalars one stage released by
+//!   every consumer thread after its own last read), checked at codegen time.
 //!
 //! # The f16 pool (`msa_forward_kv_f16_sm90`, the runtime's default pool)
 //! [`OPool::F16`]: the same kernel with each warp's rows staged as f16 (`cvt.rn.f16x2.f32`,
@@ -115,6 +124,12 @@
 //!   default: 8.9 / 5.1 / 1.16 ms (405 / 407 / 405 useful TFLOP/s; doc16k 406, doc64k 385),
 //!   4.10× / 4.08× / 4.11× fla in the same run (doc16k 4.08×, doc64k 3.89×), no row
 //!   recomputed.
+//! - Session 19 (`-s19-forward.md`), on a machine whose sum pass ran 8 % slower than session
+//!   18's on the same code: two K/V stages took the sum pass 1-4 % lower, the S GEMM a task
+//!   ahead 5-7 % more; the whole forward 8.17 / 4.55 / 1.08 ms (443 / 454 / 434 useful
+//!   TFLOP/s; doc16k 449, doc64k 426), 4.48× / 4.59× / 4.39× fla in the same run. Staggering
+//!   the two consumers once at the start changed nothing. ncu before the S-ahead: 3 540
+//!   cycles per task and SM for 2 048 of tensor work.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
