@@ -1220,6 +1220,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         b.wgmma_wait(u32::from(ahead));
 
         b.comment("segment end: this warp's reads of K/V are complete");
+        // (Issuing ahead, the repeated S GEMM after the walk's last task may still read the
+        // last segment's K as it is released: harmless, as the producer loads nothing after
+        // the walk's last task and the CTA then exits.)
         let is_end = b.or_pred(other_bucket, last_task);
         b.if_then(is_end, "kv_release", |b| {
             let st = kv.locate(b, &bars, segments.into());
