@@ -7,12 +7,12 @@
 //!   ([`Reference::Probe`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
 //!   scale), the task build from a [`ResidentSchedule`], `fwd_kv_probe` (R = the row's largest
 //!   logit against the first key of each block it sees, a lower bound of its maximum; it
-//!   also zeroes the pools), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each row judged by its sum), then
-//!   the pass and the combine again for the rows outside the pool's window, with their `lse`
-//!   as reference (both launches return at once when there is none). [`Reference::ExactMax`]
-//!   takes R from a max pass (`msa_forward_kv_max_sm90`, then `fwd_kv_reference`: each row's
-//!   maximum) and judges rows by it; [`Reference::Bound`] from `fwd_kv_bound`
-//!   (scale·‖q‖·max‖k‖ over the row's selected blocks). [`MsaForwardKv::status`] gives the
+//!   also zeroes the pools), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each
+//!   row judged by its sum), then the pass and the combine again for the rows outside the
+//!   pool's window, with their `lse` as reference (both launches return at once when there
+//!   is none). [`Reference::ExactMax`] takes R from a max pass (`msa_forward_kv_max_sm90`,
+//!   then `fwd_kv_reference`: each row's maximum) and judges rows by it; [`Reference::Bound`]
+//!   from `fwd_kv_bound` (scale·‖q‖·max‖k‖ over the row's selected blocks). [`MsaForwardKv::status`] gives the
 //!   number of rows recomputed, or [`RuntimeError::ForwardReferenceRange`] for rows still bad
 //!   (their `lse` is NaN, `out` 0).
 //! - [`MsaForwardKv::run_to_pools`]: the sum pass alone with the caller's R and pools, and
@@ -25,7 +25,9 @@
 
 use crate::backend::{Backend, KernelSpec, Ptr, PtrMut, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
-use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW};
+use crate::contract::{
+    Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW,
+};
 use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
@@ -486,9 +488,10 @@ impl<B: Backend> MsaForwardKv<B> {
                             u32_arg("num_docs", z.num_documents)?,
                             u32_arg("num_blocks", blocks)?,
                             PtrMut::new(pools.o_pool.addr()),
+                            // A (token, KV head) group's 16 rows, in 16-byte words.
                             u32_arg(
                                 "o_group_words",
-                                Q_ROW / 4 * pools.o_pool.kind().bytes() / 16,
+                                Q_ROW / NUM_INDEX_HEADS * pools.o_pool.kind().bytes() / 16,
                             )?,
                             pools.l_pool.ptr_mut(),
                         );

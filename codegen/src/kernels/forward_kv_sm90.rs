@@ -289,9 +289,10 @@ pub fn rows_pipeline(pass: Pass) -> Pipeline {
     Pipeline::new("rows", stages, Role::Scalar, &[Role::Compute], 32, 256)
 }
 
-/// The shared layout: K, V, Q (one tile per stage; K/V at the `kv` pipeline's stages), the O staging (8 KB of f32 rows per
-/// consumer warp: two tiles' worth), the barriers, then the row scalars (`−R·log2e` per folded
-/// row, the slots' compact rows and positions). The max pass has neither V nor the staging.
+/// The shared layout: K, V, Q (one tile per stage; K/V at the `kv` pipeline's stages), the O
+/// staging (8 KB of f32 rows per consumer warp: two tiles' worth), the barriers, then the row
+/// scalars (`−R·log2e` per folded row, the slots' compact rows and positions). The max pass
+/// has neither V nor the staging.
 pub fn smem_plan(pipelines: &PipelinePlan, pass: Pass) -> Result<SmemPlan, PlanError> {
     let stages = |name| pipelines.get(name).map(|p| p.pipeline.stages);
     let (kv, q, rows) = (stages("kv")?, stages("q")?, stages("rows")?);
