@@ -813,7 +813,9 @@ impl Lanes {
         let zero = b.mov::<U32>(0u32);
         let always = b.setp(Cmp::Eq, zero, 0u32);
         let never = b.setp(Cmp::Ne, zero, 0u32);
-        let c_rows = b.mul_lo(c, 64 * 128);
+        // Warp-uniform, and known so to ptxas: the S GEMM's Q descriptors then stay uniform.
+        let c_uniform = b.redux_min(c);
+        let c_rows = b.mul_lo(c_uniform, 64 * 128);
         Lanes {
             lane,
             quad,

@@ -1037,6 +1037,22 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 mask: ctx.src(&ops[2], Ty::B(32))?,
             }
         }
+        "redux" => {
+            if !(m.take("sync") && m.take("min")) {
+                return unsupported("redux other than redux.sync.min.u32");
+            }
+            let ty = m.one_type()?;
+            m.finish()?;
+            if ty != Ty::U(32) {
+                return unsupported("redux.sync.min other than .u32");
+            }
+            arity(ops, 3)?;
+            Op::ReduxMin {
+                d: ctx.dst(&ops[0])?,
+                a: ctx.src(&ops[1], Ty::U(32))?,
+                mask: ctx.src(&ops[2], Ty::B(32))?,
+            }
+        }
         "ret" | "exit" => {
             m.take("uni");
             m.finish()?;

@@ -1090,6 +1090,7 @@ impl<'a> Cta<'a> {
             Op::Shfl { .. }
             | Op::Elect { .. }
             | Op::Ballot { .. }
+            | Op::ReduxMin { .. }
             | Op::Stmatrix { .. }
             | Op::MmaBf16 { .. }
             | Op::WarpSync { .. } => self.step_warp(pcu, w, group, exec, op)?,

@@ -1042,6 +1042,15 @@ pub enum Op {
         /// The member mask.
         mask: Src,
     },
+    /// `redux.sync.min.u32 d, a, membermask`: the least `a` of the member lanes, in each.
+    ReduxMin {
+        /// The minimum.
+        d: Dst,
+        /// Each lane's value.
+        a: Src,
+        /// The member mask.
+        mask: Src,
+    },
     /// `stmatrix.sync.aligned.m8n8.x{1,2,4}.shared.b16 [addr], {r..}`: the warp stores
     /// `src.len()` 8×8 b16 matrices held in the mma fragment layout; lane `8·i + row` gives
     /// the address of `row` of matrix `i`.
@@ -1245,6 +1254,11 @@ impl Op {
             Op::Ballot { d, a, mask } => {
                 dst(out, d);
                 src(out, &a.src);
+                src(out, mask);
+            }
+            Op::ReduxMin { d, a, mask } => {
+                dst(out, d);
+                src(out, a);
                 src(out, mask);
             }
             Op::Stmatrix { addr: a, src: v } => {

@@ -22,6 +22,22 @@ pub enum Shfl {
 }
 
 impl KernelBuilder {
+    /// `redux.sync.min.u32` over the full warp: the least of the lanes' `v`. ptxas keeps the
+    /// result in a uniform register, so that values derived from it (a warp-uniform shared
+    /// address) stay on the uniform datapath.
+    pub fn redux_min(&mut self, v: Reg<U32>) -> Reg<U32> {
+        let d = self.fresh::<U32>();
+        self.inst(
+            "redux.sync.min.u32".into(),
+            vec![
+                Operand::Reg(d.name()),
+                v.operand(),
+                Operand::Hex(0xffff_ffff),
+            ],
+        );
+        d
+    }
+
     /// `shfl.sync.<mode>.b32` over the full warp.
     pub fn shfl<T: Word>(
         &mut self,

@@ -1,5 +1,5 @@
-//! The warp collectives `shfl.sync`, `elect.sync`, `vote.sync.ballot`, `bar.warp.sync`,
-//! `stmatrix` and `mma.sync`, and their membermask contract.
+//! The warp collectives `shfl.sync`, `elect.sync`, `vote.sync.ballot`, `redux.sync.min`,
+//! `bar.warp.sync`, `stmatrix` and `mma.sync`, and their membermask contract.
 
 use super::{lanes, Cta, Flow, Place};
 use crate::error::{FaultKind, MemoryFault, MemoryFaultKind, SimError};
@@ -34,6 +34,17 @@ impl Cta<'_> {
                     let votes = self.pred_mask(w, *a) & member;
                     if let Dst::Reg(r) = d {
                         self.put(w, *r, exec, &[votes as u64; 32], 32);
+                    }
+                }
+            }
+            Op::ReduxMin { d, a, mask } => {
+                if exec != 0 {
+                    let mk = self.gather(w, *mask);
+                    let member = self.check_membermask(pcu, w, group, exec, &mk, "redux.sync")?;
+                    let v = self.gather(w, *a);
+                    let least = lanes(member).map(|l| v[l] as u32).min().unwrap_or(u32::MAX);
+                    if let Dst::Reg(r) = d {
+                        self.put(w, *r, exec, &[u64::from(least); 32], 32);
                     }
                 }
             }
