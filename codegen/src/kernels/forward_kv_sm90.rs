@@ -130,6 +130,14 @@
 //!   TFLOP/s; doc16k 449, doc64k 426), 4.48× / 4.59× / 4.39× fla in the same run. Staggering
 //!   the two consumers once at the start changed nothing. ncu before the S-ahead: 3 540
 //!   cycles per task and SM for 2 048 of tensor work.
+//! - Session 20 (`-s20-forward.md`): stall sampling puts 80 % of the samples in the consumers,
+//!   spread over their 538 instructions per warp and task (the TMA and wgmma waits under
+//!   1 %). Taking the consumer index through `redux.sync.min` keeps the S GEMM's Q
+//!   descriptors on the uniform datapath (25 instructions fewer per task): the pass about 1 %
+//!   faster. Dropped, no faster: `P·V` issued k16 step by step (ptxas hoists the
+//!   exponentials anyway), the row sums' `red.add` after the proxy fence, and one bulk f32
+//!   reduce-add of each warp's row sums in their place. A timing-only build without the row
+//!   sums (their 66 FADDs dead) ran 8 % faster at packed64k: what they cost is instructions.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
