@@ -248,6 +248,39 @@ fn one_warp_error(text: &str, why: &str) -> String {
         .to_string()
 }
 
+/// `redux.sync.min.u32`: every lane of the warp gets the least of the lanes' values (per the
+/// PTX ISA), here `(37 − lane) mod 32 + 3` per lane, whose least is 3; each warp of two reduces
+/// on its own (warp 1's values are 100 larger).
+#[test]
+fn redux_min_gives_each_lane_the_warps_least_value() {
+    let body = "\tmov.u32 %r0, %laneid;\n\tmov.u32 %r5, %tid.x;\n\tshr.u32 %r5, %r5, 5;\n\tmul.lo.u32 %r5, %r5, 100;\n\tsub.u32 %r1, 37, %r0;\n\trem.u32 %r1, %r1, 32;\n\tadd.u32 %r1, %r1, 3;\n\tadd.u32 %r1, %r1, %r5;\n\tredux.sync.min.u32 %r2, %r1, 0xffffffff;\n\tst.global.u32 [%o0], %r2;";
+    let out = run(body, 64, 1);
+    assert_eq!(&out[..32], &[3; 32]);
+    assert_eq!(&out[32..], &[103; 32]);
+}
+
+/// A `redux.sync` that part of the warp skips is reported, not reduced over the lanes that came.
+#[test]
+fn redux_in_a_partial_warp_is_reported() {
+    let text = r#".version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry t()
+{
+	.reg .pred %p<2>;
+	.reg .u32 %r<8>;
+	mov.u32 %r0, %laneid;
+	setp.ge.u32 %p0, %r0, 16;
+	@%p0 bra $L_end;
+	redux.sync.min.u32 %r1, %r0, 0xffffffff;
+$L_end:
+	ret;
+}
+"#;
+    let e = one_warp_error(text, "half a warp executed redux.sync");
+    assert!(e.contains("redux.sync"), "{e}");
+}
+
 /// A `stmatrix` that part of the warp skips is an error, not a partial store.
 #[test]
 fn stmatrix_in_a_partial_warp_is_reported() {
