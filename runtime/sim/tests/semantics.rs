@@ -239,6 +239,31 @@ fn stmatrix_x4_stores_rows_from_the_fragment_layout() {
 }
 
 /// The error of kernel `t` of `text` launched as one warp, which must fail (`why` says why).
+/// A one-warp kernel whose lanes from `first_skipping` on branch past `body`; `%r0` holds the
+/// lane, `%f0` 0.0, and `sbuf` is 512 bytes of shared memory.
+fn partial_warp_kernel(first_skipping: u32, body: &str) -> String {
+    format!(
+        r#".version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry t()
+{{
+	.reg .pred %p<2>;
+	.reg .u32 %r<8>;
+	.reg .f32 %f<8>;
+	.shared .align 16 .b8 sbuf[512];
+	mov.u32 %r0, %laneid;
+	mov.f32 %f0, 0f00000000;
+	setp.ge.u32 %p0, %r0, {first_skipping};
+	@%p0 bra $L_end;
+{body}
+$L_end:
+	ret;
+}}
+"#
+    )
+}
+
 fn one_warp_error(text: &str, why: &str) -> String {
     let m = Module::parse(text).unwrap_or_else(|e| panic!("{e}"));
     let mut gpu = Gpu::new();
@@ -262,48 +287,19 @@ fn redux_min_gives_each_lane_the_warps_least_value() {
 /// A `redux.sync` that part of the warp skips is reported, not reduced over the lanes that came.
 #[test]
 fn redux_in_a_partial_warp_is_reported() {
-    let text = r#".version 8.0
-.target sm_90a
-.address_size 64
-.visible .entry t()
-{
-	.reg .pred %p<2>;
-	.reg .u32 %r<8>;
-	mov.u32 %r0, %laneid;
-	setp.ge.u32 %p0, %r0, 16;
-	@%p0 bra $L_end;
-	redux.sync.min.u32 %r1, %r0, 0xffffffff;
-$L_end:
-	ret;
-}
-"#;
-    let e = one_warp_error(text, "half a warp executed redux.sync");
+    let text = partial_warp_kernel(16, "\tredux.sync.min.u32 %r1, %r0, 0xffffffff;");
+    let e = one_warp_error(&text, "half a warp executed redux.sync");
     assert!(e.contains("redux.sync"), "{e}");
 }
 
 /// A `stmatrix` that part of the warp skips is an error, not a partial store.
 #[test]
 fn stmatrix_in_a_partial_warp_is_reported() {
-    let text = r#".version 8.0
-.target sm_90a
-.address_size 64
-.visible .entry t()
-{
-	.reg .pred %p<2>;
-	.reg .u32 %r<8>;
-	.shared .align 16 .b8 sbuf[512];
-	mov.u32 %r0, %laneid;
-	setp.ge.u32 %p0, %r0, 16;
-	@%p0 bra $L_end;
-	shl.b32 %r1, %r0, 4;
-	mov.u32 %r2, sbuf;
-	add.u32 %r2, %r2, %r1;
-	stmatrix.sync.aligned.m8n8.x4.shared.b16 [%r2], {%r0, %r0, %r0, %r0};
-$L_end:
-	ret;
-}
-"#;
-    let e = one_warp_error(text, "half a warp executed stmatrix");
+    let text = partial_warp_kernel(
+        16,
+        "\tshl.b32 %r1, %r0, 4;\n\tmov.u32 %r2, sbuf;\n\tadd.u32 %r2, %r2, %r1;\n\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r2], {%r0, %r0, %r0, %r0};",
+    );
+    let e = one_warp_error(&text, "half a warp executed stmatrix");
     assert!(e.contains("stmatrix") && e.contains("lane 16"), "{e}");
 }
 
@@ -378,24 +374,11 @@ fn mma_m16n8k16_follows_the_isa_fragment_layout() {
 /// An `mma.sync` that part of the warp skips is an error, not a partial product.
 #[test]
 fn mma_in_a_partial_warp_is_reported() {
-    let text = r#".version 8.0
-.target sm_90a
-.address_size 64
-.visible .entry t()
-{
-	.reg .pred %p<2>;
-	.reg .u32 %r<8>;
-	.reg .f32 %f<8>;
-	mov.u32 %r0, %laneid;
-	mov.f32 %f0, 0f00000000;
-	setp.ge.u32 %p0, %r0, 8;
-	@%p0 bra $L_end;
-	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r0, %r0, %r0, %r0}, {%r0, %r0}, {%f0, %f0, %f0, %f0};
-$L_end:
-	ret;
-}
-"#;
-    let e = one_warp_error(text, "a quarter of a warp executed mma.sync");
+    let text = partial_warp_kernel(
+        8,
+        "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r0, %r0, %r0, %r0}, {%r0, %r0}, {%f0, %f0, %f0, %f0};",
+    );
+    let e = one_warp_error(&text, "a quarter of a warp executed mma.sync");
     assert!(e.contains("mma.sync") && e.contains("lane 8"), "{e}");
 }
 
