@@ -12,9 +12,9 @@
 //!   pool's window, with their `lse` as reference (both launches return at once when there
 //!   is none). [`Reference::ExactMax`] takes R from a max pass (`msa_forward_kv_max_sm90`,
 //!   then `fwd_kv_reference`: each row's maximum) and judges rows by it; [`Reference::Bound`]
-//!   from `fwd_kv_bound` (scale·‖q‖·max‖k‖ over the row's selected blocks). [`MsaForwardKv::status`] gives the
-//!   number of rows recomputed, or [`RuntimeError::ForwardReferenceRange`] for rows still bad
-//!   (their `lse` is NaN, `out` 0).
+//!   from `fwd_kv_bound` (scale·‖q‖·max‖k‖ over the row's selected blocks).
+//!   [`MsaForwardKv::status`] gives the number of rows recomputed, or
+//!   [`RuntimeError::ForwardReferenceRange`] for rows still bad (their `lse` is NaN, `out` 0).
 //! - [`MsaForwardKv::run_to_pools`]: the sum pass alone with the caller's R and pools, and
 //!   [`combine_row`], the combine's host form, for tests.
 //! - [`ForwardAlgorithm`]: when [`MsaAttention`](crate::MsaAttention) takes this forward

@@ -278,7 +278,16 @@ fn one_warp_error(text: &str, why: &str) -> String {
 /// on its own (warp 1's values are 100 larger).
 #[test]
 fn redux_min_gives_each_lane_the_warps_least_value() {
-    let body = "\tmov.u32 %r0, %laneid;\n\tmov.u32 %r5, %tid.x;\n\tshr.u32 %r5, %r5, 5;\n\tmul.lo.u32 %r5, %r5, 100;\n\tsub.u32 %r1, 37, %r0;\n\trem.u32 %r1, %r1, 32;\n\tadd.u32 %r1, %r1, 3;\n\tadd.u32 %r1, %r1, %r5;\n\tredux.sync.min.u32 %r2, %r1, 0xffffffff;\n\tst.global.u32 [%o0], %r2;";
+    let body = r#"	mov.u32 %r0, %laneid;
+	mov.u32 %r5, %tid.x;
+	shr.u32 %r5, %r5, 5;
+	mul.lo.u32 %r5, %r5, 100;
+	sub.u32 %r1, 37, %r0;
+	rem.u32 %r1, %r1, 32;
+	add.u32 %r1, %r1, 3;
+	add.u32 %r1, %r1, %r5;
+	redux.sync.min.u32 %r2, %r1, 0xffffffff;
+	st.global.u32 [%o0], %r2;"#;
     let out = run(body, 64, 1);
     assert_eq!(&out[..32], &[3; 32]);
     assert_eq!(&out[32..], &[103; 32]);
@@ -297,7 +306,10 @@ fn redux_in_a_partial_warp_is_reported() {
 fn stmatrix_in_a_partial_warp_is_reported() {
     let text = partial_warp_kernel(
         16,
-        "\tshl.b32 %r1, %r0, 4;\n\tmov.u32 %r2, sbuf;\n\tadd.u32 %r2, %r2, %r1;\n\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r2], {%r0, %r0, %r0, %r0};",
+        r#"	shl.b32 %r1, %r0, 4;
+	mov.u32 %r2, sbuf;
+	add.u32 %r2, %r2, %r1;
+	stmatrix.sync.aligned.m8n8.x4.shared.b16 [%r2], {%r0, %r0, %r0, %r0};"#,
     );
     let e = one_warp_error(&text, "half a warp executed stmatrix");
     assert!(e.contains("stmatrix") && e.contains("lane 16"), "{e}");
