@@ -885,14 +885,43 @@ impl StmatrixLane {
         base: Reg<U32>,
         offset: u32,
         count: u32,
-        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<T>; 4],
+        words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<T>; 4],
     ) {
+        self.sw128_rows(b, row, base).store(b, offset, count, words);
+    }
+
+    /// This lane's four `stmatrix` addresses of [`Self::store_sw128`] into rows at `base`:
+    /// computed once where `row` and `base` do not change across a loop.
+    pub fn sw128_rows(&self, b: &mut KernelBuilder, row: Reg<U32>, base: Reg<U32>) -> Sw128Rows {
         let lane_at = b.mad_lo(row, 128u32, self.half_chunk);
         let lane_at = b.add(lane_at, base);
+        let at = [0u32, 1, 2, 3].map(|s| {
+            let x = b.xor(self.h2, s);
+            b.mad_lo(x, 32u32, lane_at)
+        });
+        Sw128Rows { at }
+    }
+}
+
+/// A lane's `stmatrix` addresses into SW128 rows ([`StmatrixLane::sw128_rows`]): instruction
+/// `s` at `at[s % 4]`, box `s / 4` 2048 bytes further.
+pub struct Sw128Rows {
+    at: [Reg<U32>; 4],
+}
+
+impl Sw128Rows {
+    /// `count` `stmatrix.x4` of `words(b, s)`, as [`StmatrixLane::store_sw128`] describes,
+    /// `offset` bytes further.
+    pub fn store<T: Packed16x2>(
+        &self,
+        b: &mut KernelBuilder,
+        offset: u32,
+        count: u32,
+        mut words: impl FnMut(&mut KernelBuilder, u32) -> [Reg<T>; 4],
+    ) {
         for s in 0..count {
             let v = words(b, s);
-            let x = b.xor(self.h2, s % 4);
-            let addr = b.mad_lo(x, 32u32, lane_at);
+            let addr = self.at[(s % 4) as usize];
             b.stmatrix_x4(&shared(addr, i64::from(offset + 2048 * (s / 4))), v);
         }
     }
@@ -915,13 +944,30 @@ pub fn stage_rows_16<T: Packed16x2>(
     lane: Reg<U32>,
     pack: impl Fn(&mut KernelBuilder, Reg<F32>, Reg<F32>) -> Reg<T>,
 ) {
+    let rows = stage_rows_at(b, stage, lane);
+    stage_rows_16_at(b, acc, &rows, pack);
+}
+
+/// The lane's addresses of [`stage_rows_16`] into the 4 KB at `stage`, for a loop that
+/// stages into the same place every time.
+pub fn stage_rows_at(b: &mut KernelBuilder, stage: Reg<U32>, lane: Reg<U32>) -> Sw128Rows {
+    let sm = StmatrixLane::new(b, lane);
+    sm.sw128_rows(b, sm.row, stage)
+}
+
+/// As [`stage_rows_16`], at addresses from [`stage_rows_at`].
+pub fn stage_rows_16_at<T: Packed16x2>(
+    b: &mut KernelBuilder,
+    acc: &[Reg<F32>],
+    rows: &Sw128Rows,
+    pack: impl Fn(&mut KernelBuilder, Reg<F32>, Reg<F32>) -> Reg<T>,
+) {
     // Word (j, rr): row quad + 8rr, columns 8j + 2·pair, +1; box j / 8, chunk j % 8.
     let word = |b: &mut KernelBuilder, j: u32, rr: u32| {
         let i = (4 * j + 2 * rr) as usize;
         pack(b, acc[i + 1], acc[i])
     };
-    let sm = StmatrixLane::new(b, lane);
-    sm.store_sw128(b, sm.row, stage, 0, 8, |b, s| {
+    rows.store(b, 0, 8, |b, s| {
         [
             word(b, 2 * s, 0),
             word(b, 2 * s, 1),

@@ -812,7 +812,10 @@ impl Lanes {
         let quad = b.shr(lane, 2u32);
         let pair = b.and(lane, 3u32);
         let col0 = b.shl(pair, 1u32);
+        // The slot is warp-uniform, and known so to ptxas through `redux.sync`: the S GEMM's
+        // Q descriptors and the O staging's TMA source then stay on the uniform datapath.
         let slot = b.mad_lo(c, 4u32, warp);
+        let slot = b.redux_min(slot);
         let slot4 = b.shl(slot, 2u32);
         let frow = b.mad_lo(slot, 16u32, quad);
         let frow4 = b.shl(frow, 2u32);
@@ -821,8 +824,7 @@ impl Lanes {
         let zero = b.mov::<U32>(0u32);
         let always = b.setp(Cmp::Eq, zero, 0u32);
         let never = b.setp(Cmp::Ne, zero, 0u32);
-        // Warp-uniform, and known so to ptxas: the S GEMM's Q descriptors then stay uniform.
-        let c_uniform = b.redux_min(c);
+        let c_uniform = b.shr(slot, 2u32);
         let c_rows = b.mul_lo(c_uniform, 64 * 128);
         Lanes {
             lane,
@@ -982,16 +984,46 @@ fn pool_row(b: &mut KernelBuilder, l: &Lanes, qrow: Reg<S32>, head: Reg<U32>) ->
     b.add(prow, l.quad)
 }
 
-/// `red.max` of the two rows' maxima into `m_pool` at `prow` and `prow + 8` (the caller
-/// picks the lane).
-fn red_row_maxima(b: &mut KernelBuilder, ctx: &Ctx, prow: Reg<U32>, row_max: &[Reg<F32>]) {
+/// `red.max` of the two rows' maxima into `m_pool` at `prow` and `prow + 8`, by the lanes
+/// where `lanes` holds: keys and addresses are computed in every lane, so that ptxas merges
+/// none of them with old values.
+fn red_row_maxima(
+    b: &mut KernelBuilder,
+    ctx: &Ctx,
+    prow: Reg<U32>,
+    row_max: &[Reg<F32>],
+    lanes: Reg<Pred>,
+) {
     let m_pool = b.ld_param_ptr(&ctx.p.m_pool);
-    for (rr, mx) in row_max.iter().enumerate() {
-        let i = b.add(prow, 8 * rr as u32);
-        let key = order_key(b, *mx);
-        let at_m_pool = common::elem::<U32>(b, m_pool, i);
-        b.red::<U32, _>(AtomOp::Max, &at_m_pool, key);
+    let at_m_pool = common::elem::<U32>(b, m_pool, prow);
+    let keys: Vec<Reg<U32>> = row_max.iter().map(|mx| order_key(b, *mx)).collect();
+    b.predicated(lanes, false, |b| {
+        for (rr, key) in keys.into_iter().enumerate() {
+            let at = at_m_pool.offset(ROW8_BYTES * rr as i64);
+            b.red::<U32, _>(AtomOp::Max, &at, key);
+        }
+    });
+}
+
+/// Bytes between a thread's two accumulator rows in `l_pool` and `m_pool` (8 heads of 4).
+const ROW8_BYTES: i64 = 8 * 4;
+
+/// `Σ terms` as a balanced tree: its adds are independent level by level, where one chain
+/// would make each wait for the last (the f32 add's latency, with two consumer warps per
+/// scheduler to hide it).
+fn tree_sum(b: &mut KernelBuilder, terms: &[Reg<F32>]) -> Reg<F32> {
+    let mut level = terms.to_vec();
+    while level.len() > 1 {
+        level = level
+            .chunks(2)
+            .map(|pair| match pair {
+                [x, y] => b.add(*x, *y),
+                [x] => *x,
+                _ => unreachable!("chunks of two"),
+            })
+            .collect();
     }
+    level.pop().expect("at least one term")
 }
 
 /// The max pass's consumers: per task the S GEMM, the masked row maxima and their `red.max`.
@@ -1053,7 +1085,7 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let stats = b.and_pred(live, l.head_lane);
         b.if_then(stats, "row_stats", |b| {
             let prow = pool_row(b, &l, qrow, head);
-            red_row_maxima(b, ctx, prow, &row_max);
+            red_row_maxima(b, ctx, prow, &row_max, stats);
         });
     });
 }
@@ -1096,6 +1128,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let stage = b.mad_lo(slot, pool.warp_bytes(), base);
     let stage = b.add(stage, o_stage.offset);
     let o_lane = OStageLane::new(b, lane, &stage);
+    // The f16 staging's stmatrix addresses, once: ptxas recomputed them every task.
+    let o_rows = (pool == OPool::F16).then(|| common::stage_rows_at(b, stage, lane));
     // Whether to compute the row maxima: unless m_pool is null (the max pass has filled
     // it). Uniform over the CTA.
     let raw = b.ld_param(&p.m_pool);
@@ -1184,15 +1218,12 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         b.comment("P = exp2(S*scale*log2e - R*log2e), O = P*V and the row sums");
         let v_addr = v.emit_stage_addr(b, base, kv_index);
         let mut pv = Vec::with_capacity(64);
-        let mut sums: [Option<Reg<F32>>; 2] = [None, None];
+        let mut terms: [Vec<Reg<F32>>; 2] = [Vec::with_capacity(32), Vec::with_capacity(32)];
         for (i, s) in s_acc.iter().enumerate() {
             let rr = (i / 2) % 2;
             let d = b.fma(*s, scale_log2e, neg_ref[rr]);
             let pe = b.ex2_approx(d);
-            sums[rr] = Some(match sums[rr] {
-                None => pe,
-                Some(s) => b.add(s, pe),
-            });
+            terms[rr].push(pe);
             pv.push(pe);
         }
         let frags = common::bf16_a_frags(b, &pv);
@@ -1220,8 +1251,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             s_gemm(b, ctx, &l, (qst_next.index, kv_next), &s_acc);
         }
         let mut l_row = Vec::with_capacity(2);
-        for s in sums {
-            let mut l = s.expect("64 values");
+        for t in &terms {
+            let mut l = tree_sum(b, t);
             for d in [1u32, 2] {
                 let o = b.shfl(Shfl::Bfly, l, d, 0x1f);
                 l = b.add(l, o);
@@ -1251,15 +1282,16 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         b.if_then(live, "pools", |b| {
             let prow = pool_row(b, &l, qrow, head);
             let l_pool = b.ld_param_ptr(&p.l_pool);
+            // Addressed outside the predicate: values written under one are merged with
+            // their old ones by ptxas (a `SEL` each).
+            let at_l_pool = common::elem::<F32>(b, l_pool, prow);
             b.predicated(head_lane, false, |b| {
                 for (rr, l_rr) in l_row.iter().enumerate() {
-                    let i = b.add(prow, 8 * rr as u32);
-                    let at_l_pool = common::elem::<F32>(b, l_pool, i);
-                    b.red_add_f32(&at_l_pool, *l_rr);
+                    b.red_add_f32(&at_l_pool.offset(ROW8_BYTES * rr as i64), *l_rr);
                 }
             });
             b.if_then(want_max, "m_pool", |b| {
-                b.predicated(head_lane, false, |b| red_row_maxima(b, ctx, prow, &row_max));
+                red_row_maxima(b, ctx, prow, &row_max, head_lane);
             });
             b.comment("its O rows into the warp's staging, TMA reduce-add into o_pool");
             // The warp's reduction of the previous task has read the staging by now (a whole
@@ -1269,7 +1301,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             match pool {
                 OPool::F32 => o_lane.store(b, &o_acc),
                 OPool::F16 => {
-                    common::stage_rows_16(b, &o_acc, stage, lane, |b, hi, lo| b.cvt_f16x2(hi, lo));
+                    let rows = o_rows.as_ref().expect("planned for the f16 pool");
+                    common::stage_rows_16_at(b, &o_acc, rows, |b, hi, lo| b.cvt_f16x2(hi, lo));
                 }
             }
             // The async proxy reads the staged rows: each lane's stores are fenced, then the
