@@ -501,7 +501,7 @@ pub mod task_scan_work {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [1, 1, 1].
+    /// Grid: [1 + spare CTAs (0 without a buffer to zero), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         scheduler_metadata: Ptr<i32>,
@@ -518,6 +518,8 @@ pub mod task_scan_work {
         num_docs: u32,
         min_window_log2: u32,
         blocks_log2: u32,
+        zero: PtrMut<u32>,
+        zero_words: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(scheduler_metadata), KernelArg::from(work_count),
@@ -526,7 +528,8 @@ pub mod task_scan_work {
             KernelArg::from(bin_last), KernelArg::from(cu_seqlens),
             KernelArg::from(doc_windows), KernelArg::from(work_capacity),
             KernelArg::from(bins), KernelArg::from(num_docs),
-            KernelArg::from(min_window_log2), KernelArg::from(blocks_log2)
+            KernelArg::from(min_window_log2), KernelArg::from(blocks_log2),
+            KernelArg::from(zero), KernelArg::from(zero_words)
         ]
     }
 }
@@ -620,7 +623,7 @@ pub mod task_scan_bins {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [1, 1, 1].
+    /// Grid: [1 + spare CTAs (0 without a buffer to zero), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         bin_count: Ptr<i32>,
@@ -629,11 +632,14 @@ pub mod task_scan_bins {
         bin_offset: PtrMut<i32>,
         desc: PtrMut<i32>,
         bins: u32,
+        zero: PtrMut<u32>,
+        zero_words: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(bin_count), KernelArg::from(bin_first),
             KernelArg::from(bin_last), KernelArg::from(bin_offset),
-            KernelArg::from(desc), KernelArg::from(bins)
+            KernelArg::from(desc), KernelArg::from(bins), KernelArg::from(zero),
+            KernelArg::from(zero_words)
         ]
     }
 }

@@ -5,9 +5,9 @@
 //!
 //! - [`MsaForwardKv::run_on`]: the whole forward on the device, no host sync. By default
 //!   ([`Reference::Probe`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
-//!   scale), the task build from a [`ResidentSchedule`], `fwd_kv_probe` (R = the row's largest
-//!   logit against the first key of each block it sees, a lower bound of its maximum; it
-//!   also zeroes the pools), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each
+//!   scale), the task build from a [`ResidentSchedule`] (its idle SMs zero `o_pool`),
+//!   `fwd_kv_probe` (R = the row's largest logit against the first key of each block it sees,
+//!   a lower bound of its maximum; it also zeroes `l_pool`), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each
 //!   row judged by its sum), then the pass and the combine again for the rows outside the
 //!   pool's window, with their `lse` as reference (both launches return at once when there
 //!   is none). [`Reference::ExactMax`] takes R from a max pass (`msa_forward_kv_max_sm90`,
@@ -273,6 +273,10 @@ pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 /// `forward_kv_rows::COMBINE_ROWS_PER_CTA`, tied by a test).
 pub const COMBINE_ROWS_PER_CTA: usize = 16;
 
+/// Walks of the task descriptor per CTA of the pass (`forward_kv_sm90::WALKS_PER_CTA`, tied
+/// by a test): it launches on `ceil(grid / PASS_WALKS_PER_CTA)` CTAs.
+pub const PASS_WALKS_PER_CTA: u32 = 1;
+
 /// Rows per CTA of `fwd_kv_reference` (`forward_kv_rows::REFERENCE_ROWS_PER_CTA`, tied by a
 /// test): one per thread.
 pub const REFERENCE_ROWS_PER_CTA: usize = 256;
@@ -471,8 +475,8 @@ impl<B: Backend> MsaForwardKv<B> {
                     Reference::Bound => {}
                     // After `prepare` (which left the pools to it): the probe writes every
                     // row's m_pool word, a key for a row that sees a block and 0 for one that
-                    // sees none (the combine's test for an empty row), and zeroes o_pool and
-                    // l_pool for the sum pass.
+                    // sees none (the combine's test for an empty row), and zeroes l_pool for
+                    // the sum pass (the task build zeroed o_pool).
                     Reference::Probe => {
                         let args = fwd_kv_probe::args(
                             io.q.ptr(),
@@ -487,7 +491,8 @@ impl<B: Backend> MsaForwardKv<B> {
                             u32_arg("num_tokens", t)?,
                             u32_arg("num_docs", z.num_documents)?,
                             u32_arg("num_blocks", blocks)?,
-                            PtrMut::new(pools.o_pool.addr()),
+                            // o_pool is zeroed by the task build (`prepare`).
+                            PtrMut::new(0),
                             // A (token, KV head) group's 16 rows, in 16-byte words.
                             u32_arg(
                                 "o_group_words",
@@ -654,8 +659,9 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// [`MsaForwardKv::run_to_pools`] up to the launch: checks, kernels, tensor maps, the task
-    /// build and the zeroed pools (`o_pool` and all three left to the max pass or the probe
-    /// that `zero_o` names, when the pass launches); `None` when there is nothing to launch.
+    /// build and the zeroed pools (`o_pool` left to the max pass or to the task build, and
+    /// the other two to the probe, as `zero_o` names, when the pass launches); `None` when
+    /// there is nothing to launch.
     fn prepare(
         &mut self,
         backend: &mut B,
@@ -726,6 +732,8 @@ impl<B: Backend> MsaForwardKv<B> {
             .filter(|&w| w < 1 << 31 && zero_o == ZeroO::InMaxPass && grid > 0);
         // The probe runs only when the pass does; without it the combine reads the pools.
         let in_probe = zero_o == ZeroO::InProbe && grid > 0;
+        // Under the probe, the task build's idle SMs zero o_pool.
+        let in_build = in_probe.then_some((io.o_pool.addr(), o_bytes));
         if o_words.is_none() && !in_probe {
             backend.zero("o_pool", io.o_pool.addr(), o_bytes)?;
         }
@@ -733,7 +741,7 @@ impl<B: Backend> MsaForwardKv<B> {
             backend.zero("l_pool", io.l_pool.addr, 4 * io.l_pool.len)?;
             backend.zero("m_pool", io.m_pool.addr, 4 * io.m_pool.len)?;
         }
-        tasks.build_from(backend, &schedule.refs())?;
+        tasks.build_zeroing(backend, &schedule.refs(), in_build)?;
         Ok((grid > 0).then_some(PassLaunch {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
             grid,
@@ -776,7 +784,8 @@ impl<B: Backend> MsaForwardKv<B> {
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
         // is null or o_pool's own 16-byte words.
-        unsafe { backend.launch(pass_kernel(pass), (launch.grid, 1, 1), &args) }
+        let grid = launch.grid.div_ceil(PASS_WALKS_PER_CTA);
+        unsafe { backend.launch(pass_kernel(pass), (grid, 1, 1), &args) }
     }
 }
 
@@ -807,8 +816,9 @@ struct PassLaunch {
     zero: Option<(u64, u32)>,
 }
 
-/// Who zeroes `o_pool`: `prepare` (a memset), the max pass that precedes the sum pass, or
-/// the probe (with `l_pool`; it writes all of `m_pool`), when the pass launches.
+/// Who zeroes the pools: `prepare` (memsets), the max pass that precedes the sum pass
+/// (`o_pool`), or under the probe the task build's spare CTAs (`o_pool`) and the probe
+/// (`l_pool`; it writes all of `m_pool`), when the pass launches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ZeroO {
     Prepare,

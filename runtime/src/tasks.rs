@@ -25,6 +25,10 @@ pub const FLAG_NONCONTIGUOUS_SEGMENTS: i32 = 2;
 /// Region starts are rounded to 256 bytes, which also satisfies the 16-byte vector stores.
 const REGION_ALIGN_WORDS: usize = 64;
 
+/// CTAs per SM each task scan launches beside its own to zero a buffer ([`TaskWorkspace::build_zeroing`]):
+/// two of 1024 threads fill an SM.
+pub const SPARE_CTAS_PER_SM: u32 = 2;
+
 /// Sizes of the task build for one schedule (`docs/design.md` §2.2, with the bins of [`Locality`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TaskBuildSizes {
@@ -487,6 +491,19 @@ impl<B: Backend> TaskWorkspace<B> {
         backend: &mut B,
         schedule: &ScheduleRefs,
     ) -> Result<(), RuntimeError> {
+        self.build_zeroing(backend, schedule, None)
+    }
+
+    /// [`TaskWorkspace::build_from`] that also zeroes `zero = (addr, bytes)` (16-byte
+    /// aligned, a multiple of 16 bytes) on the SMs its two single-CTA scans leave idle: each
+    /// scan launches [`SPARE_CTAS_PER_SM`] CTAs per SM beside its own, which zero half of it.
+    /// No host sync.
+    pub fn build_zeroing(
+        &mut self,
+        backend: &mut B,
+        schedule: &ScheduleRefs,
+        zero: Option<(u64, usize)>,
+    ) -> Result<(), RuntimeError> {
         if schedule.num_docs != self.sizes.num_docs {
             return Err(RuntimeError::input(
                 "schedule.cu_seqlens",
@@ -525,6 +542,31 @@ impl<B: Backend> TaskWorkspace<B> {
         let task_ctas = sz
             .capacity
             .div_ceil(task_assign_segments::THREADS.0 as usize) as u32;
+        // The two halves of `zero` in 16-byte words, and the scans' grid.
+        let (zero_halves, scan_grid) = match zero {
+            Some((addr, bytes)) if bytes > 0 => {
+                if addr % 16 != 0 || bytes % 16 != 0 {
+                    return Err(RuntimeError::input(
+                        "zero",
+                        format!("{bytes} bytes at {addr:#x}"),
+                        "16-byte aligned, a multiple of 16 bytes",
+                    ));
+                }
+                let words = bytes / 16;
+                let first = words / 2;
+                let halves = [(addr, first), (addr + 16 * first as u64, words - first)];
+                let halves = halves.map(|(a, w)| {
+                    u32::try_from(w)
+                        .ok()
+                        .filter(|&w| w < 1 << 31)
+                        .map(|w| (a, w))
+                        .ok_or_else(|| RuntimeError::input("zero", bytes, "under 2^35 bytes"))
+                });
+                let [a, b] = halves;
+                ([a?, b?], 1 + SPARE_CTAS_PER_SM * sms)
+            }
+            _ => ([(0, 0); 2], 1),
+        };
         let l = self.layout;
         let r = |words: usize| Ptr::<i32>::new(self.at(words));
         let w = |words: usize| PtrMut::<i32>::new(self.at(words));
@@ -532,7 +574,7 @@ impl<B: Backend> TaskWorkspace<B> {
         let launches = [
             (
                 &task_scan_work::KERNEL,
-                (1, 1, 1),
+                (scan_grid, 1, 1),
                 task_scan_work::args(
                     Ptr::new(s.metadata),
                     Ptr::new(s.work_count),
@@ -548,6 +590,8 @@ impl<B: Backend> TaskWorkspace<B> {
                     docs,
                     min_log2,
                     blocks_log2,
+                    PtrMut::new(zero_halves[0].0),
+                    zero_halves[0].1,
                 ),
             ),
             (
@@ -575,7 +619,7 @@ impl<B: Backend> TaskWorkspace<B> {
             ),
             (
                 &task_scan_bins::KERNEL,
-                (1, 1, 1),
+                (scan_grid, 1, 1),
                 task_scan_bins::args(
                     r(l.bin_count),
                     r(l.bin_first),
@@ -583,6 +627,8 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.bin_offset),
                     w(l.desc),
                     bins,
+                    PtrMut::new(zero_halves[1].0),
+                    zero_halves[1].1,
                 ),
             ),
             (

@@ -23,7 +23,8 @@
 //!   row that sees no block (the combine's empty-row test). No pass over the task tables:
 //!   it reads Q once. Given `o_pool` and `l_pool` it also zeroes the group's rows of both
 //!   for the sum pass (`o_group_words` 16-byte words of `o_pool` per group), in place of
-//!   memsets before it; it writes every row's `m_pool` word, so that pool needs none either.
+//!   memsets before it (the runtime passes a null `o_pool`: its task build zeroes it); it
+//!   writes every row's `m_pool` word, so that pool needs none either.
 //! - `fwd_kv_reference`: `R[row] = max − ln c` from the max pass's `m_pool` (0 for a row with
 //!   no finite maximum, which the combine then writes empty or reports), the exact reference
 //!   the runtime uses by default.

@@ -77,8 +77,38 @@ pub const SCATTER_TABLES: KernelDesc = KernelDesc {
     describe: scatter_tables,
 };
 
+/// The scans' spare CTAs: the scan runs on CTA 0 alone, and CTAs `1..` zero `zero_words`
+/// 16-byte words at `zero` (null: none) with a grid stride meanwhile, then return. A buffer
+/// the next kernels accumulate into (the KV forward's `o_pool`) is zeroed on SMs the scan
+/// leaves idle, where a memset or a later kernel would take them from other work.
+fn spare_ctas_zero(b: &mut KernelBuilder, zero_p: &ParamRef<U64>, words_p: &ParamRef<U32>) {
+    let cta = b.sreg(SReg::CtaidX);
+    let spare = b.setp(Cmp::Ne, cta, 0u32);
+    b.if_then(spare, "spare_cta", |b| {
+        let raw = b.ld_param(zero_p);
+        let some = b.setp(Cmp::Ne, raw, 0u64);
+        b.if_then(some, "spare_zero", |b| {
+            let at = b.ld_param_ptr(zero_p);
+            let words = b.ld_param(words_p);
+            let ctas = b.sreg(SReg::NctaidX);
+            let tid = b.sreg(SReg::TidX);
+            let helper = b.sub(cta, 1u32);
+            let first = b.mad_lo(helper, SCAN_THREADS, tid);
+            let helpers = b.sub(ctas, 1u32);
+            let stride = b.mul_lo(helpers, SCAN_THREADS);
+            let z = b.mov::<U32>(0u32);
+            // (The runtime keeps `zero_words` under 2^31, so `i + stride` cannot wrap.)
+            b.for_range(first, words, stride, "spare_zero_word", |b, i| {
+                let a = common::elem_bytes(b, at, i, 16);
+                b.st_v(&a, [z, z, z, z]);
+            });
+        });
+        b.ret();
+    });
+}
+
 fn scan_work(b: &mut KernelBuilder) {
-    b.grid("[1, 1, 1]");
+    b.grid("[1 + spare CTAs (0 without a buffer to zero), 1, 1]");
     let metadata_p = b.param_ptr("scheduler_metadata", HostElem::I32, false);
     let work_count_p = b.param_ptr("work_count", HostElem::I32, false);
     let desc_p = b.param_ptr("desc", HostElem::I32, true);
@@ -93,7 +123,10 @@ fn scan_work(b: &mut KernelBuilder) {
     let docs_p = b.param_u32("num_docs");
     let min_log2_p = b.param_u32("min_window_log2");
     let blocks_log2_p = b.param_u32("blocks_log2");
+    let zero_p = b.param_ptr("zero", HostElem::U32, true);
+    let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
+    spare_ctas_zero(b, &zero_p, &zero_words_p);
 
     let metadata = b.ld_param_ptr(&metadata_p);
     let work_count = b.ld_param_ptr(&work_count_p);
@@ -343,14 +376,17 @@ fn task_params(
 }
 
 fn scan_bins(b: &mut KernelBuilder) {
-    b.grid("[1, 1, 1]");
+    b.grid("[1 + spare CTAs (0 without a buffer to zero), 1, 1]");
     let count_p = b.param_ptr("bin_count", HostElem::I32, false);
     let first_p = b.param_ptr("bin_first", HostElem::I32, false);
     let last_p = b.param_ptr("bin_last", HostElem::I32, false);
     let offset_p = b.param_ptr("bin_offset", HostElem::I32, true);
     let desc_p = b.param_ptr("desc", HostElem::I32, true);
     let bins_p = b.param_u32("bins");
+    let zero_p = b.param_ptr("zero", HostElem::U32, true);
+    let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
+    spare_ctas_zero(b, &zero_p, &zero_words_p);
 
     let count = b.ld_param_ptr(&count_p);
     let first = b.ld_param_ptr(&first_p);

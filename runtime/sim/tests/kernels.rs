@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use half::bf16;
+use msa_runtime::backend::Backend;
 use msa_runtime::contract::Locality;
 use msa_runtime::ops::{postprocess as run_postprocess, preprocess};
 use msa_runtime::reference::tasks::{build_task_tables, build_task_tables_with, task_capacity};
@@ -272,6 +273,46 @@ fn task_build_matches_the_oracle() {
     // The case of the issue: documents (127,129,1,2,3,5,128), 8 SMs.
     let s = causal(&[127, 129, 1, 2, 3, 5, 128]);
     check_task_build("docs (127,129,1,2,3,5,128)", &s, 8);
+}
+
+#[test]
+fn task_build_zeroes_a_buffer_on_the_scans_spare_ctas_and_keeps_its_tables() {
+    // The KV forward's o_pool is zeroed by the two scans' spare CTAs: every word of the
+    // region (an odd count, so the halves differ), nothing beyond it, and the same tables.
+    let s = causal(&[127, 129, 1, 2, 3, 5, 128]);
+    let num_sms = 3;
+    let expected = build_task_tables_with(&s, num_sms, task_capacity(&s), Locality::default());
+    let mut dev = SimDevice::new(ARCHES[0], num_sms);
+    let sizes = TaskBuildSizes::with_locality(&s, num_sms, Locality::default()).expect("sizes");
+    let uploaded = DeviceSchedule::upload(&mut dev, &s).expect("upload");
+    let mut build = TaskWorkspace::new(&mut dev, sizes, s.work_capacity()).expect("workspace");
+    let (words, guard) = (1001usize, 64usize);
+    let buf = dev.alloc("zeroed", 16 * (words + guard)).expect("alloc");
+    let at = dev.address(&buf);
+    dev.upload("zeroed", at, &vec![0xA5u8; 16 * (words + guard)])
+        .expect("fill");
+    let refs = uploaded.refs();
+    build
+        .build_zeroing(&mut dev, &refs, Some((at, 16 * words)))
+        .expect("build");
+    let got = build.read_tables(&mut dev).expect("read back");
+    assert_eq!(got.desc, expected.desc, "descriptor");
+    assert_eq!(got.meta, expected.meta[..got.meta.len()], "task_meta");
+    let bytes = dev
+        .download("zeroed", at, 16 * (words + guard))
+        .expect("read");
+    if let Some(i) = bytes[..16 * words].iter().position(|&b| b != 0) {
+        panic!("byte {i} of the region is {:#x}, not zeroed", bytes[i]);
+    }
+    assert!(
+        bytes[16 * words..].iter().all(|&b| b == 0xA5),
+        "a byte past the region changed"
+    );
+    // A misaligned region is refused before any launch.
+    let err = build
+        .build_zeroing(&mut dev, &refs, Some((at + 4, 16 * words)))
+        .expect_err("misaligned");
+    assert!(err.to_string().contains("16-byte aligned"), "{err}");
 }
 
 #[test]
