@@ -273,10 +273,6 @@ pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 /// `forward_kv_rows::COMBINE_ROWS_PER_CTA`, tied by a test).
 pub const COMBINE_ROWS_PER_CTA: usize = 16;
 
-/// Walks of the task descriptor per CTA of the pass (`forward_kv_sm90::WALKS_PER_CTA`, tied
-/// by a test): it launches on `ceil(grid / PASS_WALKS_PER_CTA)` CTAs.
-pub const PASS_WALKS_PER_CTA: u32 = 1;
-
 /// Rows per CTA of `fwd_kv_reference` (`forward_kv_rows::REFERENCE_ROWS_PER_CTA`, tied by a
 /// test): one per thread.
 pub const REFERENCE_ROWS_PER_CTA: usize = 256;
@@ -784,8 +780,7 @@ impl<B: Backend> MsaForwardKv<B> {
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
         // is null or o_pool's own 16-byte words.
-        let grid = launch.grid.div_ceil(PASS_WALKS_PER_CTA);
-        unsafe { backend.launch(pass_kernel(pass), (grid, 1, 1), &args) }
+        unsafe { backend.launch(pass_kernel(pass), (launch.grid, 1, 1), &args) }
     }
 }
 

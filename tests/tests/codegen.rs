@@ -313,10 +313,6 @@ fn the_row_kernels_grids_are_one_fact_on_both_sides() {
         msa_runtime::forward_kv::COMBINE_ROWS_PER_CTA
     );
     assert_eq!(
-        codegen::kernels::forward_kv_sm90::WALKS_PER_CTA,
-        msa_runtime::forward_kv::PASS_WALKS_PER_CTA
-    );
-    assert_eq!(
         codegen::kernels::forward_kv_rows::COMBINE_MAX_CTAS_PER_SM as usize,
         msa_runtime::forward_kv::COMBINE_MAX_CTAS_PER_SM
     );

@@ -345,18 +345,6 @@ pub fn init_and_walk(
     bars: &Barriers,
     desc: &ParamRef<U64>,
 ) -> (Reg<Pred>, Walk) {
-    init_and_walks(b, tid, pipelines, bars, desc, 1)
-}
-
-/// [`init_and_walk`] with `k` consecutive walks per CTA ([`cta_walks`]).
-pub fn init_and_walks(
-    b: &mut KernelBuilder,
-    tid: Reg<U32>,
-    pipelines: &PipelinePlan,
-    bars: &Barriers,
-    desc: &ParamRef<U64>,
-    k: u32,
-) -> (Reg<Pred>, Walk) {
     b.comment("thread 0 initialises every pipeline barrier");
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     b.if_then(leader, "init", |b| pipelines.emit_init(b, bars));
@@ -364,7 +352,7 @@ pub fn init_and_walks(
 
     b.comment("the CTA walk: this CTA's interval of task rows");
     let desc = b.ld_param_ptr(desc);
-    (leader, cta_walks(b, desc, k))
+    (leader, cta_walk(b, desc))
 }
 
 /// This CTA's [`Walk`], read from the CTA-walk descriptor at `desc` (words `n, r, full,
@@ -375,24 +363,6 @@ pub fn cta_walk(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
     let grid = b.ld::<U32, _>(&global(desc, 16));
     let cta = b.sreg(SReg::CtaidX);
     let (lo, hi) = cta_interval(b, cta, n, r, full, tail, grid);
-    Walk { lo, hi }
-}
-
-/// The walks `k·cta .. k·cta + k` of the descriptor as one [`Walk`] of this CTA: they are
-/// consecutive intervals of the table, so their union is one (a kernel whose tasks need
-/// nothing of each other, launched on `ceil(grid / k)` CTAs).
-pub fn cta_walks(b: &mut KernelBuilder, desc: Reg<U64>, k: u32) -> Walk {
-    if k == 1 {
-        return cta_walk(b, desc);
-    }
-    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
-    let [n, r, full, tail] = words;
-    let grid = b.ld::<U32, _>(&global(desc, 16));
-    let cta = b.sreg(SReg::CtaidX);
-    let first = b.mul_lo(cta, k);
-    let last = b.add(first, k - 1);
-    let (lo, _) = cta_interval(b, first, n, r, full, tail, grid);
-    let (_, hi) = cta_interval(b, last, n, r, full, tail, grid);
     Walk { lo, hi }
 }
 

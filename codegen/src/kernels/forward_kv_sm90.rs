@@ -186,11 +186,6 @@ impl OPool {
     }
 }
 
-/// Consecutive walks of the task descriptor per CTA (its tasks need nothing of each other):
-/// fewer CTAs, each filling and draining its pipelines once for more tasks. The runtime
-/// launches `ceil(grid / WALKS_PER_CTA)` CTAs (`msa_runtime::forward_kv`, tied by a test).
-pub const WALKS_PER_CTA: u32 = 1;
-
 /// What a launch of the pass computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pass {
@@ -472,8 +467,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
     let bars = common::sm90_barriers(b, base, r.barriers);
-    let (leader, walk) =
-        common::init_and_walks(b, tid, plan.pipelines(), &bars, &p.desc, WALKS_PER_CTA);
+    let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);
     let ctx = Ctx {
         pass,
         r: &r,
