@@ -25,8 +25,8 @@ pub const FLAG_NONCONTIGUOUS_SEGMENTS: i32 = 2;
 /// Region starts are rounded to 256 bytes, which also satisfies the 16-byte vector stores.
 const REGION_ALIGN_WORDS: usize = 64;
 
-/// CTAs per SM each task scan launches beside its own to zero a buffer ([`TaskWorkspace::build_zeroing`]):
-/// two of 1024 threads fill an SM.
+/// CTAs per SM each task scan launches beside its own to zero a buffer
+/// ([`TaskWorkspace::build_zeroing`]): two of 1024 threads fill an SM.
 pub const SPARE_CTAS_PER_SM: u32 = 2;
 
 /// Sizes of the task build for one schedule (`docs/design.md` §2.2, with the bins of [`Locality`]).

@@ -138,6 +138,15 @@
 //!   exponentials anyway), the row sums' `red.add` after the proxy fence, and one bulk f32
 //!   reduce-add of each warp's row sums in their place. A timing-only build without the row
 //!   sums (their 66 FADDs dead) ran 8 % faster at packed64k: what they cost is instructions.
+//! - Session 21 (`bench/results/h100-2026-12-07-s21-forward.md`, an H100: no H200 came):
+//!   ptxas does not reassociate float adds, so each row's 31 sums were one dependent chain
+//!   in SASS; they are a balanced tree now (`tree_sum`). With the pool addresses outside
+//!   the head-lane predicate (ptxas merged every value written under it with its old one by
+//!   a `SEL`, 27 in the kernel), the staging's `stmatrix` addresses once per CTA and the slot
+//!   through `redux.sync.min`: 1320 → 1288 SASS instructions, the pass about 2 % faster at
+//!   packed64k and doc8k, 0.5 % slower at doc64k (within the call's spread). Two
+//!   consecutive walks per CTA (half the CTAs) made it 68 % slower: the concurrent tasks
+//!   then span twice the rows, and their `o_pool` rows leave L2 between adds. Dropped.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
