@@ -1138,8 +1138,6 @@ pub mod fwd_kv_probe {
         num_tokens: u32,
         num_docs: u32,
         num_blocks: u32,
-        o_pool: PtrMut<u32>,
-        o_group_words: u32,
         l_pool: PtrMut<f32>,
     ) -> Vec<KernelArg> {
         vec![
@@ -1148,7 +1146,6 @@ pub mod fwd_kv_probe {
             KernelArg::from(vmax), KernelArg::from(reference), KernelArg::from(m_pool),
             KernelArg::from(groups), KernelArg::from(num_tokens),
             KernelArg::from(num_docs), KernelArg::from(num_blocks),
-            KernelArg::from(o_pool), KernelArg::from(o_group_words),
             KernelArg::from(l_pool)
         ]
     }

@@ -25,9 +25,7 @@
 
 use crate::backend::{Backend, KernelSpec, Ptr, PtrMut, Span, TileMapSpec};
 use crate::buffers::{check_regions, Region};
-use crate::contract::{
-    Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_INDEX_HEADS, NUM_Q_HEADS, Q_ROW,
-};
+use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW};
 use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
@@ -487,13 +485,6 @@ impl<B: Backend> MsaForwardKv<B> {
                             u32_arg("num_tokens", t)?,
                             u32_arg("num_docs", z.num_documents)?,
                             u32_arg("num_blocks", blocks)?,
-                            // o_pool is zeroed by the task build (`prepare`).
-                            PtrMut::new(0),
-                            // A (token, KV head) group's 16 rows, in 16-byte words.
-                            u32_arg(
-                                "o_group_words",
-                                Q_ROW / NUM_INDEX_HEADS * pools.o_pool.kind().bytes() / 16,
-                            )?,
                             pools.l_pool.ptr_mut(),
                         );
                         // SAFETY: q is [T, 64, 128], k_aligned [W, 4, 128] and q2k [4, T, 16] (all
@@ -501,8 +492,7 @@ impl<B: Backend> MsaForwardKv<B> {
                         // schedule's own, a block id at or past W/128 is not read (nor any other
                         // that the row does not see: those read K row 0); vmax is one word of the
                         // workspace or null (f32 pool); the reference, m_pool and l_pool are
-                        // [T, 64], o_pool [T, 64, 128] of the pool's type, whose (token, KV head)
-                        // group is `o_group_words` 16-byte words.
+                        // [T, 64].
                         let grid = row_grid(4 * t)?;
                         unsafe { backend.launch(&fwd_kv_probe::KERNEL, (grid, 1, 1), &args) }?;
                     }

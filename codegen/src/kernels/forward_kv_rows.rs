@@ -21,10 +21,9 @@
 //!   its maximum, so its sum is at least about 1), with the f16 pool's `c₁ = 2^⌊log2(1 /
 //!   max|v|)⌋` ([`PROBE_F16_SCALE_TARGET`]); `m_pool` gets the key of that bound, or 0 for a
 //!   row that sees no block (the combine's empty-row test). No pass over the task tables:
-//!   it reads Q once. Given `o_pool` and `l_pool` it also zeroes the group's rows of both
-//!   for the sum pass (`o_group_words` 16-byte words of `o_pool` per group), in place of
-//!   memsets before it (the runtime passes a null `o_pool`: its task build zeroes it); it
-//!   writes every row's `m_pool` word, so that pool needs none either.
+//!   it reads Q once. Given `l_pool` it also zeroes the group's rows of it for the sum pass,
+//!   in place of a memset (`o_pool` is zeroed by the task build's spare CTAs); it writes
+//!   every row's `m_pool` word, so that pool needs none either.
 //! - `fwd_kv_reference`: `R[row] = max − ln c` from the max pass's `m_pool` (0 for a row with
 //!   no finite maximum, which the combine then writes empty or reports), the exact reference
 //!   the runtime uses by default.
@@ -434,8 +433,6 @@ fn describe_probe(b: &mut KernelBuilder) {
     let tokens_p = b.param_u32("num_tokens");
     let docs_p = b.param_u32("num_docs");
     let blocks_p = b.param_u32("num_blocks");
-    let o_p = b.param_ptr("o_pool", HostElem::U32, true);
-    let o_words_p = b.param_u32("o_group_words");
     let l_p = b.param_ptr("l_pool", HostElem::F32, true);
     // One warp per (token, KV head): D[16 heads × 16 slots] = Q_g·K_repᵀ by sixteen
     // m16n8k16 (two n-tiles of 8 slots, eight k-steps). The warp takes part as a whole or
@@ -583,22 +580,6 @@ fn describe_probe(b: &mut KernelBuilder) {
                     let at = common::elem::<F32>(b, lp, row);
                     b.st(&at, zero);
                 }
-            });
-        });
-        // The sum pass adds into the group's o_pool rows: zeroing them here, after the loads,
-        // spares it a memset of the whole pool before this kernel.
-        let op = b.ld_param(&o_p);
-        let some = b.setp(Cmp::Ne, op, 0u64);
-        b.if_then(some, "zero_o", |b| {
-            let words = b.ld_param(&o_words_p);
-            let group_bytes = b.shl(words, 4u32);
-            let op = b.ld_param_ptr(&o_p);
-            let off = b.mul_wide(grp, group_bytes);
-            let base = b.add(op, off);
-            let z = b.mov::<U32>(0u32);
-            b.for_range(lane, words, 32u32, "zero_o_word", |b, i| {
-                let at = common::elem_bytes(b, base, i, 16);
-                b.st_v(&at, [z, z, z, z]);
             });
         });
     });
