@@ -7,10 +7,10 @@
 //!   ([`Reference::Probe`], [`OPool::F16`]): `fwd_kv_key_max` (max|v|, the f16 pool's
 //!   scale), the task build from a [`ResidentSchedule`] (its idle SMs zero `o_pool`),
 //!   `fwd_kv_probe` (R = the row's largest logit against the first key of each block it sees,
-//!   a lower bound of its maximum; it also zeroes `l_pool`), the sum pass, the combine (`out = o/l`, `lse = R + ln l`, each
-//!   row judged by its sum), then the pass and the combine again for the rows outside the
-//!   pool's window, with their `lse` as reference (both launches return at once when there
-//!   is none). [`Reference::ExactMax`] takes R from a max pass (`msa_forward_kv_max_sm90`,
+//!   a lower bound of its maximum; it also zeroes `l_pool`), the sum pass, the combine
+//!   (`out = o/l`, `lse = R + ln l`, each row judged by its sum), then the pass and the
+//!   combine again for the rows outside the pool's window, with their `lse` as reference
+//!   (both launches return at once when there is none). [`Reference::ExactMax`] takes R from a max pass (`msa_forward_kv_max_sm90`,
 //!   then `fwd_kv_reference`: each row's maximum) and judges rows by it; [`Reference::Bound`]
 //!   from `fwd_kv_bound` (scale·‖q‖·max‖k‖ over the row's selected blocks).
 //!   [`MsaForwardKv::status`] gives the number of rows recomputed, or

@@ -560,7 +560,9 @@ impl<B: Backend> TaskWorkspace<B> {
                         .ok()
                         .filter(|&w| w < 1 << 31)
                         .map(|w| (a, w))
-                        .ok_or_else(|| RuntimeError::input("zero", bytes, "under 2^35 bytes"))
+                        .ok_or_else(|| {
+                            RuntimeError::input("zero", bytes, "halves under 2^31 16-byte words")
+                        })
                 });
                 let [a, b] = halves;
                 ([a?, b?], 1 + SPARE_CTAS_PER_SM * sms)

@@ -114,6 +114,31 @@ pub fn elem_bytes(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>, bytes: u
     global(b.add(base, off), 0)
 }
 
+/// Zeroes the `words` 16-byte words at the pointer parameter `zero`, unless it is null:
+/// `lanes(b)` gives this thread's first word and the stride between its words (the caller's
+/// mapping of threads and CTAs onto the buffer). The runtime keeps `words` under 2^31, so
+/// `i + stride` cannot wrap.
+pub fn zero_words_strided(
+    b: &mut KernelBuilder,
+    zero: &ParamRef<U64>,
+    words: &ParamRef<U32>,
+    hint: &'static str,
+    lanes: impl FnOnce(&mut KernelBuilder) -> (Reg<U32>, Reg<U32>),
+) {
+    let raw = b.ld_param(zero);
+    let some = b.setp(Cmp::Ne, raw, 0u64);
+    b.if_then(some, hint, |b| {
+        let at = b.ld_param_ptr(zero);
+        let words = b.ld_param(words);
+        let (first, stride) = lanes(b);
+        let z = b.mov::<U32>(0u32);
+        b.for_range(first, words, stride, hint, |b, i| {
+            let a = elem_bytes(b, at, i, 16);
+            b.st_v(&a, [z, z, z, z]);
+        });
+    });
+}
+
 /// Loads `base[idx]` as `u32`.
 pub fn load_u32(b: &mut KernelBuilder, base: Reg<U64>, idx: Reg<U32>) -> Reg<U32> {
     let a = elem::<U32>(b, base, idx);

@@ -506,22 +506,12 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
 /// Spare threads `tid` 64..128 of every CTA: `st.global.v4` zeros over the `zero_words`
 /// 16-byte words at `zero` (nothing when it is null), striding over the grid.
 fn zero_words(b: &mut KernelBuilder, p: &ForwardKvParams, tid: Reg<U32>) {
-    let raw = b.ld_param(&p.zero);
-    let some = b.setp(Cmp::Ne, raw, 0u64);
-    b.if_then(some, "zero", |b| {
-        let at = b.ld_param_ptr(&p.zero);
-        let words = b.ld_param(&p.zero_words);
+    common::zero_words_strided(b, &p.zero, &p.zero_words, "zero", |b| {
         let cta = b.sreg(SReg::CtaidX);
         let ctas = b.sreg(SReg::NctaidX);
         let t = b.sub(tid, 64u32);
         let first = b.mad_lo(cta, 64u32, t);
-        let stride = b.mul_lo(ctas, 64u32);
-        let z = b.mov::<U32>(0u32);
-        // (The runtime keeps `zero_words` under 2^31, so `i + stride` cannot wrap.)
-        b.for_range(first, words, stride, "zero_word", |b, i| {
-            let a = common::elem_bytes(b, at, i, 16);
-            b.st_v(&a, [z, z, z, z]);
-        });
+        (first, b.mul_lo(ctas, 64u32))
     });
 }
 

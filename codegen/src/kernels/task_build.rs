@@ -85,23 +85,13 @@ fn spare_ctas_zero(b: &mut KernelBuilder, zero_p: &ParamRef<U64>, words_p: &Para
     let cta = b.sreg(SReg::CtaidX);
     let spare = b.setp(Cmp::Ne, cta, 0u32);
     b.if_then(spare, "spare_cta", |b| {
-        let raw = b.ld_param(zero_p);
-        let some = b.setp(Cmp::Ne, raw, 0u64);
-        b.if_then(some, "spare_zero", |b| {
-            let at = b.ld_param_ptr(zero_p);
-            let words = b.ld_param(words_p);
+        common::zero_words_strided(b, zero_p, words_p, "spare_zero", |b| {
             let ctas = b.sreg(SReg::NctaidX);
             let tid = b.sreg(SReg::TidX);
             let helper = b.sub(cta, 1u32);
             let first = b.mad_lo(helper, SCAN_THREADS, tid);
             let helpers = b.sub(ctas, 1u32);
-            let stride = b.mul_lo(helpers, SCAN_THREADS);
-            let z = b.mov::<U32>(0u32);
-            // (The runtime keeps `zero_words` under 2^31, so `i + stride` cannot wrap.)
-            b.for_range(first, words, stride, "spare_zero_word", |b, i| {
-                let a = common::elem_bytes(b, at, i, 16);
-                b.st_v(&a, [z, z, z, z]);
-            });
+            (first, b.mul_lo(helpers, SCAN_THREADS))
         });
         b.ret();
     });
