@@ -1373,7 +1373,7 @@ pub mod fwd_kv_combine {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [min(ceil(T * 64 / 16), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
+    /// Grid: [min(ceil(T * 64 / 32), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         o_pool: PtrMut<f32>,
@@ -1424,7 +1424,7 @@ pub mod fwd_kv_combine_f16 {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [min(ceil(T * 64 / 16), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
+    /// Grid: [min(ceil(T * 64 / 32), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         o_pool: PtrMut<u16>,

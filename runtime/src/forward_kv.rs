@@ -267,9 +267,9 @@ impl ForwardAlgorithm {
 /// Rows per CTA of the row kernels (`forward_kv_rows::ROWS_PER_CTA`, tied by a test).
 pub const ROW_KERNEL_ROWS_PER_CTA: usize = 8;
 
-/// Rows per CTA of `fwd_kv_combine` and `fwd_kv_combine_f16` (one per half-warp;
+/// Rows per CTA of `fwd_kv_combine` and `fwd_kv_combine_f16` (one per 8 lanes;
 /// `forward_kv_rows::COMBINE_ROWS_PER_CTA`, tied by a test).
-pub const COMBINE_ROWS_PER_CTA: usize = 16;
+pub const COMBINE_ROWS_PER_CTA: usize = 32;
 
 /// Rows per CTA of `fwd_kv_reference` (`forward_kv_rows::REFERENCE_ROWS_PER_CTA`, tied by a
 /// test): one per thread.

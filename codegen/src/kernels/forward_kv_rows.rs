@@ -1,7 +1,7 @@
 //! The row kernels around `msa_forward_kv_sm90`: the reference `R` before the pass and the
-//! combine after it. The combines take one 128-element row per half-warp, each lane 8
-//! elements (16-byte words); the bound one warp per 16 rows; the reference one thread per
-//! row.
+//! combine after it. The combines take one 128-element row per 8 lanes, each lane two
+//! 8-element chunks 64 apart (16-byte words); the bound one warp per 16 rows; the reference
+//! one thread per row.
 //!
 //! - `fwd_kv_key_max`: `kmax2[b, g] = max ‖k‖²` over the 128 aligned K rows of key block `b`
 //!   of KV head `g` (padding rows are zeros), by `red.max.u32` on the f32 bits (non-negative
@@ -60,9 +60,12 @@ const THREADS: u32 = 256;
 pub const REFERENCE_ROWS_PER_CTA: u32 = THREADS;
 /// Rows per CTA: one per warp.
 pub const ROWS_PER_CTA: u32 = THREADS / 32;
-/// Rows per CTA of the combines: one per half-warp (16 lanes of 8 elements each), so that
-/// each lane moves 16-byte words and each warp two rows' bytes at once.
-pub const COMBINE_ROWS_PER_CTA: u32 = THREADS / 16;
+/// Lanes per row of the combines: each takes two 8-element chunks of its row, 64 elements
+/// apart, so that every load instruction of a warp reads whole 128-byte lines (f16) and each
+/// thread has two loads in flight (one was too few to reach the H200's bandwidth).
+const COMBINE_LANES_PER_ROW: u32 = 8;
+/// Rows per CTA of the combines: one per [`COMBINE_LANES_PER_ROW`] lanes.
+pub const COMBINE_ROWS_PER_CTA: u32 = THREADS / COMBINE_LANES_PER_ROW;
 /// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
 /// terms, each at least `exp(−gap)` of the largest, and f32's smallest normal is `exp(−87.3)`.
 pub const MAX_GAP: f32 = 60.0;
@@ -587,7 +590,7 @@ fn describe_probe(b: &mut KernelBuilder) {
 }
 
 fn describe_combine(b: &mut KernelBuilder, f16: bool) {
-    b.grid("[min(ceil(T * 64 / 16), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
+    b.grid("[min(ceil(T * 64 / 32), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
     let o_p = if f16 {
         b.param_ptr("o_pool", HostElem::U16, true)
     } else {
@@ -640,15 +643,16 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let tid = b.sreg(SReg::TidX);
     let cta = b.sreg(SReg::CtaidX);
     let ctas = b.sreg(SReg::NctaidX);
-    // Half-warp `tid / 16` takes a row; its lane `lane` 8 elements of it.
-    let half = b.shr(tid, 4u32);
-    let lane = b.and(tid, 15u32);
+    // Lane group `tid / 8` takes a row; its lane `lane` the 8-element chunks `lane` and
+    // `lane + 8` of it.
+    let group = b.shr(tid, COMBINE_LANES_PER_ROW.trailing_zeros());
+    let lane = b.and(tid, COMBINE_LANES_PER_ROW - 1);
     let lane0 = b.setp(Cmp::Eq, lane, 0u32);
-    let row = b.mad_lo(cta, COMBINE_ROWS_PER_CTA, half);
+    let row = b.mad_lo(cta, COMBINE_ROWS_PER_CTA, group);
     let stride = b.mul_lo(ctas, COMBINE_ROWS_PER_CTA);
     let rows = b.ld_param(&rows_p);
     // Lane 0's counts of the rows handed back and still bad, added to `status` once per
-    // half-warp at the end (one word taking a red per row would serialize millions of them).
+    // lane group at the end (one word taking a red per row would serialize millions of them).
     let handed = b.mov::<U32>(0u32);
     let unresolved = b.mov::<U32>(0u32);
     let next_row = b.label("next_row");
@@ -662,13 +666,18 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     // takes, below.)
     let idx = b.mad_lo(row, 16u32, lane);
     let op = b.ld_param_ptr(&o_p);
-    let o_at = common::elem_bytes(b, op, idx, if f16 { 16 } else { 32 });
+    let chunk_bytes: i64 = if f16 { 16 } else { 32 };
+    let o_at = common::elem_bytes(b, op, idx, chunk_bytes as u32);
+    // The lane's chunks `lane` and `lane + 8`, each as 16-byte words.
+    let o_words: Vec<_> = (0..2)
+        .flat_map(|c| (0..chunk_bytes / 16).map(move |w| 8 * chunk_bytes * c + 16 * w))
+        .map(|off| o_at.offset(off))
+        .collect();
     let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
-        let mut w = b.ld_v::<U32, _, 4>(&o_at).to_vec();
-        if !f16 {
-            w.extend(b.ld_v::<U32, _, 4>(&o_at.offset(16)));
-        }
-        w
+        o_words
+            .iter()
+            .flat_map(|at| b.ld_v::<U32, _, 4>(at))
+            .collect()
     };
     let mut o_first = Vec::new();
     b.predicated(second, true, |b| o_first = load_o(b));
@@ -748,13 +757,15 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
             b.selp(v, 0.0f32, good)
         })
         .collect();
-    let words: [Reg<U32>; 4] = std::array::from_fn(|i| {
-        let w = b.cvt_bf16x2(y[2 * i + 1], y[2 * i]);
-        b.bitcast::<U32, Bf16x2>(w)
-    });
     let outp = b.ld_param_ptr(&out_p);
     let at = common::elem_bytes(b, outp, idx, 16);
-    b.st_v(&at, words);
+    for (c, y) in y.chunks(8).enumerate() {
+        let words: [Reg<U32>; 4] = std::array::from_fn(|i| {
+            let w = b.cvt_bf16x2(y[2 * i + 1], y[2 * i]);
+            b.bitcast::<U32, Bf16x2>(w)
+        });
+        b.st_v(&at.offset(128 * c as i64), words);
+    }
     b.if_then(lane0, "lse", |b| {
         let lsp = b.ld_param_ptr(&lse_p);
         let at = common::elem::<F32>(b, lsp, row);
@@ -774,9 +785,8 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         b.if_then(bad, "recompute", |b| {
             let z = b.mov::<F32>(0.0f32);
             let z4 = b.mov::<U32>(0u32);
-            b.st_v(&o_at, [z4, z4, z4, z4]);
-            if !f16 {
-                b.st_v(&o_at.offset(16), [z4, z4, z4, z4]);
+            for at in &o_words {
+                b.st_v(at, [z4, z4, z4, z4]);
             }
             b.if_then(lane0, "recompute_row", |b| {
                 b.st(&l_at, z);
