@@ -1173,7 +1173,7 @@ pub mod msa_forward_kv_sm90 {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    /// Grid: [grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         tmap_q: &TensorMap,
@@ -1190,6 +1190,7 @@ pub mod msa_forward_kv_sm90 {
         gate: Ptr<u32>,
         zero: PtrMut<u32>,
         zero_words: u32,
+        walk_split_log2: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1197,7 +1198,7 @@ pub mod msa_forward_kv_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
         ]
     }
 }
@@ -1224,7 +1225,7 @@ pub mod msa_forward_kv_f16_sm90 {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    /// Grid: [grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         tmap_q: &TensorMap,
@@ -1241,6 +1242,7 @@ pub mod msa_forward_kv_f16_sm90 {
         gate: Ptr<u32>,
         zero: PtrMut<u32>,
         zero_words: u32,
+        walk_split_log2: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1248,7 +1250,7 @@ pub mod msa_forward_kv_f16_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
         ]
     }
 }
@@ -1275,7 +1277,7 @@ pub mod msa_forward_kv_max_sm90 {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [grid_launch_bound(capacity, num_sms), 1, 1].
+    /// Grid: [grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         tmap_q: &TensorMap,
@@ -1292,6 +1294,7 @@ pub mod msa_forward_kv_max_sm90 {
         gate: Ptr<u32>,
         zero: PtrMut<u32>,
         zero_words: u32,
+        walk_split_log2: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1299,7 +1302,7 @@ pub mod msa_forward_kv_max_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
         ]
     }
 }

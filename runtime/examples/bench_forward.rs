@@ -27,7 +27,8 @@
 //!
 //! With `BENCH_KV_ONLY=1` it times the KV forward alone (its line and its default breakdown;
 //! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`): the form
-//! for A/B runs of two builds.
+//! for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
+//! and breakdown `MsaForwardKv::with_walk_split(N)`.
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -189,6 +190,15 @@ fn breakdown(
     Ok(line)
 }
 
+/// The KV forward with its defaults, or with `split` CTAs per walk when given.
+fn kv_default<B: Backend>(split: Option<u32>) -> Res<MsaForwardKv<B>> {
+    let fwd = MsaForwardKv::new();
+    Ok(match split {
+        Some(parts) => fwd.with_walk_split(parts)?,
+        None => fwd,
+    })
+}
+
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
@@ -213,6 +223,10 @@ fn main() -> Res<()> {
     let stream = dev.context().default_stream();
     let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
     let kv_only = std::env::var_os("BENCH_KV_ONLY").is_some_and(|v| v == "1");
+    let split: Option<u32> = match std::env::var("BENCH_KV_WALK_SPLIT") {
+        Ok(v) => Some(v.parse()?),
+        Err(_) => None,
+    };
     println!(
         "| case | T | kernel ms | useful TFLOP/s | run_forward ms | useful TFLOP/s | kv ms | \
          useful TFLOP/s | kv vs sm90: out max-abs, lse max-abs, verdict |"
@@ -286,7 +300,7 @@ fn main() -> Res<()> {
             ..io
         };
         let (kv, verdict) = time_kv(
-            MsaForwardKv::new(),
+            kv_default(split)?,
             (&stream, &mut flush),
             &mut backend,
             (&io_kv, &schedule),
@@ -300,7 +314,7 @@ fn main() -> Res<()> {
                 "| {name} | {t} | - | - | - | - | {kvm:.3} | {:.1} | -, -, {verdict} |",
                 rate(kvm)
             );
-            let fwd = MsaForwardKv::new();
+            let fwd = kv_default(split)?;
             let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
             println!("  kv breakdown (median of 5):{line}");
             continue;
@@ -324,7 +338,7 @@ fn main() -> Res<()> {
             rate(kvm)
         );
         let line = breakdown(
-            MsaForwardKv::new(),
+            kv_default(split)?,
             &stream,
             &mut flush,
             &io_kv,

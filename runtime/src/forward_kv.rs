@@ -162,6 +162,8 @@ pub struct MsaForwardKv<B: Backend> {
     pool: OPool,
     /// `run_on`'s reference (see [`MsaForwardKv::with_reference`]).
     reference: Reference,
+    /// CTAs per walk (see [`MsaForwardKv::with_walk_split`]).
+    walk_split: u32,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -177,12 +179,24 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             locality: FORWARD_KV_LOCALITY,
             pool: OPool::F16,
             reference: Reference::Probe,
+            walk_split: FORWARD_KV_WALK_SPLIT,
             tasks: None,
             work: None,
             status_at: None,
         }
     }
 }
+
+/// How many CTAs share each walk of the task tables in the KV forward's passes (default of
+/// [`MsaForwardKv::with_walk_split`]). The walks are cut for the backward (64 rows each at
+/// scale); the passes run faster on shorter ones. On an H100
+/// (`bench/results/h100-2026-12-07-s22-forward.md`, call 1), halves took the sum pass from
+/// 6.85-6.94 / 9.80-9.84 / 0.88 ms to 6.60-6.67 / 8.16-8.17 / 0.82 ms at packed64k / doc64k /
+/// doc8k.
+pub const FORWARD_KV_WALK_SPLIT: u32 = 2;
+
+/// The largest [`MsaForwardKv::with_walk_split`].
+pub const MAX_WALK_SPLIT: u32 = 16;
 
 /// The KV forward's default task order: windows of at least 512 queries and 4 queries per key
 /// block of the document. The backward's [`Locality::default`] (8192-query windows) keeps its
@@ -303,6 +317,24 @@ impl<B: Backend> MsaForwardKv<B> {
             .map_err(|e| RuntimeError::input("locality", e, "fields within Locality's bounds"))?;
         self.locality = locality;
         self.tasks = None;
+        Ok(self)
+    }
+
+    /// The same flow with each walk of the task tables split between `parts` CTAs (default
+    /// [`FORWARD_KV_WALK_SPLIT`]), the passes' grid `parts` times the walks'.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Input`] naming `walk_split` unless `parts` is a power of two from 1 to
+    /// [`MAX_WALK_SPLIT`].
+    pub fn with_walk_split(mut self, parts: u32) -> Result<Self, RuntimeError> {
+        if !parts.is_power_of_two() || parts > MAX_WALK_SPLIT {
+            return Err(RuntimeError::input(
+                "walk_split",
+                parts,
+                format!("a power of two from 1 to {MAX_WALK_SPLIT}"),
+            ));
+        }
+        self.walk_split = parts;
         Ok(self)
     }
 
@@ -693,6 +725,7 @@ impl<B: Backend> MsaForwardKv<B> {
         };
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
         let grid = sizes.main_grid()?;
+        let ctas = grid_dim("walk-split CTAs", grid as usize * self.walk_split as usize)?;
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
         let tmap_k =
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;
@@ -730,7 +763,8 @@ impl<B: Backend> MsaForwardKv<B> {
         tasks.build_zeroing(backend, &schedule.refs(), in_build)?;
         Ok((grid > 0).then_some(PassLaunch {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
-            grid,
+            ctas,
+            split_log2: self.walk_split.trailing_zeros(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
         }))
     }
@@ -765,12 +799,13 @@ impl<B: Backend> MsaForwardKv<B> {
             gate.map_or(Ptr::new(0), |g| g.ptr()),
             PtrMut::new(zero.map_or(0, |(at, _)| at)),
             zero.map_or(0, |(_, words)| words),
+            launch.split_log2,
         );
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
         // is null or o_pool's own 16-byte words.
-        unsafe { backend.launch(pass_kernel(pass), (launch.grid, 1, 1), &args) }
+        unsafe { backend.launch(pass_kernel(pass), (launch.ctas, 1, 1), &args) }
     }
 }
 
@@ -795,7 +830,10 @@ fn pass_kernel(pass: Pass) -> &'static KernelSpec {
 /// What [`MsaForwardKv::launch_pass`] needs from [`MsaForwardKv::prepare`].
 struct PassLaunch {
     maps: [TensorMap; 4],
-    grid: u32,
+    /// The walks' grid times the walk split.
+    ctas: u32,
+    /// log2 of the walk split.
+    split_log2: u32,
     /// `o_pool`'s address and 16-byte words, when the max pass is to zero it (then
     /// `prepare` did not).
     zero: Option<(u64, u32)>,

@@ -5,12 +5,13 @@
 //! the same cases with the experimental f16 `o_pool` (`OPool::F16`), whose verdict may count
 //! recomputed rows (printed) but must be `Ok`; and both pools with the max pass's exact
 //! references (`Reference::ExactMax`), where no row may be recomputed, and with the probe's
-//! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute).
+//! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute); and
+//! the defaults with each walk whole and split between 4, 8 and 16 CTAs.
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
+use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference, FORWARD_KV_WALK_SPLIT};
 use msa_runtime::reference;
 use msa_runtime::{
     causal_support, workspace_layout, CudaBackend, ForwardBuffers, ResidentSchedule,
@@ -36,19 +37,25 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
     for pool in [OPool::F32, OPool::F16] {
         for reference in [Reference::Bound, Reference::ExactMax, Reference::Probe] {
-            run_pool(&stream, (&cu, &q2k), &p, &want, (pool, reference));
+            let how = (pool, reference, FORWARD_KV_WALK_SPLIT);
+            run_pool(&stream, (&cu, &q2k), &p, &want, how);
         }
+    }
+    // The defaults (f16 pool, probe) with the walks whole and split in 4, 8 and 16 parts.
+    for split in [1, 4, 8, 16] {
+        let how = (OPool::F16, Reference::Probe, split);
+        run_pool(&stream, (&cu, &q2k), &p, &want, how);
     }
 }
 
-/// `MsaForwardKv::run_on` with `pool` and `reference` on the problem `p` (documents `cu`,
-/// selection `q2k`), against its reference `want`.
+/// `MsaForwardKv::run_on` with `pool`, `reference` and `split` CTAs per walk on the problem
+/// `p` (documents `cu`, selection `q2k`), against its reference `want`.
 fn run_pool(
     stream: &Arc<CudaStream>,
     (cu, q2k): (&[i32], &[i32]),
     p: &Problem,
     want: &reference::Forward,
-    (pool, refs): (OPool, Reference),
+    (pool, refs, split): (OPool, Reference, u32),
 ) {
     let name = p.name;
     let t = *cu.last().unwrap() as usize;
@@ -82,12 +89,16 @@ fn run_pool(
         out: Span::new(out.device_ptr_mut(stream).0, t * Q_ROW),
         lse: Span::new(lse.device_ptr_mut(stream).0, t * 64),
     };
-    let mut fwd = MsaForwardKv::new().with_o_pool(pool).with_reference(refs);
+    let mut fwd = MsaForwardKv::new()
+        .with_o_pool(pool)
+        .with_reference(refs)
+        .with_walk_split(split)
+        .unwrap();
     fwd.run_on(&mut backend, &io, &schedule).unwrap();
     schedule.status(&mut backend).unwrap();
     let recomputed = fwd
         .status(&mut backend)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}): {e}"));
+        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}, split {split}): {e}"));
     if pool == OPool::F32 || refs == Reference::ExactMax {
         assert_eq!(
             recomputed, 0,
@@ -98,8 +109,11 @@ fn run_pool(
     let out = to_f32(&stream.clone_dtoh(&out).unwrap());
     let lse = stream.clone_dtoh(&lse).unwrap();
     let line = compare_forward("KV forward", &out, &lse, &want.out, &want.lse)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}): {e}"));
-    println!("{name} (KV forward, {pool:?} pool, {refs:?}, {recomputed} rows recomputed): {line}");
+        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}, split {split}): {e}"));
+    println!(
+        "{name} (KV forward, {pool:?} pool, {refs:?}, split {split}, {recomputed} rows \
+         recomputed): {line}"
+    );
 }
 
 #[test]

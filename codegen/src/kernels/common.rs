@@ -391,6 +391,34 @@ pub fn cta_walk(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
     Walk { lo, hi }
 }
 
+/// This CTA's part of a [`Walk`] split in `2^split_log2` parts: with the descriptor's grid
+/// launched `2^split_log2` times over, CTA `c` takes part `c mod 2^k` of walk `c >> k`, the
+/// parts' lengths differing by at most one row. With `split_log2 = 0` it is [`cta_walk`].
+pub fn cta_walk_part(b: &mut KernelBuilder, desc: Reg<U64>, split_log2: Reg<U32>) -> Walk {
+    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
+    let [n, r, full, tail] = words;
+    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let ctaid = b.sreg(SReg::CtaidX);
+    let cta = b.shr(ctaid, split_log2);
+    let (lo, hi) = cta_interval(b, cta, n, r, full, tail, grid);
+    let one = b.mov::<U32>(1u32);
+    let parts = b.shl(one, split_log2);
+    let mask = b.sub(parts, 1u32);
+    let part = b.and(ctaid, mask);
+    // Part p starts at lo + p·base + min(p, rem): the first `rem` parts take one row more.
+    let len = b.sub(hi, lo);
+    let base = b.shr(len, split_log2);
+    let rem = b.and(len, mask);
+    let before = b.mad_lo(part, base, lo);
+    let extra = b.min(part, rem);
+    let start = b.add(before, extra);
+    let longer = b.setp(Cmp::Lt, part, rem);
+    let plus = b.selp(1u32, 0u32, longer);
+    let size = b.add(base, plus);
+    let end = b.add(start, size);
+    Walk { lo: start, hi: end }
+}
+
 /// `(batch, index_head, kblock, valid)` of task row `row`, with the table's pointer re-read
 /// from the parameter bank (holding it across a loop costs a register pair).
 pub fn task_meta(b: &mut KernelBuilder, p: &MainParams, row: Reg<U32>) -> [Reg<U32>; 4] {

@@ -384,6 +384,9 @@ pub struct ForwardKvParams {
     pub zero: ParamRef<U64>,
     /// The 16-byte words at `zero`.
     pub zero_words: ParamRef<U32>,
+    /// Each CTA walk is split in `2^walk_split_log2` parts, one per CTA, and the grid is
+    /// launched that many times over ([`common::cta_walk_part`]).
+    pub walk_split_log2: ParamRef<U32>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -402,6 +405,7 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         gate: b.param_ptr("gate", HostElem::U32, false),
         zero: b.param_ptr("zero", HostElem::U32, true),
         zero_words: b.param_u32("zero_words"),
+        walk_split_log2: b.param_u32("walk_split_log2"),
     }
 }
 
@@ -460,7 +464,7 @@ struct Ctx<'a> {
 }
 
 fn describe(b: &mut KernelBuilder, pass: Pass) {
-    b.grid("[grid_launch_bound(capacity, num_sms), 1, 1]");
+    b.grid("[grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1]");
     b.min_ctas_per_sm(1);
     let p = params(b);
     let plan = match plan(pass) {
@@ -476,7 +480,14 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
     let bars = common::sm90_barriers(b, base, r.barriers);
-    let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);
+    b.comment("thread 0 initialises every pipeline barrier");
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
+    b.bar_sync(0, None);
+    b.comment("this CTA's part of a CTA walk: its interval of task rows");
+    let desc = b.ld_param_ptr(&p.desc);
+    let split = b.ld_param(&p.walk_split_log2);
+    let walk = common::cta_walk_part(b, desc, split);
     let ctx = Ctx {
         pass,
         r: &r,

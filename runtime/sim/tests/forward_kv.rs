@@ -6,7 +6,7 @@
 
 use half::bf16;
 use msa_runtime::forward_kv::{
-    combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan, Reference,
+    combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan, Reference, FORWARD_KV_WALK_SPLIT,
 };
 use msa_runtime::reference;
 use msa_runtime::{causal_support, Span};
@@ -44,17 +44,19 @@ fn run(
     sms: usize,
     limits: Limits,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
-    run_ptx(cu, q2k, inp, reference_rows, sms, limits, None)
+    let split = FORWARD_KV_WALK_SPLIT;
+    run_ptx(cu, q2k, inp, reference_rows, (sms, limits), split, None)
 }
 
-/// [`run`] with `ptx` in place of the shipped `msa_forward_kv_sm90` when given.
+/// [`run`] with each walk split between `split` CTAs, and `ptx` in place of the shipped
+/// `msa_forward_kv_sm90` when given.
 fn run_ptx(
     cu: &[i32],
     q2k: &[i32],
     inp: &Inputs,
     reference_rows: &[f32],
-    sms: usize,
-    limits: Limits,
+    (sms, limits): (usize, Limits),
+    split: u32,
     ptx: Option<String>,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
     let t = inp.t;
@@ -82,6 +84,8 @@ fn run_ptx(
         m_pool: Span::new(m_d.ptr.addr(), t * 64),
     };
     MsaForwardKv::new()
+        .with_walk_split(split)
+        .map_err(|e| e.to_string())?
         .run_to_pools(&mut dev, &io, &s)
         .map_err(|e| e.to_string())?;
     let main = dev.launches().last().expect("launched").kernel;
@@ -156,6 +160,37 @@ fn forward_kv_with_few_ctas_and_immediate_tma_and_any_reference() {
     let far: Vec<f32> = bound(&inp).iter().map(|r| r + 100.0).collect();
     let e = run(&cu, &q2k, &inp, &far, 2, limits).unwrap_err();
     assert!(e.contains("above its maximum"), "{e}");
+}
+
+#[test]
+fn forward_kv_walks_split_in_any_part_count_match_the_reference() {
+    // On two SMs each walk holds many rows: one part takes it whole, 4 and 16 parts cut it
+    // into runs of a few rows, some of them empty. A row walked twice or never would show in
+    // the comparison.
+    let (cu, q2k, inp) = planted_case();
+    for split in [1, 4, 16] {
+        let limits = (2, Limits::default());
+        let (out, lse) = run_ptx(&cu, &q2k, &inp, &bound(&inp), limits, split, None)
+            .unwrap_or_else(|e| panic!("split {split}: {e}"));
+        let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("split {split}: {e}"));
+        eprintln!("split {split}: {stats}");
+    }
+}
+
+#[test]
+fn a_walk_split_that_is_no_power_of_two_up_to_16_is_refused() {
+    for parts in [0, 3, 12, 32] {
+        let e = MsaForwardKv::<SimDevice>::new()
+            .with_walk_split(parts)
+            .err()
+            .unwrap_or_else(|| panic!("{parts} accepted"))
+            .to_string();
+        assert!(
+            e.contains("walk_split") && e.contains(&parts.to_string()),
+            "{e}"
+        );
+        assert!(e.contains("a power of two from 1 to 16"), "{e}");
+    }
 }
 
 /// The whole device flow (`MsaForwardKv::run_on`: bound, pass, combine) on a simulated H200:
@@ -614,12 +649,12 @@ fn gather_starved() -> Limits {
     }
 }
 
-/// Runs `text` in place of the kernel on two SMs (many tasks and segments per CTA, every stage
-/// reused); it must fail in the simulator or give results the comparison rejects. Returns what
-/// was reported.
+/// Runs `text` in place of the kernel on two SMs with whole walks (many tasks and segments per
+/// CTA, every stage reused); it must fail in the simulator or give results the comparison
+/// rejects. Returns what was reported.
 fn must_not_pass(text: String, limits: Limits) -> String {
     let (cu, q2k, inp) = planted_case();
-    match run_ptx(&cu, &q2k, &inp, &bound(&inp), 2, limits, Some(text)) {
+    match run_ptx(&cu, &q2k, &inp, &bound(&inp), (2, limits), 1, Some(text)) {
         Err(e) => e,
         Ok((out, lse)) => match compare(&inp, &out, &lse) {
             Ok(stats) => panic!("the planted bug went unnoticed: {stats}"),
@@ -638,7 +673,7 @@ fn reported(text: String, limits: Limits, needle: &str) {
 fn forward_kv_planted_case_passes_unmodified_with_the_gather_warp_starved() {
     let (cu, q2k, inp) = planted_case();
     let ptx = Some(kv_ptx().to_string());
-    let (out, lse) = run_ptx(&cu, &q2k, &inp, &bound(&inp), 2, gather_starved(), ptx)
+    let (out, lse) = run_ptx(&cu, &q2k, &inp, &bound(&inp), (2, gather_starved()), 1, ptx)
         .unwrap_or_else(|e| panic!("{e}"));
     compare(&inp, &out, &lse).unwrap();
 }
