@@ -189,10 +189,9 @@ impl<B: Backend> Default for MsaForwardKv<B> {
 
 /// How many CTAs share each walk of the task tables in the KV forward's passes (default of
 /// [`MsaForwardKv::with_walk_split`]). The walks are cut for the backward (64 rows each at
-/// scale); the passes run faster on shorter ones. On an H100
-/// (`bench/results/h100-2026-12-07-s22-forward.md`, call 1), halves took the sum pass from
-/// 6.85-6.94 / 9.80-9.84 / 0.88 ms to 6.60-6.67 / 8.16-8.17 / 0.82 ms at packed64k / doc64k /
-/// doc8k.
+/// scale). In `bench/results/h200-2026-12-07-s22-forward.md`, halves took the sum pass
+/// −3.7 / −17 / −6.6 % at packed64k / doc64k / doc8k on an H100 and −1.5 / +0.7 / −0.4 % on
+/// the H200 (within its spread); 4 and 8 parts were slower on both.
 pub const FORWARD_KV_WALK_SPLIT: u32 = 2;
 
 /// The largest [`MsaForwardKv::with_walk_split`].
@@ -725,7 +724,10 @@ impl<B: Backend> MsaForwardKv<B> {
         };
         let sizes = TaskBuildSizes::for_shape(shape, backend.sm_count(), self.locality)?;
         let grid = sizes.main_grid()?;
-        let ctas = grid_dim("walk-split CTAs", grid as usize * self.walk_split as usize)?;
+        let ctas = grid_dim(
+            "walk-split CTAs",
+            (grid as usize).saturating_mul(self.walk_split as usize),
+        )?;
         let tmap_q = backend.tensor_map(&TileMapSpec::query_rows("q", t)?, io.q.addr)?;
         let tmap_k =
             backend.tensor_map(&TileMapSpec::key_rows("k_aligned", w)?, io.k_aligned.addr)?;

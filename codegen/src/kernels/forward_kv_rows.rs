@@ -64,7 +64,7 @@ pub const ROWS_PER_CTA: u32 = THREADS / 32;
 /// apart, so that every load instruction of a warp reads whole 128-byte lines (f16) and each
 /// thread has two loads in flight (one was too few to reach the H200's bandwidth).
 const COMBINE_LANES_PER_ROW: u32 = 8;
-/// Rows per CTA of the combines: one per [`COMBINE_LANES_PER_ROW`] lanes.
+/// Rows per CTA of the combines: one per 8 lanes (`COMBINE_LANES_PER_ROW`).
 pub const COMBINE_ROWS_PER_CTA: u32 = THREADS / COMBINE_LANES_PER_ROW;
 /// The widest gap `R − max` (natural-log units) the combine accepts: a row sums at most 2048
 /// terms, each at least `exp(−gap)` of the largest, and f32's smallest normal is `exp(−87.3)`.

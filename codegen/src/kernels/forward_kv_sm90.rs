@@ -147,6 +147,11 @@
 //!   packed64k and doc8k, 0.5 % slower at doc64k (within the call's spread). Two
 //!   consecutive walks per CTA (half the CTAs) made it 68 % slower: the concurrent tasks
 //!   then span twice the rows, and their `o_pool` rows leave L2 between adds. Dropped.
+//! - Session 22 (`bench/results/h200-2026-12-07-s22-forward.md`): the other way, each walk
+//!   split between `2^walk_split_log2` CTAs (`common::cta_walk_part`; the runtime launches
+//!   the grid that many times over, two by default). Halves took the pass −3.7 / −17 /
+//!   −6.6 % at packed64k / doc64k / doc8k on an H100, −1.5 / +0.7 / −0.4 % on the H200;
+//!   quarters and eighths were slower on both (each CTA's fixed start over fewer rows).
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
