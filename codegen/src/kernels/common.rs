@@ -370,14 +370,25 @@ pub fn init_and_walk(
     bars: &Barriers,
     desc: &ParamRef<U64>,
 ) -> (Reg<Pred>, Walk) {
+    let leader = init_barriers(b, tid, pipelines, bars);
+    b.comment("the CTA walk: this CTA's interval of task rows");
+    let desc = b.ld_param_ptr(desc);
+    (leader, cta_walk(b, desc))
+}
+
+/// Thread 0 initialises every barrier of `pipelines`, and the CTA meets. Returns the predicate
+/// "thread 0".
+pub fn init_barriers(
+    b: &mut KernelBuilder,
+    tid: Reg<U32>,
+    pipelines: &PipelinePlan,
+    bars: &Barriers,
+) -> Reg<Pred> {
     b.comment("thread 0 initialises every pipeline barrier");
     let leader = b.setp(Cmp::Eq, tid, 0u32);
     b.if_then(leader, "init", |b| pipelines.emit_init(b, bars));
     b.bar_sync(0, None);
-
-    b.comment("the CTA walk: this CTA's interval of task rows");
-    let desc = b.ld_param_ptr(desc);
-    (leader, cta_walk(b, desc))
+    leader
 }
 
 /// This CTA's [`Walk`], read from the CTA-walk descriptor at `desc` (words `n, r, full,

@@ -485,10 +485,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
     let (_, base) = common::swizzle_aligned_base(b, &smem);
     let tid = b.sreg(SReg::TidX);
     let bars = common::sm90_barriers(b, base, r.barriers);
-    b.comment("thread 0 initialises every pipeline barrier");
-    let leader = b.setp(Cmp::Eq, tid, 0u32);
-    b.if_then(leader, "init", |b| plan.pipelines().emit_init(b, &bars));
-    b.bar_sync(0, None);
+    let leader = common::init_barriers(b, tid, plan.pipelines(), &bars);
     b.comment("this CTA's part of a CTA walk: its interval of task rows");
     let desc = b.ld_param_ptr(&p.desc);
     let split = b.ld_param(&p.walk_split_log2);
