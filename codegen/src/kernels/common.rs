@@ -394,24 +394,40 @@ pub fn init_barriers(
 /// This CTA's [`Walk`], read from the CTA-walk descriptor at `desc` (words `n, r, full,
 /// tail, grid`). Shared by both main kernels.
 pub fn cta_walk(b: &mut KernelBuilder, desc: Reg<U64>) -> Walk {
-    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
-    let [n, r, full, tail] = words;
-    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let d = WalkDesc::load(b, desc);
     let cta = b.sreg(SReg::CtaidX);
-    let (lo, hi) = cta_interval(b, cta, n, r, full, tail, grid);
+    let (lo, hi) = d.interval(b, cta);
     Walk { lo, hi }
+}
+
+/// The CTA-walk descriptor's words `n, r, full, tail, grid` (written by `task_scan_bins`).
+struct WalkDesc {
+    words: [Reg<U32>; 4],
+    grid: Reg<U32>,
+}
+
+impl WalkDesc {
+    fn load(b: &mut KernelBuilder, desc: Reg<U64>) -> Self {
+        let words = b.ld_v(&global(desc, 0));
+        let grid = b.ld::<U32, _>(&global(desc, 16));
+        WalkDesc { words, grid }
+    }
+
+    /// Walk `cta`'s rows `[lo, hi)` ([`cta_interval`]).
+    fn interval(&self, b: &mut KernelBuilder, cta: Reg<U32>) -> (Reg<U32>, Reg<U32>) {
+        let [n, r, full, tail] = self.words;
+        cta_interval(b, cta, n, r, full, tail, self.grid)
+    }
 }
 
 /// This CTA's part of a [`Walk`] split in `2^split_log2` parts: with the descriptor's grid
 /// launched `2^split_log2` times over, CTA `c` takes part `c mod 2^k` of walk `c >> k`, the
 /// parts' lengths differing by at most one row. With `split_log2 = 0` it is [`cta_walk`].
 pub fn cta_walk_part(b: &mut KernelBuilder, desc: Reg<U64>, split_log2: Reg<U32>) -> Walk {
-    let words: [Reg<U32>; 4] = b.ld_v(&global(desc, 0));
-    let [n, r, full, tail] = words;
-    let grid = b.ld::<U32, _>(&global(desc, 16));
+    let d = WalkDesc::load(b, desc);
     let ctaid = b.sreg(SReg::CtaidX);
     let cta = b.shr(ctaid, split_log2);
-    let (lo, hi) = cta_interval(b, cta, n, r, full, tail, grid);
+    let (lo, hi) = d.interval(b, cta);
     let one = b.mov::<U32>(1u32);
     let parts = b.shl(one, split_log2);
     let mask = b.sub(parts, 1u32);
