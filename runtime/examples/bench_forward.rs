@@ -26,8 +26,9 @@
 //! Without a GPU it says so and exits 0.
 //!
 //! With `BENCH_KV_ONLY=1` it times the KV forward alone (its line and its default breakdown;
-//! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`): the form
-//! for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
+//! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`, and each
+//! locality rule of the last argument adds a line `case @MIN,BLOCKS` and its breakdown): the
+//! form for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
 //! and breakdown `MsaForwardKv::with_walk_split(N)`.
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -323,6 +324,25 @@ fn main() -> Res<()> {
             let fwd = kv_default(split)?;
             let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
             println!("  kv breakdown (median of 5):{line}");
+            // The locality sweep, each rule as the default line and its breakdown.
+            for &l in &localities {
+                let label = format!("{name} @{},{}", l.min_window_log2, l.blocks_log2);
+                let (ms, verdict) = time_kv(
+                    kv_default(split)?.with_locality(l)?,
+                    (&stream, &mut flush),
+                    &mut backend,
+                    (&io_kv, &schedule),
+                    reps,
+                )?;
+                let m = median(ms);
+                println!(
+                    "| {label} | {t} | - | - | - | - | {m:.3} | {:.1} | -, -, {verdict} |",
+                    rate(m)
+                );
+                let fwd = kv_default(split)?.with_locality(l)?;
+                let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
+                println!("  kv breakdown (median of 5):{line}");
+            }
             continue;
         }
         // The last kernel-loop call of MsaForward left its outputs in `out`/`lse`.

@@ -782,7 +782,16 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
             let m = common::task_meta(b, p, row);
             let tiles = [(&resolved.k, ctx.base), (&resolved.v, ctx.base)];
             let maps = [tk, tv];
-            common::load_kv_if_new_segment(b, &resolved.kv, bars, (prev, seg), maps, tiles, &m);
+            common::load_kv_if_new_segment(
+                b,
+                &resolved.kv,
+                bars,
+                (prev, seg),
+                maps,
+                tiles,
+                &m,
+                None,
+            );
             let st = resolved.q_do.producer_acquire(b, bars, t);
             let q_tile = resolved.q.emit_stage_addr(b, ctx.base, st.index);
             let do_tile = resolved.d_o.emit_stage_addr(b, ctx.base, st.index);

@@ -297,7 +297,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         let m = common::task_meta(b, p, row);
         // A new segment waits until both consumers released the previous K/V.
         let tiles = [(&r.k, base), (&r.v, base)];
-        common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m);
+        common::load_kv_if_new_segment(b, &r.kv, bars, (prev, segments), [tk, tv], tiles, &m, None);
         let st = r.q_do.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
         let do_tile = r.d_o.emit_stage_addr(b, base, st.index);

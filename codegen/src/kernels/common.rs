@@ -590,13 +590,14 @@ pub fn load_kv_if_new_segment<const N: usize>(
     maps: [Reg<U64>; N],
     tiles: [(&Placed, Reg<U32>); N],
     meta: &[Reg<U32>; 4],
+    policy: Option<Reg<B64>>,
 ) {
     let cur = bucket(b, meta);
     let same = b.setp(Cmp::Eq, cur, prev);
     b.unless(same, "kv_load", |b| {
         let st = kv.producer_acquire(b, bars, segments);
         let tiles = tiles.map(|(buf, base)| buf.stage_at(b, base, st.index));
-        load_kv_tiles(b, maps, tiles, meta, &st.full);
+        load_kv_tiles(b, maps, tiles, meta, &st.full, policy);
         let next = b.add(segments, 1u32);
         b.set(segments, next);
         b.set(prev, cur);
@@ -612,6 +613,7 @@ pub fn load_kv_tiles<const N: usize>(
     tiles: [SharedAddr; N],
     meta: &[Reg<U32>; 4],
     bar: &SharedAddr,
+    policy: Option<Reg<B64>>,
 ) {
     let head = b.bitcast::<S32, U32>(meta[1]);
     let key0 = b.shl(meta[2], 7u32);
@@ -619,11 +621,12 @@ pub fn load_kv_tiles<const N: usize>(
     for (map, tile) in maps.into_iter().zip(tiles) {
         for panel in 0..2 {
             let d0 = b.mov::<S32>(panel * 64);
-            b.tma_load_3d(
+            b.tma_load_3d_hinted(
                 &tile.offset(panel as i64 * PANEL),
                 map,
                 [d0, head, key0],
                 bar,
+                policy,
             );
         }
     }
@@ -682,6 +685,7 @@ pub fn load_q_tiles(
     slots: [Reg<S32>; 8],
     meta: &[Reg<U32>; 4],
     bar: &SharedAddr,
+    policy: Option<Reg<B64>>,
 ) {
     let head16 = b.shl(meta[1], 4u32);
     let head16 = b.bitcast::<S32, U32>(head16);
@@ -689,7 +693,7 @@ pub fn load_q_tiles(
         for panel in 0..2 {
             let d0 = b.mov::<S32>(panel * 64);
             let off = panel as i64 * PANEL + slot as i64 * 2048;
-            b.tma_load_3d(&tile.offset(off), map, [d0, head16, qrow], bar);
+            b.tma_load_3d_hinted(&tile.offset(off), map, [d0, head16, qrow], bar, policy);
         }
     }
 }

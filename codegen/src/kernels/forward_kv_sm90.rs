@@ -286,6 +286,31 @@ pub fn kv_pipeline(pass: Pass) -> Pipeline {
 /// V and the O staging holds them.
 pub const MAX_PASS_STAGES: u32 = 4;
 
+/// The L2 eviction priorities of the KV-parallel passes' TMA traffic, `None` for the default
+/// (no hint): K/V are read once per segment, while each query's Q and `o_pool` rows are read
+/// and added again by its other selected blocks' tasks, within a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct L2Hints {
+    /// The K/V loads.
+    pub kv: Option<L2Evict>,
+    /// The Q loads.
+    pub q: Option<L2Evict>,
+    /// The `o_pool` reduce-adds.
+    pub o: Option<L2Evict>,
+}
+
+/// The hints the passes use.
+pub const L2_HINTS: L2Hints = L2Hints {
+    kv: None,
+    q: None,
+    o: None,
+};
+
+/// The policy register of `evict`, created once per thread that issues.
+fn l2_policy(b: &mut KernelBuilder, evict: Option<L2Evict>) -> Option<Reg<B64>> {
+    evict.map(|e| b.policy_fractional(e, 1.0))
+}
+
 /// Q: two stages ([`MAX_PASS_STAGES`] in the max pass) of 8 slots × 2 d-halves of 16 heads ×
 /// 64 d, released by each consumer warp once its S GEMM has completed.
 pub fn q_pipeline(pass: Pass) -> Pipeline {
@@ -550,6 +575,8 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tk = b.tensor_map_addr(&p.tmap_k);
     let tv = r.v.map(|_| b.tensor_map_addr(&p.tmap_v));
+    let kv_policy = l2_policy(b, L2_HINTS.kv);
+    let q_policy = l2_policy(b, L2_HINTS.q);
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
@@ -577,16 +604,34 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         match r.v.as_ref().zip(tv) {
             Some((v, tv)) => {
                 let tiles = [(&r.k, base), (v, base)];
-                common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk, tv], tiles, &m);
+                common::load_kv_if_new_segment(
+                    b,
+                    &r.kv,
+                    bars,
+                    counters,
+                    [tk, tv],
+                    tiles,
+                    &m,
+                    kv_policy,
+                );
             }
             None => {
                 let tiles = [(&r.k, base)];
-                common::load_kv_if_new_segment(b, &r.kv, bars, counters, [tk], tiles, &m);
+                common::load_kv_if_new_segment(
+                    b,
+                    &r.kv,
+                    bars,
+                    counters,
+                    [tk],
+                    tiles,
+                    &m,
+                    kv_policy,
+                );
             }
         }
         let st = r.q_pipe.producer_acquire(b, bars, tasks);
         let q_tile = r.q.emit_stage_addr(b, base, st.index);
-        common::load_q_tiles(b, tq, shared(q_tile, 0), q8, &m, &st.full);
+        common::load_q_tiles(b, tq, shared(q_tile, 0), q8, &m, &st.full, q_policy);
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
@@ -1142,6 +1187,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let o_lane = OStageLane::new(b, lane, &stage);
     // The f16 staging's stmatrix addresses, once: ptxas recomputed them every task.
     let o_rows = (pool == OPool::F16).then(|| common::stage_rows_at(b, stage, lane));
+    let o_policy = l2_policy(b, L2_HINTS.o);
     // Whether to compute the row maxima: unless m_pool is null (the max pass has filled
     // it). Uniform over the CTA.
     let raw = b.ld_param(&p.m_pool);
@@ -1331,7 +1377,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             b.predicated(lane0, false, |b| {
                 for (box_, &d0) in (0..count).zip(&d0) {
                     let src = shared(stage, i64::from(O_BOX_BYTES * box_));
-                    b.tma_reduce_add_3d(&src, map, [d0, h16, qrow]);
+                    b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
                 }
                 b.bulk_commit_group();
             });

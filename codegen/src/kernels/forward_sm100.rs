@@ -605,7 +605,7 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
                 let k_tile = r.k.emit_stage_addr(b, ctx.base, st.index);
                 let v_tile = r.v.emit_stage_addr(b, ctx.base, st.index);
                 let tiles = [shared(k_tile, 0), shared(v_tile, 0)];
-                common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full);
+                common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full, None);
                 bump(b, it);
             });
         });

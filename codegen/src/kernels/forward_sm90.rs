@@ -430,7 +430,7 @@ fn tma_thread(b: &mut KernelBuilder, r: &Resolved, p: &ForwardParams, base: Reg<
             let k_tile = r.k.emit_stage_addr(b, base, st.index);
             let v_tile = r.v.emit_stage_addr(b, base, st.index);
             let tiles = [shared(k_tile, 0), shared(v_tile, 0)];
-            common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full);
+            common::load_kv_tiles(b, [tk, tv], tiles, &[g, g, gb, gb], &st.full, None);
             let next = b.add(kv_iter, 1u32);
             b.set(kv_iter, next);
         });

@@ -20,6 +20,7 @@ pub use operand::*;
 pub use ops::arith::{Cmp, Widen};
 pub use ops::atomic::{AtomBits, AtomOp};
 pub use ops::convert::{CvtFrom, SReg};
+pub use ops::memory::L2Evict;
 pub use ops::sync::Shfl;
 pub use types::*;
 

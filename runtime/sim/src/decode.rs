@@ -1361,11 +1361,12 @@ fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result
     if !m.take("bulk_group") {
         return unsupported("only .bulk_group completion is modelled for tensor reductions");
     }
+    let hint = m.take("L2::cache_hint");
     let m = Mods {
         list: std::mem::take(&mut m.list),
     };
     m.finish()?;
-    arity(ops, 2)?;
+    arity(ops, 2 + hint as usize)?;
     Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
         src: ctx.addr(&ops[1])?,
         tensor: tensor_ref(&ops[0], rank, "reduction", ctx)?,

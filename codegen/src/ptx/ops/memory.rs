@@ -9,6 +9,15 @@ use crate::ptx::operand::{
 use crate::ptx::types::*;
 use crate::target::PtxVersion;
 
+/// The primary L2 eviction priority of a `createpolicy` ([`KernelBuilder::policy_fractional`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L2Evict {
+    /// Evicted before normal lines: data read once (streamed).
+    First,
+    /// Evicted after normal lines: data read or added again soon.
+    Last,
+}
+
 impl KernelBuilder {
     /// Loads a scalar parameter.
     pub fn ld_param<T: Ty>(&mut self, p: &ParamRef<T>) -> Reg<T> {
@@ -156,14 +165,31 @@ impl KernelBuilder {
         coords: [Reg<S32>; 3],
         bar: &SharedAddr,
     ) {
+        self.tma_load_3d_hinted(dst, tensor_map, coords, bar, None);
+    }
+
+    /// [`tma_load_3d`](Self::tma_load_3d) with an L2 eviction `policy` (`.L2::cache_hint`)
+    /// when one is given.
+    pub fn tma_load_3d_hinted(
+        &mut self,
+        dst: &SharedAddr,
+        tensor_map: Reg<U64>,
+        coords: [Reg<S32>; 3],
+        bar: &SharedAddr,
+        policy: Option<Reg<B64>>,
+    ) {
+        let (hint, extra) = Self::policy(policy);
+        let mut operands = vec![
+            dst.operand(),
+            Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
+            bar.operand(),
+        ];
+        operands.extend(extra);
         self.inst(
-            "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-                .into(),
-            vec![
-                dst.operand(),
-                Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
-                bar.operand(),
-            ],
+            format!(
+                "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes{hint}"
+            ),
+            operands,
         );
     }
 
@@ -176,12 +202,27 @@ impl KernelBuilder {
         tensor_map: Reg<U64>,
         coords: [Reg<S32>; 3],
     ) {
+        self.tma_reduce_add_3d_hinted(src, tensor_map, coords, None);
+    }
+
+    /// [`tma_reduce_add_3d`](Self::tma_reduce_add_3d) with an L2 eviction `policy`
+    /// (`.L2::cache_hint`) when one is given.
+    pub fn tma_reduce_add_3d_hinted(
+        &mut self,
+        src: &SharedAddr,
+        tensor_map: Reg<U64>,
+        coords: [Reg<S32>; 3],
+        policy: Option<Reg<B64>>,
+    ) {
+        let (hint, extra) = Self::policy(policy);
+        let mut operands = vec![
+            Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
+            src.operand(),
+        ];
+        operands.extend(extra);
         self.push(
-            "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group".into(),
-            vec![
-                Operand::TensorCoords(tensor_map.name(), coords.iter().map(|c| c.name()).collect()),
-                src.operand(),
-            ],
+            format!("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group{hint}"),
+            operands,
             PtxVersion(8, 0),
         );
     }
@@ -216,9 +257,19 @@ impl KernelBuilder {
 
     /// An L2 policy that keeps the lines it touches (`evict_last`) for `fraction` of them.
     pub fn policy_evict_last(&mut self, fraction: f32) -> Reg<B64> {
+        self.policy_fractional(L2Evict::Last, fraction)
+    }
+
+    /// An L2 policy of priority `evict` for `fraction` of the lines it touches (the others
+    /// unchanged).
+    pub fn policy_fractional(&mut self, evict: L2Evict, fraction: f32) -> Reg<B64> {
         let d = self.fresh::<B64>();
+        let kind = match evict {
+            L2Evict::First => "evict_first",
+            L2Evict::Last => "evict_last",
+        };
         self.inst(
-            "createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64".into(),
+            format!("createpolicy.fractional.L2::{kind}.L2::evict_unchanged.b64"),
             vec![Operand::Reg(d.name()), Operand::F32(fraction)],
         );
         d
