@@ -280,7 +280,57 @@ impl KernelBuilder {
 mod tests {
     use crate::ptx::ir::HostElem;
     use crate::ptx::testing::{builder, errors};
-    use crate::ptx::{global, Reg, U64};
+    use crate::ptx::{global, print, shared, L2Evict, Reg, S32, U32, U64};
+
+    /// A hint adds `.L2::cache_hint` and the policy as the last operand; none leaves the
+    /// instruction as it was.
+    #[test]
+    fn tma_hints_name_their_policy() {
+        let mut b = builder();
+        let p = b.param_ptr("p", HostElem::F32, false);
+        let map = b.ld_param_ptr(&p);
+        let base = b.mov::<U32>(0u32);
+        let c = b.mov::<S32>(0i32);
+        let first = b.policy_fractional(L2Evict::First, 1.0);
+        let last = b.policy_fractional(L2Evict::Last, 0.5);
+        let (dst, bar) = (shared(base, 0), shared(base, 1024));
+        b.tma_load_3d(&dst, map, [c, c, c], &bar);
+        b.tma_load_3d_hinted(&dst, map, [c, c, c], &bar, Some(first));
+        b.tma_reduce_add_3d(&dst, map, [c, c, c]);
+        b.tma_reduce_add_3d_hinted(&dst, map, [c, c, c], Some(last));
+        let text = print::body(&b.finish().unwrap());
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        let has = |prefix: &str, suffix: &str| {
+            lines
+                .iter()
+                .any(|l| l.starts_with(prefix) && l.ends_with(suffix))
+        };
+        let policy = |r: Reg<crate::ptx::B64>| format!(", {};", r.name());
+        assert!(
+            has(
+                &format!(
+                    "createpolicy.fractional.L2::evict_first.L2::evict_unchanged.b64 {}",
+                    first.name()
+                ),
+                ", 0f3F800000;"
+            ),
+            "{text}"
+        );
+        assert!(
+            has("createpolicy.fractional.L2::evict_last.", ", 0f3F000000;"),
+            "{text}"
+        );
+        assert!(has("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [", "];"), "{text}");
+        assert!(has("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [", &policy(first)), "{text}");
+        assert!(
+            has(
+                "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [",
+                "];"
+            ),
+            "{text}"
+        );
+        assert!(has("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [", &policy(last)), "{text}");
+    }
 
     #[test]
     fn rejects_illegal_vector_width() {
