@@ -9,28 +9,34 @@ set -uo pipefail
 O=$OUT
 F=.gpu/s23
 s() { echo "$(date +%s) $*" | tee -a $O/times.txt; }
+T0=$(date +%s)
+# Steps start only while at least `need` seconds remain of BUDGET (the call's limit).
+left() { [ $(( T0 + ${BUDGET:-400} - $(date +%s) )) -ge $1 ]; }
 s start
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total --format=csv,noheader | tee $O/gpu.txt
 timeout 60 $F/bench --cases packed64k,doc64k,doc256k,doc1m --write-inputs /tmp/msa_in --inputs-only > /dev/null 2>&1
 s inputs
-for v in main kvfirst all; do
+for v in main all kvfirst; do
+  left 75 || break
   echo "== $v" >> $O/sweep.txt
-  BENCH_KV_ONLY=1 timeout 150 $F/$v/bench_forward /tmp/msa_in packed64k,doc64k,doc256k,doc1m 5 "9,0;9,1;9,3" >> $O/sweep.txt 2>&1
+  BENCH_KV_ONLY=1 timeout 120 $F/$v/bench_forward /tmp/msa_in packed64k,doc64k,doc256k,doc1m 5 "9,0;9,1;9,3" >> $O/sweep.txt 2>&1
   echo "rc $?" >> $O/sweep.txt
   grep -E "^==|^\| (doc|packed)|^rc|rror" $O/sweep.txt | tail -17 | cut -c1-100
   s sweep $v
 done
-for i in 1 2 3; do
+for i in 1; do
   for v in main kvfirst all; do
+    left 50 || break 2
     echo "== $v $i" >> $O/ab.txt
     BENCH_KV_ONLY=1 timeout 40 $F/$v/bench_forward /tmp/msa_in packed64k 10 2>&1 | grep -E "^\| packed|breakdown|rror" >> $O/ab.txt
   done
 done
 grep -E "^==|^\|" $O/ab.txt | cut -c1-90
 s ab
-for v in kvfirst all; do
+for v in all kvfirst; do
+  left 45 || break
   echo "== $v" >> $O/tests.txt
-  (REQUIRE_GPU=1 timeout 80 $F/$v/forward_kv --test-threads=1 >> $O/tests.txt 2>&1; echo "rc $?" >> $O/tests.txt)
+  (REQUIRE_GPU=1 timeout 45 $F/$v/forward_kv --test-threads=1 >> $O/tests.txt 2>&1; echo "rc $?" >> $O/tests.txt)
 done
 grep -E "^==|test result|^rc|FAIL|panic" $O/tests.txt
 s tests
