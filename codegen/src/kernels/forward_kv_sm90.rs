@@ -152,6 +152,11 @@
 //!   the grid that many times over, two by default). Halves took the pass −3.7 / −17 /
 //!   −6.6 % at packed64k / doc64k / doc8k on an H100, −1.5 / +0.7 / −0.4 % on the H200;
 //!   quarters and eighths were slower on both (each CTA's fixed start over fewer rows).
+//! - Session 23 (`bench/results/h100-2026-12-07-s23-forward-long.md`, an H100): not flat past
+//!   64K tokens: 15.2 / 28.5 / 38.9 ns of sum pass per task at doc64k / doc256k / doc1m. The
+//!   default windows (`max(512, 4·B)` queries) hold 16 / 64 / 256 MB of Q and `o_pool` rows
+//!   against a 50 MB L2; a model of the traffic (`forward_l2_model`) puts the misses at 14 /
+//!   56 / 89 KB per task, and no window under 79 KB at 1M.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
@@ -299,7 +304,10 @@ pub struct L2Hints {
     pub o: Option<L2Evict>,
 }
 
-/// The hints the passes use.
+/// The hints the passes use: none, so far. Past 64K tokens a window's Q and `o_pool` rows
+/// outgrow L2 (session 23: 432 / 254 / 191 useful TFLOP/s at doc64k / doc256k / doc1m on an
+/// H100). Hinted builds passed the simulator but are not yet timed
+/// (`bench/results/h100-2026-12-07-s23-forward-long.md`).
 pub const L2_HINTS: L2Hints = L2Hints {
     kv: None,
     q: None,

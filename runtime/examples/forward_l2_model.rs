@@ -1,0 +1,201 @@
+//! A model, not a measurement: the DRAM bytes per task the KV forward's sum pass would move
+//! through an LRU L2 of a given size, for several task-window sizes, on the benchmark's
+//! selections (`bench --write-inputs DIR`). No GPU is needed.
+//!
+//! ```text
+//! cargo run --release -p msa-runtime --example forward_l2_model -- DIR doc64k,doc1m [L2_MIB] [WAVE]
+//! ```
+//!
+//! The tasks are the device task build's (the CPU oracle, `reference::tasks::build_task_tables_with`),
+//! re-sorted per window size `2^s` by `(index head, document, local first query >> s, key block,
+//! first query)`: the locality order of `docs/design.md` §2.2 with a window of any size (the
+//! runtime's `Locality` only allows windows of at least one query per key block). The walks
+//! are the runtime's: 64-row walks split in two, `WAVE` CTAs (default 132, one per SM) running
+//! at once, interleaved row by row. Per task a CTA loads its block's K/V (64 KB) when its
+//! segment changes, then per valid query slot reads Q (4 KB: 16 heads × 128 d, bf16) and adds
+//! into the `o_pool` row (4 KB of f16). An access misses when the bytes of the distinct
+//! objects touched since its object's last access exceed `L2_MIB` (default 40 of the H100's
+//! 50 MB); a miss costs the object's bytes, and an `o_pool` miss twice (read, then written
+//! back). Concurrency, the cache's sets and its policy are not modelled.
+
+use msa_runtime::build_schedule;
+use msa_runtime::contract::{Locality, BLOCK_SIZE};
+use msa_runtime::reference::tasks::{build_task_tables_with, task_capacity};
+use std::error::Error;
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+fn read_i32s(path: &str) -> Res<Vec<i32>> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// Byte-weighted LRU stack distances: a Fenwick tree over access times holds each object's
+/// size at the time of its latest access.
+struct Stack {
+    tree: Vec<u64>,
+    last: Vec<u32>,
+    now: usize,
+}
+
+impl Stack {
+    fn new(accesses: usize, objects: usize) -> Self {
+        Stack {
+            tree: vec![0; accesses + 1],
+            last: vec![u32::MAX; objects],
+            now: 0,
+        }
+    }
+
+    fn add(&mut self, mut i: usize, v: i64) {
+        i += 1;
+        while i < self.tree.len() {
+            self.tree[i] = self.tree[i].wrapping_add(v as u64);
+            i += i & i.wrapping_neg();
+        }
+    }
+
+    fn prefix(&self, mut i: usize) -> u64 {
+        let mut s = 0u64;
+        while i > 0 {
+            s = s.wrapping_add(self.tree[i]);
+            i -= i & i.wrapping_neg();
+        }
+        s
+    }
+
+    /// Touches `object` of `size` bytes; returns whether it was within `cap` bytes.
+    fn touch(&mut self, object: usize, size: u64, cap: u64) -> bool {
+        let t = self.now;
+        self.now += 1;
+        let prev = self.last[object];
+        let hit = prev != u32::MAX && {
+            let between = self.prefix(t) - self.prefix(prev as usize + 1);
+            between + size <= cap
+        };
+        if prev != u32::MAX {
+            self.add(prev as usize, -(size as i64));
+        }
+        self.add(t, size as i64);
+        self.last[object] = t as u32;
+        hit
+    }
+}
+
+fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
+        return Err("usage: forward_l2_model DIR case,case [L2_MIB] [WAVE]".into());
+    };
+    let cap = args
+        .get(3)
+        .map(|s| s.parse::<u64>())
+        .transpose()?
+        .unwrap_or(40)
+        << 20;
+    let wave: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(132);
+    println!("| case | window | rows | K/V KB per task | Q KB | o_pool KB | all KB per task |");
+    println!("|---|---|---|---|---|---|---|");
+    for name in cases.split(',') {
+        let cu = read_i32s(&format!("{dir}/{name}.cu_seqlens.i32"))?;
+        let q2k = read_i32s(&format!("{dir}/{name}.q2k.i32"))?;
+        let t = *cu.last().ok_or("empty cu_seqlens")? as usize;
+        let schedule = build_schedule(&q2k, &cu, 64)?;
+        let tables = build_task_tables_with(
+            &schedule,
+            132,
+            task_capacity(&schedule),
+            Locality::default(),
+        );
+        let n = tables.num_rows();
+        let doc_of = |row: usize| cu.partition_point(|&c| c as usize <= row) - 1;
+        let max_blocks = cu
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+            .div_ceil(BLOCK_SIZE);
+        let blocks_log2 = usize::BITS - max_blocks.max(1).next_power_of_two().leading_zeros() - 1;
+        let mut windows: Vec<u32> = (9..=15).collect();
+        windows.push(blocks_log2 + 2); // the runtime's default rule (9,2) for the longest document
+        windows.sort_unstable();
+        windows.dedup();
+        for s in windows {
+            let key = |r: usize| {
+                let q0 = tables.qrows[8 * r] as usize;
+                let d = doc_of(q0);
+                let local = q0 - cu[d] as usize;
+                (
+                    tables.meta[4 * r + 1],
+                    d,
+                    local >> s,
+                    tables.meta[4 * r + 2],
+                    q0,
+                )
+            };
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by_key(|&r| key(r));
+            let kv_objects = 4
+                * (tables
+                    .meta
+                    .iter()
+                    .skip(2)
+                    .step_by(4)
+                    .max()
+                    .copied()
+                    .unwrap_or(0) as usize
+                    + 1);
+            let mut stack = Stack::new(n * 17 + 1, 8 * t + kv_objects);
+            let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
+            // 64-row walks, each split in two CTAs of 32 rows; `wave` CTAs at once.
+            let parts: Vec<(usize, usize)> = (0..n)
+                .step_by(32)
+                .map(|lo| (lo, (lo + 32).min(n)))
+                .collect();
+            for group in parts.chunks(wave) {
+                let mut seg: Vec<Option<(i32, i32)>> = vec![None; group.len()];
+                for j in 0..32 {
+                    for (c, &(lo, hi)) in group.iter().enumerate() {
+                        let i = lo + j;
+                        if i >= hi {
+                            continue;
+                        }
+                        let r = order[i];
+                        let (head, kb) = (tables.meta[4 * r + 1], tables.meta[4 * r + 2]);
+                        if seg[c] != Some((head, kb)) {
+                            seg[c] = Some((head, kb));
+                            let obj = 8 * t + 4 * kb as usize + head as usize;
+                            if !stack.touch(obj, 65536, cap) {
+                                kv_b += 65536;
+                            }
+                        }
+                        for &q in &tables.qrows[8 * r..8 * r + 8] {
+                            if q < 0 {
+                                continue;
+                            }
+                            let q = head as usize * t + q as usize;
+                            if !stack.touch(q, 4096, cap) {
+                                q_b += 4096;
+                            }
+                            if !stack.touch(4 * t + q, 4096, cap) {
+                                o_b += 8192;
+                            }
+                        }
+                    }
+                }
+            }
+            let per = |b: u64| b as f64 / n as f64 / 1024.0;
+            println!(
+                "| {name} | 2^{s} | {n} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                per(kv_b),
+                per(q_b),
+                per(o_b),
+                per(kv_b + q_b + o_b)
+            );
+        }
+    }
+    Ok(())
+}
