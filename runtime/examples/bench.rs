@@ -94,6 +94,9 @@ use std::fmt::Write as _;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+mod common;
+use common::read_i32s;
+
 type Res<T> = Result<T, Box<dyn Error>>;
 
 // ---------------------------------------------------------------------------------------------
@@ -369,21 +372,6 @@ fn make_case(name: &str, seed: u64) -> Case {
         q2k,
         kept,
     }
-}
-
-fn read_i32s(path: &str) -> Res<Vec<i32>> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
-    if bytes.len() % 4 != 0 {
-        return Err(format!(
-            "{path}: {} bytes is not a whole number of int32",
-            bytes.len()
-        )
-        .into());
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
 }
 
 /// Compares the case with the raw files `bench/baselines.py` wrote.

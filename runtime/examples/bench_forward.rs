@@ -44,15 +44,10 @@ use msa_runtime::{
 use std::error::Error;
 use std::sync::Arc;
 
-type Res<T> = Result<T, Box<dyn Error>>;
+mod common;
+use common::read_i32s;
 
-fn read_i32s(path: &str) -> Res<Vec<i32>> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
-}
+type Res<T> = Result<T, Box<dyn Error>>;
 
 fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
     let mut s = seed;

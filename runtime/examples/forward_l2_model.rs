@@ -23,15 +23,10 @@ use msa_runtime::contract::{Locality, BLOCK_SIZE};
 use msa_runtime::reference::tasks::{build_task_tables_with, task_capacity};
 use std::error::Error;
 
-type Res<T> = Result<T, Box<dyn Error>>;
+mod common;
+use common::read_i32s;
 
-fn read_i32s(path: &str) -> Res<Vec<i32>> {
-    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
-}
+type Res<T> = Result<T, Box<dyn Error>>;
 
 /// Byte-weighted LRU stack distances: a Fenwick tree over access times holds each object's
 /// size at the time of its latest access.
