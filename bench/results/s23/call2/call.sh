@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 23 call 2: why the KV forward slows past 64K tokens (call 1: 432 useful TFLOP/s at
+# Bundle: scripts/forward-kv-hints-bundle.sh .gpu/s23. Run as BUDGET=<seconds of the call> bash ...
+# Session 23 call 2 (not run: no machine came): why the KV forward slows past 64K tokens (call 1: 432 useful TFLOP/s at
 # doc64k, 254 at doc256k, 191 at doc1m on an H100). Three builds of the same host code:
 # main (no L2 hints, main's PTX), kvfirst (K/V TMA loads evict_first), all (K/V evict_first,
 # Q loads and o_pool reduce-adds evict_last); each at packed64k, doc64k, doc256k and doc1m
