@@ -3,7 +3,7 @@
 //! selections (`bench --write-inputs DIR`). No GPU is needed.
 //!
 //! ```text
-//! cargo run --release -p msa-runtime --example forward_l2_model -- DIR doc64k,doc1m [L2_MIB] [WAVE]
+//! cargo run --release -p msa-runtime --example forward_l2_model -- DIR doc64k,doc1m [L2_MIB] [WAVE] [POLICY] [KV_MIB]
 //! ```
 //!
 //! The tasks are the device task build's (the CPU oracle, `reference::tasks::build_task_tables_with`),
@@ -16,7 +16,16 @@
 //! into the `o_pool` row (4 KB of f16). An access misses when the bytes of the distinct
 //! objects touched since its object's last access exceed `L2_MIB` (default 40 of the H100's
 //! 50 MB); a miss costs the object's bytes, and an `o_pool` miss twice (read, then written
-//! back). Concurrency, the cache's sets and its policy are not modelled.
+//! back). Concurrency and the cache's sets are not modelled.
+//!
+//! `POLICY` `kvfirst` models the K/V loads marked `evict_first` (`forward_kv_sm90::L2_HINTS`):
+//! a Q or `o_pool` access then counts only the Q and `o_pool` bytes since its last access (the
+//! K/V lines are evicted first), and a K/V access hits only within `KV_MIB` (default 4) of
+//! all bytes since.
+//!
+//! Environment: `WINDOWS=11,12` replaces the window list (default `2^9 .. 2^15` and the
+//! runtime's default rule); `PART=16` sets the rows per CTA (default 32: the 64-row walks
+//! split in two).
 
 use msa_runtime::build_schedule;
 use msa_runtime::contract::{Locality, BLOCK_SIZE};
@@ -83,7 +92,9 @@ impl Stack {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
-        return Err("usage: forward_l2_model DIR case,case [L2_MIB] [WAVE]".into());
+        return Err(
+            "usage: forward_l2_model DIR case,case [L2_MIB] [WAVE] [none|kvfirst] [KV_MIB]".into(),
+        );
     };
     let cap = args
         .get(3)
@@ -92,6 +103,25 @@ fn main() -> Res<()> {
         .unwrap_or(40)
         << 20;
     let wave: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(132);
+    let part: usize = match std::env::var("PART") {
+        Ok(p) => p.parse()?,
+        Err(_) => 32,
+    };
+    let kv_first = match args.get(5).map(String::as_str) {
+        None | Some("none") => false,
+        Some("kvfirst") => true,
+        Some(p) => return Err(format!("POLICY {p:?}: expected none or kvfirst").into()),
+    };
+    let kv_cap = args
+        .get(6)
+        .map(|s| s.parse::<u64>())
+        .transpose()?
+        .unwrap_or(4)
+        << 20;
+    println!(
+        "L2 {} MiB, {wave} CTAs, K/V evict_first: {kv_first}",
+        cap >> 20
+    );
     println!("| case | window | rows | K/V KB per task | Q KB | o_pool KB | all KB per task |");
     println!("|---|---|---|---|---|---|---|");
     for name in cases.split(',') {
@@ -114,8 +144,13 @@ fn main() -> Res<()> {
             .unwrap_or(0)
             .div_ceil(BLOCK_SIZE);
         let blocks_log2 = usize::BITS - max_blocks.max(1).next_power_of_two().leading_zeros() - 1;
-        let mut windows: Vec<u32> = (9..=15).collect();
-        windows.push(blocks_log2 + 2); // the runtime's default rule (9,2) for the longest document
+        let mut windows: Vec<u32> = match std::env::var("WINDOWS") {
+            Ok(list) => list
+                .split(',')
+                .map(|w| w.parse())
+                .collect::<Result<_, _>>()?,
+            Err(_) => (9..=15).chain([blocks_log2 + 2]).collect(),
+        };
         windows.sort_unstable();
         windows.dedup();
         for s in windows {
@@ -144,15 +179,18 @@ fn main() -> Res<()> {
                     .unwrap_or(0) as usize
                     + 1);
             let mut stack = Stack::new(n * 17 + 1, 8 * t + kv_objects);
+            // With `kvfirst`, the Q and o_pool accesses alone, in their own stack.
+            let mut rows_stack = Stack::new(if kv_first { n * 16 + 1 } else { 1 }, 8 * t);
+            let (row_cap, kv_hit_cap) = if kv_first { (cap, kv_cap) } else { (cap, cap) };
             let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
-            // 64-row walks, each split in two CTAs of 32 rows; `wave` CTAs at once.
+            // 64-row walks, each split in two CTAs of `part` rows; `wave` CTAs at once.
             let parts: Vec<(usize, usize)> = (0..n)
-                .step_by(32)
-                .map(|lo| (lo, (lo + 32).min(n)))
+                .step_by(part)
+                .map(|lo| (lo, (lo + part).min(n)))
                 .collect();
             for group in parts.chunks(wave) {
                 let mut seg: Vec<Option<(i32, i32)>> = vec![None; group.len()];
-                for j in 0..32 {
+                for j in 0..part {
                     for (c, &(lo, hi)) in group.iter().enumerate() {
                         let i = lo + j;
                         if i >= hi {
@@ -163,7 +201,7 @@ fn main() -> Res<()> {
                         if seg[c] != Some((head, kb)) {
                             seg[c] = Some((head, kb));
                             let obj = 8 * t + 4 * kb as usize + head as usize;
-                            if !stack.touch(obj, 65536, cap) {
+                            if !stack.touch(obj, 65536, kv_hit_cap) {
                                 kv_b += 65536;
                             }
                         }
@@ -172,10 +210,18 @@ fn main() -> Res<()> {
                                 continue;
                             }
                             let q = head as usize * t + q as usize;
-                            if !stack.touch(q, 4096, cap) {
+                            let mut touch = |object: usize| {
+                                let all = stack.touch(object, 4096, row_cap);
+                                if kv_first {
+                                    rows_stack.touch(object, 4096, row_cap)
+                                } else {
+                                    all
+                                }
+                            };
+                            if !touch(q) {
                                 q_b += 4096;
                             }
-                            if !stack.touch(4 * t + q, 4096, cap) {
+                            if !touch(4 * t + q) {
                                 o_b += 8192;
                             }
                         }

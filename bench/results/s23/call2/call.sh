@@ -18,9 +18,9 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.tota
 timeout 60 $F/bench --cases packed64k,doc64k,doc256k,doc1m --write-inputs /tmp/msa_in --inputs-only > /dev/null 2>&1
 s inputs
 for v in main all kvfirst; do
-  left 75 || break
+  left 100 || break
   echo "== $v" >> $O/sweep.txt
-  BENCH_KV_ONLY=1 timeout 120 $F/$v/bench_forward /tmp/msa_in packed64k,doc64k,doc256k,doc1m 5 "9,0;9,1;9,3" >> $O/sweep.txt 2>&1
+  BENCH_KV_ONLY=1 timeout 170 $F/$v/bench_forward /tmp/msa_in packed64k,doc64k,doc256k,doc1m 5 "9,0;9,1;9,3" >> $O/sweep.txt 2>&1
   echo "rc $?" >> $O/sweep.txt
   grep -E "^==|^\| (doc|packed)|^rc|rror" $O/sweep.txt | tail -17 | cut -c1-100
   s sweep $v
@@ -41,3 +41,11 @@ for v in all kvfirst; do
 done
 grep -E "^==|test result|^rc|FAIL|panic" $O/tests.txt
 s tests
+# Added in session 24: quarter walks (a smaller span of concurrent rows) with K/V evict_first.
+if left 60; then
+  echo "== kvfirst split 4" >> $O/sweep.txt
+  BENCH_KV_WALK_SPLIT=4 BENCH_KV_ONLY=1 timeout 55 $F/kvfirst/bench_forward /tmp/msa_in doc256k,doc1m 3 "9,0" >> $O/sweep.txt 2>&1
+  echo "rc $?" >> $O/sweep.txt
+  grep -E "^==|^\| (doc|packed)|^rc" $O/sweep.txt | tail -6 | cut -c1-100
+  s split4
+fi
