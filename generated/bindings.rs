@@ -518,6 +518,7 @@ pub mod task_scan_work {
         num_docs: u32,
         min_window_log2: u32,
         blocks_log2: u32,
+        max_window_log2: u32,
         zero: PtrMut<u32>,
         zero_words: u32,
     ) -> Vec<KernelArg> {
@@ -529,7 +530,8 @@ pub mod task_scan_work {
             KernelArg::from(doc_windows), KernelArg::from(work_capacity),
             KernelArg::from(bins), KernelArg::from(num_docs),
             KernelArg::from(min_window_log2), KernelArg::from(blocks_log2),
-            KernelArg::from(zero), KernelArg::from(zero_words)
+            KernelArg::from(max_window_log2), KernelArg::from(zero),
+            KernelArg::from(zero_words)
         ]
     }
 }
@@ -1191,6 +1193,7 @@ pub mod msa_forward_kv_sm90 {
         zero: PtrMut<u32>,
         zero_words: u32,
         walk_split_log2: u32,
+        l2_hints: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1198,7 +1201,8 @@ pub mod msa_forward_kv_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
+            KernelArg::from(l2_hints)
         ]
     }
 }
@@ -1243,6 +1247,7 @@ pub mod msa_forward_kv_f16_sm90 {
         zero: PtrMut<u32>,
         zero_words: u32,
         walk_split_log2: u32,
+        l2_hints: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1250,7 +1255,8 @@ pub mod msa_forward_kv_f16_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
+            KernelArg::from(l2_hints)
         ]
     }
 }
@@ -1295,6 +1301,7 @@ pub mod msa_forward_kv_max_sm90 {
         zero: PtrMut<u32>,
         zero_words: u32,
         walk_split_log2: u32,
+        l2_hints: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1302,7 +1309,8 @@ pub mod msa_forward_kv_max_sm90 {
             KernelArg::from(task_meta), KernelArg::from(task_qrows),
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
-            KernelArg::from(zero_words), KernelArg::from(walk_split_log2)
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
+            KernelArg::from(l2_hints)
         ]
     }
 }

@@ -312,10 +312,10 @@ fn parse_args() -> Result<Options, String> {
                         "--locality needs MIN_WINDOW_LOG2,BLOCKS_LOG2, got `{v}`"
                     ));
                 };
-                let l = Locality {
-                    min_window_log2: number("--locality", a.to_string())? as u32,
-                    blocks_log2: number("--locality", b.to_string())? as u32,
-                };
+                let l = Locality::uncapped(
+                    number("--locality", a.to_string())? as u32,
+                    number("--locality", b.to_string())? as u32,
+                );
                 l.validate()?;
                 o.localities.push(l);
             }

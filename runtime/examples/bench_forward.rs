@@ -3,13 +3,16 @@
 //!
 //! ```text
 //! cargo build --release -p msa-runtime --example bench_forward
-//! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [MIN,BLOCKS;MIN,BLOCKS...]
+//! target/release/examples/bench_forward DIR doc8k,packed64k [REPS] [RULE;RULE...]
 //! ```
 //!
 //! Lines `kv, f32 pool, bound`, `kv, f16 pool, bound` and `kv, f32 pool, exact max` time the
 //! KV forward with other `o_pool` types and references than its defaults (f16, exact max). The optional
-//! last argument times the KV forward once more per task-order locality rule
-//! (`msa_runtime::contract::Locality { min_window_log2, blocks_log2 }`), one line each.
+//! last argument times the KV forward once more per rule, one line each: a rule is
+//! `MIN,BLOCKS[,MAX][/HINTS]`, the task order's `msa_runtime::contract::Locality
+//! { min_window_log2, blocks_log2, max_window_log2 }` (no cap without `MAX`) and the L2
+//! eviction hints `forward_kv::L2Hints` as a list of `kv`, `q`, `o` (none without it), e.g.
+//! `9,2;9,0,12/kv;9,0/kv,q,o`.
 //!
 //! Per case: `kernel ms` is one `MsaForward::run_on` (the `msa_forward_sm90` launch) on a
 //! schedule built once; `run_forward ms` is one whole `run_forward` call (the device schedule
@@ -27,7 +30,7 @@
 //!
 //! With `BENCH_KV_ONLY=1` it times the KV forward alone (its line and its default breakdown;
 //! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`, and each
-//! locality rule of the last argument adds a line `case @MIN,BLOCKS` and its breakdown): the
+//! rule of the last argument adds a line `case @RULE` and its breakdown): the
 //! form for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
 //! and breakdown `MsaForwardKv::with_walk_split(N)`.
 
@@ -35,7 +38,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use msa_runtime::backend::Backend;
 use msa_runtime::contract::Locality;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
+use msa_runtime::forward_kv::{L2Hints, MsaForwardKv, OPool, Reference};
 use msa_runtime::reference::keys_attended;
 use msa_runtime::{
     run_forward, workspace_layout, CudaBackend, ForwardAlgorithm, ForwardBuffers, MsaAttention,
@@ -186,6 +189,30 @@ fn breakdown(
     Ok(line)
 }
 
+/// A sweep rule `MIN,BLOCKS[,MAX][/kv,q,o]`: its label, locality and L2 hints.
+fn parse_rule(rule: &str) -> Res<(String, Locality, L2Hints)> {
+    let (order, hints) = rule.split_once('/').unwrap_or((rule, ""));
+    let n: Vec<u32> = order.split(',').map(str::parse).collect::<Result<_, _>>()?;
+    let locality = match n[..] {
+        [min, blocks] => Locality::uncapped(min, blocks),
+        [min, blocks, max] => Locality {
+            max_window_log2: max,
+            ..Locality::uncapped(min, blocks)
+        },
+        _ => return Err(format!("rule {rule:?}: expected MIN,BLOCKS[,MAX]").into()),
+    };
+    let mut l2 = L2Hints::NONE;
+    for h in hints.split(',').filter(|h| !h.is_empty()) {
+        match h {
+            "kv" => l2.kv_evict_first = true,
+            "q" => l2.q_evict_last = true,
+            "o" => l2.o_evict_last = true,
+            _ => return Err(format!("rule {rule:?}: hint {h:?} is none of kv, q, o").into()),
+        }
+    }
+    Ok((rule.to_string(), locality, l2))
+}
+
 /// The KV forward with its defaults, or with `split` CTAs per walk when given.
 fn kv_default<B: Backend>(split: Option<u32>) -> Res<MsaForwardKv<B>> {
     let fwd = MsaForwardKv::new();
@@ -198,17 +225,16 @@ fn kv_default<B: Backend>(split: Option<u32>) -> Res<MsaForwardKv<B>> {
 fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let (Some(dir), Some(cases)) = (args.get(1), args.get(2)) else {
-        return Err("usage: bench_forward DIR case,case [REPS] [MIN,BLOCKS;...]".into());
+        return Err(
+            "usage: bench_forward DIR case,case [REPS] [MIN,BLOCKS[,MAX][/kv,q,o];...]".into(),
+        );
     };
     let reps: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(20);
-    let mut localities = Vec::new();
-    for l in args.get(4).map(|s| s.split(';')).into_iter().flatten() {
-        let (a, b) = l.split_once(',').ok_or("a locality is MIN,BLOCKS")?;
-        localities.push(Locality {
-            min_window_log2: a.parse()?,
-            blocks_log2: b.parse()?,
-        });
-    }
+    let localities = args
+        .get(4)
+        .map(|s| s.split(';').map(parse_rule).collect::<Res<Vec<_>>>())
+        .transpose()?
+        .unwrap_or_default();
     let dev = match msa_runtime::Device::open(0) {
         Ok(d) => d,
         Err(e) => {
@@ -320,10 +346,10 @@ fn main() -> Res<()> {
             let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
             println!("  kv breakdown (median of 5):{line}");
             // The locality sweep, each rule as the default line and its breakdown.
-            for &l in &localities {
-                let label = format!("{name} @{},{}", l.min_window_log2, l.blocks_log2);
+            for (rule, l, hints) in &localities {
+                let label = format!("{name} @{rule}");
                 let (ms, verdict) = time_kv(
-                    kv_default(split)?.with_locality(l)?,
+                    kv_default(split)?.with_locality(*l)?.with_l2_hints(*hints),
                     (&stream, &mut flush),
                     &mut backend,
                     (&io_kv, &schedule),
@@ -334,7 +360,7 @@ fn main() -> Res<()> {
                     "| {label} | {t} | - | - | - | - | {m:.3} | {:.1} | -, -, {verdict} |",
                     rate(m)
                 );
-                let fwd = kv_default(split)?.with_locality(l)?;
+                let fwd = kv_default(split)?.with_locality(*l)?.with_l2_hints(*hints);
                 let line = breakdown(fwd, &stream, &mut flush, &io_kv, sizes, sched)?;
                 println!("  kv breakdown (median of 5):{line}");
             }
@@ -407,9 +433,12 @@ fn main() -> Res<()> {
                 MsaForwardKv::new().with_o_pool(OPool::F32),
             ),
         ];
-        for &l in &localities {
-            let label = format!("locality {},{}", l.min_window_log2, l.blocks_log2);
-            variants.push((label, MsaForwardKv::new().with_locality(l)?));
+        for (rule, l, hints) in &localities {
+            let label = format!("rule {rule}");
+            variants.push((
+                label,
+                MsaForwardKv::new().with_locality(*l)?.with_l2_hints(*hints),
+            ));
         }
         for (label, fwd) in variants {
             let (ms, verdict) = time_kv(

@@ -18,7 +18,7 @@
 //! 50 MB); a miss costs the object's bytes, and an `o_pool` miss twice (read, then written
 //! back). Concurrency and the cache's sets are not modelled.
 //!
-//! `POLICY` `kvfirst` models the K/V loads marked `evict_first` (`forward_kv_sm90::L2_HINTS`):
+//! `POLICY` `kvfirst` models the K/V loads marked `evict_first` (`forward_kv::L2Hints`):
 //! a Q or `o_pool` access then counts only the Q and `o_pool` bytes since its last access (the
 //! K/V lines are evicted first), and a K/V access hits only within `KV_MIB` (default 4) of
 //! all bytes since.

@@ -65,19 +65,24 @@ pub const MAX_TOKENS: usize = 1 << 20;
 /// grouped by window of document-local queries, then by key block, then by query.
 ///
 /// A document of `B` key blocks gets windows of `2^s` queries,
-/// `s = max(min_window_log2, ceil(log2 B) + blocks_log2)`. Within one window a key block's
+/// `s = min(max(min_window_log2, ceil(log2 B) + blocks_log2), max_window_log2)`. Within one window a key block's
 /// tasks are consecutive (one segment, one K/V load and one dK/dV flush), and a window of
 /// `2^s >= 2^blocks_log2·B` queries gives each block about `2^s·16/B/8 >= 2^(blocks_log2+1)`
 /// tasks (64 with the default), so the segments stay long however long the document is; the
 /// seed's fixed 512-query window left one task per segment past about 100K tokens (figures in
 /// `bench/README.md`). `blocks_log2 = 7` makes each document one window (`2^s >= 128·B`). The bins number
-/// `Σ_docs windows·B <= T/2^blocks_log2 + T/128 + docs` per head: linear in `T`.
+/// `Σ_docs windows·B <= T/2^blocks_log2 + T/128 + docs` per head: linear in `T`, unless the cap
+/// `max_window_log2` binds: windows under `B` queries number `T/2^max` and add up to
+/// `T·ceil(T/128)/2^max` bins per head, quadratic in `T` (the KV forward's L2-sized windows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Locality {
     /// Smallest window, as a power of two of queries.
     pub min_window_log2: u32,
     /// Windows hold at least `2^blocks_log2` queries per key block of the document.
     pub blocks_log2: u32,
+    /// Largest window, as a power of two of queries; [`Locality::NO_CAP`] for none. It wins
+    /// over the other two fields.
+    pub max_window_log2: u32,
 }
 
 impl Default for Locality {
@@ -89,6 +94,7 @@ impl Default for Locality {
         Locality {
             min_window_log2: 13,
             blocks_log2: 5,
+            max_window_log2: Locality::NO_CAP,
         }
     }
 }
@@ -98,6 +104,17 @@ impl Locality {
     pub const MAX_MIN_WINDOW_LOG2: u32 = 30;
     /// Largest `blocks_log2` accepted (keeps `blocks · 2^blocks_log2` below 2^31).
     pub const MAX_BLOCKS_LOG2: u32 = 7;
+    /// `max_window_log2` of no cap: no document's window reaches 2^30 queries.
+    pub const NO_CAP: u32 = 30;
+
+    /// The rule `min_window_log2, blocks_log2` without a cap.
+    pub const fn uncapped(min_window_log2: u32, blocks_log2: u32) -> Locality {
+        Locality {
+            min_window_log2,
+            blocks_log2,
+            max_window_log2: Locality::NO_CAP,
+        }
+    }
 
     /// Checks both fields against their bounds.
     pub fn validate(&self) -> Result<(), String> {
@@ -115,6 +132,14 @@ impl Locality {
                 Self::MAX_BLOCKS_LOG2
             ));
         }
+        if self.max_window_log2 > Self::NO_CAP || self.max_window_log2 < self.min_window_log2 {
+            return Err(format!(
+                "max_window_log2 = {} is outside min_window_log2 = {} ..= {}",
+                self.max_window_log2,
+                self.min_window_log2,
+                Self::NO_CAP
+            ));
+        }
         Ok(())
     }
 
@@ -122,7 +147,9 @@ impl Locality {
     pub fn window_log2(&self, num_blocks: usize) -> u32 {
         let need = (num_blocks.max(1) as u64) << self.blocks_log2;
         let ceil_log2 = u64::BITS - (need - 1).leading_zeros();
-        ceil_log2.max(self.min_window_log2)
+        ceil_log2
+            .max(self.min_window_log2)
+            .min(self.max_window_log2)
     }
 
     /// Bins of one index head for a document of `len` tokens: its windows times its blocks.
@@ -133,9 +160,22 @@ impl Locality {
     }
 
     /// An upper bound on the bins of one index head from the token and document counts alone:
-    /// `ceil(T/2^blocks_log2) + ceil(T/128) + docs`, at least 1.
+    /// `ceil(T/2^blocks_log2) + ceil(T/128) + docs`, at least 1, plus
+    /// `ceil(T·ceil(T/128)/2^max_window_log2)` under a cap (saturating).
     pub fn bins_per_head_bound(&self, num_tokens: usize, num_docs: usize) -> usize {
-        (num_tokens.div_ceil(1 << self.blocks_log2) + num_tokens.div_ceil(BLOCK_SIZE) + num_docs)
+        let blocks = num_tokens.div_ceil(BLOCK_SIZE);
+        // A document whose window the cap shortens has `ceil(L/2^max)·B <= L·B/2^max + B`
+        // bins; one it does not, `<= L/2^blocks_log2 + B`.
+        let capped = if self.max_window_log2 < Self::NO_CAP {
+            (num_tokens as u128 * blocks as u128).div_ceil(1u128 << self.max_window_log2)
+        } else {
+            0
+        };
+        let base = num_tokens.div_ceil(1 << self.blocks_log2) + blocks + num_docs;
+        usize::try_from(capped)
+            .ok()
+            .and_then(|c| c.checked_add(base))
+            .unwrap_or(usize::MAX)
             .max(1)
     }
 }

@@ -164,6 +164,8 @@ pub struct MsaForwardKv<B: Backend> {
     reference: Reference,
     /// CTAs per walk (see [`MsaForwardKv::with_walk_split`]).
     walk_split: u32,
+    /// The passes' L2 eviction hints (see [`MsaForwardKv::with_l2_hints`]).
+    l2_hints: L2Hints,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -180,6 +182,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             pool: OPool::F16,
             reference: Reference::Probe,
             walk_split: FORWARD_KV_WALK_SPLIT,
+            l2_hints: L2Hints::NONE,
             tasks: None,
             work: None,
             status_at: None,
@@ -194,6 +197,37 @@ impl<B: Backend> Default for MsaForwardKv<B> {
 /// the H200 (within its spread); 4 and 8 parts were slower on both.
 pub const FORWARD_KV_WALK_SPLIT: u32 = 2;
 
+/// The L2 eviction priorities of the KV forward's TMA traffic ([`MsaForwardKv::with_l2_hints`];
+/// none by default). The passes take them as the bits of their `l2_hints` parameter
+/// (`codegen`'s `forward_kv_sm90::L2Stream` mirrors them); an unhinted stream keeps the
+/// normal priority. K/V are read once per segment, while each query's Q and `o_pool` rows are
+/// read and added again by its other blocks' tasks within a window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct L2Hints {
+    /// The K/V loads `evict_first` (bit 0).
+    pub kv_evict_first: bool,
+    /// The Q loads `evict_last` (bit 1).
+    pub q_evict_last: bool,
+    /// The `o_pool` reduce-adds `evict_last` (bit 2).
+    pub o_evict_last: bool,
+}
+
+impl L2Hints {
+    /// No hint: every stream at the normal priority.
+    pub const NONE: L2Hints = L2Hints {
+        kv_evict_first: false,
+        q_evict_last: false,
+        o_evict_last: false,
+    };
+
+    /// The kernels' `l2_hints` word.
+    pub fn bits(self) -> u32 {
+        u32::from(self.kv_evict_first)
+            | u32::from(self.q_evict_last) << 1
+            | u32::from(self.o_evict_last) << 2
+    }
+}
+
 /// The largest [`MsaForwardKv::with_walk_split`].
 pub const MAX_WALK_SPLIT: u32 = 16;
 
@@ -204,10 +238,7 @@ pub const MAX_WALK_SPLIT: u32 = 16;
 /// (`bench/results/h200-2026-12-03-s14-forward-kv.md`, call 4) this rule took the whole
 /// forward from 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k /
 /// doc8k. `9,0` and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
-pub const FORWARD_KV_LOCALITY: Locality = Locality {
-    min_window_log2: 9,
-    blocks_log2: 2,
-};
+pub const FORWARD_KV_LOCALITY: Locality = Locality::uncapped(9, 2);
 
 /// Which forward [`MsaAttention`](crate::MsaAttention) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -335,6 +366,12 @@ impl<B: Backend> MsaForwardKv<B> {
         }
         self.walk_split = parts;
         Ok(self)
+    }
+
+    /// The same flow with the passes' L2 eviction hints `hints` (default [`L2Hints::NONE`]).
+    pub fn with_l2_hints(mut self, hints: L2Hints) -> Self {
+        self.l2_hints = hints;
+        self
     }
 
     /// The same flow with [`MsaForwardKv::run_on`]'s references from `reference` (default
@@ -767,6 +804,7 @@ impl<B: Backend> MsaForwardKv<B> {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
             ctas,
             split_log2: self.walk_split.trailing_zeros(),
+            l2_hints: self.l2_hints.bits(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
         }))
     }
@@ -802,6 +840,7 @@ impl<B: Backend> MsaForwardKv<B> {
             PtrMut::new(zero.map_or(0, |(at, _)| at)),
             zero.map_or(0, |(_, words)| words),
             launch.split_log2,
+            launch.l2_hints,
         );
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
@@ -836,6 +875,8 @@ struct PassLaunch {
     ctas: u32,
     /// log2 of the walk split.
     split_log2: u32,
+    /// [`L2Hints::bits`].
+    l2_hints: u32,
     /// `o_pool`'s address and 16-byte words, when the max pass is to zero it (then
     /// `prepare` did not).
     zero: Option<(u64, u32)>,

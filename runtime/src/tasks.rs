@@ -117,7 +117,7 @@ impl TaskBuildSizes {
             .map_err(|why| RuntimeError::input("locality", format!("{locality:?}"), why))?;
         let capacity = NUM_INDEX_HEADS * edge_capacity / QUERY_CHUNK + work_capacity;
         let bins_per_head = locality.bins_per_head_bound(num_tokens, num_docs);
-        let bins = NUM_INDEX_HEADS * bins_per_head;
+        let bins = NUM_INDEX_HEADS.saturating_mul(bins_per_head);
         // The kernels index `head·edge_capacity + edge`, `4·task`, the bins and `2·doc` in u32,
         // and store bin offsets and task indices as int32.
         let limit = u32::MAX as usize;
@@ -537,7 +537,11 @@ impl<B: Backend> TaskWorkspace<B> {
         let work_cap = u32_of("schedule.work_capacity", schedule.work_capacity)?;
         let docs = u32_of("num_docs", sz.num_docs)?;
         let per_head = u32_of("bins_per_head", sz.bins_per_head)?;
-        let (min_log2, blocks_log2) = (sz.locality.min_window_log2, sz.locality.blocks_log2);
+        let Locality {
+            min_window_log2: min_log2,
+            blocks_log2,
+            max_window_log2: max_log2,
+        } = sz.locality;
         let sms = u32_of("num_sms", sz.num_sms)?;
         let task_ctas = sz
             .capacity
@@ -592,6 +596,7 @@ impl<B: Backend> TaskWorkspace<B> {
                     docs,
                     min_log2,
                     blocks_log2,
+                    max_log2,
                     PtrMut::new(zero_halves[0].0),
                     zero_halves[0].1,
                 ),

@@ -46,13 +46,16 @@ fn locality_windows_and_the_bin_bound() {
     };
     for rule in [
         l,
+        Locality::uncapped(9, 0),
+        Locality::uncapped(0, 7),
+        // Capped windows: a window of 2^9 queries for documents of up to 2^7 blocks.
         Locality {
-            min_window_log2: 9,
-            blocks_log2: 0,
+            max_window_log2: 9,
+            ..Locality::uncapped(0, 2)
         },
         Locality {
-            min_window_log2: 0,
-            blocks_log2: 7,
+            max_window_log2: 12,
+            ..Locality::uncapped(9, 2)
         },
     ] {
         for _ in 0..2000 {
@@ -73,18 +76,20 @@ fn locality_windows_and_the_bin_bound() {
             );
         }
     }
-    assert!(Locality {
-        min_window_log2: 31,
-        blocks_log2: 0
+    assert!(Locality::uncapped(31, 0).validate().is_err());
+    assert!(Locality::uncapped(0, 8).validate().is_err());
+    for max_window_log2 in [8, 31] {
+        let e = Locality {
+            max_window_log2,
+            ..Locality::uncapped(9, 2)
+        }
+        .validate()
+        .unwrap_err();
+        assert!(
+            e.contains(&format!("max_window_log2 = {max_window_log2}")),
+            "{e}"
+        );
     }
-    .validate()
-    .is_err());
-    assert!(Locality {
-        min_window_log2: 0,
-        blocks_log2: 8
-    }
-    .validate()
-    .is_err());
     assert!(l.validate().is_ok());
 }
 

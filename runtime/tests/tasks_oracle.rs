@@ -26,10 +26,7 @@ const WINDOW_MIN: u64 = 8192;
 /// The seed's rule (512-query windows) as a `Locality`: on one document starting at token 0
 /// its windows are the seed's global ones, so the hand-worked orders below keep the seed's
 /// figures.
-const SEED_RULE: Locality = Locality {
-    min_window_log2: 9,
-    blocks_log2: 0,
-};
+const SEED_RULE: Locality = Locality::uncapped(9, 0);
 
 fn seed_tables(s: &Schedule, sms: usize, capacity: usize) -> TaskTables {
     build_task_tables_with(s, sms, capacity, SEED_RULE)

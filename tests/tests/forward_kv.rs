@@ -6,12 +6,16 @@
 //! recomputed rows (printed) but must be `Ok`; and both pools with the max pass's exact
 //! references (`Reference::ExactMax`), where no row may be recomputed, and with the probe's
 //! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute); and
-//! the defaults with each walk whole and split between 4, 8 and 16 CTAs.
+//! the defaults with each walk whole and split between 4, 8 and 16 CTAs, and with the L2
+//! hints on under windows of 8 queries and of one query per key block.
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference, FORWARD_KV_WALK_SPLIT};
+use msa_runtime::contract::Locality;
+use msa_runtime::forward_kv::{
+    L2Hints, MsaForwardKv, OPool, Reference, FORWARD_KV_LOCALITY, FORWARD_KV_WALK_SPLIT,
+};
 use msa_runtime::reference;
 use msa_runtime::{
     causal_support, workspace_layout, CudaBackend, ForwardBuffers, ResidentSchedule,
@@ -38,15 +42,37 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     for pool in [OPool::F32, OPool::F16] {
         for reference in [Reference::Bound, Reference::ExactMax, Reference::Probe] {
             let how = (pool, reference, FORWARD_KV_WALK_SPLIT);
-            run_pool(&stream, (&cu, &q2k), &p, &want, how);
+            run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
         }
     }
     // The defaults (f16 pool, probe) with the walks whole and split in 4, 8 and 16 parts.
     for split in [1, 4, 8, 16] {
         let how = (OPool::F16, Reference::Probe, split);
-        run_pool(&stream, (&cu, &q2k), &p, &want, how);
+        run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
+    }
+    // The defaults with the L2 hints: all under windows of 8 queries, K/V's alone under
+    // windows of one query per key block.
+    let all = L2Hints {
+        kv_evict_first: true,
+        q_evict_last: true,
+        o_evict_last: true,
+    };
+    let kv = L2Hints {
+        kv_evict_first: true,
+        ..L2Hints::NONE
+    };
+    let eight = Locality {
+        max_window_log2: 3,
+        ..Locality::uncapped(0, 2)
+    };
+    for order in [(eight, all), (Locality::uncapped(9, 0), kv)] {
+        let how = (OPool::F16, Reference::Probe, FORWARD_KV_WALK_SPLIT);
+        run_pool(&stream, (&cu, &q2k), &p, &want, how, order);
     }
 }
+
+/// The default task order and no L2 hint.
+const ORDER: (Locality, L2Hints) = (FORWARD_KV_LOCALITY, L2Hints::NONE);
 
 /// `MsaForwardKv::run_on` with `pool`, `reference` and `split` CTAs per walk on the problem
 /// `p` (documents `cu`, selection `q2k`), against its reference `want`.
@@ -56,6 +82,7 @@ fn run_pool(
     p: &Problem,
     want: &reference::Forward,
     (pool, refs, split): (OPool, Reference, u32),
+    (locality, hints): (Locality, L2Hints),
 ) {
     let name = p.name;
     let t = *cu.last().unwrap() as usize;
@@ -93,12 +120,16 @@ fn run_pool(
         .with_o_pool(pool)
         .with_reference(refs)
         .with_walk_split(split)
-        .unwrap();
+        .unwrap()
+        .with_locality(locality)
+        .unwrap()
+        .with_l2_hints(hints);
+    let how = format!("{pool:?} pool, {refs:?}, split {split}, {locality:?}, {hints:?}");
     fwd.run_on(&mut backend, &io, &schedule).unwrap();
     schedule.status(&mut backend).unwrap();
     let recomputed = fwd
         .status(&mut backend)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}, split {split}): {e}"));
+        .unwrap_or_else(|e| panic!("{name} ({how}): {e}"));
     if pool == OPool::F32 || refs == Reference::ExactMax {
         assert_eq!(
             recomputed, 0,
@@ -109,11 +140,8 @@ fn run_pool(
     let out = to_f32(&stream.clone_dtoh(&out).unwrap());
     let lse = stream.clone_dtoh(&lse).unwrap();
     let line = compare_forward("KV forward", &out, &lse, &want.out, &want.lse)
-        .unwrap_or_else(|e| panic!("{name} ({pool:?} pool, {refs:?}, split {split}): {e}"));
-    println!(
-        "{name} (KV forward, {pool:?} pool, {refs:?}, split {split}, {recomputed} rows \
-         recomputed): {line}"
-    );
+        .unwrap_or_else(|e| panic!("{name} ({how}): {e}"));
+    println!("{name} (KV forward, {how}, {recomputed} rows recomputed): {line}");
 }
 
 #[test]

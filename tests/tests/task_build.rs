@@ -126,10 +126,7 @@ fn locality_bins_grow_linearly_up_to_a_million_tokens() {
     assert_eq!(z.bins, 4 * ((1 << 15) + (1 << 13) + 1));
     // The document's exact bins: windows of 2^18 queries (32·8192 blocks), 4 of them.
     assert_eq!(z.locality.document_bins(t as usize), 4 * 8192);
-    let bad = contract::Locality {
-        min_window_log2: 13,
-        blocks_log2: 8,
-    };
+    let bad = contract::Locality::uncapped(13, 8);
     match TaskBuildSizes::with_locality(&s, 132, bad) {
         Err(RuntimeError::Input {
             field,
@@ -270,11 +267,17 @@ fn device_tables_equal_the_oracle_on_documents() {
     let s = build_schedule(&q2k, &cu, 32).unwrap();
     check_device_build(&stream, "random top-16", &s, real_sms, None);
     // Windows smaller than these documents: several per document, per-document bin bases.
-    for (min_window_log2, blocks_log2) in [(9, 0), (7, 0), (0, 0), (0, 2)] {
-        let rule = Locality {
-            min_window_log2,
-            blocks_log2,
-        };
+    // Capped rules: windows under one query per block of the document (the KV forward's
+    // L2-sized windows), many bins per task.
+    let capped = |min, blocks, max| Locality {
+        max_window_log2: max,
+        ..Locality::uncapped(min, blocks)
+    };
+    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)]
+        .map(|(min, blocks)| Locality::uncapped(min, blocks))
+        .into_iter()
+        .chain([capped(0, 2, 5), capped(3, 0, 3), capped(7, 2, 7)]);
+    for rule in rules {
         check_device_build_with(
             &stream,
             &format!("random top-16, {rule:?}"),

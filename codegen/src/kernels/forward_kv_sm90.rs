@@ -291,32 +291,53 @@ pub fn kv_pipeline(pass: Pass) -> Pipeline {
 /// V and the O staging holds them.
 pub const MAX_PASS_STAGES: u32 = 4;
 
-/// The L2 eviction priorities of the KV-parallel passes' TMA traffic, `None` for the default
-/// (no hint): K/V are read once per segment, while each query's Q and `o_pool` rows are read
-/// and added again by its other selected blocks' tasks, within a window.
+/// A stream of the KV-parallel passes' TMA traffic whose L2 eviction priority the `l2_hints`
+/// parameter sets, one bit each (the runtime's `L2Hints` mirrors the bits). K/V are read once
+/// per segment, while each query's Q and `o_pool` rows are read and added again by its other
+/// selected blocks' tasks within a window: past 64K tokens a window's rows outgrow L2
+/// (session 23: 432 / 254 / 191 useful TFLOP/s at doc64k / doc256k / doc1m on an H100), and
+/// the hints keep them there at the K/V's expense.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct L2Hints {
-    /// The K/V loads.
-    pub kv: Option<L2Evict>,
-    /// The Q loads.
-    pub q: Option<L2Evict>,
-    /// The `o_pool` reduce-adds.
-    pub o: Option<L2Evict>,
+pub enum L2Stream {
+    /// The K/V loads: `evict_first` when hinted.
+    Kv,
+    /// The Q loads: `evict_last` when hinted.
+    Q,
+    /// The `o_pool` reduce-adds: `evict_last` when hinted.
+    O,
 }
 
-/// The hints the passes use: none, so far. Past 64K tokens a window's Q and `o_pool` rows
-/// outgrow L2 (session 23: 432 / 254 / 191 useful TFLOP/s at doc64k / doc256k / doc1m on an
-/// H100). Hinted builds passed the simulator but are not yet timed
-/// (`bench/results/h100-2026-12-07-s23-forward-long.md`).
-pub const L2_HINTS: L2Hints = L2Hints {
-    kv: None,
-    q: None,
-    o: None,
-};
+impl L2Stream {
+    /// Every stream, in bit order.
+    pub const ALL: [L2Stream; 3] = [L2Stream::Kv, L2Stream::Q, L2Stream::O];
 
-/// The policy register of `evict`, created once per thread that issues.
-fn l2_policy(b: &mut KernelBuilder, evict: Option<L2Evict>) -> Option<Reg<B64>> {
-    evict.map(|e| b.policy_fractional(e, 1.0))
+    /// The stream's bit of `l2_hints`.
+    pub fn bit(self) -> u32 {
+        match self {
+            L2Stream::Kv => 1,
+            L2Stream::Q => 2,
+            L2Stream::O => 4,
+        }
+    }
+
+    /// The priority its bit asks for.
+    pub fn hinted(self) -> L2Evict {
+        match self {
+            L2Stream::Kv => L2Evict::First,
+            L2Stream::Q | L2Stream::O => L2Evict::Last,
+        }
+    }
+}
+
+/// The policy register of `stream` under the `l2_hints` word `hints`: its hinted priority
+/// where its bit is set, else `evict_normal` (the priority of an unhinted access). Created
+/// once per thread that issues.
+fn l2_policy(b: &mut KernelBuilder, hints: Reg<U32>, stream: L2Stream) -> Reg<B64> {
+    let bit = b.and(hints, stream.bit());
+    let on = b.setp(Cmp::Ne, bit, 0u32);
+    let hinted = b.policy_fractional(stream.hinted(), 1.0);
+    let normal = b.policy_fractional(L2Evict::Normal, 1.0);
+    b.selp(hinted, normal, on)
 }
 
 /// Q: two stages ([`MAX_PASS_STAGES`] in the max pass) of 8 slots × 2 d-halves of 16 heads ×
@@ -425,6 +446,8 @@ pub struct ForwardKvParams {
     /// Each CTA walk is split in `2^walk_split_log2` parts, one per CTA, and the grid is
     /// launched that many times over ([`common::cta_walk_part`]).
     pub walk_split_log2: ParamRef<U32>,
+    /// The L2 eviction hints, a bit per [`L2Stream`]; 0 for none.
+    pub l2_hints: ParamRef<U32>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -444,6 +467,7 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         zero: b.param_ptr("zero", HostElem::U32, true),
         zero_words: b.param_u32("zero_words"),
         walk_split_log2: b.param_u32("walk_split_log2"),
+        l2_hints: b.param_u32("l2_hints"),
     }
 }
 
@@ -583,8 +607,9 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tk = b.tensor_map_addr(&p.tmap_k);
     let tv = r.v.map(|_| b.tensor_map_addr(&p.tmap_v));
-    let kv_policy = l2_policy(b, L2_HINTS.kv);
-    let q_policy = l2_policy(b, L2_HINTS.q);
+    let hints = b.ld_param(&p.l2_hints);
+    let kv_policy = Some(l2_policy(b, hints, L2Stream::Kv));
+    let q_policy = Some(l2_policy(b, hints, L2Stream::Q));
     let prev = b.mov::<U32>(u32::MAX);
     let segments = b.mov::<U32>(0u32);
     let tasks = b.mov::<U32>(0u32);
@@ -1195,7 +1220,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let o_lane = OStageLane::new(b, lane, &stage);
     // The f16 staging's stmatrix addresses, once: ptxas recomputed them every task.
     let o_rows = (pool == OPool::F16).then(|| common::stage_rows_at(b, stage, lane));
-    let o_policy = l2_policy(b, L2_HINTS.o);
+    let hints = b.ld_param(&p.l2_hints);
+    let o_policy = Some(l2_policy(b, hints, L2Stream::O));
     // Whether to compute the row maxima: unless m_pool is null (the max pass has filled
     // it). Uniform over the CTA.
     let raw = b.ld_param(&p.m_pool);
@@ -1438,6 +1464,37 @@ mod tests {
         let f32_pass = DESC.build(Target::Sm90a).unwrap();
         for desc in [DESC_F16, DESC_MAX] {
             assert_eq!(f32_pass.params, desc.build(Target::Sm90a).unwrap().params);
+        }
+    }
+
+    #[test]
+    fn every_tma_transfer_takes_its_streams_policy_selected_by_its_bit() {
+        // Per pass: (K/V loads, Q loads, o_pool reduce-adds) each with a hinted and a normal
+        // policy, and no TMA transfer without one (an unhinted transfer would ignore the bit).
+        for (desc, streams) in [(DESC_F16, 3), (DESC, 3), (DESC_MAX, 2)] {
+            let text = crate::ptx::print::body(&desc.build(Target::Sm90a).unwrap());
+            let count = |what: &str| text.lines().filter(|l| l.contains(what)).count();
+            let policy = |kind: &str| count(&format!("createpolicy.fractional.L2::{kind}."));
+            assert_eq!(policy("evict_first"), 1, "{}: K/V", desc.name);
+            assert_eq!(policy("evict_last"), streams - 1, "{}: Q, o", desc.name);
+            assert_eq!(policy("evict_normal"), streams, "{}", desc.name);
+            assert_eq!(count("selp.b64"), streams, "{}", desc.name);
+            for bit in L2Stream::ALL.map(L2Stream::bit).iter().take(streams) {
+                assert!(
+                    text.lines().any(|l| l.trim().starts_with("and.b32")
+                        && l.trim_end().ends_with(&format!(", {bit};"))),
+                    "{}: bit {bit}",
+                    desc.name
+                );
+            }
+            let tma = text.lines().filter(|l| l.contains("bulk.tensor"));
+            assert!(
+                tma.clone().all(|l| l.contains(".L2::cache_hint")),
+                "{}",
+                desc.name
+            );
+            assert!(tma.count() > 0);
+            assert_eq!(count("[l2_hints]"), if streams == 3 { 2 } else { 1 });
         }
     }
 

@@ -113,6 +113,7 @@ fn scan_work(b: &mut KernelBuilder) {
     let docs_p = b.param_u32("num_docs");
     let min_log2_p = b.param_u32("min_window_log2");
     let blocks_log2_p = b.param_u32("blocks_log2");
+    let max_log2_p = b.param_u32("max_window_log2");
     let zero_p = b.param_ptr("zero", HostElem::U32, true);
     let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
@@ -165,8 +166,9 @@ fn scan_work(b: &mut KernelBuilder) {
     let num_docs = b.ld_param(&docs_p);
     let min_log2 = b.ld_param(&min_log2_p);
     let blocks_log2 = b.ld_param(&blocks_log2_p);
+    let max_log2 = b.ld_param(&max_log2_p);
     // The block, window and bin counts of document `d`; the shift is
-    // max(min_log2, ceil(log2(blocks << blocks_log2))).
+    // min(max(min_log2, ceil(log2(blocks << blocks_log2))), max_log2).
     let doc_bins = |b: &mut KernelBuilder, d: Reg<U32>| {
         let start = load_u32(b, cu, d);
         let d1 = b.add(d, 1u32);
@@ -177,6 +179,7 @@ fn scan_work(b: &mut KernelBuilder) {
         let need = b.shl(one, blocks_log2);
         let shift = common::ceil_log2(b, need);
         let shift = b.max(shift, min_log2);
+        let shift = b.min(shift, max_log2);
         let window = b.mov::<U32>(1u32);
         let window = b.shl(window, shift);
         let wins = div_ceil(b, len, window);

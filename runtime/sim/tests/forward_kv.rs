@@ -5,8 +5,10 @@
 //! 1e-3 max-abs, empty rows `out = 0`, `lse = −∞`. No GPU.
 
 use half::bf16;
+use msa_runtime::contract::Locality;
 use msa_runtime::forward_kv::{
-    combine_row, ForwardKvBuffers, MsaForwardKv, OPool, OPoolSpan, Reference, FORWARD_KV_WALK_SPLIT,
+    combine_row, ForwardKvBuffers, L2Hints, MsaForwardKv, OPool, OPoolSpan, Reference,
+    FORWARD_KV_WALK_SPLIT,
 };
 use msa_runtime::reference;
 use msa_runtime::{causal_support, Span};
@@ -459,6 +461,51 @@ fn f16_pool_device_flow_matches_the_reference() {
     let q2k = causal_support(&cu).unwrap();
     let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 25));
     assert_eq!(check_f16("causal support", &cu, &q2k, &inp), 0);
+}
+
+#[test]
+fn l2_hints_and_windows_under_one_query_per_block_match_the_reference() {
+    // Every L2 hint on (the policies selected at run time) and windows of 8 and 32 queries,
+    // fewer than the 300-token document's blocks × 4: many windows, each block in several.
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(23);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 24));
+    let all = L2Hints {
+        kv_evict_first: true,
+        q_evict_last: true,
+        o_evict_last: true,
+    };
+    let kv = L2Hints {
+        kv_evict_first: true,
+        ..L2Hints::NONE
+    };
+    for (max_window_log2, hints) in [(3, all), (5, kv)] {
+        let how = (OPool::F16, Reference::Probe);
+        let rule = Locality {
+            max_window_log2,
+            ..Locality::uncapped(0, 2)
+        };
+        let mut fwd = flow(how).with_locality(rule).unwrap().with_l2_hints(hints);
+        let mut dev = SimDevice::new(Arch::Sm90, 132);
+        let what = format!("{rule:?}, {hints:?}");
+        let (out, lse, verdict) = run_device_on(
+            &mut dev,
+            &mut fwd,
+            &cu,
+            &q2k,
+            (&inp.q, &inp.ka, &inp.va),
+            how,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
+            0,
+            "{what}"
+        );
+        let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("{what}: {stats}");
+    }
 }
 
 #[test]

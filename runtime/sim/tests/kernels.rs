@@ -338,11 +338,17 @@ fn task_build_matches_the_oracle_with_several_windows_per_document() {
     // seed's 512 queries, 128 queries, and one query per block of the document) exercise
     // the per-document window shifts and bin bases, including empty and one-token documents.
     let s = causal(&[1500, 0, 700, 1, 300, 129]);
-    for (min_window_log2, blocks_log2) in [(9, 0), (7, 0), (0, 0), (0, 2)] {
-        let rule = Locality {
-            min_window_log2,
-            blocks_log2,
-        };
+    // Capped rules: windows under one query per block of the document (the KV forward's
+    // L2-sized windows), many bins per task.
+    let capped = |min, blocks, max| Locality {
+        max_window_log2: max,
+        ..Locality::uncapped(min, blocks)
+    };
+    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)]
+        .map(|(min, blocks)| Locality::uncapped(min, blocks))
+        .into_iter()
+        .chain([capped(0, 2, 5), capped(3, 0, 3), capped(7, 2, 7)]);
+    for rule in rules {
         check_task_build_with(
             &format!("docs (1500,0,700,1,300,129), {rule:?}"),
             &s,

@@ -16,6 +16,9 @@ pub enum L2Evict {
     First,
     /// Evicted after normal lines: data read or added again soon.
     Last,
+    /// The priority of an access without a hint: a policy that selects between a hint and
+    /// none at run time.
+    Normal,
 }
 
 impl KernelBuilder {
@@ -267,6 +270,7 @@ impl KernelBuilder {
         let kind = match evict {
             L2Evict::First => "evict_first",
             L2Evict::Last => "evict_last",
+            L2Evict::Normal => "evict_normal",
         };
         self.inst(
             format!("createpolicy.fractional.L2::{kind}.L2::evict_unchanged.b64"),
@@ -293,6 +297,7 @@ mod tests {
         let c = b.mov::<S32>(0i32);
         let first = b.policy_fractional(L2Evict::First, 1.0);
         let last = b.policy_fractional(L2Evict::Last, 0.5);
+        b.policy_fractional(L2Evict::Normal, 1.0);
         let (dst, bar) = (shared(base, 0), shared(base, 1024));
         b.tma_load_3d(&dst, map, [c, c, c], &bar);
         b.tma_load_3d_hinted(&dst, map, [c, c, c], &bar, Some(first));
@@ -318,6 +323,10 @@ mod tests {
         );
         assert!(
             has("createpolicy.fractional.L2::evict_last.", ", 0f3F000000;"),
+            "{text}"
+        );
+        assert!(
+            has("createpolicy.fractional.L2::evict_normal.", ", 0f3F800000;"),
             "{text}"
         );
         assert!(has("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [", "];"), "{text}");
