@@ -164,8 +164,9 @@ pub struct MsaForwardKv<B: Backend> {
     reference: Reference,
     /// CTAs per walk (see [`MsaForwardKv::with_walk_split`]).
     walk_split: u32,
-    /// The passes' L2 eviction hints (see [`MsaForwardKv::with_l2_hints`]).
-    l2_hints: L2Hints,
+    /// The passes' L2 eviction hints (see [`MsaForwardKv::with_l2_hints`]); `None` for
+    /// [`L2Hints::auto`] per call.
+    l2_hints: Option<L2Hints>,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -182,7 +183,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             pool: OPool::F16,
             reference: Reference::Probe,
             walk_split: FORWARD_KV_WALK_SPLIT,
-            l2_hints: L2Hints::NONE,
+            l2_hints: None,
             tasks: None,
             work: None,
             status_at: None,
@@ -198,7 +199,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
 pub const FORWARD_KV_WALK_SPLIT: u32 = 2;
 
 /// The L2 eviction priorities of the KV forward's TMA traffic ([`MsaForwardKv::with_l2_hints`];
-/// none by default). The passes take them as the bits of their `l2_hints` parameter
+/// [`L2Hints::auto`] by default). The passes take them as the bits of their `l2_hints` parameter
 /// (`codegen`'s `forward_kv_sm90::L2Stream` mirrors them); an unhinted stream keeps the
 /// normal priority. K/V are read once per segment, while each query's Q and `o_pool` rows are
 /// read and added again by its other blocks' tasks within a window.
@@ -220,6 +221,22 @@ impl L2Hints {
         o_evict_last: false,
     };
 
+    /// The default hints of a call on `num_tokens` tokens in `num_docs` documents: K/V
+    /// `evict_first` where the documents hold [`L2_HINTS_MIN_MEAN_DOC`] tokens or more on
+    /// average, none below. On an H100 (`bench/results/h100-2026-12-07-s24-forward-long.md`),
+    /// under the same windows, the hint took the KV forward from 306 to 332 useful TFLOP/s at
+    /// doc256k and from 203 to 221 at doc1m, +1-2 % at doc64k, and −1.5 to −2 % at packed64k,
+    /// whose documents are short. Q and `o_pool` `evict_last` besides added 2-4 % past 128K
+    /// tokens and nothing at packed64k under the default windows, but 14 % less there under
+    /// windows of one query per key block (one run): lines kept for windows already done may
+    /// crowd the L2, so they stay off.
+    pub fn auto(num_tokens: usize, num_docs: usize) -> L2Hints {
+        L2Hints {
+            kv_evict_first: num_tokens / num_docs.max(1) >= L2_HINTS_MIN_MEAN_DOC,
+            ..L2Hints::NONE
+        }
+    }
+
     /// The kernels' `l2_hints` word.
     pub fn bits(self) -> u32 {
         u32::from(self.kv_evict_first)
@@ -227,6 +244,11 @@ impl L2Hints {
             | u32::from(self.o_evict_last) << 2
     }
 }
+
+/// The mean document length (tokens) from which [`L2Hints::auto`] marks the K/V loads
+/// `evict_first`: 1024 key blocks, past which [`FORWARD_KV_LOCALITY`]'s windows hold more Q and
+/// `o_pool` rows than L2 keeps beside the streamed K/V.
+pub const L2_HINTS_MIN_MEAN_DOC: usize = 1 << 17;
 
 /// The largest [`MsaForwardKv::with_walk_split`].
 pub const MAX_WALK_SPLIT: u32 = 16;
@@ -238,7 +260,17 @@ pub const MAX_WALK_SPLIT: u32 = 16;
 /// (`bench/results/h200-2026-12-03-s14-forward-kv.md`, call 4) this rule took the whole
 /// forward from 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k /
 /// doc8k. `9,0` and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
-pub const FORWARD_KV_LOCALITY: Locality = Locality::uncapped(9, 2);
+///
+/// The cap of 4096 queries (session 24): past 128K tokens `4·B` queries hold more rows than L2
+/// (8 KB of Q and f16 `o_pool` per query and index head: 64 MB at doc256k, 256 MB at
+/// doc1m); windows of 2^12 with [`L2Hints::auto`]'s K/V hint took the KV forward from 252 to
+/// 319 useful TFLOP/s at doc256k and from 190 to 223 at doc1m on an H100
+/// (`bench/results/h100-2026-12-07-s24-forward-long.md`). Documents of up to 128K tokens keep
+/// their windows. The bins then grow as `T²/2^19` per index head (2.1 M at 1M tokens, 8.4 M in all).
+pub const FORWARD_KV_LOCALITY: Locality = Locality {
+    max_window_log2: 12,
+    ..Locality::uncapped(9, 2)
+};
 
 /// Which forward [`MsaAttention`](crate::MsaAttention) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -368,9 +400,10 @@ impl<B: Backend> MsaForwardKv<B> {
         Ok(self)
     }
 
-    /// The same flow with the passes' L2 eviction hints `hints` (default [`L2Hints::NONE`]).
+    /// The same flow with the passes' L2 eviction hints `hints` on every call (default
+    /// [`L2Hints::auto`] of each call's token and document counts).
     pub fn with_l2_hints(mut self, hints: L2Hints) -> Self {
-        self.l2_hints = hints;
+        self.l2_hints = Some(hints);
         self
     }
 
@@ -804,7 +837,10 @@ impl<B: Backend> MsaForwardKv<B> {
             maps: [tmap_q, tmap_k, tmap_v, tmap_o],
             ctas,
             split_log2: self.walk_split.trailing_zeros(),
-            l2_hints: self.l2_hints.bits(),
+            l2_hints: self
+                .l2_hints
+                .unwrap_or_else(|| L2Hints::auto(z.num_tokens, z.num_documents))
+                .bits(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
         }))
     }
@@ -1025,6 +1061,43 @@ mod tests {
             e.contains("forward_algorithm") && e.contains("deterministic"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn auto_hints_mark_kv_evict_first_only_for_long_documents_on_average() {
+        let long = L2Hints::auto(2 * L2_HINTS_MIN_MEAN_DOC, 2);
+        assert_eq!(long.bits(), 1, "K/V evict_first alone");
+        assert_eq!(
+            L2Hints::auto(2 * L2_HINTS_MIN_MEAN_DOC - 1, 2),
+            L2Hints::NONE
+        );
+        // 30 documents of 35K tokens (packed1m): none; no document: as one.
+        assert_eq!(L2Hints::auto(1 << 20, 30), L2Hints::NONE);
+        assert_eq!(L2Hints::auto(L2_HINTS_MIN_MEAN_DOC, 0), long);
+        assert_eq!(L2Hints::auto(usize::MAX, usize::MAX), L2Hints::NONE);
+        let all = L2Hints {
+            kv_evict_first: true,
+            q_evict_last: true,
+            o_evict_last: true,
+        };
+        assert_eq!((L2Hints::NONE.bits(), all.bits()), (0, 7));
+    }
+
+    #[test]
+    fn the_default_windows_are_capped_only_past_128k_tokens() {
+        let l = FORWARD_KV_LOCALITY;
+        assert!(l.validate().is_ok());
+        // 4 queries per block up to 1024 blocks, then 4096 queries.
+        for (blocks, log2) in [
+            (1, 9),
+            (128, 9),
+            (512, 11),
+            (1024, 12),
+            (2048, 12),
+            (8192, 12),
+        ] {
+            assert_eq!(l.window_log2(blocks), log2, "{blocks} blocks");
+        }
     }
 
     fn key(x: f32) -> u32 {

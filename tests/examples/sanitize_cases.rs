@@ -14,8 +14,8 @@
 //! with the reference's compact dK/dV), and the forward (`run_forward` on the same device
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
 //! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
-//! the max pass's exact references, then both with the probe's) on that forward's schedule,
-//! checked the same way. Every sm_90a kernel of the runtime runs at least once.
+//! the max pass's exact references, then both with the probe's, then the f16 one with every
+//! L2 hint on under 32-query windows) on that forward's schedule, checked the same way. Every sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in
@@ -28,8 +28,9 @@
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
+use msa_runtime::contract::Locality;
 use msa_runtime::contract::NUM_KV_HEADS;
-use msa_runtime::forward_kv::{MsaForwardKv, OPool, Reference};
+use msa_runtime::forward_kv::{L2Hints, MsaForwardKv, OPool, Reference, FORWARD_KV_LOCALITY};
 use msa_runtime::reference::{self, DK_TOLERANCE, DV_TOLERANCE};
 use msa_runtime::{
     from_aligned, run_backward, run_forward, to_aligned, CudaBackend, ForwardBuffers, MsaBackward,
@@ -209,23 +210,42 @@ fn device_path(
     let mut backend = CudaBackend::new(stream).map_err(e)?;
     // Both o_pool types (the f16 one runs its own pass and combine kernels), the exact
     // references (the max pass and fwd_kv_reference) and the probe's (the default).
+    // Last, the defaults with every L2 hint on and windows of 32 queries (capped under one
+    // query per key block: many bins).
+    let all = L2Hints {
+        kv_evict_first: true,
+        q_evict_last: true,
+        o_evict_last: true,
+    };
+    let small = Locality {
+        max_window_log2: 5,
+        ..Locality::uncapped(0, 2)
+    };
+    let plain = (FORWARD_KV_LOCALITY, L2Hints::NONE);
     let ways = [
-        (OPool::F32, Reference::Bound),
-        (OPool::F16, Reference::Bound),
-        (OPool::F16, Reference::ExactMax),
-        (OPool::F16, Reference::Probe),
-        (OPool::F32, Reference::Probe),
+        (OPool::F32, Reference::Bound, plain),
+        (OPool::F16, Reference::Bound, plain),
+        (OPool::F16, Reference::ExactMax, plain),
+        (OPool::F16, Reference::Probe, plain),
+        (OPool::F32, Reference::Probe, plain),
+        (OPool::F16, Reference::Probe, (small, all)),
     ];
-    for (pool, refs) in ways {
-        let mut kv = MsaForwardKv::new().with_o_pool(pool).with_reference(refs);
+    for (pool, refs, (locality, hints)) in ways {
+        let mut kv = MsaForwardKv::new()
+            .with_o_pool(pool)
+            .with_reference(refs)
+            .with_locality(locality)
+            .map_err(e)?
+            .with_l2_hints(hints);
         kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
         let recomputed = kv.status(&mut backend).map_err(e)?;
         let out = f32s(&out_kv)?;
         let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
         let line = compare_forward("MsaForwardKv", &out, &lse, &want, &p.lse)
-            .map_err(|x| format!("{} ({pool:?} pool, {refs:?}): {x}", p.name))?;
+            .map_err(|x| format!("{} ({pool:?} pool, {refs:?}, {hints:?}): {x}", p.name))?;
         lines.push(format!(
-            "{} (MsaForwardKv, {pool:?} pool, {refs:?}) {line}; {recomputed} rows recomputed",
+            "{} (MsaForwardKv, {pool:?} pool, {refs:?}, {hints:?}) {line}; {recomputed} rows \
+             recomputed",
             p.name
         ));
     }

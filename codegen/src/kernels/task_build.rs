@@ -78,10 +78,15 @@ pub const SCATTER_TABLES: KernelDesc = KernelDesc {
 };
 
 /// The scans' spare CTAs: the scan runs on CTA 0 alone, and CTAs `1..` zero `zero_words`
-/// 16-byte words at `zero` (null: none) with a grid stride meanwhile, then return. A buffer
-/// the next kernels accumulate into (the KV forward's `o_pool`) is zeroed on SMs the scan
-/// leaves idle, where a memset or a later kernel would take them from other work.
-fn spare_ctas_zero(b: &mut KernelBuilder, zero_p: &ParamRef<U64>, words_p: &ParamRef<U32>) {
+/// 16-byte words at `zero` (null: none) with a grid stride meanwhile, run `then`, and return.
+/// A buffer the next kernels accumulate into (the KV forward's `o_pool`) is zeroed on SMs the
+/// scan leaves idle, where a memset or a later kernel would take them from other work.
+fn spare_ctas_zero(
+    b: &mut KernelBuilder,
+    zero_p: &ParamRef<U64>,
+    words_p: &ParamRef<U32>,
+    then: impl FnOnce(&mut KernelBuilder),
+) {
     let cta = b.sreg(SReg::CtaidX);
     let spare = b.setp(Cmp::Ne, cta, 0u32);
     b.if_then(spare, "spare_cta", |b| {
@@ -93,7 +98,32 @@ fn spare_ctas_zero(b: &mut KernelBuilder, zero_p: &ParamRef<U64>, words_p: &Para
             let helpers = b.sub(ctas, 1u32);
             (first, b.mul_lo(helpers, SCAN_THREADS))
         });
+        then(b);
         b.ret();
+    });
+}
+
+/// Every CTA of the grid clears its grid-stride share of the bins: count 0, first
+/// `INT32_MAX`, last −1. Capped windows (`Locality::max_window_log2`) make millions of bins,
+/// which one CTA would clear for milliseconds.
+fn clear_bins(
+    b: &mut KernelBuilder,
+    (count_p, first_p, last_p): (&ParamRef<U64>, &ParamRef<U64>, &ParamRef<U64>),
+    bins_p: &ParamRef<U32>,
+) {
+    let count = b.ld_param_ptr(count_p);
+    let first = b.ld_param_ptr(first_p);
+    let last = b.ld_param_ptr(last_p);
+    let bins = b.ld_param(bins_p);
+    let cta = b.sreg(SReg::CtaidX);
+    let ctas = b.sreg(SReg::NctaidX);
+    let tid = b.sreg(SReg::TidX);
+    let start = b.mad_lo(cta, SCAN_THREADS, tid);
+    let stride = b.mul_lo(ctas, SCAN_THREADS);
+    b.for_range(start, bins, stride, "clear_bins", |b, i| {
+        store_u32(b, count, i, 0u32);
+        store_u32(b, first, i, i32::MAX as u32);
+        store_u32(b, last, i, u32::MAX);
     });
 }
 
@@ -117,14 +147,16 @@ fn scan_work(b: &mut KernelBuilder) {
     let zero_p = b.param_ptr("zero", HostElem::U32, true);
     let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
-    spare_ctas_zero(b, &zero_p, &zero_words_p);
+    let bin_arrays = (&count_p, &first_p, &last_p);
+    spare_ctas_zero(b, &zero_p, &zero_words_p, |b| {
+        clear_bins(b, bin_arrays, &bins_p)
+    });
 
     let metadata = b.ld_param_ptr(&metadata_p);
     let work_count = b.ld_param_ptr(&work_count_p);
     let desc = b.ld_param_ptr(&desc_p);
     let task_ends = b.ld_param_ptr(&task_ends_p);
     let cap = b.ld_param(&cap_p);
-    let bins = b.ld_param(&bins_p);
     let tid = b.sreg(SReg::TidX);
 
     b.comment("num_work = clamp(work_count, 0, work_capacity)");
@@ -206,15 +238,8 @@ fn scan_work(b: &mut KernelBuilder) {
         store_u32(b, windows, at, doc_total);
     });
 
-    b.comment("clear the bins: count 0, first INT32_MAX, last -1");
-    let count = b.ld_param_ptr(&count_p);
-    let first = b.ld_param_ptr(&first_p);
-    let last = b.ld_param_ptr(&last_p);
-    b.for_range(tid, bins, SCAN_THREADS, "clear_bins", |b, i| {
-        store_u32(b, count, i, 0u32);
-        store_u32(b, first, i, i32::MAX as u32);
-        store_u32(b, last, i, u32::MAX);
-    });
+    b.comment("clear CTA 0's share of the bins: count 0, first INT32_MAX, last -1");
+    clear_bins(b, bin_arrays, &bins_p);
     b.ret();
 }
 
@@ -379,7 +404,7 @@ fn scan_bins(b: &mut KernelBuilder) {
     let zero_p = b.param_ptr("zero", HostElem::U32, true);
     let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
-    spare_ctas_zero(b, &zero_p, &zero_words_p);
+    spare_ctas_zero(b, &zero_p, &zero_words_p, |_| {});
 
     let count = b.ld_param_ptr(&count_p);
     let first = b.ld_param_ptr(&first_p);
@@ -388,34 +413,41 @@ fn scan_bins(b: &mut KernelBuilder) {
     let desc = b.ld_param_ptr(&desc_p);
     let bins = b.ld_param(&bins_p);
     let tid = b.sreg(SReg::TidX);
+    // Branch-free loads (the index clamped into the bins, bins >= 1), so that a tile's loads
+    // issue together: behind per-bin branches each waited for the one before, and a scan of
+    // millions of bins (capped windows) took milliseconds.
+    let last_bin = b.sub(bins, 1u32);
+    let split_any = b.mov::<U32>(0u32);
     tiled_scan(
         b,
         bins,
         tid,
         &warp_totals,
         |b, i, live| {
-            load_if(b, live, |b| {
-                let c = load_u32(b, count, i);
-                // A segment whose tasks are not one run in forward order cannot be placed
-                // by `offset + (task - first)`: flag it, and the tables keep source order.
-                let nonempty = b.setp(Cmp::Gt, c, 0u32);
-                b.if_then(nonempty, "contiguous", |b| {
-                    let f = load_u32(b, first, i);
-                    let l = load_u32(b, last, i);
-                    let span = b.sub(l, f);
-                    let span = b.add(span, 1u32);
-                    let split = b.setp(Cmp::Ne, span, c);
-                    b.if_then(split, "flag", |b| {
-                        b.red::<U32, _>(AtomOp::Or, &global(desc, 28), FLAG_NONCONTIGUOUS_SEGMENTS);
-                    });
-                });
-                c
-            })
+            let at = b.min(i, last_bin);
+            let c = load_u32(b, count, at);
+            let f = load_u32(b, first, at);
+            let l = load_u32(b, last, at);
+            let c = b.selp(c, 0u32, live);
+            // A segment whose tasks are not one run in forward order cannot be placed by
+            // `offset + (task - first)`: flag it (below), and the tables keep source order.
+            let span = b.sub(l, f);
+            let span = b.add(span, 1u32);
+            let differs = b.xor(span, c);
+            let nonempty = b.setp(Cmp::Gt, c, 0u32);
+            let differs = b.selp(differs, 0u32, nonempty);
+            let any = b.or(split_any, differs);
+            b.set(split_any, any);
+            c
         },
         |b, i, live, before, _| {
             b.if_then(live, "store_offset", |b| store_u32(b, offset, i, before));
         },
     );
+    let flag = b.setp(Cmp::Ne, split_any, 0u32);
+    b.if_then(flag, "flag", |b| {
+        b.red::<U32, _>(AtomOp::Or, &global(desc, 28), FLAG_NONCONTIGUOUS_SEGMENTS);
+    });
     b.ret();
 }
 
