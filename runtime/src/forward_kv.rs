@@ -224,12 +224,10 @@ impl L2Hints {
     /// The default hints of a call on `num_tokens` tokens in `num_docs` documents: K/V
     /// `evict_first` where the documents hold [`L2_HINTS_MIN_MEAN_DOC`] tokens or more on
     /// average, none below. On an H100 (`bench/results/h100-2026-12-07-s24-forward-long.md`),
-    /// under the same windows, the hint took the KV forward from 306 to 332 useful TFLOP/s at
-    /// doc256k and from 203 to 221 at doc1m, +1-2 % at doc64k, and −1.5 to −2 % at packed64k,
-    /// whose documents are short. Q and `o_pool` `evict_last` besides added 2-4 % past 128K
-    /// tokens and nothing at packed64k under the default windows, but 14 % less there under
-    /// windows of one query per key block (one run): lines kept for windows already done may
-    /// crowd the L2, so they stay off.
+    /// under the same windows, the hint took the sum pass 9.5 % lower at doc256k and doc1m and
+    /// 2 % at doc64k; at packed64k, whose documents are short, it was 5 % higher in one run.
+    /// Q and `o_pool` `evict_last` besides took the pass 1-2 % lower past 128K tokens, within
+    /// the runs' spread, and stay off.
     pub fn auto(num_tokens: usize, num_docs: usize) -> L2Hints {
         L2Hints {
             kv_evict_first: num_tokens / num_docs.max(1) >= L2_HINTS_MIN_MEAN_DOC,
@@ -246,9 +244,10 @@ impl L2Hints {
 }
 
 /// The mean document length (tokens) from which [`L2Hints::auto`] marks the K/V loads
-/// `evict_first`: 1024 key blocks, past which [`FORWARD_KV_LOCALITY`]'s windows hold more Q and
-/// `o_pool` rows than L2 keeps beside the streamed K/V.
-pub const L2_HINTS_MIN_MEAN_DOC: usize = 1 << 17;
+/// `evict_first`: 512 key blocks, from which [`FORWARD_KV_LOCALITY`]'s windows of 2048
+/// queries hold 16 MB of Q and `o_pool` rows per index head, and each window streams at least
+/// 32 MB of K/V past them.
+pub const L2_HINTS_MIN_MEAN_DOC: usize = 1 << 16;
 
 /// The largest [`MsaForwardKv::with_walk_split`].
 pub const MAX_WALK_SPLIT: u32 = 16;
@@ -261,14 +260,15 @@ pub const MAX_WALK_SPLIT: u32 = 16;
 /// forward from 20.25 / 12.13 / 2.71 ms to 15.20 / 9.08 / 1.98 ms at packed64k / doc32k /
 /// doc8k. `9,0` and `10,2` were within 1-7 %, `11,3` and `12,4` 5-28 % slower.
 ///
-/// The cap of 4096 queries (session 24): past 128K tokens `4·B` queries hold more rows than L2
-/// (8 KB of Q and f16 `o_pool` per query and index head: 64 MB at doc256k, 256 MB at
-/// doc1m); windows of 2^12 with [`L2Hints::auto`]'s K/V hint took the KV forward from 252 to
-/// 319 useful TFLOP/s at doc256k and from 190 to 223 at doc1m on an H100
-/// (`bench/results/h100-2026-12-07-s24-forward-long.md`). Documents of up to 128K tokens keep
-/// their windows. The bins then grow as `T²/2^19` per index head (2.1 M at 1M tokens, 8.4 M in all).
+/// The cap of 2048 queries (session 24): past 64K tokens `4·B` queries hold more rows than L2
+/// keeps (8 KB of Q and f16 `o_pool` per query and index head: 64 MB at doc256k, 256 MB at
+/// doc1m). On an H100 (`bench/results/h100-2026-12-07-s24-forward-long.md`), with
+/// [`L2Hints::auto`]'s K/V hint, windows of 2^11 took the sum pass from 60.1 to 41.1 ms at
+/// doc256k and from 327 to 271 ms at doc1m (2^12: 44.4 and 266 ms). Documents of up to 64K
+/// tokens keep their windows. The bins then grow as `T²/2^18` per index head (4.2 M at 1M
+/// tokens, 16.8 M in all).
 pub const FORWARD_KV_LOCALITY: Locality = Locality {
-    max_window_log2: 12,
+    max_window_log2: 11,
     ..Locality::uncapped(9, 2)
 };
 
@@ -1084,17 +1084,17 @@ mod tests {
     }
 
     #[test]
-    fn the_default_windows_are_capped_only_past_128k_tokens() {
+    fn the_default_windows_are_capped_only_past_64k_tokens() {
         let l = FORWARD_KV_LOCALITY;
         assert!(l.validate().is_ok());
-        // 4 queries per block up to 1024 blocks, then 4096 queries.
+        // 4 queries per block up to 512 blocks, then 2048 queries.
         for (blocks, log2) in [
             (1, 9),
             (128, 9),
+            (256, 10),
             (512, 11),
-            (1024, 12),
-            (2048, 12),
-            (8192, 12),
+            (1024, 11),
+            (8192, 11),
         ] {
             assert_eq!(l.window_log2(blocks), log2, "{blocks} blocks");
         }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 24 call 3: the new defaults (FORWARD_KV_LOCALITY 9,2 capped at 2^12 queries,
-# L2Hints::auto: K/V evict_first from a mean document of 128K tokens; the task build's
+# Session 24 call 3: the new defaults (FORWARD_KV_LOCALITY 9,2 capped at 2^11 queries,
+# L2Hints::auto: K/V evict_first from a mean document of 64K tokens; the task build's
 # branch-free bin scan and bins cleared by every CTA) against the old ones ("9,2": no cap, no
 # hint) in the same processes, at every bench length; the GPU tests of this PTX; the sanitizers.
 # Bundle (git-ignored) .gpu/s24b: bench, bench_forward, sanitize_cases and the msa-tests binaries
@@ -18,7 +18,7 @@ timeout 90 $F/bench --cases $C --write-inputs /tmp/msa_in --inputs-only > /dev/n
 s inputs
 for c in doc8k,doc16k,doc32k,packed64k doc64k,doc128k doc256k doc1m; do
   left 100 || break
-  BENCH_KV_ONLY=1 timeout 90 $F/bench_forward /tmp/msa_in $c 5 "9,2" >> $O/sweep.txt 2>&1
+  BENCH_KV_ONLY=1 timeout 90 $F/bench_forward /tmp/msa_in $c 5 "9,2;9,2,12/kv" >> $O/sweep.txt 2>&1
   echo "rc $?" >> $O/sweep.txt
   s sweep $c
 done
