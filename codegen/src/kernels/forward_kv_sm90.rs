@@ -157,6 +157,14 @@
 //!   default windows (`max(512, 4·B)` queries) hold 16 / 64 / 256 MB of Q and `o_pool` rows
 //!   against a 50 MB L2; a model of the traffic (`forward_l2_model`) puts the misses at 14 /
 //!   56 / 89 KB per task, and no window under 79 KB at 1M.
+//! - Session 24 (`bench/results/h100-2026-12-07-s24-forward-long.md`, an H100): the passes take
+//!   their L2 eviction hints at run time (`l2_hints`, a bit per [`L2Stream`]; each policy a
+//!   `selp` between the hinted one and `evict_normal`), and the runtime's windows may be capped
+//!   under one query per key block (`Locality::max_window_log2`). K/V `evict_first` under
+//!   windows of 2^11 queries took the sum pass from 60.1 to 41.1 ms at doc256k and from 327 to
+//!   271 ms at doc1m; the hint alone, under the same windows, 9.5 % at both. Still not flat:
+//!   the model puts the best window at about 55-60 KB per task at 1M, where each K/V block
+//!   serves one or two tasks per window.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;

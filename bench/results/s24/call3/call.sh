@@ -16,26 +16,26 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.tota
 C=doc8k,doc16k,doc32k,packed64k,doc64k,doc128k,doc256k,doc1m
 timeout 90 $F/bench --cases $C --write-inputs /tmp/msa_in --inputs-only > /dev/null 2>&1
 s inputs
-for c in doc8k,doc16k,doc32k,packed64k doc64k,doc128k doc256k doc1m; do
-  left 100 || break
-  BENCH_KV_ONLY=1 timeout 90 $F/bench_forward /tmp/msa_in $c 5 "9,2;9,2,12/kv" >> $O/sweep.txt 2>&1
+for t in forward_kv task_build forward backward; do
+  left 40 || break
+  (REQUIRE_GPU=1 timeout 80 $F/$t --test-threads=1 > /tmp/test_$t.txt 2>&1; echo "rc $?" >> /tmp/test_$t.txt)
+  echo "== $t" >> $O/tests.txt; cat /tmp/test_$t.txt >> $O/tests.txt
+  grep -E "test result|^rc|FAIL|panic" /tmp/test_$t.txt | head -5
+  s test $t
+done
+for c in doc1m doc256k doc64k,doc128k doc8k,doc16k,doc32k,packed64k; do
+  left 60 || break
+  BENCH_KV_ONLY=1 timeout 55 $F/bench_forward /tmp/msa_in $c 5 "9,2;9,2,12/kv" >> $O/sweep.txt 2>&1
   echo "rc $?" >> $O/sweep.txt
   s sweep $c
 done
 grep -E "^\| [dp]|^rc|rror" $O/sweep.txt | cut -c1-96
 for i in 1 2; do
-  left 60 || break
+  left 50 || break
   BENCH_KV_ONLY=1 timeout 40 $F/bench_forward /tmp/msa_in packed64k 10 "9,2" >> $O/packed.txt 2>&1
 done
 grep -E "^\| p" $O/packed.txt | cut -c1-96
 s packed
-for t in forward_kv task_build forward backward; do
-  left 40 || break
-  (REQUIRE_GPU=1 timeout 100 $F/$t --test-threads=1 > /tmp/test_$t.txt 2>&1; echo "rc $?" >> /tmp/test_$t.txt)
-  echo "== $t" >> $O/tests.txt; cat /tmp/test_$t.txt >> $O/tests.txt
-  grep -E "test result|^rc|FAIL|panic" /tmp/test_$t.txt | head -5
-  s test $t
-done
 if left 60; then
   timeout $(( T0 + BUDGET - $(date +%s) - 10 )) bash scripts/sanitize.sh $F/sanitize_cases /tmp/san > $O/sanitize.txt 2>&1
   echo "rc $?" >> $O/sanitize.txt
