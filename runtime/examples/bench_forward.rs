@@ -195,10 +195,7 @@ fn parse_rule(rule: &str) -> Res<(String, Locality, L2Hints)> {
     let n: Vec<u32> = order.split(',').map(str::parse).collect::<Result<_, _>>()?;
     let locality = match n[..] {
         [min, blocks] => Locality::uncapped(min, blocks),
-        [min, blocks, max] => Locality {
-            max_window_log2: max,
-            ..Locality::uncapped(min, blocks)
-        },
+        [min, blocks, max] => Locality::capped(min, blocks, max),
         _ => return Err(format!("rule {rule:?}: expected MIN,BLOCKS[,MAX]").into()),
     };
     let mut l2 = L2Hints::NONE;

@@ -116,6 +116,15 @@ impl Locality {
         }
     }
 
+    /// The rule `min_window_log2, blocks_log2` with windows of at most `2^max_window_log2`.
+    pub const fn capped(min_window_log2: u32, blocks_log2: u32, max_window_log2: u32) -> Locality {
+        Locality {
+            min_window_log2,
+            blocks_log2,
+            max_window_log2,
+        }
+    }
+
     /// Checks both fields against their bounds.
     pub fn validate(&self) -> Result<(), String> {
         if self.min_window_log2 > Self::MAX_MIN_WINDOW_LOG2 {

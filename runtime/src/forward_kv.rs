@@ -220,6 +220,12 @@ impl L2Hints {
         q_evict_last: false,
         o_evict_last: false,
     };
+    /// Every hint.
+    pub const ALL: L2Hints = L2Hints {
+        kv_evict_first: true,
+        q_evict_last: true,
+        o_evict_last: true,
+    };
 
     /// The default hints of a call on `num_tokens` tokens in `num_docs` documents: K/V
     /// `evict_first` where the documents hold [`L2_HINTS_MIN_MEAN_DOC`] tokens or more on
@@ -267,10 +273,7 @@ pub const MAX_WALK_SPLIT: u32 = 16;
 /// doc256k and from 327 to 271 ms at doc1m (2^12: 44.4 and 266 ms). Documents of up to 64K
 /// tokens keep their windows. The bins then grow as `T²/2^18` per index head (4.2 M at 1M
 /// tokens, 16.8 M in all).
-pub const FORWARD_KV_LOCALITY: Locality = Locality {
-    max_window_log2: 11,
-    ..Locality::uncapped(9, 2)
-};
+pub const FORWARD_KV_LOCALITY: Locality = Locality::capped(9, 2, 11);
 
 /// Which forward [`MsaAttention`](crate::MsaAttention) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -1075,12 +1078,7 @@ mod tests {
         assert_eq!(L2Hints::auto(1 << 20, 30), L2Hints::NONE);
         assert_eq!(L2Hints::auto(L2_HINTS_MIN_MEAN_DOC, 0), long);
         assert_eq!(L2Hints::auto(usize::MAX, usize::MAX), L2Hints::NONE);
-        let all = L2Hints {
-            kv_evict_first: true,
-            q_evict_last: true,
-            o_evict_last: true,
-        };
-        assert_eq!((L2Hints::NONE.bits(), all.bits()), (0, 7));
+        assert_eq!((L2Hints::NONE.bits(), L2Hints::ALL.bits()), (0, 7));
     }
 
     #[test]

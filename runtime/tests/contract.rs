@@ -49,14 +49,8 @@ fn locality_windows_and_the_bin_bound() {
         Locality::uncapped(9, 0),
         Locality::uncapped(0, 7),
         // Capped windows: a window of 2^9 queries for documents of up to 2^7 blocks.
-        Locality {
-            max_window_log2: 9,
-            ..Locality::uncapped(0, 2)
-        },
-        Locality {
-            max_window_log2: 12,
-            ..Locality::uncapped(9, 2)
-        },
+        Locality::capped(0, 2, 9),
+        Locality::capped(9, 2, 12),
     ] {
         for _ in 0..2000 {
             let docs = 1 + next(40) as usize;
@@ -79,12 +73,9 @@ fn locality_windows_and_the_bin_bound() {
     assert!(Locality::uncapped(31, 0).validate().is_err());
     assert!(Locality::uncapped(0, 8).validate().is_err());
     for max_window_log2 in [8, 31] {
-        let e = Locality {
-            max_window_log2,
-            ..Locality::uncapped(9, 2)
-        }
-        .validate()
-        .unwrap_err();
+        let e = Locality::capped(9, 2, max_window_log2)
+            .validate()
+            .unwrap_err();
         assert!(
             e.contains(&format!("max_window_log2 = {max_window_log2}")),
             "{e}"

@@ -212,15 +212,7 @@ fn device_path(
     // references (the max pass and fwd_kv_reference) and the probe's (the default).
     // Last, the defaults with every L2 hint on and windows of 32 queries (capped under one
     // query per key block: many bins).
-    let all = L2Hints {
-        kv_evict_first: true,
-        q_evict_last: true,
-        o_evict_last: true,
-    };
-    let small = Locality {
-        max_window_log2: 5,
-        ..Locality::uncapped(0, 2)
-    };
+    let small = Locality::capped(0, 2, 5);
     let plain = (FORWARD_KV_LOCALITY, L2Hints::NONE);
     let ways = [
         (OPool::F32, Reference::Bound, plain),
@@ -228,7 +220,7 @@ fn device_path(
         (OPool::F16, Reference::ExactMax, plain),
         (OPool::F16, Reference::Probe, plain),
         (OPool::F32, Reference::Probe, plain),
-        (OPool::F16, Reference::Probe, (small, all)),
+        (OPool::F16, Reference::Probe, (small, L2Hints::ALL)),
     ];
     for (pool, refs, (locality, hints)) in ways {
         let mut kv = MsaForwardKv::new()

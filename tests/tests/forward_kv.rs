@@ -52,20 +52,12 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     }
     // The defaults with the L2 hints: all under windows of 8 queries, K/V's alone under
     // windows of one query per key block.
-    let all = L2Hints {
-        kv_evict_first: true,
-        q_evict_last: true,
-        o_evict_last: true,
-    };
     let kv = L2Hints {
         kv_evict_first: true,
         ..L2Hints::NONE
     };
-    let eight = Locality {
-        max_window_log2: 3,
-        ..Locality::uncapped(0, 2)
-    };
-    for order in [(eight, all), (Locality::uncapped(9, 0), kv)] {
+    let eight = Locality::capped(0, 2, 3);
+    for order in [(eight, L2Hints::ALL), (Locality::uncapped(9, 0), kv)] {
         let how = (OPool::F16, Reference::Probe, FORWARD_KV_WALK_SPLIT);
         run_pool(&stream, (&cu, &q2k), &p, &want, how, order);
     }

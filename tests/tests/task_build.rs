@@ -269,15 +269,9 @@ fn device_tables_equal_the_oracle_on_documents() {
     // Windows smaller than these documents: several per document, per-document bin bases.
     // Capped rules: windows under one query per block of the document (the KV forward's
     // L2-sized windows), many bins per task.
-    let capped = |min, blocks, max| Locality {
-        max_window_log2: max,
-        ..Locality::uncapped(min, blocks)
-    };
-    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)]
-        .map(|(min, blocks)| Locality::uncapped(min, blocks))
-        .into_iter()
-        .chain([capped(0, 2, 5), capped(3, 0, 3), capped(7, 2, 7)]);
-    for rule in rules {
+    let capped = [(0, 2, 5), (3, 0, 3), (7, 2, 7)].map(|(a, b, c)| Locality::capped(a, b, c));
+    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)].map(|(a, b)| Locality::uncapped(a, b));
+    for rule in rules.into_iter().chain(capped) {
         check_device_build_with(
             &stream,
             &format!("random top-16, {rule:?}"),

@@ -471,21 +471,13 @@ fn l2_hints_and_windows_under_one_query_per_block_match_the_reference() {
     let mut rng = Rng(23);
     let q2k = random_q2k(&cu, &mut rng, &[1]);
     let inp = tight(&cu, &q2k, inputs(&cu, &q2k, 24));
-    let all = L2Hints {
-        kv_evict_first: true,
-        q_evict_last: true,
-        o_evict_last: true,
-    };
     let kv = L2Hints {
         kv_evict_first: true,
         ..L2Hints::NONE
     };
-    for (max_window_log2, hints) in [(3, all), (5, kv)] {
+    for (max_window_log2, hints) in [(3, L2Hints::ALL), (5, kv)] {
         let how = (OPool::F16, Reference::Probe);
-        let rule = Locality {
-            max_window_log2,
-            ..Locality::uncapped(0, 2)
-        };
+        let rule = Locality::capped(0, 2, max_window_log2);
         let mut fwd = flow(how).with_locality(rule).unwrap().with_l2_hints(hints);
         let mut dev = SimDevice::new(Arch::Sm90, 132);
         let what = format!("{rule:?}, {hints:?}");

@@ -340,15 +340,9 @@ fn task_build_matches_the_oracle_with_several_windows_per_document() {
     let s = causal(&[1500, 0, 700, 1, 300, 129]);
     // Capped rules: windows under one query per block of the document (the KV forward's
     // L2-sized windows), many bins per task.
-    let capped = |min, blocks, max| Locality {
-        max_window_log2: max,
-        ..Locality::uncapped(min, blocks)
-    };
-    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)]
-        .map(|(min, blocks)| Locality::uncapped(min, blocks))
-        .into_iter()
-        .chain([capped(0, 2, 5), capped(3, 0, 3), capped(7, 2, 7)]);
-    for rule in rules {
+    let capped = [(0, 2, 5), (3, 0, 3), (7, 2, 7)].map(|(a, b, c)| Locality::capped(a, b, c));
+    let rules = [(9, 0), (7, 0), (0, 0), (0, 2)].map(|(a, b)| Locality::uncapped(a, b));
+    for rule in rules.into_iter().chain(capped) {
         check_task_build_with(
             &format!("docs (1500,0,700,1,300,129), {rule:?}"),
             &s,
