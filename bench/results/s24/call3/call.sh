@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# NOT RUN: no machine came for it (six attempts); call 4 ran a cut of it.
 # Session 24 call 3: the new defaults (FORWARD_KV_LOCALITY 9,2 capped at 2^11 queries,
 # L2Hints::auto: K/V evict_first from a mean document of 64K tokens; the task build's
 # branch-free bin scan and bins cleared by every CTA) against the old ones ("9,2": no cap, no
