@@ -181,7 +181,7 @@ fn main() -> Res<()> {
             let mut stack = Stack::new(n * 17 + 1, 8 * t + kv_objects);
             // With `kvfirst`, the Q and o_pool accesses alone, in their own stack.
             let mut rows_stack = Stack::new(if kv_first { n * 16 + 1 } else { 1 }, 8 * t);
-            let (row_cap, kv_hit_cap) = if kv_first { (cap, kv_cap) } else { (cap, cap) };
+            let kv_hit_cap = if kv_first { kv_cap } else { cap };
             let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
             // 64-row walks, each split in two CTAs of `part` rows; `wave` CTAs at once.
             let parts: Vec<(usize, usize)> = (0..n)
@@ -211,9 +211,9 @@ fn main() -> Res<()> {
                             }
                             let q = head as usize * t + q as usize;
                             let mut touch = |object: usize| {
-                                let all = stack.touch(object, 4096, row_cap);
+                                let all = stack.touch(object, 4096, cap);
                                 if kv_first {
-                                    rows_stack.touch(object, 4096, row_cap)
+                                    rows_stack.touch(object, 4096, cap)
                                 } else {
                                     all
                                 }

@@ -65,12 +65,13 @@ pub const MAX_TOKENS: usize = 1 << 20;
 /// grouped by window of document-local queries, then by key block, then by query.
 ///
 /// A document of `B` key blocks gets windows of `2^s` queries,
-/// `s = min(max(min_window_log2, ceil(log2 B) + blocks_log2), max_window_log2)`. Within one window a key block's
-/// tasks are consecutive (one segment, one K/V load and one dK/dV flush), and a window of
-/// `2^s >= 2^blocks_log2·B` queries gives each block about `2^s·16/B/8 >= 2^(blocks_log2+1)`
-/// tasks (64 with the default), so the segments stay long however long the document is; the
-/// seed's fixed 512-query window left one task per segment past about 100K tokens (figures in
-/// `bench/README.md`). `blocks_log2 = 7` makes each document one window (`2^s >= 128·B`). The bins number
+/// `s = min(max(min_window_log2, ceil(log2 B) + blocks_log2), max_window_log2)`. Within one
+/// window a key block's tasks are consecutive (one segment, one K/V load and one dK/dV
+/// flush), and a window of `2^s >= 2^blocks_log2·B` queries gives each block about
+/// `2^s·16/B/8 >= 2^(blocks_log2+1)` tasks (64 with the default), so the segments stay long
+/// however long the document is; the seed's fixed 512-query window left one task per segment
+/// past about 100K tokens (figures in `bench/README.md`). `blocks_log2 = 7` makes each
+/// document one window (`2^s >= 128·B`). The bins number
 /// `Σ_docs windows·B <= T/2^blocks_log2 + T/128 + docs` per head: linear in `T`, unless the cap
 /// `max_window_log2` binds: windows under `B` queries number `T/2^max` and add up to
 /// `T·ceil(T/128)/2^max` bins per head, quadratic in `T` (the KV forward's L2-sized windows).
@@ -91,11 +92,7 @@ impl Default for Locality {
     /// "Long documents"). Documents of at most 256 blocks (32K tokens) get the same 8192-query
     /// windows as with 3; longer ones get windows 4× larger.
     fn default() -> Self {
-        Locality {
-            min_window_log2: 13,
-            blocks_log2: 5,
-            max_window_log2: Locality::NO_CAP,
-        }
+        Locality::uncapped(13, 5)
     }
 }
 
@@ -109,11 +106,7 @@ impl Locality {
 
     /// The rule `min_window_log2, blocks_log2` without a cap.
     pub const fn uncapped(min_window_log2: u32, blocks_log2: u32) -> Locality {
-        Locality {
-            min_window_log2,
-            blocks_log2,
-            max_window_log2: Locality::NO_CAP,
-        }
+        Locality::capped(min_window_log2, blocks_log2, Locality::NO_CAP)
     }
 
     /// The rule `min_window_log2, blocks_log2` with windows of at most `2^max_window_log2`.

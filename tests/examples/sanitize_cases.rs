@@ -15,7 +15,8 @@
 //! inputs; `out` and `lse` against the reference forward), then the experimental KV-parallel
 //! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
 //! the max pass's exact references, then both with the probe's, then the f16 one with every
-//! L2 hint on under 32-query windows) on that forward's schedule, checked the same way. Every sm_90a kernel of the runtime runs at least once.
+//! L2 hint on under 32-query windows) on that forward's schedule, checked the same way. Every
+//! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
 //! - `packed-holes`: five short documents (1, 127, 129, 300, 700 tokens), random top-16 in

@@ -63,6 +63,21 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     }
 }
 
+#[test]
+fn l2_hint_bits_are_the_kernels() {
+    // `L2Hints` mirrors `forward_kv_sm90::L2Stream`; the hints change no result, so only this
+    // comparison would catch a swapped bit.
+    use codegen::kernels::forward_kv_sm90::L2Stream;
+    let one = |kv, q, o| L2Hints {
+        kv_evict_first: kv,
+        q_evict_last: q,
+        o_evict_last: o,
+    };
+    assert_eq!(one(true, false, false).bits(), L2Stream::Kv.bit());
+    assert_eq!(one(false, true, false).bits(), L2Stream::Q.bit());
+    assert_eq!(one(false, false, true).bits(), L2Stream::O.bit());
+}
+
 /// The default task order and no L2 hint.
 const ORDER: (Locality, L2Hints) = (FORWARD_KV_LOCALITY, L2Hints::NONE);
 
