@@ -511,6 +511,7 @@ pub mod task_scan_work {
         bin_count: PtrMut<i32>,
         bin_first: PtrMut<i32>,
         bin_last: PtrMut<i32>,
+        bin_chunk_totals: PtrMut<i32>,
         cu_seqlens: Ptr<i32>,
         doc_windows: PtrMut<i32>,
         work_capacity: u32,
@@ -526,12 +527,12 @@ pub mod task_scan_work {
             KernelArg::from(scheduler_metadata), KernelArg::from(work_count),
             KernelArg::from(desc), KernelArg::from(task_ends),
             KernelArg::from(bin_count), KernelArg::from(bin_first),
-            KernelArg::from(bin_last), KernelArg::from(cu_seqlens),
-            KernelArg::from(doc_windows), KernelArg::from(work_capacity),
-            KernelArg::from(bins), KernelArg::from(num_docs),
-            KernelArg::from(min_window_log2), KernelArg::from(blocks_log2),
-            KernelArg::from(max_window_log2), KernelArg::from(zero),
-            KernelArg::from(zero_words)
+            KernelArg::from(bin_last), KernelArg::from(bin_chunk_totals),
+            KernelArg::from(cu_seqlens), KernelArg::from(doc_windows),
+            KernelArg::from(work_capacity), KernelArg::from(bins),
+            KernelArg::from(num_docs), KernelArg::from(min_window_log2),
+            KernelArg::from(blocks_log2), KernelArg::from(max_window_log2),
+            KernelArg::from(zero), KernelArg::from(zero_words)
         ]
     }
 }
@@ -578,6 +579,7 @@ pub mod task_assign_segments {
         bin_count: PtrMut<i32>,
         bin_first: PtrMut<i32>,
         bin_last: PtrMut<i32>,
+        bin_chunk_totals: PtrMut<i32>,
         doc_windows: Ptr<i32>,
         rows: u32,
         edge_capacity: u32,
@@ -591,13 +593,13 @@ pub mod task_assign_segments {
             KernelArg::from(task_ends), KernelArg::from(segments),
             KernelArg::from(decode), KernelArg::from(bin_count),
             KernelArg::from(bin_first), KernelArg::from(bin_last),
-            KernelArg::from(doc_windows), KernelArg::from(rows),
-            KernelArg::from(edge_capacity), KernelArg::from(capacity),
-            KernelArg::from(bins_per_head)
+            KernelArg::from(bin_chunk_totals), KernelArg::from(doc_windows),
+            KernelArg::from(rows), KernelArg::from(edge_capacity),
+            KernelArg::from(capacity), KernelArg::from(bins_per_head)
         ]
     }
 }
-/// `task_scan_bins`: exclusive scan of the bin counts and the non-contiguous-segments flag.
+/// `task_scan_bins`: exclusive scan of the bin counts, a chunk of BIN_CHUNK bins per CTA, and the non-contiguous-segments flag.
 pub mod task_scan_bins {
     use super::*;
     /// Entry name in the PTX module.
@@ -625,12 +627,13 @@ pub mod task_scan_bins {
     /// The launch arguments in declaration order, typed so that a call site cannot
     /// swap or mistype them; every buffer must hold the elements the kernel addresses
     /// for the scalar arguments given (see the kernel's manifest).
-    /// Grid: [1 + spare CTAs (0 without a buffer to zero), 1, 1].
+    /// Grid: [ceil(bins / BIN_CHUNK) + spare CTAs (0 without a buffer to zero), 1, 1].
     #[allow(clippy::too_many_arguments)]
     pub fn args(
         bin_count: Ptr<i32>,
         bin_first: Ptr<i32>,
         bin_last: Ptr<i32>,
+        bin_chunk_totals: Ptr<i32>,
         bin_offset: PtrMut<i32>,
         desc: PtrMut<i32>,
         bins: u32,
@@ -639,9 +642,9 @@ pub mod task_scan_bins {
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(bin_count), KernelArg::from(bin_first),
-            KernelArg::from(bin_last), KernelArg::from(bin_offset),
-            KernelArg::from(desc), KernelArg::from(bins), KernelArg::from(zero),
-            KernelArg::from(zero_words)
+            KernelArg::from(bin_last), KernelArg::from(bin_chunk_totals),
+            KernelArg::from(bin_offset), KernelArg::from(desc), KernelArg::from(bins),
+            KernelArg::from(zero), KernelArg::from(zero_words)
         ]
     }
 }

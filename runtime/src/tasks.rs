@@ -29,6 +29,10 @@ const REGION_ALIGN_WORDS: usize = 64;
 /// ([`TaskWorkspace::build_zeroing`]): two of 1024 threads fill an SM.
 pub const SPARE_CTAS_PER_SM: u32 = 2;
 
+/// Bins per CTA of `task_scan_bins` and per word of its chunk totals (`task_build::BIN_CHUNK`
+/// in codegen: 1024 threads × 8 bins, one scan tile).
+pub const BIN_CHUNK: usize = 8192;
+
 /// Sizes of the task build for one schedule (`docs/design.md` §2.2, with the bins of [`Locality`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TaskBuildSizes {
@@ -152,6 +156,7 @@ impl TaskBuildSizes {
                 + work_capacity
                 + capacity
                 + 4 * bins
+                + bins.div_ceil(BIN_CHUNK)
                 + 2 * num_docs
                 + 1
                 + 4 * capacity,
@@ -192,6 +197,8 @@ pub struct TaskLayout {
     pub bin_last: usize,
     /// Bin offsets.
     pub bin_offset: usize,
+    /// Tasks per chunk of [`BIN_CHUNK`] bins: where each CTA of the bin scan starts.
+    pub bin_chunk_totals: usize,
     /// Per document its first bin and window shift, then the bin total: `[2·docs + 1]`.
     pub doc_windows: usize,
     /// Decode words `[capacity, 4]`: valid, edge start, document, `head << 24 | kblock`.
@@ -225,6 +232,7 @@ impl TaskLayout {
             bin_first: take(bins),
             bin_last: take(bins),
             bin_offset: take(bins),
+            bin_chunk_totals: take(bins.div_ceil(BIN_CHUNK)),
             doc_windows: take(2 * sizes.num_docs + 1),
             decode: take(4 * cap),
             meta: take(4 * cap),
@@ -546,8 +554,8 @@ impl<B: Backend> TaskWorkspace<B> {
         let task_ctas = sz
             .capacity
             .div_ceil(task_assign_segments::THREADS.0 as usize) as u32;
-        // The two halves of `zero` in 16-byte words, and the scans' grid.
-        let (zero_halves, scan_grid) = match zero {
+        // The two halves of `zero` in 16-byte words, and the scans' spare CTAs.
+        let (zero_halves, spare) = match zero {
             Some((addr, bytes)) if bytes > 0 => {
                 if addr % 16 != 0 || bytes % 16 != 0 {
                     return Err(RuntimeError::input(
@@ -569,10 +577,14 @@ impl<B: Backend> TaskWorkspace<B> {
                         })
                 });
                 let [a, b] = halves;
-                ([a?, b?], 1 + SPARE_CTAS_PER_SM * sms)
+                ([a?, b?], SPARE_CTAS_PER_SM * sms)
             }
-            _ => ([(0, 0); 2], 1),
+            _ => ([(0, 0); 2], 0),
         };
+        let bin_ctas = u32_of("bin scan CTAs", sz.bins.div_ceil(BIN_CHUNK))?;
+        let bin_grid = bin_ctas
+            .checked_add(spare)
+            .ok_or_else(|| RuntimeError::input("bins", sz.bins, "a bin scan grid below 2^32"))?;
         let l = self.layout;
         let r = |words: usize| Ptr::<i32>::new(self.at(words));
         let w = |words: usize| PtrMut::<i32>::new(self.at(words));
@@ -580,7 +592,7 @@ impl<B: Backend> TaskWorkspace<B> {
         let launches = [
             (
                 &task_scan_work::KERNEL,
-                (scan_grid, 1, 1),
+                (1 + spare, 1, 1),
                 task_scan_work::args(
                     Ptr::new(s.metadata),
                     Ptr::new(s.work_count),
@@ -589,6 +601,7 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.bin_count),
                     w(l.bin_first),
                     w(l.bin_last),
+                    w(l.bin_chunk_totals),
                     Ptr::new(s.cu_seqlens),
                     w(l.doc_windows),
                     work_cap,
@@ -617,6 +630,7 @@ impl<B: Backend> TaskWorkspace<B> {
                     w(l.bin_count),
                     w(l.bin_first),
                     w(l.bin_last),
+                    w(l.bin_chunk_totals),
                     r(l.doc_windows),
                     rows,
                     edge_cap,
@@ -626,11 +640,12 @@ impl<B: Backend> TaskWorkspace<B> {
             ),
             (
                 &task_scan_bins::KERNEL,
-                (scan_grid, 1, 1),
+                (bin_grid, 1, 1),
                 task_scan_bins::args(
                     r(l.bin_count),
                     r(l.bin_first),
                     r(l.bin_last),
+                    r(l.bin_chunk_totals),
                     w(l.bin_offset),
                     w(l.desc),
                     bins,

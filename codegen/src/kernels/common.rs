@@ -802,9 +802,24 @@ pub fn tiled_scan(
     value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> Reg<U32>,
     store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, Reg<U32>, Reg<U32>),
 ) -> Reg<U32> {
-    let carry = b.mov::<U32>(0u32);
+    let zero = b.mov::<U32>(0u32);
+    tiled_scan_range(b, (zero, n, n), zero, tid, warp_totals, value, store)
+}
+
+/// [`tiled_scan`] of the items `lo .. hi` (tiles from `lo`; an item `>= n` is not live),
+/// starting from `carry0`: one CTA's chunk of a scan split between CTAs.
+pub fn tiled_scan_range(
+    b: &mut KernelBuilder,
+    (lo, hi, n): (Reg<U32>, Reg<U32>, Reg<U32>),
+    carry0: Reg<U32>,
+    tid: Reg<U32>,
+    warp_totals: &SharedVar,
+    value: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>) -> Reg<U32>,
+    store: impl Fn(&mut KernelBuilder, Reg<U32>, Reg<Pred>, Reg<U32>, Reg<U32>),
+) -> Reg<U32> {
+    let carry = b.mov::<U32>(carry0);
     let tile = SCAN_THREADS * SCAN_PER_THREAD;
-    b.for_range(0u32, n, tile, "scan_tile", |b, tile_base| {
+    b.for_range(lo, hi, tile, "scan_tile", |b, tile_base| {
         let first = b.mad_lo(tid, SCAN_PER_THREAD, tile_base);
         let mut idx = Vec::new();
         let mut vals = Vec::new();

@@ -5,18 +5,24 @@
 //!    `num_work = clamp(work_count, 0, work_capacity)`, descriptor words 5–7, bins cleared;
 //!    per document its window shift and the exclusive prefix of its bins (`doc_windows`).
 //! 2. [`ASSIGN_SEGMENTS`]: one thread per forward-order task: decodes it (binary search over
-//!    `task_ends`), computes its locality segment and folds it into the bins with atomics.
+//!    `task_ends`), computes its locality segment and folds it into the bins, and into its
+//!    chunk's total, with atomics.
 //!    The segment of a task of index head `h`, document `d`, key block `k` (document-local)
 //!    whose first query is `q` (document-local) is
 //!    `h·bins_per_head + base[d] + (q >> shift[d])·blocks[d] + k`: per head, documents in
 //!    order, windows of `2^shift[d]` queries, then key blocks (the runtime's `Locality`).
-//! 3. [`SCAN_BINS`]: exclusive scan of the bin counts; flags non-contiguous segments.
+//! 3. [`SCAN_BINS`]: exclusive scan of the bin counts, [`BIN_CHUNK`] bins per CTA, each CTA
+//!    starting from the task counts of the chunks before it (`bin_chunk_totals`, which step 2
+//!    adds up); flags non-contiguous segments.
 //! 4. [`SCATTER_TABLES`]: writes `task_meta`, `task_qrows`, `task_qpos`; thread 0 writes the
 //!    CTA-walk descriptor words 0–4 with the same rule as the host contract.
 //!
 //! All index arithmetic is `u32`: the host rejects schedules whose counts do not fit `i32`.
 
-use super::common::{self, div_ceil, elem, load_if, load_u32, store_u32, tiled_scan};
+use super::common::{
+    self, div_ceil, elem, load_if, load_u32, store_u32, tiled_scan, tiled_scan_range,
+    SCAN_PER_THREAD,
+};
 use super::KernelDesc;
 use crate::ptx::*;
 use crate::target::Target;
@@ -34,8 +40,13 @@ pub const FLAG_CAPACITY_OVERFLOW: u32 = 1;
 /// Descriptor flag: a segment's tasks are not consecutive; tables stay in source order.
 pub const FLAG_NONCONTIGUOUS_SEGMENTS: u32 = 2;
 
-/// Threads of the single-CTA scans.
+/// Threads of the scans' CTAs.
 pub const SCAN_THREADS: u32 = common::SCAN_THREADS;
+/// Bins per CTA of [`SCAN_BINS`] (one scan tile), and per word of `bin_chunk_totals`
+/// (host contract mirror: `tasks::BIN_CHUNK`).
+pub const BIN_CHUNK: u32 = SCAN_THREADS * SCAN_PER_THREAD;
+const BIN_CHUNK_LOG2: u32 = BIN_CHUNK.trailing_zeros();
+const _: () = assert!(BIN_CHUNK.is_power_of_two());
 /// Threads per CTA of the per-task launches.
 pub const TASK_THREADS: u32 = 256;
 
@@ -62,7 +73,7 @@ pub const ASSIGN_SEGMENTS: KernelDesc = KernelDesc {
 /// `scan_bins`.
 pub const SCAN_BINS: KernelDesc = KernelDesc {
     name: "task_scan_bins",
-    about: "exclusive scan of the bin counts and the non-contiguous-segments flag",
+    about: "exclusive scan of the bin counts, a chunk of BIN_CHUNK bins per CTA, and the non-contiguous-segments flag",
     targets: TARGETS,
     threads: (SCAN_THREADS, 1, 1),
     describe: scan_bins,
@@ -77,25 +88,27 @@ pub const SCATTER_TABLES: KernelDesc = KernelDesc {
     describe: scatter_tables,
 };
 
-/// The scans' spare CTAs: the scan runs on CTA 0 alone, and CTAs `1..` zero `zero_words`
-/// 16-byte words at `zero` (null: none) with a grid stride meanwhile, run `then`, and return.
+/// The scans' spare CTAs: the scan runs on CTAs `0 .. scan_ctas`, and the CTAs after them zero
+/// `zero_words` 16-byte words at `zero` (null: none) with a grid stride meanwhile, run `then`,
+/// and return.
 /// A buffer the next kernels accumulate into (the KV forward's `o_pool`) is zeroed on SMs the
 /// scan leaves idle, where a memset or a later kernel would take them from other work.
 fn spare_ctas_zero(
     b: &mut KernelBuilder,
+    scan_ctas: Reg<U32>,
     zero_p: &ParamRef<U64>,
     words_p: &ParamRef<U32>,
     then: impl FnOnce(&mut KernelBuilder),
 ) {
     let cta = b.sreg(SReg::CtaidX);
-    let spare = b.setp(Cmp::Ne, cta, 0u32);
+    let spare = b.setp(Cmp::Ge, cta, scan_ctas);
     b.if_then(spare, "spare_cta", |b| {
         common::zero_words_strided(b, zero_p, words_p, "spare_zero", |b| {
             let ctas = b.sreg(SReg::NctaidX);
             let tid = b.sreg(SReg::TidX);
-            let helper = b.sub(cta, 1u32);
+            let helper = b.sub(cta, scan_ctas);
             let first = b.mad_lo(helper, SCAN_THREADS, tid);
-            let helpers = b.sub(ctas, 1u32);
+            let helpers = b.sub(ctas, scan_ctas);
             (first, b.mul_lo(helpers, SCAN_THREADS))
         });
         then(b);
@@ -109,11 +122,13 @@ fn spare_ctas_zero(
 fn clear_bins(
     b: &mut KernelBuilder,
     (count_p, first_p, last_p): (&ParamRef<U64>, &ParamRef<U64>, &ParamRef<U64>),
+    chunks_p: &ParamRef<U64>,
     bins_p: &ParamRef<U32>,
 ) {
     let count = b.ld_param_ptr(count_p);
     let first = b.ld_param_ptr(first_p);
     let last = b.ld_param_ptr(last_p);
+    let totals = b.ld_param_ptr(chunks_p);
     let bins = b.ld_param(bins_p);
     let cta = b.sreg(SReg::CtaidX);
     let ctas = b.sreg(SReg::NctaidX);
@@ -124,6 +139,10 @@ fn clear_bins(
         store_u32(b, count, i, 0u32);
         store_u32(b, first, i, i32::MAX as u32);
         store_u32(b, last, i, u32::MAX);
+    });
+    let chunks = div_ceil(b, bins, BIN_CHUNK);
+    b.for_range(start, chunks, stride, "clear_chunks", |b, i| {
+        store_u32(b, totals, i, 0u32);
     });
 }
 
@@ -136,6 +155,7 @@ fn scan_work(b: &mut KernelBuilder) {
     let count_p = b.param_ptr("bin_count", HostElem::I32, true);
     let first_p = b.param_ptr("bin_first", HostElem::I32, true);
     let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let chunks_p = b.param_ptr("bin_chunk_totals", HostElem::I32, true);
     let cu_p = b.param_ptr("cu_seqlens", HostElem::I32, false);
     let windows_p = b.param_ptr("doc_windows", HostElem::I32, true);
     let cap_p = b.param_u32("work_capacity");
@@ -148,8 +168,9 @@ fn scan_work(b: &mut KernelBuilder) {
     let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
     let bin_arrays = (&count_p, &first_p, &last_p);
-    spare_ctas_zero(b, &zero_p, &zero_words_p, |b| {
-        clear_bins(b, bin_arrays, &bins_p)
+    let one = b.mov::<U32>(1u32);
+    spare_ctas_zero(b, one, &zero_p, &zero_words_p, |b| {
+        clear_bins(b, bin_arrays, &chunks_p, &bins_p)
     });
 
     let metadata = b.ld_param_ptr(&metadata_p);
@@ -239,7 +260,7 @@ fn scan_work(b: &mut KernelBuilder) {
     });
 
     b.comment("clear CTA 0's share of the bins: count 0, first INT32_MAX, last -1");
-    clear_bins(b, bin_arrays, &bins_p);
+    clear_bins(b, bin_arrays, &chunks_p, &bins_p);
     b.ret();
 }
 
@@ -265,6 +286,7 @@ fn assign_segments(b: &mut KernelBuilder) {
     let count_p = b.param_ptr("bin_count", HostElem::I32, true);
     let first_p = b.param_ptr("bin_first", HostElem::I32, true);
     let last_p = b.param_ptr("bin_last", HostElem::I32, true);
+    let chunks_p = b.param_ptr("bin_chunk_totals", HostElem::I32, true);
     let windows_p = b.param_ptr("doc_windows", HostElem::I32, false);
     let rows_p = b.param_u32("rows");
     let edge_cap_p = b.param_u32("edge_capacity");
@@ -374,6 +396,11 @@ fn assign_segments(b: &mut KernelBuilder) {
         b.red::<S32, _>(AtomOp::Min, &a, js);
         let a = elem::<S32>(b, last, seg);
         b.red::<S32, _>(AtomOp::Max, &a, js);
+        // Its chunk's total, which scan_bins's later CTAs start from.
+        let totals = b.ld_param_ptr(&chunks_p);
+        let chunk = b.shr(seg, BIN_CHUNK_LOG2);
+        let a = elem::<U32>(b, totals, chunk);
+        b.red::<U32, _>(AtomOp::Add, &a, 1u32);
     });
     b.ret();
 }
@@ -394,33 +421,49 @@ fn task_params(
 }
 
 fn scan_bins(b: &mut KernelBuilder) {
-    b.grid("[1 + spare CTAs (0 without a buffer to zero), 1, 1]");
+    b.grid("[ceil(bins / BIN_CHUNK) + spare CTAs (0 without a buffer to zero), 1, 1]");
     let count_p = b.param_ptr("bin_count", HostElem::I32, false);
     let first_p = b.param_ptr("bin_first", HostElem::I32, false);
     let last_p = b.param_ptr("bin_last", HostElem::I32, false);
+    let chunks_p = b.param_ptr("bin_chunk_totals", HostElem::I32, false);
     let offset_p = b.param_ptr("bin_offset", HostElem::I32, true);
     let desc_p = b.param_ptr("desc", HostElem::I32, true);
     let bins_p = b.param_u32("bins");
     let zero_p = b.param_ptr("zero", HostElem::U32, true);
     let zero_words_p = b.param_u32("zero_words");
     let warp_totals = b.shared_array("warp_totals", 128, 16);
-    spare_ctas_zero(b, &zero_p, &zero_words_p, |_| {});
+    let bins = b.ld_param(&bins_p);
+    let chunks = div_ceil(b, bins, BIN_CHUNK);
+    spare_ctas_zero(b, chunks, &zero_p, &zero_words_p, |_| {});
 
     let count = b.ld_param_ptr(&count_p);
     let first = b.ld_param_ptr(&first_p);
     let last = b.ld_param_ptr(&last_p);
     let offset = b.ld_param_ptr(&offset_p);
     let desc = b.ld_param_ptr(&desc_p);
-    let bins = b.ld_param(&bins_p);
+    let totals = b.ld_param_ptr(&chunks_p);
     let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    b.comment("this CTA's chunk starts after the tasks of the chunks before it");
+    let before = b.mov::<U32>(0u32);
+    b.for_range(tid, cta, SCAN_THREADS, "chunks_before", |b, i| {
+        let t = load_u32(b, totals, i);
+        let sum = b.add(before, t);
+        b.set(before, sum);
+    });
+    let (_, base) = common::cta_exclusive_scan(b, before, tid, &warp_totals);
+    let lo = b.mul_lo(cta, BIN_CHUNK);
+    let hi = b.add(lo, BIN_CHUNK);
+    let hi = b.min(hi, bins);
     // Branch-free loads (the index clamped into the bins, bins >= 1), so that a tile's loads
     // issue together: behind per-bin branches each waited for the one before, and a scan of
     // millions of bins (capped windows) took milliseconds.
     let last_bin = b.sub(bins, 1u32);
     let split_any = b.mov::<U32>(0u32);
-    tiled_scan(
+    tiled_scan_range(
         b,
-        bins,
+        (lo, hi, bins),
+        base,
         tid,
         &warp_totals,
         |b, i, live| {

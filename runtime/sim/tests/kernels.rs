@@ -11,7 +11,7 @@ use msa_runtime::ops::{postprocess as run_postprocess, preprocess};
 use msa_runtime::reference::tasks::{build_task_tables, build_task_tables_with, task_capacity};
 use msa_runtime::reference::{postprocess, preprocess_delta};
 use msa_runtime::schedule::Schedule;
-use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace};
+use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace, BIN_CHUNK};
 use msa_runtime::{build_schedule, causal_support, Span};
 use msa_sim::backward::cu_of;
 use msa_sim::device::{Arch, SimDevice};
@@ -341,6 +341,12 @@ fn task_build_matches_the_oracle_with_several_windows_per_document() {
     // Capped rules: windows under one query per block of the document (the KV forward's
     // L2-sized windows), many bins per task.
     let capped = [(0, 2, 5), (3, 0, 3), (7, 2, 7)].map(|(a, b, c)| Locality::capped(a, b, c));
+    // Windows of 8 queries: bins for several CTAs of the bin scan, each starting from the
+    // chunks before it.
+    let many = TaskBuildSizes::with_locality(&s, 8, capped[1])
+        .unwrap()
+        .bins;
+    assert!(many > 2 * BIN_CHUNK, "{many} bins");
     let rules = [(9, 0), (7, 0), (0, 0), (0, 2)].map(|(a, b)| Locality::uncapped(a, b));
     for rule in rules.into_iter().chain(capped) {
         check_task_build_with(
