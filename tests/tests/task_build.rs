@@ -94,7 +94,13 @@ fn sizes_follow_the_design_formulas() {
     );
     assert_eq!(
         z.scratch_words,
-        8 + s.work_capacity() + z.capacity + 4 * z.bins + 2 * 7 + 1 + 4 * z.capacity
+        8 + s.work_capacity()
+            + z.capacity
+            + 4 * z.bins
+            + z.bins.div_ceil(8192)
+            + 2 * 7
+            + 1
+            + 4 * z.capacity
     );
     assert_eq!(z.table_words, 20 * z.capacity);
     assert_eq!(z.grid_launch, contract::grid_launch_bound(z.capacity, 8));
