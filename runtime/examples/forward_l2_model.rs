@@ -16,7 +16,10 @@
 //! into the `o_pool` row (4 KB of f16). An access misses when the bytes of the distinct
 //! objects touched since its object's last access exceed `L2_MIB` (default 40 of the H100's
 //! 50 MB); a miss costs the object's bytes, and an `o_pool` miss twice (read, then written
-//! back). Concurrency and the cache's sets are not modelled.
+//! back). Concurrency and the cache's sets are not modelled. The last two columns count what
+//! crosses L2 whether it hits or not (the sum pass is bound by L2 throughput, session 25): the
+//! valid query slots per task (4 KB of Q and 4 KB of `o_pool` each) and the K/V loads per task
+//! (64 KB per segment a CTA starts).
 //!
 //! `POLICY` `kvfirst` models the K/V loads marked `evict_first` (`forward_kv::L2Hints`):
 //! a Q or `o_pool` access then counts only the Q and `o_pool` bytes since its last access (the
@@ -122,8 +125,11 @@ fn main() -> Res<()> {
         "L2 {} MiB, {wave} CTAs, K/V evict_first: {kv_first}",
         cap >> 20
     );
-    println!("| case | window | rows | K/V KB per task | Q KB | o_pool KB | all KB per task |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| case | window | rows | K/V KB per task | Q KB | o_pool KB | all KB per task | \
+         slots per task | K/V loads KB per task |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
     for name in cases.split(',') {
         let cu = read_i32s(&format!("{dir}/{name}.cu_seqlens.i32"))?;
         let q2k = read_i32s(&format!("{dir}/{name}.q2k.i32"))?;
@@ -183,6 +189,8 @@ fn main() -> Res<()> {
             let mut rows_stack = Stack::new(if kv_first { n * 16 + 1 } else { 1 }, 8 * t);
             let kv_hit_cap = if kv_first { kv_cap } else { cap };
             let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
+            // What crosses L2 hit or miss: the segments' K/V loads, and the query slots.
+            let (mut kv_loads, mut slots) = (0u64, 0u64);
             // 64-row walks, each split in two CTAs of `part` rows; `wave` CTAs at once.
             let parts: Vec<(usize, usize)> = (0..n)
                 .step_by(part)
@@ -200,6 +208,7 @@ fn main() -> Res<()> {
                         let (head, kb) = (tables.meta[4 * r + 1], tables.meta[4 * r + 2]);
                         if seg[c] != Some((head, kb)) {
                             seg[c] = Some((head, kb));
+                            kv_loads += 65536;
                             let obj = 8 * t + 4 * kb as usize + head as usize;
                             if !stack.touch(obj, 65536, kv_hit_cap) {
                                 kv_b += 65536;
@@ -209,6 +218,7 @@ fn main() -> Res<()> {
                             if q < 0 {
                                 continue;
                             }
+                            slots += 1;
                             let q = head as usize * t + q as usize;
                             let mut touch = |object: usize| {
                                 let all = stack.touch(object, 4096, cap);
@@ -230,11 +240,13 @@ fn main() -> Res<()> {
             }
             let per = |b: u64| b as f64 / n as f64 / 1024.0;
             println!(
-                "| {name} | 2^{s} | {n} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                "| {name} | 2^{s} | {n} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} |",
                 per(kv_b),
                 per(q_b),
                 per(o_b),
-                per(kv_b + q_b + o_b)
+                per(kv_b + q_b + o_b),
+                slots as f64 / n as f64,
+                per(kv_loads)
             );
         }
     }

@@ -165,6 +165,12 @@
 //!   271 ms at doc1m; the hint alone, under the same windows, 9.5 % at both. Still not flat:
 //!   the model puts the best window at about 55-60 KB per task at 1M, where each K/V block
 //!   serves one or two tasks per window.
+//! - Session 25 (`bench/results/h100-2026-12-07-s25-forward-long.md`, an H100): ncu puts the
+//!   sum pass at 97 % of L2 throughput at both doc64k and doc256k (6.77 TB/s; DRAM at 32 % and
+//!   54 %), and its time per task in step with its L2 bytes per task (15.6 → 19.3 ns against
+//!   103.5 → 129.8 KB). A task's Q and `o_pool` reduce-add are most of those bytes at any
+//!   length; what grows is the K/V per task (a segment's 64 KB crosses L2, hit or miss, for
+//!   fewer tasks as the document grows) and the fills of misses.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
