@@ -170,7 +170,8 @@
 //!   54 %), and its time per task in step with its L2 bytes per task (15.6 → 19.3 ns against
 //!   103.5 → 129.8 KB). A task's Q and `o_pool` reduce-add are most of those bytes at any
 //!   length; what grows is the K/V per task (a segment's 64 KB crosses L2, hit or miss, for
-//!   fewer tasks as the document grows) and the fills of misses.
+//!   fewer tasks as the document grows) and the fills of misses. Counting those per task
+//!   (81 KB fixed, plus K/V loads, plus fills, at 6.77 TB/s) predicts doc1m's 31 ns per task.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
