@@ -16,7 +16,7 @@ timeout 60 $F/bench --cases doc8k,doc16k,doc32k,packed64k,doc64k,doc128k,doc256k
 s inputs
 M=lts__t_bytes.sum,lts__t_sectors.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum,lts__t_sectors_op_atom.sum
 M=$M,lts__t_requests_op_red.sum,lts__t_sectors_srcunit_tex.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_red.sum
-M=$M,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,lts__t_sectors_srcunit_tex_op_red_lookup_miss.sum,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum
+M=$M,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sectors_srcunit_tex_op_read_lookup_miss.sum,lts__t_sectors_srcunit_tex_op_red_lookup_miss.sum,dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum
 for c in doc64k doc256k; do
   left 40 || break
   BENCH_KV_ONLY=1 timeout 60 ncu --clock-control none --kernel-name msa_forward_kv_f16_sm90 --launch-skip 0 --launch-count 1 \
