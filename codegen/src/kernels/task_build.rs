@@ -405,8 +405,9 @@ fn assign_segments(b: &mut KernelBuilder) {
     });
     // The chunk totals, which scan_bins's later CTAs start from, added per warp: few chunks
     // hold many tasks (two at packed64k), and one red.add per task into them serialised in
-    // L2 (0.04 → 0.36 ms). Lane 0 adds the count of the lanes in its chunk; the others add 1
-    // each. The whole warp is here again: lane 0 is live whenever any lane is.
+    // L2 (0.04 → 0.36 ms). Lane 0 adds the count of the lanes in its chunk; a lane in another
+    // chunk adds 1. The whole warp is here again, and lane 0 is live whenever any lane is (the
+    // live lanes are a prefix: j grows with the lane).
     let totals = b.ld_param_ptr(&chunks_p);
     let lane = b.and(tid, 31u32);
     let c0 = b.shfl(Shfl::Idx, my_chunk, 0u32, 31);
