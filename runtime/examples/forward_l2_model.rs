@@ -8,10 +8,9 @@
 //!
 //! The tasks are the device task build's (the CPU oracle, `reference::tasks::build_task_tables_with`),
 //! re-sorted per window size `2^s` by `(index head, document, local first query >> s, key block,
-//! first query)`: the locality order of `docs/design.md` §2.2 with a window of any size (the
-//! runtime's `Locality` only allows windows of at least one query per key block). The walks
-//! are the runtime's: 64-row walks split in two, `WAVE` CTAs (default 132, one per SM) running
-//! at once, interleaved row by row. Per task a CTA loads its block's K/V (64 KB) when its
+//! first query)`: the locality order of `docs/design.md` §2.2 with one window size for every
+//! document. The walks are the runtime's: 64-row walks split in two (`PART` below), `WAVE`
+//! CTAs (default 132, one per SM) running at once, interleaved row by row. Per task a CTA loads its block's K/V (64 KB) when its
 //! segment changes, then per valid query slot reads Q (4 KB: 16 heads × 128 d, bf16) and adds
 //! into the `o_pool` row (4 KB of f16). An access misses when the bytes of the distinct
 //! objects touched since its object's last access exceed `L2_MIB` (default 40 of the H100's
@@ -27,7 +26,7 @@
 //! all bytes since.
 //!
 //! Environment: `WINDOWS=11,12` replaces the window list (default `2^9 .. 2^15` and the
-//! runtime's default rule); `PART=16` sets the rows per CTA (default 32: the 64-row walks
+//! uncapped rule `9,2`'s window for the longest document); `PART=16` sets the rows per CTA (default 32: the 64-row walks
 //! split in two).
 
 use msa_runtime::build_schedule;
@@ -191,7 +190,8 @@ fn main() -> Res<()> {
             let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
             // What crosses L2 hit or miss: the segments' K/V loads, and the query slots.
             let (mut kv_loads, mut slots) = (0u64, 0u64);
-            // 64-row walks, each split in two CTAs of `part` rows; `wave` CTAs at once.
+            // CTA walks of `part` rows (the 64-row walks split in two by default); `wave`
+            // CTAs at once.
             let parts: Vec<(usize, usize)> = (0..n)
                 .step_by(part)
                 .map(|lo| (lo, (lo + part).min(n)))

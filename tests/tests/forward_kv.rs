@@ -7,7 +7,7 @@
 //! references (`Reference::ExactMax`), where no row may be recomputed, and with the probe's
 //! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute); and
 //! the defaults with each walk whole and split between 4, 8 and 16 CTAs, and with the L2
-//! hints on under windows of 8 queries and of one query per key block.
+//! hints on under windows of 8 queries and of `max(512, B)` queries (the seed's rule).
 //! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -51,7 +51,7 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
         run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
     }
     // The defaults with the L2 hints: all under windows of 8 queries, K/V's alone under
-    // windows of one query per key block.
+    // windows of `max(512, B)` queries for `B` key blocks.
     let kv = L2Hints {
         kv_evict_first: true,
         ..L2Hints::NONE

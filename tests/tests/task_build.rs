@@ -56,6 +56,7 @@ fn codegen_mirrors_the_host_contract_constants() {
         contract::ROWS_PER_CTA_LARGE
     );
     assert_eq!(tb::QUERY_CHUNK as usize, contract::QUERY_CHUNK);
+    assert_eq!(tb::BIN_CHUNK as usize, msa_runtime::tasks::BIN_CHUNK);
     use msa_runtime::reference::tasks as oracle;
     assert_eq!(
         tb::FLAG_CAPACITY_OVERFLOW as i32,
