@@ -411,7 +411,7 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// The same flow with [`MsaForwardKv::run_on`]'s references from `reference` (default
-    /// [`Reference::ExactMax`]).
+    /// [`Reference::Probe`]).
     pub fn with_reference(mut self, reference: Reference) -> Self {
         self.reference = reference;
         self
