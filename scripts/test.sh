@@ -17,6 +17,12 @@ if [ -z "${PTXAS:-}" ]; then
   fi
 fi
 export PTXAS
+
+# Disk: CI's machine once had under 5 GB free, and a full debug build of the workspace with
+# incremental state and full debug info took 4.6 GB there (session 25's CI failed on it).
+# Line tables keep test backtraces readable; each variable can be overridden.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
 "$PTXAS" --version | tail -n 1
 
 # A downstream crate whose graph picks cudarc's linking mode and CUDA version, as candle 0.11
