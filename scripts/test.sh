@@ -20,9 +20,11 @@ export PTXAS
 
 # Disk: CI's machine once had under 5 GB free, and a full debug build of the workspace with
 # incremental state and full debug info took 4.6 GB there (session 25's CI failed on it).
-# Line tables keep test backtraces readable; each variable can be overridden.
+# Without debug info it takes about a quarter of that (a panic still names its file and line);
+# each variable can be overridden.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
-export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}"
+export CARGO_PROFILE_DEV_DEBUG="${CARGO_PROFILE_DEV_DEBUG:-0}"
+export CARGO_PROFILE_DEV_STRIP="${CARGO_PROFILE_DEV_STRIP:-debuginfo}"
 "$PTXAS" --version | tail -n 1
 
 # A downstream crate whose graph picks cudarc's linking mode and CUDA version, as candle 0.11
