@@ -172,6 +172,10 @@
 //!   length; what grows is the K/V per task (a segment's 64 KB crosses L2, hit or miss, for
 //!   fewer tasks as the document grows) and the fills of misses. Counting those per task
 //!   (81 KB fixed, plus K/V loads, plus fills, at 6.77 TB/s) predicts doc1m's 31 ns per task.
+//! - Session 26 (`bench/results/model-2026-12-07-s26-forward-long-bound.md`, a bound, no GPU):
+//!   with each window's rows resident and every K/V load missing, 4096-query windows would
+//!   need 107 kB per task at doc256k (doc64k measures 103.5) and 151 kB at doc1m, so flat is
+//!   within reach to 256K tokens only if the rows stayed in L2, and not at 1M in this design.
 
 use super::common::{self, k_major, mn_major};
 use super::KernelDesc;
