@@ -25,12 +25,17 @@
 //! K/V lines are evicted first), and a K/V access hits only within `KV_MIB` (default 4) of
 //! all bytes since.
 //!
+//! Per case it first prints the task and valid-slot counts of the tables the model uses (the
+//! backward's windows) and of the runtime's (`FORWARD_KV_LOCALITY`): the same, since windows
+//! only order the tasks.
+//!
 //! Environment: `WINDOWS=11,12` replaces the window list (default `2^9 .. 2^15` and the
 //! uncapped rule `9,2`'s window for the longest document); `PART=16` sets the rows per CTA (default 32: the 64-row walks
 //! split in two).
 
 use msa_runtime::build_schedule;
 use msa_runtime::contract::{Locality, BLOCK_SIZE};
+use msa_runtime::forward_kv::FORWARD_KV_LOCALITY;
 use msa_runtime::reference::tasks::{build_task_tables_with, task_capacity};
 use std::error::Error;
 
@@ -141,6 +146,21 @@ fn main() -> Res<()> {
             Locality::default(),
         );
         let n = tables.num_rows();
+        // The runtime's own tables, under its capped windows: the windows order the tasks and
+        // do not change them, so the model's tasks are the pass's.
+        let own = build_task_tables_with(
+            &schedule,
+            132,
+            task_capacity(&schedule),
+            FORWARD_KV_LOCALITY,
+        );
+        let valid = |q: &[i32]| q.iter().filter(|&&q| q >= 0).count();
+        println!(
+            "{name}: {n} tasks, {} valid slots; under FORWARD_KV_LOCALITY: {} tasks, {} valid slots",
+            valid(&tables.qrows),
+            own.num_rows(),
+            valid(&own.qrows)
+        );
         let doc_of = |row: usize| cu.partition_point(|&c| c as usize <= row) - 1;
         let max_blocks = cu
             .windows(2)
