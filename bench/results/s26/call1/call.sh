@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # NOT RUN (session 26 had no device time). For the next session's first call, on main's PTX
-# (unchanged since e3e75a9: session 26 changed only the test command's build settings and docs).
-# It is session 25's call 4 (`s25/call4/call.sh`: the forward and backward GPU tests and the
-# sanitizers on this PTX, then the sum pass's L2 traffic by operation and source at doc64k and
-# doc256k, then on an H200 every length), plus the test that
-# `model-2026-12-07-s26-forward-long-bound.md` asks for: the same ncu metrics at doc256k under
-# 2^12-query windows with Q and o_pool evict_last (rule 9,2,12/kv,q,o), against the defaults'
-# 2^11. Whether rows cross the L2 fabric, and whether Q reads miss more at 2^12, tells whether
-# the rows' residency is lost to the two L2 partitions.
+# (unchanged since e3e75a9: session 26 changed the test command's build settings, an example and docs).
+# It holds session 25's call 4, which never ran (this script replaces it): the forward and
+# backward GPU tests and the sanitizers on this PTX; then the sum pass's L2 traffic by
+# operation and source at doc64k and doc256k (ncu); then, on an H200, every length. It adds
+# the test that `model-2026-12-07-s26-forward-long-bound.md` asks for: the same ncu metrics at
+# doc256k under 2^12-query windows with Q and o_pool evict_last (rule 9,2,12/kv,q,o), against
+# the defaults' 2^11. Whether rows cross the L2 fabric, and whether Q reads miss more at 2^12,
+# tells whether the rows' residency is lost to the two L2 partitions.
 # Bundle (git-ignored) .gpu/s25b (still valid: same PTX): scripts/forward-kv-bundle.sh
 # .gpu/s25b, plus bench (cargo build --release -p msa-runtime --example bench) and the
 # msa-tests binary task_build copied in, then strip.
