@@ -155,9 +155,10 @@ fn main() -> Res<()> {
             FORWARD_KV_LOCALITY,
         );
         let valid = |q: &[i32]| q.iter().filter(|&&q| q >= 0).count();
+        let slots = valid(&tables.qrows);
         println!(
-            "{name}: {n} tasks, {} valid slots; under FORWARD_KV_LOCALITY: {} tasks, {} valid slots",
-            valid(&tables.qrows),
+            "{name}: {n} tasks, {slots} valid slots; under FORWARD_KV_LOCALITY: {} tasks, {} \
+             valid slots",
             own.num_rows(),
             valid(&own.qrows)
         );
@@ -208,8 +209,9 @@ fn main() -> Res<()> {
             let mut rows_stack = Stack::new(if kv_first { n * 16 + 1 } else { 1 }, 8 * t);
             let kv_hit_cap = if kv_first { kv_cap } else { cap };
             let (mut kv_b, mut q_b, mut o_b) = (0u64, 0u64, 0u64);
-            // What crosses L2 hit or miss: the segments' K/V loads, and the query slots.
-            let (mut kv_loads, mut slots) = (0u64, 0u64);
+            // What crosses L2 hit or miss: the segments' K/V loads (the query slots are the
+            // tables' `slots`, whatever the order).
+            let mut kv_loads = 0u64;
             // CTA walks of `part` rows (the 64-row walks split in two by default); `wave`
             // CTAs at once.
             let parts: Vec<(usize, usize)> = (0..n)
@@ -238,7 +240,6 @@ fn main() -> Res<()> {
                             if q < 0 {
                                 continue;
                             }
-                            slots += 1;
                             let q = head as usize * t + q as usize;
                             let mut touch = |object: usize| {
                                 let all = stack.touch(object, 4096, cap);
