@@ -1197,6 +1197,8 @@ pub mod msa_forward_kv_sm90 {
         zero_words: u32,
         walk_split_log2: u32,
         l2_hints: u32,
+        o_pair: PtrMut<u16>,
+        o_homes: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1205,7 +1207,7 @@ pub mod msa_forward_kv_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
         ]
     }
 }
@@ -1251,6 +1253,8 @@ pub mod msa_forward_kv_f16_sm90 {
         zero_words: u32,
         walk_split_log2: u32,
         l2_hints: u32,
+        o_pair: PtrMut<u16>,
+        o_homes: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1259,7 +1263,7 @@ pub mod msa_forward_kv_f16_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
         ]
     }
 }
@@ -1305,6 +1309,8 @@ pub mod msa_forward_kv_max_sm90 {
         zero_words: u32,
         walk_split_log2: u32,
         l2_hints: u32,
+        o_pair: PtrMut<u16>,
+        o_homes: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1313,7 +1319,7 @@ pub mod msa_forward_kv_max_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
         ]
     }
 }
@@ -1453,13 +1459,56 @@ pub mod fwd_kv_combine_f16 {
         second: u32,
         window_on_sum: u32,
         rows: u32,
+        paired: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
             KernelArg::from(status), KernelArg::from(gate), KernelArg::from(vmax),
             KernelArg::from(second), KernelArg::from(window_on_sum),
-            KernelArg::from(rows)
+            KernelArg::from(rows), KernelArg::from(paired)
+        ]
+    }
+}
+/// `fwd_kv_homes`: the L2 partition each pair of a paired o_pool's chunk 2r is homed in (label 0: chunk 0's), from the latency of returning atomics: phase 0 the anchors, phase 1 the rest.
+pub mod fwd_kv_homes {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_homes";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (128, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_homes` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_homes.sm_90a.ptx");
+    /// PTX of `fwd_kv_homes` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_homes.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: phase 0: [1, 1, 1]; phase 1: [min(ceil(pairs / 4), num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        o_pool: PtrMut<u32>,
+        homes: PtrMut<u32>,
+        pairs: u32,
+        phase: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(o_pool), KernelArg::from(homes), KernelArg::from(pairs),
+            KernelArg::from(phase)
         ]
     }
 }

@@ -29,7 +29,7 @@ use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW
 use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
-    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_key_max, fwd_kv_probe,
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_homes, fwd_kv_key_max, fwd_kv_probe,
     fwd_kv_reference, msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
 };
 use crate::ops::{check_len, grid_dim, u32_arg};
@@ -167,6 +167,13 @@ pub struct MsaForwardKv<B: Backend> {
     /// The passes' L2 eviction hints (see [`MsaForwardKv::with_l2_hints`]); `None` for
     /// [`L2Hints::auto`] per call.
     l2_hints: Option<L2Hints>,
+    /// Whether `run_on`'s f16 `o_pool` is paired (see [`MsaForwardKv::with_paired_pool`]).
+    paired: bool,
+    /// The paired pool and its homes, kept between calls.
+    pair_pool: Option<PairPool<B>>,
+    /// The paired pool's `(o, homes)` addresses for the passes and combines of the
+    /// `run_on` in progress; `None` for the `tmap_o` layout.
+    active_pair: Option<(u64, u64)>,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -184,10 +191,62 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             reference: Reference::Probe,
             walk_split: FORWARD_KV_WALK_SPLIT,
             l2_hints: None,
+            paired: true,
+            pair_pool: None,
+            active_pair: None,
             tasks: None,
             work: None,
             status_at: None,
         }
+    }
+}
+
+/// The pairs `fwd_kv_homes` labels first (`l2_sides::ANCHORS` in codegen; a test ties the
+/// two): a paired pool holds at least this many.
+pub const PAIR_ANCHORS: usize = 64;
+/// Bytes of one copy of a paired pool's row (16 heads × 128 d f16), and the alignment of
+/// the pool: the L2 partitions' interleave (`l2_sides::CHUNK_BYTES`).
+pub const PAIR_CHUNK_BYTES: usize = 4096;
+
+/// The paired `o_pool` ([`MsaForwardKv::with_paired_pool`]): `pairs` pairs of 4 KiB chunks
+/// from `base` (4 KiB aligned), and `homes [pairs]` u32 after them, labelled once when the
+/// buffer was allocated.
+struct PairPool<B: Backend> {
+    _buf: B::Buffer,
+    pairs: usize,
+    base: u64,
+    homes: u64,
+}
+
+impl<B: Backend> PairPool<B> {
+    /// A pool of at least `pairs` pairs, its homes labelled by `fwd_kv_homes` on the
+    /// backend's stream (no host sync).
+    fn new(backend: &mut B, pairs: usize) -> Result<Self, RuntimeError> {
+        let pairs = pairs.max(PAIR_ANCHORS);
+        let bytes = pairs * 2 * PAIR_CHUNK_BYTES + 4 * pairs + PAIR_CHUNK_BYTES;
+        let buf = backend.alloc("forward_kv paired o_pool", bytes)?;
+        let raw = backend.address(&buf);
+        let base = raw.div_ceil(PAIR_CHUNK_BYTES as u64) * PAIR_CHUNK_BYTES as u64;
+        let homes = base + (pairs * 2 * PAIR_CHUNK_BYTES) as u64;
+        backend.load(&fwd_kv_homes::KERNEL)?;
+        let n = u32_arg("paired pool pairs", pairs)?;
+        let warps = fwd_kv_homes::KERNEL.threads.0 as usize / 32;
+        let grid1 = grid_dim(
+            "fwd_kv_homes CTAs",
+            pairs.div_ceil(warps).min(4 * backend.sm_count()),
+        )?;
+        for (phase, grid) in [(0u32, 1u32), (1, grid1)] {
+            let args = fwd_kv_homes::args(PtrMut::new(base), PtrMut::new(homes), n, phase);
+            // SAFETY: `base` spans `pairs` pairs of 4 KiB chunks and `homes` `pairs` words,
+            // both inside the buffer just allocated; the atomics add 0.
+            unsafe { backend.launch(&fwd_kv_homes::KERNEL, (grid, 1, 1), &args) }?;
+        }
+        Ok(PairPool {
+            _buf: buf,
+            pairs,
+            base,
+            homes,
+        })
     }
 }
 
@@ -424,9 +483,21 @@ impl<B: Backend> MsaForwardKv<B> {
         if self.owner != Some(owner) {
             self.tasks = None;
             self.work = None;
+            self.pair_pool = None;
             self.status_at = None;
             self.owner = Some(owner);
         }
+    }
+
+    /// Whether [`MsaForwardKv::run_on`]'s f16 `o_pool` is paired (default on): each
+    /// `(token, index head)` row gets two 4 KiB copies, one homed in each L2 partition, and
+    /// each warp of the sum pass adds into the copy on its own side, so that no reduction
+    /// crosses the L2 fabric; the combine adds the copies. Twice the pool's memory
+    /// (`T × 32 KiB`), labelled once per allocation by `fwd_kv_homes`. The f32 pool and
+    /// [`MsaForwardKv::run_to_pools`] keep the `[T, 64, 128]` layout.
+    pub fn with_paired_pool(mut self, paired: bool) -> Self {
+        self.paired = paired;
+        self
     }
 
     /// The same flow with [`MsaForwardKv::run_on`]'s `o_pool` in `pool` (default
@@ -462,7 +533,24 @@ impl<B: Backend> MsaForwardKv<B> {
         let rows = t * NUM_Q_HEADS;
         let blocks = w / BLOCK_SIZE;
         let align = |x: usize| x.div_ceil(256) * 256;
-        let o_b = align(self.pool.bytes() * t * Q_ROW);
+        let pairs = 4 * t;
+        self.active_pair = None;
+        let paired = self.paired && self.pool == OPool::F16 && t > 0;
+        if paired && self.pair_pool.as_ref().is_none_or(|p| p.pairs < pairs) {
+            // The old pool goes first: the two need not fit together.
+            self.pair_pool = None;
+            self.pair_pool = Some(PairPool::new(backend, pairs)?);
+        }
+        let pair = paired.then(|| {
+            let p = self.pair_pool.as_ref().expect("allocated");
+            (p.base, p.homes)
+        });
+        // A paired pool lives in its own buffer; the workspace then holds no o.
+        let o_b = if paired {
+            0
+        } else {
+            align(self.pool.bytes() * t * Q_ROW)
+        };
         let (r_b, k_b) = (align(4 * rows), align(16 * blocks));
         let bytes = o_b + 3 * r_b + k_b + 256;
         if self.work.as_ref().is_none_or(|(_, have)| *have < bytes) {
@@ -476,13 +564,17 @@ impl<B: Backend> MsaForwardKv<B> {
             k_aligned: io.k_aligned,
             v_aligned: io.v_aligned,
             reference: Span::new(base + (o_b + 2 * r_b) as u64, rows),
-            o_pool: match self.pool {
-                OPool::F32 => OPoolSpan::F32(Span::new(base, t * Q_ROW)),
-                OPool::F16 => OPoolSpan::F16(Span::new(base, t * Q_ROW)),
+            o_pool: match (self.pool, pair) {
+                (OPool::F32, _) => OPoolSpan::F32(Span::new(base, t * Q_ROW)),
+                (OPool::F16, None) => OPoolSpan::F16(Span::new(base, t * Q_ROW)),
+                // Its first T × 16 KiB (of 32): the tensor map the pass is given spans them,
+                // and reads none.
+                (OPool::F16, Some((o, _))) => OPoolSpan::F16(Span::new(o, t * Q_ROW)),
             },
             l_pool: Span::new(base + o_b as u64, rows),
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
         };
+        self.active_pair = pair;
         let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4 * blocks);
         let status = Span::<u32>::new(kmax2.addr + k_b as u64, 2);
         // max|v| over V, for the f16 pool's scale; null (not computed) for the f32 pool.
@@ -713,6 +805,7 @@ impl<B: Backend> MsaForwardKv<B> {
                     second,
                     on_sum,
                     u32_arg("rows", rows)?,
+                    u32::from(self.active_pair.is_some()),
                 ),
             ),
         };
@@ -739,6 +832,8 @@ impl<B: Backend> MsaForwardKv<B> {
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
+        // The caller's pools have the `[T, 64, 128]` layout.
+        self.active_pair = None;
         match self.prepare(backend, io, schedule, ZeroO::Prepare)? {
             Some(launch) => {
                 let pass = Pass::Sum(io.o_pool.kind());
@@ -819,7 +914,11 @@ impl<B: Backend> MsaForwardKv<B> {
             }
         };
         let tasks = self.tasks.insert(tasks);
-        let o_bytes = io.o_pool.kind().bytes() * io.o_pool.len();
+        // A paired pool zeroes both copies of each row's pair.
+        let o_bytes = match self.active_pair {
+            Some(_) => 2 * io.o_pool.kind().bytes() * io.o_pool.len(),
+            None => io.o_pool.kind().bytes() * io.o_pool.len(),
+        };
         // The max pass zeroes o_pool itself, when it launches and the count fits its word.
         let o_words = u32::try_from(o_bytes / 16)
             .ok()
@@ -862,6 +961,8 @@ impl<B: Backend> MsaForwardKv<B> {
         // Only the max pass zeroes o_pool (it precedes every add into it).
         let zero = launch.zero.filter(|_| pass == Pass::Max);
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
+        // Only the f16 sum pass adds into a paired pool.
+        let pair = self.active_pair.filter(|_| pass == Pass::Sum(OPool::F16));
         // Every pass takes the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
             tmap_q,
@@ -880,6 +981,8 @@ impl<B: Backend> MsaForwardKv<B> {
             zero.map_or(0, |(_, words)| words),
             launch.split_log2,
             launch.l2_hints,
+            PtrMut::new(pair.map_or(0, |(o, _)| o)),
+            Ptr::new(pair.map_or(0, |(_, h)| h)),
         );
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come

@@ -611,6 +611,9 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let second_p = b.param_u32("second");
     let on_sum_p = b.param_u32("window_on_sum");
     let rows_p = b.param_u32("rows");
+    // The f16 pool may be paired (`l2_sides`): two copies per row of 16 heads, each the SW128
+    // image of a warp's staging, which the combine adds.
+    let paired_p = f16.then(|| b.param_u32("paired"));
     super::forward_kv_sm90::gate(b, &gate_p);
     let second = b.ld_param(&second_p);
     let second = b.setp(Cmp::Ne, second, 0u32);
@@ -669,10 +672,46 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let chunk_bytes: i64 = if f16 { 16 } else { 32 };
     let o_at = common::elem_bytes(b, op, idx, chunk_bytes as u32);
     // The lane's chunks `lane` and `lane + 8`, each as 16-byte words.
-    let o_words: Vec<_> = (0..2)
+    let mut o_words: Vec<_> = (0..2)
         .flat_map(|c| (0..chunk_bytes / 16).map(move |w| 8 * chunk_bytes * c + 16 * w))
         .map(|off| o_at.offset(off))
         .collect();
+    // Paired, head `h = row mod 16` of pair `row / 16`: chunk `k` of copy `c` is at
+    // `(2·pair + c)·4096 + (k / 8)·2048 + h·128 + ((k mod 8) ^ (h mod 8))·16`. Unpaired, the
+    // second copy's words read the first's again and count as zeros.
+    let paired = paired_p.as_ref().map(|pp| {
+        let v = b.ld_param(pp);
+        let paired = b.setp(Cmp::Ne, v, 0u32);
+        let pair = b.shr(row, 4u32);
+        let chunk = b.shl(pair, 1u32);
+        let h = b.and(row, 15u32);
+        let sw = b.and(row, 7u32);
+        let unit = b.xor(lane, sw);
+        let unit16 = b.shl(unit, 4u32);
+        let within = b.mad_lo(h, 128u32, unit16);
+        let chunk_off = b.mul_wide(chunk, super::l2_sides::CHUNK_BYTES);
+        let pa = b.add(op, chunk_off);
+        let within = b.cvt::<U64, U32>(within);
+        let pa = b.add(pa, within);
+        let unpaired_off = b.mul_wide(idx, 16u32);
+        let ua = b.add(op, unpaired_off);
+        let copies: Vec<Vec<GlobalAddr>> = (0..2u64)
+            .map(|c| {
+                (0..2u64)
+                    .map(|k| {
+                        let p_at = b.add(pa, 4096 * c + 2048 * k);
+                        let u_at = b.add(ua, 128 * k);
+                        global(b.selp::<U64>(p_at, u_at, paired), 0)
+                    })
+                    .collect()
+            })
+            .collect();
+        (paired, copies)
+    });
+    if let Some((_, copies)) = &paired {
+        o_words = copies[0].clone();
+        o_words.extend(copies[1].iter().cloned());
+    }
     let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
         o_words
             .iter()
@@ -739,13 +778,27 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         .map(|(&a, &c)| b.selp(c, a, second))
         .collect();
     let o: Vec<Reg<F32>> = if f16 {
-        raw.iter()
+        let mut o: Vec<Reg<F32>> = raw
+            .iter()
             .flat_map(|&w| {
                 let h = b.bitcast::<F16x2, U32>(w);
                 let (lo, hi) = b.f16x2_to_f32(h);
                 [lo, hi]
             })
-            .collect()
+            .collect();
+        if let Some((paired, _)) = &paired {
+            // The second copy's 16 values after the first's; zeros when unpaired.
+            let second = o.split_off(16);
+            o = o
+                .iter()
+                .zip(&second)
+                .map(|(&x, &y)| {
+                    let y = b.selp::<F32>(y, 0.0f32, *paired);
+                    b.add(x, y)
+                })
+                .collect();
+        }
+        o
     } else {
         raw.iter().map(|&w| b.bitcast::<F32, U32>(w)).collect()
     };

@@ -178,6 +178,7 @@
 //!   within reach to 256K tokens only if the rows stayed in L2, and not at 1M in this design.
 
 use super::common::{self, k_major, mn_major};
+use super::l2_sides;
 use super::KernelDesc;
 use crate::plan::pipeline::{Barriers, Pipe, Pipeline, PipelinePlan, TmaBox};
 use crate::plan::roles::Role;
@@ -467,6 +468,12 @@ pub struct ForwardKvParams {
     pub walk_split_log2: ParamRef<U32>,
     /// The L2 eviction hints, a bit per [`L2Stream`]; 0 for none.
     pub l2_hints: ParamRef<U32>,
+    /// The paired `o_pool` ([`l2_sides`]): two 4 KiB copies per
+    /// `(token, index head)` row, each warp adding into the one homed on its L2 side; or
+    /// null for the `tmap_o` layout. The f16 sum pass only; the others ignore it.
+    pub o_pair: ParamRef<U64>,
+    /// `homes [pairs]` u32 of the paired pool (`fwd_kv_homes`), read only with `o_pair`.
+    pub o_homes: ParamRef<U64>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -487,6 +494,8 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         zero_words: b.param_u32("zero_words"),
         walk_split_log2: b.param_u32("walk_split_log2"),
         l2_hints: b.param_u32("l2_hints"),
+        o_pair: b.param_ptr("o_pair", HostElem::U16, true),
+        o_homes: b.param_ptr("o_homes", HostElem::U32, false),
     }
 }
 
@@ -1245,6 +1254,27 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     // it). Uniform over the CTA.
     let raw = b.ld_param(&p.m_pool);
     let want_max = b.setp(Cmp::Ne, raw, 0u64);
+    // The paired pool (f16 only): lane 0 finds the warp's L2 side from an anchor pair of its
+    // own, so that no line takes every warp's probes.
+    let paired = if pool == OPool::F16 {
+        let raw = b.ld_param(&p.o_pair);
+        b.setp(Cmp::Ne, raw, 0u64)
+    } else {
+        b.setp(Cmp::Ne, zero, zero)
+    };
+    let side = b.mov::<U32>(0u32);
+    let lane0_paired = b.and_pred(lane0, paired);
+    if pool == OPool::F16 {
+        let cta = b.sreg(SReg::CtaidX);
+        let anchor = b.mad_lo(cta, 8u32, slot);
+        let anchor = b.and(anchor, l2_sides::ANCHORS - 1);
+        b.predicated(lane0_paired, false, |b| {
+            let o = b.ld_param_ptr(&p.o_pair);
+            let homes = b.ld_param_ptr(&p.o_homes);
+            let s = l2_sides::side_from_anchor(b, o, homes, anchor);
+            b.set(side, s);
+        });
+    }
 
     let (kv, qp) = (r.kv, r.q_pipe);
     let prev = b.mov::<U32>(u32::MAX);
@@ -1307,6 +1337,20 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         };
         let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
         let neg_ref = neg_ref.expect("read with the reference");
+        // The paired pool's label of this slot's row, loaded a task's work before its use.
+        let home = b.mov::<U32>(0u32);
+        let pair = (pool == OPool::F16).then(|| {
+            let q = b.max(qrow, 0i32);
+            let q = b.bitcast::<U32, S32>(q);
+            let pair = b.mad_lo(q, 4u32, head);
+            b.predicated(lane0_paired, false, |b| {
+                let homes = b.ld_param_ptr(&p.o_homes);
+                let at = common::elem::<U32>(b, homes, pair);
+                let v = b.ld::<U32, _>(&at);
+                b.set(home, v);
+            });
+            pair
+        });
 
         b.wgmma_wait(0);
         b.comment("this warp's wgmma reads of Q are complete: release the stage");
@@ -1427,13 +1471,26 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             let d0: Vec<Reg<S32>> = (0..count)
                 .map(|box_| b.mov::<S32>((width * box_) as i32))
                 .collect();
-            b.predicated(lane0, false, |b| {
+            let tensor_path = b.not_pred(paired);
+            let tensor_path = b.and_pred(lane0, tensor_path);
+            b.predicated(tensor_path, false, |b| {
                 for (box_, &d0) in (0..count).zip(&d0) {
                     let src = shared(stage, i64::from(O_BOX_BYTES * box_));
                     b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
                 }
-                b.bulk_commit_group();
             });
+            if let Some(pair) = pair {
+                b.comment("paired pool: the staging's image into the copy homed on this side");
+                b.predicated(lane0_paired, false, |b| {
+                    let copy = b.xor(home, side);
+                    let chunk = b.mad_lo(pair, 2u32, copy);
+                    let o = b.ld_param_ptr(&p.o_pair);
+                    let at = common::elem_bytes(b, o, chunk, l2_sides::CHUNK_BYTES);
+                    let src = shared(stage, 0);
+                    b.bulk_reduce_add_f16_hinted(&at, &src, l2_sides::CHUNK_BYTES, o_policy);
+                });
+            }
+            b.predicated(lane0, false, |b| b.bulk_commit_group());
         });
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);

@@ -11,6 +11,7 @@ pub mod forward_list;
 pub mod forward_sm100;
 pub mod forward_sm90;
 pub mod kv_layout;
+pub mod l2_sides;
 pub mod postprocess;
 pub mod preprocess;
 pub mod schedule_build;
@@ -77,5 +78,6 @@ pub fn all() -> &'static [KernelDesc] {
         forward_kv_rows::REFERENCE,
         forward_kv_rows::COMBINE,
         forward_kv_rows::COMBINE_F16,
+        l2_sides::HOMES,
     ]
 }

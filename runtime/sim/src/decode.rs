@@ -1347,8 +1347,11 @@ fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
 }
 
 fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
-    if !(m.take("reduce") && m.take("async") && m.take("bulk") && m.take("tensor")) {
-        return unsupported("only cp.reduce.async.bulk.tensor is modelled among bulk reductions");
+    if !(m.take("reduce") && m.take("async") && m.take("bulk")) {
+        return unsupported("only cp.reduce.async.bulk{.tensor} is modelled among reductions");
+    }
+    if !m.take("tensor") {
+        return decode_bulk_reduce(m, ops, ctx);
     }
     let rank = take_rank(m, "cp.reduce.async.bulk.tensor")?;
     if !m.take("global") || !m.take("shared::cta") {
@@ -1370,6 +1373,31 @@ fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result
     Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
         src: ctx.addr(&ops[1])?,
         tensor: tensor_ref(&ops[0], rank, "reduction", ctx)?,
+    })))
+}
+
+/// `cp.reduce.async.bulk.global.shared::cta.bulk_group{.L2::cache_hint}.add.noftz.f16`.
+fn decode_bulk_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    if !(m.take("global") && m.take("shared::cta") && m.take("bulk_group")) {
+        return unsupported("only shared-to-global .bulk_group bulk reductions are modelled");
+    }
+    let hint = m.take("L2::cache_hint");
+    if !(m.take("add") && m.take("noftz") && m.take("f16")) {
+        return unsupported("only the .add.noftz.f16 bulk reduction is modelled");
+    }
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    arity(ops, 3 + hint as usize)?;
+    let bytes = match &ops[2] {
+        Operand::Int(v) if *v > 0 && v % 16 == 0 && *v <= i128::from(u32::MAX) => *v as u32,
+        _ => return malformed("a bulk reduction's size must be a positive multiple of 16"),
+    };
+    Ok(Op::BulkReduceAdd(Box::new(BulkReduce {
+        dst: ctx.addr(&ops[0])?,
+        src: ctx.addr(&ops[1])?,
+        bytes,
     })))
 }
 

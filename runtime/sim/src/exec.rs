@@ -737,6 +737,7 @@ impl<'a> Cta<'a> {
             Special::Ctaid(a) => self.ctaid[a.index()],
             Special::Nctaid(a) => self.grid[a.index()],
             Special::LaneId => l,
+            Special::Clock => 0,
             Special::WarpId => w as u32,
             Special::LaneMaskEq => 1 << l,
             Special::LaneMaskLt => (1u32 << l) - 1,
@@ -1100,7 +1101,7 @@ impl<'a> Cta<'a> {
             | Op::MbarrierExpectTx { .. }
             | Op::MbarrierTryWait { .. }
             | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
-            Op::TmaReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
+            Op::TmaReduceAdd(_) | Op::BulkReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
                 self.step_bulk(pcu, w, exec, op)?
             }
             Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {

@@ -58,6 +58,9 @@ pub enum Special {
     Nctaid(Axis),
     /// `%laneid`
     LaneId,
+    /// `%clock`: the model's clock stands still (reads 0), so latency probes see no
+    /// difference; the paired pool's copies are chosen by them, and either is correct.
+    Clock,
     /// `%warpid` (the warp's index in the CTA; hardware may differ, PTX says it is volatile)
     WarpId,
     /// `%lanemask_eq`
@@ -93,6 +96,7 @@ impl Special {
         }
         match name {
             "%laneid" => Some(Special::LaneId),
+            "%clock" => Some(Special::Clock),
             "%warpid" => Some(Special::WarpId),
             "%lanemask_eq" => Some(Special::LaneMaskEq),
             "%lanemask_lt" => Some(Special::LaneMaskLt),
@@ -594,6 +598,18 @@ pub struct TmaReduce {
     pub tensor: TensorRef,
 }
 
+/// `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [dst], [src], bytes`:
+/// `bytes` of f16 at shared `src` added elementwise into global `dst`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BulkReduce {
+    /// The global destination.
+    pub dst: Addr,
+    /// The shared-memory source.
+    pub src: Addr,
+    /// Bytes (a multiple of 16).
+    pub bytes: u32,
+}
+
 /// The A operand of `tcgen05.mma`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Tc05A {
@@ -1002,6 +1018,8 @@ pub enum Op {
     CpAsyncBulkTensor(Box<TmaLoad>),
     /// A TMA reduce-add from shared memory, tracked by the thread's bulk groups.
     TmaReduceAdd(Box<TmaReduce>),
+    /// A bulk (non-tensor) f16 reduce-add ([`BulkReduce`]).
+    BulkReduceAdd(Box<BulkReduce>),
     /// `cp.async.bulk.commit_group`
     BulkCommit,
     /// `cp.async.bulk.wait_group{.read} n`: at most `n` of the thread's committed bulk groups
@@ -1229,6 +1247,10 @@ impl Op {
                 addr(out, &t.src);
                 addr(out, &t.tensor.map);
                 t.tensor.coords.iter().for_each(|x| src(out, x));
+            }
+            Op::BulkReduceAdd(r) => {
+                addr(out, &r.dst);
+                addr(out, &r.src);
             }
             Op::BulkCommit | Op::BulkWait { .. } => {}
             Op::CpAsyncBulkTensor(t) => {

@@ -24,6 +24,9 @@ pub enum SReg {
     NctaidX,
     /// `%laneid`
     LaneId,
+    /// `%clock`: the SM's cycle counter (low 32 bits), for the latency probes that tell an L2
+    /// partition's own addresses from the other one's.
+    Clock,
 }
 
 impl SReg {
@@ -36,6 +39,7 @@ impl SReg {
             SReg::CtaidY => "%ctaid.y",
             SReg::NctaidX => "%nctaid.x",
             SReg::LaneId => "%laneid",
+            SReg::Clock => "%clock",
         }
     }
 }

@@ -230,6 +230,27 @@ impl KernelBuilder {
         );
     }
 
+    /// A bulk (non-tensor) f16 reduce-add of `bytes` contiguous bytes at `src` into global
+    /// memory at `dst` (`cp.reduce.async.bulk…add.noftz.f16`, PTX 8.0, sm_90), tracked by the
+    /// thread's bulk groups; both addresses 16-byte aligned, `bytes` a multiple of 16. `src`
+    /// must stay unchanged until `cp.async.bulk.wait_group.read`.
+    pub fn bulk_reduce_add_f16_hinted(
+        &mut self,
+        dst: &GlobalAddr,
+        src: &SharedAddr,
+        bytes: u32,
+        policy: Option<Reg<B64>>,
+    ) {
+        let (hint, extra) = Self::policy(policy);
+        let mut operands = vec![dst.operand(), src.operand(), Operand::Int(i64::from(bytes))];
+        operands.extend(extra);
+        self.push(
+            format!("cp.reduce.async.bulk.global.shared::cta.bulk_group{hint}.add.noftz.f16"),
+            operands,
+            PtxVersion(8, 0),
+        );
+    }
+
     /// `cp.async.bulk.commit_group`: closes the thread's bulk copies issued since the last
     /// commit into a group.
     pub fn bulk_commit_group(&mut self) {

@@ -23,7 +23,9 @@
 
 use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
-use crate::ir::{Addr, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce, SHARED_WINDOW};
+use crate::ir::{
+    Addr, BulkReduce, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce, SHARED_WINDOW,
+};
 use crate::numeric::{bf16_rne, bf16_to_f32, f16_rne};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
 
@@ -627,6 +629,7 @@ impl Cta<'_> {
             let t = w * 32 + l;
             match op {
                 Op::TmaReduceAdd(r) => self.tma_reduce(pc, w, l, r)?,
+                Op::BulkReduceAdd(r) => self.bulk_reduce(pc, w, l, r)?,
                 Op::BulkCommit => {
                     self.bulk_groups[t] += 1;
                     let g = self.bulk_groups[t];
@@ -644,6 +647,73 @@ impl Cta<'_> {
             }
         }
         Ok(Flow::Advance)
+    }
+
+    /// A bulk f16 reduce-add: `bytes` at shared `src` (16-byte aligned, unfenced stores
+    /// refused as for the tensor form) added into global `dst`, rounded to f16 per element.
+    fn bulk_reduce(
+        &mut self,
+        pc: usize,
+        w: usize,
+        l: usize,
+        r: &BulkReduce,
+    ) -> Result<(), SimError> {
+        let src = self.lane_addr(w, l, &r.src);
+        let dst = self.lane_addr(w, l, &r.dst);
+        let bytes = u64::from(r.bytes);
+        let tma = |msg: String| FaultKind::Tma(msg);
+        if !src.is_multiple_of(16)
+            || !dst.is_multiple_of(16)
+            || src + bytes > self.shared.len() as u64
+        {
+            return Err(self.fault(
+                pc,
+                w,
+                l,
+                tma(format!(
+                    "a bulk reduction from shared [{src:#x}, +{bytes}) into global {dst:#x}: both \
+                     must be 16-byte aligned and the source inside the CTA's shared memory"
+                )),
+            ));
+        }
+        let (lo, hi) = (src as usize / 4, (src + bytes) as usize / 4);
+        if self.unfenced_total > 0 {
+            if let Some(word) = (lo..hi).find(|&i| self.unfenced[i] != 0) {
+                let by = self.unfenced[word] - 1;
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    FaultKind::Proxy(format!(
+                        "the bulk reduction reads shared {:#x}, stored by thread {by} (pc {}) \
+                         without a fence.proxy.async before it",
+                        word * 4,
+                        self.unfenced_pc[word]
+                    )),
+                ));
+            }
+        }
+        let add: Vec<u8> = self.shared[src as usize..(src + bytes) as usize].to_vec();
+        let Some(out) = self.mem.slice_mut(dst, bytes as usize) else {
+            let msg = format!(
+                "the bulk reduction writes global [{dst:#x}, +{bytes}): {}",
+                self.mem.describe(dst)
+            );
+            return Err(self.fault(pc, w, l, tma(msg)));
+        };
+        for (o, a) in out.chunks_exact_mut(2).zip(add.chunks_exact(2)) {
+            let old = half::f16::from_bits(u16::from_le_bytes([o[0], o[1]])).to_f32();
+            let a = half::f16::from_bits(u16::from_le_bytes([a[0], a[1]])).to_f32();
+            o.copy_from_slice(&f16_rne(old + a).to_le_bytes());
+        }
+        self.bulk_reads.push(BulkRead {
+            thread: w * 32 + l,
+            group: None,
+            lo: src as u32,
+            hi: (src + bytes) as u32,
+            pc,
+        });
+        Ok(())
     }
 
     fn tma_reduce(&mut self, pc: usize, w: usize, l: usize, r: &TmaReduce) -> Result<(), SimError> {

@@ -1,0 +1,162 @@
+//! The paired `o_pool`: each row's reductions kept inside one L2 partition.
+//!
+//! # Why
+//! Hopper's L2 is two partitions joined by a fabric. A reduction is performed in the
+//! partition its address is homed in, so an SM adding into a row homed on the other side
+//! sends it across. The KV sum pass adds every task's rows from whichever SM ran the task:
+//! half its reductions cross, and the fabric, not the slices, bounds the pass
+//! (`bench/results/h100-2026-12-07-s27-forward-fabric.md`: `lts__ltcfabric2ltc_cycles_active`
+//! at 97 %).
+//!
+//! # Layout
+//! Homes alternate between the partitions at 4 KiB, and chunks `2r` and `2r + 1` of a 4 KiB
+//! aligned buffer always sit on different sides (measured on an H200 with
+//! `bench/probe/l2_sides.cu`: address bit 12 is in the partition hash). The paired pool gives
+//! each `(token, index head)` row of 16 heads × 128 d f16 (4 KiB) the two chunks of pair `r`;
+//! a warp adds its row into the chunk homed on its own side, as the raw image of its SW128
+//! staging (two boxes of `[16 heads][128 B]`, the 16-byte chunk `k` of head `h` at
+//! `k ^ (h & 7)`). The combine adds the two copies. Correctness never depends on which copy
+//! a warp picks: a wrong guess only sends that reduction across the fabric.
+//!
+//! # Which copy is near
+//! Nothing names an SM's side or an address's home, so both are measured by the latency of a
+//! returning `atom.add 0` (performed at the home: about 280 cycles on the near side and 480
+//! on the far one, on an H200), the lower of two tries:
+//! - `fwd_kv_homes`, once per pool allocation: `homes[r]` labels the home of chunk `2r`,
+//!   label 0 being the home of chunk 0. Phase 0 (one thread) labels the first [`ANCHORS`]
+//!   pairs against pair 0; phase 1 (every warp's lane 0) finds its own side from anchor
+//!   `warp mod ANCHORS` and labels the other pairs from it, so that no line takes many
+//!   probes at once.
+//! - The sum pass's consumer warps find their side the same way at the start
+//!   ([`side_from_anchor`]); the copy of row `r` homed there is `2r + (homes[r] ^ side)`.
+
+use super::common;
+use super::KernelDesc;
+use crate::ptx::*;
+use crate::target::Target;
+
+/// The pairs phase 0 labels, against which every later warp finds its side; a paired pool
+/// holds at least this many pairs.
+pub const ANCHORS: u32 = 64;
+/// Bytes of one copy of a row: 16 heads × 128 d f16, the partitions' interleave.
+pub const CHUNK_BYTES: u32 = 4096;
+const THREADS: u32 = 128;
+/// Warps of `fwd_kv_homes`'s CTA, each probing with its lane 0.
+pub const HOMES_WARPS_PER_CTA: u32 = THREADS / 32;
+
+/// Labels the homes of a paired pool's chunks.
+pub const HOMES: KernelDesc = KernelDesc {
+    name: "fwd_kv_homes",
+    about: "the L2 partition each pair of a paired o_pool's chunk 2r is homed in (label 0: \
+            chunk 0's), from the latency of returning atomics: phase 0 the anchors, phase 1 \
+            the rest",
+    // Plain PTX: shipped for both targets, as the other row kernels (only the Hopper KV
+    // forward uses it).
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: describe_homes,
+};
+
+/// Cycles a returning `atom.global.add.u32 0` at `at` takes, the lower of two tries (the
+/// word is unchanged).
+pub fn latency(b: &mut KernelBuilder, at: &GlobalAddr) -> Reg<U32> {
+    let mut best = None;
+    for _ in 0..2 {
+        let t0 = b.sreg(SReg::Clock);
+        let old = b.atom::<U32, _>(AtomOp::Add, at, 0u32);
+        // In-order issue: the shift waits for the atomic's value and the clock read for the
+        // shift; adding its 0 or 1 keeps the dependency at a cycle's cost.
+        let used = b.shr(old, 31u32);
+        let t1 = b.sreg(SReg::Clock);
+        let d = b.sub(t1, t0);
+        let d = b.add(d, used);
+        best = Some(match best {
+            None => d,
+            Some(m) => b.min(m, d),
+        });
+    }
+    best.expect("two tries")
+}
+
+/// Whether chunk `2·pair` of the paired pool at `o` answers faster than chunk `2·pair + 1`:
+/// it is then homed on this SM's side.
+pub fn even_is_near(b: &mut KernelBuilder, o: Reg<U64>, pair: Reg<U32>) -> Reg<Pred> {
+    let even = b.shl(pair, 1u32);
+    let odd = b.add(even, 1u32);
+    let at_even = common::elem_bytes(b, o, even, CHUNK_BYTES);
+    let at_odd = common::elem_bytes(b, o, odd, CHUNK_BYTES);
+    let l_even = latency(b, &at_even);
+    let l_odd = latency(b, &at_odd);
+    b.setp(Cmp::Lt, l_even, l_odd)
+}
+
+/// This SM's side (the label of the partition it sits next to), from anchor pair `anchor`
+/// whose label `homes[anchor]` holds.
+pub fn side_from_anchor(
+    b: &mut KernelBuilder,
+    o: Reg<U64>,
+    homes: Reg<U64>,
+    anchor: Reg<U32>,
+) -> Reg<U32> {
+    let near = even_is_near(b, o, anchor);
+    let at = common::elem::<U32>(b, homes, anchor);
+    let label = b.ld::<U32, _>(&at);
+    let other = b.xor(label, 1u32);
+    b.selp(label, other, near)
+}
+
+fn describe_homes(b: &mut KernelBuilder) {
+    b.grid("phase 0: [1, 1, 1]; phase 1: [min(ceil(pairs / 4), num_sms), 1, 1]");
+    let o_p = b.param_ptr("o_pool", HostElem::U32, true);
+    let homes_p = b.param_ptr("homes", HostElem::U32, true);
+    let pairs_p = b.param_u32("pairs");
+    let phase_p = b.param_u32("phase");
+    let tid = b.sreg(SReg::TidX);
+    let lane = b.and(tid, 31u32);
+    let lane0 = b.setp(Cmp::Eq, lane, 0u32);
+    let warp = b.shr(tid, 5u32);
+    let cta = b.sreg(SReg::CtaidX);
+    let ctas = b.sreg(SReg::NctaidX);
+    let gwarp = b.mad_lo(cta, HOMES_WARPS_PER_CTA, warp);
+    let pairs = b.ld_param(&pairs_p);
+    let phase = b.ld_param(&phase_p);
+    let first = b.setp(Cmp::Eq, phase, 0u32);
+    let o = b.ld_param_ptr(&o_p);
+    let homes = b.ld_param_ptr(&homes_p);
+    let exit = b.label("exit");
+    b.bra_unless(lane0, &exit);
+    b.if_then(first, "anchors", |b| {
+        b.comment("phase 0, one thread: the anchors' labels against pair 0");
+        let leader = b.setp(Cmp::Eq, gwarp, 0u32);
+        b.if_then(leader, "leader", |b| {
+            let zero = b.mov::<U32>(0u32);
+            let near0 = even_is_near(b, o, zero);
+            let near0 = b.selp::<U32>(1u32, 0u32, near0);
+            let n = b.min(pairs, ANCHORS);
+            b.for_range(0u32, n, 1u32, "anchor", |b, a| {
+                let near = even_is_near(b, o, a);
+                let near = b.selp::<U32>(1u32, 0u32, near);
+                let same = b.setp(Cmp::Eq, near, near0);
+                let label = b.selp::<U32>(0u32, 1u32, same);
+                let at = common::elem::<U32>(b, homes, a);
+                b.st(&at, label);
+            });
+        });
+    });
+    b.unless(first, "rest", |b| {
+        b.comment("phase 1: this warp's side from its anchor, then its pairs past the anchors");
+        let anchor = b.and(gwarp, ANCHORS - 1);
+        let side = side_from_anchor(b, o, homes, anchor);
+        let other = b.xor(side, 1u32);
+        let warps = b.mul_lo(ctas, HOMES_WARPS_PER_CTA);
+        let start = b.add(gwarp, ANCHORS);
+        b.for_range(start, pairs, warps, "pair", |b, r| {
+            let near = even_is_near(b, o, r);
+            let label = b.selp(side, other, near);
+            let at = common::elem::<U32>(b, homes, r);
+            b.st(&at, label);
+        });
+    });
+    b.place(&exit);
+    b.ret();
+}
