@@ -63,6 +63,15 @@
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
+//! # The paired pool (the runtime's default f16 pool since session 27)
+//! With a non-null `o_pair`, the f16 pass adds each warp's staged rows into the paired pool
+//! of [`l2_sides`] instead of through `tmap_o`: one `cp.reduce.async.bulk` f16 add of the
+//! staging's 4 KiB image into the copy of the row homed in the warp's own L2 partition, so
+//! that no reduction crosses the fabric between the partitions, which bounds the pass.
+//! Each consumer warp's lane 0 finds its side at the start from an anchor pair, and loads
+//! the row's label (`o_homes`) right after the task's row scalars. The combine
+//! (`fwd_kv_combine_f16`, `paired = 1`) adds the two copies.
+//!
 //! # The probe's reference (the runtime's default since session 18)
 //! The pass needs only that every row's terms stay in its pool's range, not that `R` bound
 //! the logits. `fwd_kv_probe` (`forward_kv_rows`) gives a lower bound of each row's
