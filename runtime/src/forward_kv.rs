@@ -208,21 +208,21 @@ pub const PAIR_ANCHORS: usize = 64;
 /// the pool: the L2 partitions' interleave (`l2_sides::CHUNK_BYTES`).
 pub const PAIR_CHUNK_BYTES: usize = 4096;
 
-/// The paired `o_pool` ([`MsaForwardKv::with_paired_pool`]): `pairs` pairs of 4 KiB chunks
-/// from `base` (4 KiB aligned), and `homes [pairs]` u32 after them, labelled once when the
-/// buffer was allocated.
+/// The paired `o_pool` ([`MsaForwardKv::with_paired_pool`]): [`PAIR_ANCHORS`] pairs of 4 KiB
+/// chunks for the side probes, then `rows` pairs, from `base` (4 KiB aligned), and
+/// `homes [PAIR_ANCHORS + rows]` u32 after them, labelled once when the buffer was allocated.
 struct PairPool<B: Backend> {
     _buf: B::Buffer,
-    pairs: usize,
+    rows: usize,
     base: u64,
     homes: u64,
 }
 
 impl<B: Backend> PairPool<B> {
-    /// A pool of at least `pairs` pairs, its homes labelled by `fwd_kv_homes` on the
-    /// backend's stream (no host sync).
-    fn new(backend: &mut B, pairs: usize) -> Result<Self, RuntimeError> {
-        let pairs = pairs.max(PAIR_ANCHORS);
+    /// A pool for `rows` rows, its homes labelled by `fwd_kv_homes` on the backend's stream
+    /// (no host sync).
+    fn new(backend: &mut B, rows: usize) -> Result<Self, RuntimeError> {
+        let pairs = PAIR_ANCHORS + rows;
         let bytes = pairs * 2 * PAIR_CHUNK_BYTES + 4 * pairs + PAIR_CHUNK_BYTES;
         let buf = backend.alloc("forward_kv paired o_pool", bytes)?;
         let raw = backend.address(&buf);
@@ -243,7 +243,7 @@ impl<B: Backend> PairPool<B> {
         }
         Ok(PairPool {
             _buf: buf,
-            pairs,
+            rows,
             base,
             homes,
         })
@@ -536,7 +536,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let pairs = 4 * t;
         self.active_pair = None;
         let paired = self.paired && self.pool == OPool::F16 && t > 0;
-        if paired && self.pair_pool.as_ref().is_none_or(|p| p.pairs < pairs) {
+        if paired && self.pair_pool.as_ref().is_none_or(|p| p.rows < pairs) {
             // The old pool goes first: the two need not fit together.
             self.pair_pool = None;
             self.pair_pool = Some(PairPool::new(backend, pairs)?);
@@ -567,9 +567,13 @@ impl<B: Backend> MsaForwardKv<B> {
             o_pool: match (self.pool, pair) {
                 (OPool::F32, _) => OPoolSpan::F32(Span::new(base, t * Q_ROW)),
                 (OPool::F16, None) => OPoolSpan::F16(Span::new(base, t * Q_ROW)),
-                // Its first T × 16 KiB (of 32): the tensor map the pass is given spans them,
-                // and reads none.
-                (OPool::F16, Some((o, _))) => OPoolSpan::F16(Span::new(o, t * Q_ROW)),
+                // The rows' pairs past the anchors, as a span of their first T × 16 KiB (of
+                // 32; `prepare` zeroes both halves): the tensor map the pass is given spans
+                // them, and reads none.
+                (OPool::F16, Some((o, _))) => OPoolSpan::F16(Span::new(
+                    o + (PAIR_ANCHORS * 2 * PAIR_CHUNK_BYTES) as u64,
+                    t * Q_ROW,
+                )),
             },
             l_pool: Span::new(base + o_b as u64, rows),
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
@@ -793,7 +797,9 @@ impl<B: Backend> MsaForwardKv<B> {
             OPoolSpan::F16(o) => (
                 &fwd_kv_combine_f16::KERNEL,
                 fwd_kv_combine_f16::args(
-                    o.ptr_mut(),
+                    // Paired, the pool's start (the kernel skips the anchors).
+                    self.active_pair
+                        .map_or(o.ptr_mut(), |(base, _)| PtrMut::new(base)),
                     pools.l_pool.ptr_mut(),
                     pools.m_pool.ptr(),
                     pools.reference.ptr_mut(),

@@ -676,13 +676,15 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         .flat_map(|c| (0..chunk_bytes / 16).map(move |w| 8 * chunk_bytes * c + 16 * w))
         .map(|off| o_at.offset(off))
         .collect();
-    // Paired, head `h = row mod 16` of pair `row / 16`: chunk `k` of copy `c` is at
+    // Paired (`o_pool` then the pool's start, anchors first), head `h = row mod 16` of pair
+    // `ANCHORS + row / 16`: chunk `k` of copy `c` is at
     // `(2·pair + c)·4096 + (k / 8)·2048 + h·128 + ((k mod 8) ^ (h mod 8))·16`. Unpaired, the
     // second copy's words read the first's again and count as zeros.
     let paired = paired_p.as_ref().map(|pp| {
         let v = b.ld_param(pp);
         let paired = b.setp(Cmp::Ne, v, 0u32);
         let pair = b.shr(row, 4u32);
+        let pair = b.add(pair, super::l2_sides::ANCHORS);
         let chunk = b.shl(pair, 1u32);
         let h = b.and(row, 15u32);
         let sw = b.and(row, 7u32);

@@ -1351,7 +1351,9 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         let pair = (pool == OPool::F16).then(|| {
             let q = b.max(qrow, 0i32);
             let q = b.bitcast::<U32, S32>(q);
+            // Rows follow the anchors, which only the side probes touch.
             let pair = b.mad_lo(q, 4u32, head);
+            let pair = b.add(pair, l2_sides::ANCHORS);
             b.predicated(lane0_paired, false, |b| {
                 let homes = b.ld_param_ptr(&p.o_homes);
                 let at = common::elem::<U32>(b, homes, pair);

@@ -11,8 +11,10 @@
 //! # Layout
 //! Homes alternate between the partitions at 4 KiB, and chunks `2r` and `2r + 1` of a 4 KiB
 //! aligned buffer always sit on different sides (measured on an H200 with
-//! `bench/probe/l2_sides.cu`: address bit 12 is in the partition hash). The paired pool gives
-//! each `(token, index head)` row of 16 heads × 128 d f16 (4 KiB) the two chunks of pair `r`;
+//! `bench/probe/l2_sides.cu`: address bit 12 is in the partition hash). The paired pool holds
+//! [`ANCHORS`] pairs that only the side probes touch (their atomics never meet a row's
+//! reductions), then gives each `(token, index head)` row `r` of 16 heads × 128 d f16 (4 KiB)
+//! the two chunks of pair `ANCHORS + r`;
 //! a warp adds its row into the chunk homed on its own side, as the raw image of its SW128
 //! staging (two boxes of `[16 heads][128 B]`, the 16-byte chunk `k` of head `h` at
 //! `k ^ (h & 7)`). The combine adds the two copies. Correctness never depends on which copy
