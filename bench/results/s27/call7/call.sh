@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 27, call 7 (replaces call 6, which never got a machine; less device time was left):
-# the paired o_pool (branch s27-paired-pool, f41c944) on a GPU. Bundle .gpu/s27
+# the paired o_pool (branch s27-paired-pool, f10656b) on a GPU. Bundle .gpu/s27
 # (scripts/forward-kv-bundle.sh .gpu/s27, plus bench, plus .gpu/s25b's bench_forward as
 # bench_forward_prev: main's build). In priority order: the KV forward alone, the paired pool
 # (bench_forward, its default) against main's build (bench_forward_prev) in the same call, 5
