@@ -32,8 +32,8 @@
 //! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`, and each
 //! rule of the last argument adds a line `case @RULE` and its breakdown): the
 //! form for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
-//! and breakdown `MsaForwardKv::with_walk_split(N)`, and `BENCH_KV_PAIRED=0` every KV line
-//! `MsaForwardKv::with_paired_pool(false)`.
+//! and breakdown `MsaForwardKv::with_walk_split(N)`, and `BENCH_KV_PAIRED=1` every KV line
+//! `MsaForwardKv::with_paired_pool(true)`.
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -212,10 +212,10 @@ fn parse_rule(rule: &str) -> Res<(String, Locality, L2Hints)> {
 }
 
 /// The KV forward with its defaults, or with `split` CTAs per walk when given (and the
-/// unpaired pool under `BENCH_KV_PAIRED=0`).
+/// paired pool under `BENCH_KV_PAIRED=1`).
 fn kv_default<B: Backend>(split: Option<u32>) -> Res<MsaForwardKv<B>> {
-    let unpaired = std::env::var_os("BENCH_KV_PAIRED").is_some_and(|v| v == "0");
-    let fwd = MsaForwardKv::new().with_paired_pool(!unpaired);
+    let paired = std::env::var_os("BENCH_KV_PAIRED").is_some_and(|v| v == "1");
+    let fwd = MsaForwardKv::new().with_paired_pool(paired);
     Ok(match split {
         Some(parts) => fwd.with_walk_split(parts)?,
         None => fwd,

@@ -191,7 +191,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             reference: Reference::Probe,
             walk_split: FORWARD_KV_WALK_SPLIT,
             l2_hints: None,
-            paired: true,
+            paired: false,
             pair_pool: None,
             active_pair: None,
             tasks: None,
@@ -489,7 +489,8 @@ impl<B: Backend> MsaForwardKv<B> {
         }
     }
 
-    /// Whether [`MsaForwardKv::run_on`]'s f16 `o_pool` is paired (default on): each
+    /// Whether [`MsaForwardKv::run_on`]'s f16 `o_pool` is paired (default off: checked in the
+    /// simulator, not yet run on a GPU; session 27 ran out of device time): each
     /// `(token, index head)` row gets two 4 KiB copies, one homed in each L2 partition, and
     /// each warp of the sum pass adds into the copy on its own side, so that no reduction
     /// crosses the L2 fabric; the combine adds the copies. Twice the pool's memory

@@ -501,6 +501,50 @@ fn l2_hints_and_windows_under_one_query_per_block_match_the_reference() {
 }
 
 #[test]
+fn paired_pool_matches_the_reference_with_and_without_the_recompute() {
+    // The paired f16 pool (two copies per row, the combine adds them): the probe on tight
+    // inputs (one pass), then the Cauchy-Schwarz bound on unit-normal inputs (about 10 above
+    // each row's maximum: every row with a key recomputed, its two copies zeroed by the first
+    // combine), each flow called twice on its device (the pool and its homes reused, the rows
+    // re-zeroed).
+    let cu = cu_of(&[300, 1, 130, 77]);
+    let mut rng = Rng(31);
+    let q2k = random_q2k(&cu, &mut rng, &[1]);
+    for (reference, tight_inputs) in [(Reference::Probe, true), (Reference::Bound, false)] {
+        let mut dev = SimDevice::new(Arch::Sm90, 132);
+        let how = (OPool::F16, reference);
+        let mut fwd = flow(how).with_paired_pool(true);
+        for seed in [32, 33] {
+            let what = format!("{reference:?}, seed {seed}");
+            let inp = inputs(&cu, &q2k, seed);
+            let inp = if tight_inputs {
+                tight(&cu, &q2k, inp)
+            } else {
+                inp
+            };
+            let (out, lse, verdict) = run_device_on(
+                &mut dev,
+                &mut fwd,
+                &cu,
+                &q2k,
+                (&inp.q, &inp.ka, &inp.va),
+                how,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let recomputed = verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let with_keys = inp.want_lse.iter().filter(|x| x.is_finite()).count() as u32;
+            assert_eq!(
+                recomputed,
+                if tight_inputs { 0 } else { with_keys },
+                "{what}"
+            );
+            let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+            eprintln!("paired pool, {what}, {recomputed} rows recomputed: {stats}");
+        }
+    }
+}
+
+#[test]
 fn f16_pool_recomputes_every_row_whose_bound_lies_too_far_above_it() {
     // Unit-normal Q and K put the bound about 10 above each row's maximum, past the f16
     // window of 7 (after the scale's ln 8): every row with a key goes to the recompute pass,

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Session 27, call 7 (replaces call 6, which never got a machine; less device time was left):
-# the paired o_pool (branch s27-paired-pool, f10656b) on a GPU. Bundle .gpu/s27
+# NOT RUN: session 27 had no device time left (five starts failed). For the next session's
+# first call, on main's build: the paired o_pool (`with_paired_pool(true)`, opt-in) on a GPU. Bundle .gpu/s27
 # (scripts/forward-kv-bundle.sh .gpu/s27, plus bench, plus .gpu/s25b's bench_forward as
-# bench_forward_prev: main's build). In priority order: the KV forward alone, the paired pool
-# (bench_forward, its default) against main's build (bench_forward_prev) in the same call, 5
-# reps; the GPU tests forward_kv; doc1m the same way; the GPU tests forward; the sanitizers.
+# bench_forward_prev: the build before the paired pool). In priority order: the KV forward
+# alone, the paired pool (bench_forward with BENCH_KV_PAIRED=1), the same build unpaired (its
+# default) and the build before it (bench_forward_prev) in the same call, 5 reps; the GPU
+# tests forward_kv (their paired case included); doc1m the same way; the GPU tests forward;
+# the sanitizers (the harness runs the defaults: unpaired). Rebuild the bundle first if the
+# PTX changed since.
 # Run as BUDGET=<seconds> bash bench/results/s27/call7/call.sh
 set -uo pipefail
 O=$OUT
@@ -17,13 +20,14 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.tota
 timeout 60 $F/bench --cases doc8k,packed64k,doc64k,doc256k,doc1m --write-inputs /tmp/msa_in --inputs-only > /dev/null 2>&1
 s inputs
 ab() { # cases timeout
-  for v in paired main; do
+  for v in paired unpaired prev; do
     case $v in
-      paired) B=$F/bench_forward;;
-      main) B=$F/bench_forward_prev;;
+      paired) B=$F/bench_forward; E=1;;
+      unpaired) B=$F/bench_forward; E=0;;
+      prev) B=$F/bench_forward_prev; E=0;;
     esac
     echo "== $v $1" >> $O/ab.txt
-    BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 5 >> $O/ab.txt 2>&1
+    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 5 >> $O/ab.txt 2>&1
     echo "rc $?" >> $O/ab.txt
   done
   s ab $1
