@@ -63,7 +63,7 @@
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
-//! # The paired pool (the runtime's default f16 pool since session 27)
+//! # The paired pool (session 27; opt-in, not yet run on a GPU)
 //! With a non-null `o_pair`, the f16 pass adds each warp's staged rows into the paired pool
 //! of [`l2_sides`] instead of through `tmap_o`: one `cp.reduce.async.bulk` f16 add of the
 //! staging's 4 KiB image into the copy of the row homed in the warp's own L2 partition, so
