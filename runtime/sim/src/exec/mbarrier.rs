@@ -649,6 +649,38 @@ impl Cta<'_> {
         Ok(Flow::Advance)
     }
 
+    /// An async-proxy read of shared `[src, src + bytes)` (a `kind` reduction) must find no
+    /// generic store there that its thread has not fenced with `fence.proxy.async`.
+    fn async_read_fenced(
+        &self,
+        pc: usize,
+        w: usize,
+        l: usize,
+        src: u64,
+        bytes: u64,
+        kind: &str,
+    ) -> Result<(), SimError> {
+        if self.unfenced_total == 0 {
+            return Ok(());
+        }
+        let (lo, hi) = (src as usize / 4, (src + bytes) as usize / 4);
+        match (lo..hi).find(|&i| self.unfenced[i] != 0) {
+            None => Ok(()),
+            Some(word) => Err(self.fault(
+                pc,
+                w,
+                l,
+                FaultKind::Proxy(format!(
+                    "the {kind} reduction reads shared {:#x}, stored by thread {} (pc {}) \
+                     without a fence.proxy.async before it",
+                    word * 4,
+                    self.unfenced[word] - 1,
+                    self.unfenced_pc[word]
+                )),
+            )),
+        }
+    }
+
     /// A bulk f16 reduce-add: `bytes` at shared `src` (16-byte aligned, unfenced stores
     /// refused as for the tensor form) added into global `dst`, rounded to f16 per element.
     fn bulk_reduce(
@@ -676,23 +708,7 @@ impl Cta<'_> {
                 )),
             ));
         }
-        let (lo, hi) = (src as usize / 4, (src + bytes) as usize / 4);
-        if self.unfenced_total > 0 {
-            if let Some(word) = (lo..hi).find(|&i| self.unfenced[i] != 0) {
-                let by = self.unfenced[word] - 1;
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Proxy(format!(
-                        "the bulk reduction reads shared {:#x}, stored by thread {by} (pc {}) \
-                         without a fence.proxy.async before it",
-                        word * 4,
-                        self.unfenced_pc[word]
-                    )),
-                ));
-            }
-        }
+        self.async_read_fenced(pc, w, l, src, bytes, "bulk")?;
         let add: Vec<u8> = self.shared[src as usize..(src + bytes) as usize].to_vec();
         let Some(out) = self.mem.slice_mut(dst, bytes as usize) else {
             let msg = format!(
@@ -741,24 +757,7 @@ impl Cta<'_> {
         }
         let rank = m.rank as usize;
         let bytes = m.shared_bytes();
-        if self.unfenced_total > 0 {
-            let lo = src as usize / 4;
-            let hi = (src as u64 + bytes) as usize / 4;
-            if let Some(word) = (lo..hi).find(|&i| self.unfenced[i] != 0) {
-                let by = self.unfenced[word] - 1;
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    FaultKind::Proxy(format!(
-                        "the TMA reduction reads shared {:#x}, stored by thread {by} (pc {}) \
-                         without a fence.proxy.async before it",
-                        word * 4,
-                        self.unfenced_pc[word]
-                    )),
-                ));
-            }
-        }
+        self.async_read_fenced(pc, w, l, u64::from(src), bytes, "TMA")?;
         let n = m.box_elements();
         let pitch = m.row_pitch() as u32;
         for (row, (row_ok, row_base)) in (0u32..).zip(m.box_rows(&c)) {
