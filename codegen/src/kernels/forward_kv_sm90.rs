@@ -185,6 +185,12 @@
 //!   with each window's rows resident and every K/V load missing, 4096-query windows would
 //!   need 107 kB per task at doc256k (doc64k measures 103.5) and 151 kB at doc1m, so flat is
 //!   within reach to 256K tokens only if the rows stayed in L2, and not at 1M in this design.
+//! - Session 27 (`bench/results/h100-2026-12-07-s27-forward-fabric.md`): that bound counted
+//!   the wrong bytes. ncu's breakdown of L2 throughput puts the pass on the fabric between
+//!   the two L2 partitions (`lts__ltcfabric2ltc_cycles_active` 97 % on an H100, 85-95 % on an
+//!   H200; the slices' sectors at 52 %). Half of each task's reductions cross it, and the
+//!   long documents add read misses that cross it. Hence the paired pool (above; opt-in,
+//!   not yet run on a GPU).
 
 use super::common::{self, k_major, mn_major};
 use super::l2_sides;
