@@ -1267,6 +1267,62 @@ pub mod msa_forward_kv_f16_sm90 {
         ]
     }
 }
+/// `msa_forward_kv_f16p_sm90`: msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired             o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no             reduction crosses the fabric between the partitions.
+pub mod msa_forward_kv_f16p_sm90 {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "msa_forward_kv_f16p_sm90";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (384, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 231056;
+    /// PTX of `msa_forward_kv_f16p_sm90` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("msa_forward_kv_f16p_sm90.sm_90a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[((9, 0), PTX_SM_90A)];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        tmap_q: &TensorMap,
+        tmap_k: &TensorMap,
+        tmap_v: &TensorMap,
+        tmap_o: &TensorMap,
+        reference: Ptr<f32>,
+        task_meta: Ptr<i32>,
+        task_qrows: Ptr<i32>,
+        task_qpos: Ptr<i32>,
+        desc: Ptr<i32>,
+        l_pool: PtrMut<f32>,
+        m_pool: PtrMut<u32>,
+        gate: Ptr<u32>,
+        zero: PtrMut<u32>,
+        zero_words: u32,
+        walk_split_log2: u32,
+        l2_hints: u32,
+        o_pair: PtrMut<u16>,
+        o_homes: Ptr<u32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
+            KernelArg::from(tmap_o), KernelArg::from(reference),
+            KernelArg::from(task_meta), KernelArg::from(task_qrows),
+            KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
+            KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
+            KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
+        ]
+    }
+}
 /// `msa_forward_kv_max_sm90`: the KV-parallel forward's row maxima alone: S = Q*K^T on the task tables, the causal mask and red.max of max S*scale*log2e into m_pool (the exact reference of the sum pass).
 pub mod msa_forward_kv_max_sm90 {
     use super::*;
@@ -1459,14 +1515,66 @@ pub mod fwd_kv_combine_f16 {
         second: u32,
         window_on_sum: u32,
         rows: u32,
-        paired: u32,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
             KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
             KernelArg::from(status), KernelArg::from(gate), KernelArg::from(vmax),
             KernelArg::from(second), KernelArg::from(window_on_sum),
-            KernelArg::from(rows), KernelArg::from(paired)
+            KernelArg::from(rows)
+        ]
+    }
+}
+/// `fwd_kv_combine_f16p`: fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in             each L2 partition, as the SW128 image of a warp's staging) added.
+pub mod fwd_kv_combine_f16p {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_combine_f16p";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_combine_f16p` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_combine_f16p.sm_90a.ptx");
+    /// PTX of `fwd_kv_combine_f16p` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_combine_f16p.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [min(ceil(T * 64 / 32), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        o_pool: PtrMut<u16>,
+        l_pool: PtrMut<f32>,
+        m_pool: Ptr<u32>,
+        reference: PtrMut<f32>,
+        out: PtrMut<bf16>,
+        lse: PtrMut<f32>,
+        status: PtrMut<u32>,
+        gate: Ptr<u32>,
+        vmax: Ptr<u32>,
+        second: u32,
+        window_on_sum: u32,
+        rows: u32,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(o_pool), KernelArg::from(l_pool), KernelArg::from(m_pool),
+            KernelArg::from(reference), KernelArg::from(out), KernelArg::from(lse),
+            KernelArg::from(status), KernelArg::from(gate), KernelArg::from(vmax),
+            KernelArg::from(second), KernelArg::from(window_on_sum),
+            KernelArg::from(rows)
         ]
     }
 }

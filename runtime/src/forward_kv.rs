@@ -29,8 +29,9 @@ use crate::contract::{Locality, BLOCK_SIZE, HEAD_DIM, KV_ROW, NUM_Q_HEADS, Q_ROW
 use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
-    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_homes, fwd_kv_key_max, fwd_kv_probe,
-    fwd_kv_reference, msa_forward_kv_f16_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
+    fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_combine_f16p, fwd_kv_homes,
+    fwd_kv_key_max, fwd_kv_probe, fwd_kv_reference, msa_forward_kv_f16_sm90,
+    msa_forward_kv_f16p_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
 };
 use crate::ops::{check_len, grid_dim, u32_arg};
 use crate::schedule_build::ResidentSchedule;
@@ -593,9 +594,10 @@ impl<B: Backend> MsaForwardKv<B> {
         let key_max = bound || self.pool == OPool::F16;
         if t > 0 {
             // The kernels this call launches, and no other.
-            let mut kernels: Vec<&KernelSpec> = vec![match self.pool {
-                OPool::F32 => &fwd_kv_combine::KERNEL,
-                OPool::F16 => &fwd_kv_combine_f16::KERNEL,
+            let mut kernels: Vec<&KernelSpec> = vec![match (self.pool, pair) {
+                (OPool::F32, _) => &fwd_kv_combine::KERNEL,
+                (OPool::F16, None) => &fwd_kv_combine_f16::KERNEL,
+                (OPool::F16, Some(_)) => &fwd_kv_combine_f16p::KERNEL,
             }];
             if key_max {
                 kernels.push(&fwd_kv_key_max::KERNEL);
@@ -798,9 +800,7 @@ impl<B: Backend> MsaForwardKv<B> {
             OPoolSpan::F16(o) => (
                 &fwd_kv_combine_f16::KERNEL,
                 fwd_kv_combine_f16::args(
-                    // Paired, the pool's start (the kernel skips the anchors).
-                    self.active_pair
-                        .map_or(o.ptr_mut(), |(base, _)| PtrMut::new(base)),
+                    o.ptr_mut(),
                     pools.l_pool.ptr_mut(),
                     pools.m_pool.ptr(),
                     pools.reference.ptr_mut(),
@@ -812,9 +812,30 @@ impl<B: Backend> MsaForwardKv<B> {
                     second,
                     on_sum,
                     u32_arg("rows", rows)?,
-                    u32::from(self.active_pair.is_some()),
                 ),
             ),
+        };
+        // The paired pool's combine: the same parameters, `o_pool` the pool's start (the
+        // kernel skips the anchors).
+        let (kernel, args) = match (self.active_pair, pools.o_pool) {
+            (Some((base, _)), OPoolSpan::F16(_)) => (
+                &fwd_kv_combine_f16p::KERNEL,
+                fwd_kv_combine_f16p::args(
+                    PtrMut::new(base),
+                    pools.l_pool.ptr_mut(),
+                    pools.m_pool.ptr(),
+                    pools.reference.ptr_mut(),
+                    io.out.ptr_mut(),
+                    io.lse.ptr_mut(),
+                    status.ptr_mut(),
+                    gate_ptr,
+                    vmax,
+                    second,
+                    on_sum,
+                    u32_arg("rows", rows)?,
+                ),
+            ),
+            _ => (kernel, args),
         };
         // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
         // checked to be [T, 64, 128] and [T, 64]; status is two words and vmax the word after
@@ -890,7 +911,10 @@ impl<B: Backend> MsaForwardKv<B> {
             "no pool on an input or another pool",
         )?;
         // The task build loads its own kernels (`TaskWorkspace::build_from`).
-        backend.load(pass_kernel(Pass::Sum(io.o_pool.kind())))?;
+        backend.load(match self.active_pair {
+            Some(_) => &msa_forward_kv_f16p_sm90::KERNEL,
+            None => pass_kernel(Pass::Sum(io.o_pool.kind())),
+        })?;
         let shape = ScheduleShape {
             num_tokens: z.num_tokens,
             num_docs: z.num_documents,
@@ -991,11 +1015,16 @@ impl<B: Backend> MsaForwardKv<B> {
             PtrMut::new(pair.map_or(0, |(o, _)| o)),
             Ptr::new(pair.map_or(0, |(_, h)| h)),
         );
+        let kernel = match pair {
+            Some(_) => &msa_forward_kv_f16p_sm90::KERNEL,
+            None => pass_kernel(pass),
+        };
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
-        // is null or o_pool's own 16-byte words.
-        unsafe { backend.launch(pass_kernel(pass), (launch.ctas, 1, 1), &args) }
+        // is null or o_pool's own 16-byte words; a paired pool holds its anchors' and the
+        // rows' pairs and their labels (`PairPool::new`).
+        unsafe { backend.launch(kernel, (launch.ctas, 1, 1), &args) }
     }
 }
 

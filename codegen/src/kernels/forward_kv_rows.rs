@@ -139,7 +139,16 @@ pub const COMBINE_F16: KernelDesc = KernelDesc {
             window check and the recompute reference",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe_combine(b, true),
+    describe: |b| describe_combine(b, true, false),
+};
+
+/// The combine of the paired f16 pool (`l2_sides`): each row's two copies added.
+pub const COMBINE_F16_PAIRED: KernelDesc = KernelDesc {
+    name: "fwd_kv_combine_f16p",
+    about: "fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in             each L2 partition, as the SW128 image of a warp's staging) added",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (THREADS, 1, 1),
+    describe: |b| describe_combine(b, true, true),
 };
 
 /// The combine.
@@ -149,7 +158,7 @@ pub const COMBINE: KernelDesc = KernelDesc {
             the reference's range are handed to a recompute pass with their exact maximum",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe_combine(b, false),
+    describe: |b| describe_combine(b, false, false),
 };
 
 /// This thread's row (`ctaid·8 + warp`), its lane, and whether the row is inside `rows`.
@@ -589,7 +598,10 @@ fn describe_probe(b: &mut KernelBuilder) {
     b.ret();
 }
 
-fn describe_combine(b: &mut KernelBuilder, f16: bool) {
+fn describe_combine(b: &mut KernelBuilder, f16: bool, paired: bool) {
+    if paired && !f16 {
+        return b.error("only the f16 pool is paired".into());
+    }
     b.grid("[min(ceil(T * 64 / 32), COMBINE_MAX_CTAS_PER_SM * num_sms), 1, 1]");
     let o_p = if f16 {
         b.param_ptr("o_pool", HostElem::U16, true)
@@ -611,9 +623,6 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
     let second_p = b.param_u32("second");
     let on_sum_p = b.param_u32("window_on_sum");
     let rows_p = b.param_u32("rows");
-    // The f16 pool may be paired (`l2_sides`): two copies per row of 16 heads, each the SW128
-    // image of a warp's staging, which the combine adds.
-    let paired_p = f16.then(|| b.param_u32("paired"));
     super::forward_kv_sm90::gate(b, &gate_p);
     let second = b.ld_param(&second_p);
     let second = b.setp(Cmp::Ne, second, 0u32);
@@ -678,11 +687,9 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         .collect();
     // Paired (`o_pool` then the pool's start, anchors first), head `h = row mod 16` of pair
     // `ANCHORS + row / 16`: chunk `k` of copy `c` is at
-    // `(2·pair + c)·4096 + (k / 8)·2048 + h·128 + ((k mod 8) ^ (h mod 8))·16`. Unpaired, the
-    // second copy's words read the first's again and count as zeros.
-    let paired = paired_p.as_ref().map(|pp| {
-        let v = b.ld_param(pp);
-        let paired = b.setp(Cmp::Ne, v, 0u32);
+    // `(2·pair + c)·4096 + (k / 8)·2048 + h·128 + ((k mod 8) ^ (h mod 8))·16`, and the
+    // lane's words are copy 0's, then copy 1's.
+    if paired {
         let pair = b.shr(row, 4u32);
         let pair = b.add(pair, super::l2_sides::ANCHORS);
         let chunk = b.shl(pair, 1u32);
@@ -695,24 +702,10 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
         let pa = b.add(op, chunk_off);
         let within = b.cvt::<U64, U32>(within);
         let pa = b.add(pa, within);
-        let unpaired_off = b.mul_wide(idx, 16u32);
-        let ua = b.add(op, unpaired_off);
-        let copies: Vec<Vec<GlobalAddr>> = (0..2u64)
-            .map(|c| {
-                (0..2u64)
-                    .map(|k| {
-                        let p_at = b.add(pa, 4096 * c + 2048 * k);
-                        let u_at = b.add(ua, 128 * k);
-                        global(b.selp::<U64>(p_at, u_at, paired), 0)
-                    })
-                    .collect()
-            })
+        o_words = (0..2i64)
+            .flat_map(|c| (0..2i64).map(move |k| 4096 * c + 2048 * k))
+            .map(|off| global(pa, off))
             .collect();
-        (paired, copies)
-    });
-    if let Some((_, copies)) = &paired {
-        o_words = copies[0].clone();
-        o_words.extend(copies[1].iter().cloned());
     }
     let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
         o_words
@@ -788,17 +781,10 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool) {
                 [lo, hi]
             })
             .collect();
-        if let Some((paired, _)) = &paired {
-            // The second copy's 16 values after the first's; zeros when unpaired.
+        if paired {
+            // The second copy's 16 values after the first's.
             let second = o.split_off(16);
-            o = o
-                .iter()
-                .zip(&second)
-                .map(|(&x, &y)| {
-                    let y = b.selp::<F32>(y, 0.0f32, *paired);
-                    b.add(x, y)
-                })
-                .collect();
+            o = o.iter().zip(&second).map(|(&x, &y)| b.add(x, y)).collect();
         }
         o
     } else {

@@ -64,13 +64,14 @@
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
 //! # The paired pool (session 27; opt-in, not yet run on a GPU)
-//! With a non-null `o_pair`, the f16 pass adds each warp's staged rows into the paired pool
-//! of [`l2_sides`] instead of through `tmap_o`: one `cp.reduce.async.bulk` f16 add of the
-//! staging's 4 KiB image into the copy of the row homed in the warp's own L2 partition, so
-//! that no reduction crosses the fabric between the partitions, which bounds the pass.
-//! Each consumer warp's lane 0 finds its side at the start from an anchor pair, and loads
-//! the row's label (`o_homes`) right after the task's row scalars. The combine
-//! (`fwd_kv_combine_f16`, `paired = 1`) adds the two copies.
+//! `msa_forward_kv_f16p_sm90` ([`DESC_F16_PAIRED`]) is the f16 pass adding each warp's
+//! staged rows into the paired pool of [`l2_sides`] (`o_pair`, `o_homes`) instead of through
+//! `tmap_o`: one `cp.reduce.async.bulk` f16 add of the staging's 4 KiB image into the copy of
+//! the row homed in the warp's own L2 partition, so that no reduction crosses the fabric
+//! between the partitions, which bounds the pass. Each consumer warp's lane 0 finds its side
+//! at the start from an anchor pair, and loads the row's label right after the task's row
+//! scalars. Its combine, `fwd_kv_combine_f16p`, adds the two copies. The other passes take
+//! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
 //! # The probe's reference (the runtime's default since session 18)
 //! The pass needs only that every row's terms stay in its pool's range, not that `R` bound
@@ -259,7 +260,7 @@ pub const DESC: KernelDesc = KernelDesc {
             (TMA reduce-add), its sum and the row maximum into f32 pools against a caller's upper bound R",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe(b, Pass::Sum(OPool::F32)),
+    describe: |b| describe(b, Pass::Sum(OPool::F32), false),
 };
 
 /// The kernel with an f16 `o_pool`.
@@ -270,7 +271,16 @@ pub const DESC_F16: KernelDesc = KernelDesc {
             by TMA f16 reduce-add, against a reference the caller shifted to keep the sums in range",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe(b, Pass::Sum(OPool::F16)),
+    describe: |b| describe(b, Pass::Sum(OPool::F16), false),
+};
+
+/// The f16 kernel adding into the paired pool of [`l2_sides`] (`o_pair`, `o_homes`).
+pub const DESC_F16_PAIRED: KernelDesc = KernelDesc {
+    name: "msa_forward_kv_f16p_sm90",
+    about: "msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired             o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no             reduction crosses the fabric between the partitions",
+    targets: &[Target::Sm90a],
+    threads: (THREADS, 1, 1),
+    describe: |b| describe(b, Pass::Sum(OPool::F16), true),
 };
 
 /// The max pass ([`Pass::Max`]), with the sum passes' parameters.
@@ -281,7 +291,7 @@ pub const DESC_MAX: KernelDesc = KernelDesc {
             mask and red.max of max S*scale*log2e into m_pool (the exact reference of the sum pass)",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
-    describe: |b| describe(b, Pass::Max),
+    describe: |b| describe(b, Pass::Max, false),
 };
 
 fn boxes(dims: [u32; 3], n: usize) -> Vec<TmaBox> {
@@ -484,8 +494,8 @@ pub struct ForwardKvParams {
     /// The L2 eviction hints, a bit per [`L2Stream`]; 0 for none.
     pub l2_hints: ParamRef<U32>,
     /// The paired `o_pool` ([`l2_sides`]): two 4 KiB copies per
-    /// `(token, index head)` row, each warp adding into the one homed on its L2 side; or
-    /// null for the `tmap_o` layout. The f16 sum pass only; the others ignore it.
+    /// `(token, index head)` row, each warp adding into the one homed on its L2 side. Read by
+    /// `msa_forward_kv_f16p_sm90` only; the other passes take it (null) and ignore it.
     pub o_pair: ParamRef<U64>,
     /// `homes [pairs]` u32 of the paired pool (`fwd_kv_homes`), read only with `o_pair`.
     pub o_homes: ParamRef<U64>,
@@ -568,7 +578,10 @@ struct Ctx<'a> {
     walk: common::Walk,
 }
 
-fn describe(b: &mut KernelBuilder, pass: Pass) {
+fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
+    if paired && pass != Pass::Sum(OPool::F16) {
+        return b.error("only the f16 sum pass adds into the paired pool".into());
+    }
     b.grid("[grid_launch_bound(capacity, num_sms) << walk_split_log2, 1, 1]");
     b.min_ctas_per_sm(1);
     let p = params(b);
@@ -610,7 +623,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass) {
         |b| gather(b, &ctx, tid),
         spare,
         |b| match pass {
-            Pass::Sum(pool) => consumer(b, &ctx, tid, pool),
+            Pass::Sum(pool) => consumer(b, &ctx, tid, pool, paired),
             Pass::Max => max_consumer(b, &ctx, tid),
         },
     );
@@ -1237,7 +1250,7 @@ fn uniform<T: Word>(b: &mut KernelBuilder, v: Reg<T>) -> Reg<T> {
 /// segment's end it reads the next segment's K/V stage, loaded under this one. With one stage
 /// (the f32 pool) each S GEMM is issued at its task's start.
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
+fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired: bool) {
     let (p, r, base) = (ctx.p, ctx.r, ctx.base);
     // Every branch between a wgmma's issue and its wait must be one ptxas can prove uniform,
     // or it serializes them all (C7518/C7519): what the branches test is broadcast from lane
@@ -1269,27 +1282,21 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     // it). Uniform over the CTA.
     let raw = b.ld_param(&p.m_pool);
     let want_max = b.setp(Cmp::Ne, raw, 0u64);
-    // The paired pool (f16 only): lane 0 finds the warp's L2 side from an anchor pair of its
-    // own, so that no line takes every warp's probes.
-    let paired = if pool == OPool::F16 {
-        let raw = b.ld_param(&p.o_pair);
-        b.setp(Cmp::Ne, raw, 0u64)
-    } else {
-        b.setp(Cmp::Ne, zero, zero)
-    };
-    let side = b.mov::<U32>(0u32);
-    let lane0_paired = b.and_pred(lane0, paired);
-    if pool == OPool::F16 {
+    // The paired pool: lane 0 finds the warp's L2 side from an anchor pair of its own, so
+    // that no line takes every warp's probes.
+    let side = paired.then(|| {
+        let side = b.mov::<U32>(0u32);
         let cta = b.sreg(SReg::CtaidX);
         let anchor = b.mad_lo(cta, 8u32, slot);
         let anchor = b.and(anchor, l2_sides::ANCHORS - 1);
-        b.predicated(lane0_paired, false, |b| {
+        b.predicated(lane0, false, |b| {
             let o = b.ld_param_ptr(&p.o_pair);
             let homes = b.ld_param_ptr(&p.o_homes);
             let s = l2_sides::side_from_anchor(b, o, homes, anchor);
             b.set(side, s);
         });
-    }
+        side
+    });
 
     let (kv, qp) = (r.kv, r.q_pipe);
     let prev = b.mov::<U32>(u32::MAX);
@@ -1353,20 +1360,20 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
         let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
         let neg_ref = neg_ref.expect("read with the reference");
         // The paired pool's label of this slot's row, loaded a task's work before its use.
-        let home = b.mov::<U32>(0u32);
-        let pair = (pool == OPool::F16).then(|| {
+        let pair_home = paired.then(|| {
+            let home = b.mov::<U32>(0u32);
             let q = b.max(qrow, 0i32);
             let q = b.bitcast::<U32, S32>(q);
             // Rows follow the anchors, which only the side probes touch.
             let pair = b.mad_lo(q, 4u32, head);
             let pair = b.add(pair, l2_sides::ANCHORS);
-            b.predicated(lane0_paired, false, |b| {
+            b.predicated(lane0, false, |b| {
                 let homes = b.ld_param_ptr(&p.o_homes);
                 let at = common::elem::<U32>(b, homes, pair);
                 let v = b.ld::<U32, _>(&at);
                 b.set(home, v);
             });
-            pair
+            (pair, home)
         });
 
         b.wgmma_wait(0);
@@ -1488,26 +1495,27 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
             let d0: Vec<Reg<S32>> = (0..count)
                 .map(|box_| b.mov::<S32>((width * box_) as i32))
                 .collect();
-            let tensor_path = b.not_pred(paired);
-            let tensor_path = b.and_pred(lane0, tensor_path);
-            b.predicated(tensor_path, false, |b| {
-                for (box_, &d0) in (0..count).zip(&d0) {
-                    let src = shared(stage, i64::from(O_BOX_BYTES * box_));
-                    b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
+            match (pair_home, side) {
+                (Some((pair, home)), Some(side)) => {
+                    b.comment("paired pool: the staging's image into the copy homed on this side");
+                    b.predicated(lane0, false, |b| {
+                        let copy = b.xor(home, side);
+                        let chunk = b.mad_lo(pair, 2u32, copy);
+                        let o = b.ld_param_ptr(&p.o_pair);
+                        let at = common::elem_bytes(b, o, chunk, l2_sides::CHUNK_BYTES);
+                        let src = shared(stage, 0);
+                        b.bulk_reduce_add_f16_hinted(&at, &src, l2_sides::CHUNK_BYTES, o_policy);
+                        b.bulk_commit_group();
+                    });
                 }
-            });
-            if let Some(pair) = pair {
-                b.comment("paired pool: the staging's image into the copy homed on this side");
-                b.predicated(lane0_paired, false, |b| {
-                    let copy = b.xor(home, side);
-                    let chunk = b.mad_lo(pair, 2u32, copy);
-                    let o = b.ld_param_ptr(&p.o_pair);
-                    let at = common::elem_bytes(b, o, chunk, l2_sides::CHUNK_BYTES);
-                    let src = shared(stage, 0);
-                    b.bulk_reduce_add_f16_hinted(&at, &src, l2_sides::CHUNK_BYTES, o_policy);
-                });
+                _ => b.predicated(lane0, false, |b| {
+                    for (box_, &d0) in (0..count).zip(&d0) {
+                        let src = shared(stage, i64::from(O_BOX_BYTES * box_));
+                        b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
+                    }
+                    b.bulk_commit_group();
+                }),
             }
-            b.predicated(lane0, false, |b| b.bulk_commit_group());
         });
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);

@@ -74,10 +74,12 @@ pub fn all() -> &'static [KernelDesc] {
         forward_kv_rows::PROBE,
         forward_kv_sm90::DESC,
         forward_kv_sm90::DESC_F16,
+        forward_kv_sm90::DESC_F16_PAIRED,
         forward_kv_sm90::DESC_MAX,
         forward_kv_rows::REFERENCE,
         forward_kv_rows::COMBINE,
         forward_kv_rows::COMBINE_F16,
+        forward_kv_rows::COMBINE_F16_PAIRED,
         l2_sides::HOMES,
     ]
 }

@@ -284,12 +284,13 @@ fn run_device_on(
         reference == Reference::Probe,
         "the probe"
     );
-    let pass = match pool {
-        OPool::F32 => "msa_forward_kv_sm90",
-        OPool::F16 => "msa_forward_kv_f16_sm90",
+    // The f16 pass is the paired pool's under `with_paired_pool(true)`.
+    let passes: &[&str] = match pool {
+        OPool::F32 => &["msa_forward_kv_sm90"],
+        OPool::F16 => &["msa_forward_kv_f16_sm90", "msa_forward_kv_f16p_sm90"],
     };
     assert!(
-        dev.launches().iter().any(|l| l.kernel == pass),
+        dev.launches().iter().any(|l| passes.contains(&l.kernel)),
         "the {pool:?} pass ran"
     );
     let verdict = fwd.status(dev);
@@ -540,6 +541,18 @@ fn paired_pool_matches_the_reference_with_and_without_the_recompute() {
             );
             let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
             eprintln!("paired pool, {what}, {recomputed} rows recomputed: {stats}");
+        }
+        // The paired kernels ran, and not the unpaired pass or combine.
+        let ran = |k: &str| dev.launches().iter().any(|l| l.kernel == k);
+        for k in [
+            "fwd_kv_homes",
+            "msa_forward_kv_f16p_sm90",
+            "fwd_kv_combine_f16p",
+        ] {
+            assert!(ran(k), "{reference:?}: {k} ran");
+        }
+        for k in ["msa_forward_kv_f16_sm90", "fwd_kv_combine_f16"] {
+            assert!(!ran(k), "{reference:?}: {k} did not run");
         }
     }
 }
