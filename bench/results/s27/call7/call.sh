@@ -6,8 +6,8 @@
 # alone, the paired pool (bench_forward with BENCH_KV_PAIRED=1), the same build unpaired (its
 # default) and the build before it (bench_forward_prev) in the same call, 5 reps; the GPU
 # tests forward_kv (their paired case included); doc1m the same way; the GPU tests forward;
-# the sanitizers (the harness runs the defaults: unpaired). Rebuild the bundle first if the
-# PTX changed since.
+# the sanitizers (the harness runs the defaults: unpaired). The .gpu/s27 on disk predates
+# f55fe06 (the paired pool's own kernels): rebuild it first, as above.
 # Run as BUDGET=<seconds> bash bench/results/s27/call7/call.sh
 set -uo pipefail
 O=$OUT
