@@ -737,7 +737,18 @@ impl<'a> Cta<'a> {
             Special::Ctaid(a) => self.ctaid[a.index()],
             Special::Nctaid(a) => self.grid[a.index()],
             Special::LaneId => l,
-            Special::Clock => 0,
+            // A hash of the CTA's progress and the thread: deterministic, and differing
+            // between two reads, so that latency probes see arbitrary (not equal) times.
+            Special::Clock => {
+                let mut z = self
+                    .thread_steps
+                    .wrapping_add(u64::from(self.ctaid[0]) << 32)
+                    .wrapping_add(u64::from(t))
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                (z ^ (z >> 31)) as u32
+            }
             Special::WarpId => w as u32,
             Special::LaneMaskEq => 1 << l,
             Special::LaneMaskLt => (1u32 << l) - 1,

@@ -58,8 +58,9 @@ pub enum Special {
     Nctaid(Axis),
     /// `%laneid`
     LaneId,
-    /// `%clock`: the model's clock stands still (reads 0), so latency probes see no
-    /// difference; the paired pool's copies are chosen by them, and either is correct.
+    /// `%clock`: the model's reads are a hash of the CTA's progress and the thread, so
+    /// latency probes see arbitrary times; the paired pool's copies, chosen by them, then
+    /// mix within rows, and any choice is correct.
     Clock,
     /// `%warpid` (the warp's index in the CTA; hardware may differ, PTX says it is volatile)
     WarpId,
