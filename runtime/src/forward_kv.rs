@@ -491,7 +491,7 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// Whether [`MsaForwardKv::run_on`]'s f16 `o_pool` is paired (default off: checked in the
-    /// simulator, not yet run on a GPU; session 27 ran out of device time): each
+    /// simulator against the CPU reference, not yet run or timed on a GPU): each
     /// `(token, index head)` row gets two 4 KiB copies, one homed in each L2 partition, and
     /// each warp of the sum pass adds into the copy on its own side, so that no reduction
     /// crosses the L2 fabric; the combine adds the copies. Twice the pool's memory
