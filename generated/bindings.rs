@@ -1267,7 +1267,7 @@ pub mod msa_forward_kv_f16_sm90 {
         ]
     }
 }
-/// `msa_forward_kv_f16p_sm90`: msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired             o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no             reduction crosses the fabric between the partitions.
+/// `msa_forward_kv_f16p_sm90`: msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no reduction crosses the fabric between the partitions.
 pub mod msa_forward_kv_f16p_sm90 {
     use super::*;
     /// Entry name in the PTX module.
@@ -1525,7 +1525,7 @@ pub mod fwd_kv_combine_f16 {
         ]
     }
 }
-/// `fwd_kv_combine_f16p`: fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in             each L2 partition, as the SW128 image of a warp's staging) added.
+/// `fwd_kv_combine_f16p`: fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in each L2 partition, as the SW128 image of a warp's staging) added.
 pub mod fwd_kv_combine_f16p {
     use super::*;
     /// Entry name in the PTX module.

@@ -145,7 +145,8 @@ pub const COMBINE_F16: KernelDesc = KernelDesc {
 /// The combine of the paired f16 pool (`l2_sides`): each row's two copies added.
 pub const COMBINE_F16_PAIRED: KernelDesc = KernelDesc {
     name: "fwd_kv_combine_f16p",
-    about: "fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in             each L2 partition, as the SW128 image of a warp's staging) added",
+    about: "fwd_kv_combine_f16 over the paired o_pool: each row's two copies (one homed in \
+            each L2 partition, as the SW128 image of a warp's staging) added",
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: |b| describe_combine(b, true, true),

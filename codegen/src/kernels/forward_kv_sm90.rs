@@ -277,7 +277,9 @@ pub const DESC_F16: KernelDesc = KernelDesc {
 /// The f16 kernel adding into the paired pool of [`l2_sides`] (`o_pair`, `o_homes`).
 pub const DESC_F16_PAIRED: KernelDesc = KernelDesc {
     name: "msa_forward_kv_f16p_sm90",
-    about: "msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired             o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no             reduction crosses the fabric between the partitions",
+    about: "msa_forward_kv_f16_sm90 adding each warp's staged rows into the copy of the paired \
+            o_pool homed in its own L2 partition (one bulk f16 reduce-add), so that no \
+            reduction crosses the fabric between the partitions",
     targets: &[Target::Sm90a],
     threads: (THREADS, 1, 1),
     describe: |b| describe(b, Pass::Sum(OPool::F16), true),
