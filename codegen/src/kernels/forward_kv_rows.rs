@@ -680,17 +680,11 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool, paired: bool) {
     let idx = b.mad_lo(row, 16u32, lane);
     let op = b.ld_param_ptr(&o_p);
     let chunk_bytes: i64 = if f16 { 16 } else { 32 };
-    let o_at = common::elem_bytes(b, op, idx, chunk_bytes as u32);
-    // The lane's chunks `lane` and `lane + 8`, each as 16-byte words.
-    let mut o_words: Vec<_> = (0..2)
-        .flat_map(|c| (0..chunk_bytes / 16).map(move |w| 8 * chunk_bytes * c + 16 * w))
-        .map(|off| o_at.offset(off))
-        .collect();
-    // Paired (`o_pool` then the pool's start, anchors first), head `h = row mod 16` of pair
-    // `ANCHORS + row / 16`: chunk `k` of copy `c` is at
-    // `(2·pair + c)·4096 + (k / 8)·2048 + h·128 + ((k mod 8) ^ (h mod 8))·16`, and the
-    // lane's words are copy 0's, then copy 1's.
-    if paired {
+    // The lane's chunks `lane` and `lane + 8`, each as 16-byte words. Paired (`o_pool` then
+    // the pool's start, anchors first), head `h = row mod 16` of pair `ANCHORS + row / 16`:
+    // chunk `k` of copy `c` is at `(2·pair + c)·4096 + (k / 8)·2048 + h·128 +
+    // ((k mod 8) ^ (h mod 8))·16`, and the lane's words are copy 0's, then copy 1's.
+    let o_words: Vec<GlobalAddr> = if paired {
         let pair = b.shr(row, 4u32);
         let pair = b.add(pair, super::l2_sides::ANCHORS);
         let chunk = b.shl(pair, 1u32);
@@ -703,11 +697,19 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool, paired: bool) {
         let pa = b.add(op, chunk_off);
         let within = b.cvt::<U64, U32>(within);
         let pa = b.add(pa, within);
-        o_words = (0..2i64)
-            .flat_map(|c| (0..2i64).map(move |k| 4096 * c + 2048 * k))
+        let copy = i64::from(super::l2_sides::CHUNK_BYTES);
+        // Copy `c`, then its SW128 box `k` of 64 d (half a copy).
+        (0..2i64)
+            .flat_map(|c| (0..2i64).map(move |k| copy * c + copy / 2 * k))
             .map(|off| global(pa, off))
-            .collect();
-    }
+            .collect()
+    } else {
+        let o_at = common::elem_bytes(b, op, idx, chunk_bytes as u32);
+        (0..2)
+            .flat_map(|c| (0..chunk_bytes / 16).map(move |w| 8 * chunk_bytes * c + 16 * w))
+            .map(|off| o_at.offset(off))
+            .collect()
+    };
     let load_o = |b: &mut KernelBuilder| -> Vec<Reg<U32>> {
         o_words
             .iter()

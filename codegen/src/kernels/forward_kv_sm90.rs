@@ -1362,7 +1362,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
         let (qpos, qrow, neg_ref) = read_rows(b, ctx, &l, tasks, true);
         let neg_ref = neg_ref.expect("read with the reference");
         // The paired pool's label of this slot's row, loaded a task's work before its use.
-        let pair_home = paired.then(|| {
+        let paired_row = side.map(|side| {
             let home = b.mov::<U32>(0u32);
             let q = b.max(qrow, 0i32);
             let q = b.bitcast::<U32, S32>(q);
@@ -1375,7 +1375,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
                 let v = b.ld::<U32, _>(&at);
                 b.set(home, v);
             });
-            (pair, home)
+            (pair, home, side)
         });
 
         b.wgmma_wait(0);
@@ -1490,15 +1490,8 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
             // warp meets before its lane 0 issues.
             b.fence_proxy_async_shared();
             b.bar_warp_sync();
-            let map = b.tensor_map_addr(&p.tmap_o);
-            let h16 = b.shl(head, 4u32);
-            let h16 = b.bitcast::<S32, U32>(h16);
-            let (count, width) = pool.boxes();
-            let d0: Vec<Reg<S32>> = (0..count)
-                .map(|box_| b.mov::<S32>((width * box_) as i32))
-                .collect();
-            match (pair_home, side) {
-                (Some((pair, home)), Some(side)) => {
+            match paired_row {
+                Some((pair, home, side)) => {
                     b.comment("paired pool: the staging's image into the copy homed on this side");
                     b.predicated(lane0, false, |b| {
                         let copy = b.xor(home, side);
@@ -1510,13 +1503,22 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
                         b.bulk_commit_group();
                     });
                 }
-                _ => b.predicated(lane0, false, |b| {
-                    for (box_, &d0) in (0..count).zip(&d0) {
-                        let src = shared(stage, i64::from(O_BOX_BYTES * box_));
-                        b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
-                    }
-                    b.bulk_commit_group();
-                }),
+                None => {
+                    let map = b.tensor_map_addr(&p.tmap_o);
+                    let h16 = b.shl(head, 4u32);
+                    let h16 = b.bitcast::<S32, U32>(h16);
+                    let (count, width) = pool.boxes();
+                    let d0: Vec<Reg<S32>> = (0..count)
+                        .map(|box_| b.mov::<S32>((width * box_) as i32))
+                        .collect();
+                    b.predicated(lane0, false, |b| {
+                        for (box_, &d0) in (0..count).zip(&d0) {
+                            let src = shared(stage, i64::from(O_BOX_BYTES * box_));
+                            b.tma_reduce_add_3d_hinted(&src, map, [d0, h16, qrow], o_policy);
+                        }
+                        b.bulk_commit_group();
+                    });
+                }
             }
         });
         let next = b.add(tasks, 1u32);
@@ -1563,9 +1565,9 @@ mod tests {
 
     #[test]
     fn every_pass_takes_the_same_parameters() {
-        // The runtime launches the f16 and max passes with the f32 pass's binding.
+        // The runtime launches the f16, paired f16 and max passes with the f32 pass's binding.
         let f32_pass = DESC.build(Target::Sm90a).unwrap();
-        for desc in [DESC_F16, DESC_MAX] {
+        for desc in [DESC_F16, DESC_F16_PAIRED, DESC_MAX] {
             assert_eq!(f32_pass.params, desc.build(Target::Sm90a).unwrap().params);
         }
     }
