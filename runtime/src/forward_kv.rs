@@ -172,9 +172,6 @@ pub struct MsaForwardKv<B: Backend> {
     paired: bool,
     /// The paired pool and its homes, kept between calls.
     pair_pool: Option<PairPool<B>>,
-    /// The paired pool's `(o, homes)` addresses for the passes and combines of the
-    /// `run_on` in progress; `None` for the `tmap_o` layout.
-    active_pair: Option<(u64, u64)>,
     tasks: Option<TaskWorkspace<B>>,
     /// [`run_on`](MsaForwardKv::run_on)'s pools, reference, key maxima and status word, and
     /// their size in bytes.
@@ -194,7 +191,6 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             l2_hints: None,
             paired: false,
             pair_pool: None,
-            active_pair: None,
             tasks: None,
             work: None,
             status_at: None,
@@ -536,7 +532,6 @@ impl<B: Backend> MsaForwardKv<B> {
         let blocks = w / BLOCK_SIZE;
         let align = |x: usize| x.div_ceil(256) * 256;
         let pairs = 4 * t;
-        self.active_pair = None;
         let paired = self.paired && self.pool == OPool::F16 && t > 0;
         if paired && self.pair_pool.as_ref().is_none_or(|p| p.rows < pairs) {
             // The old pool goes first: the two need not fit together.
@@ -580,7 +575,6 @@ impl<B: Backend> MsaForwardKv<B> {
             l_pool: Span::new(base + o_b as u64, rows),
             m_pool: Span::new(base + (o_b + r_b) as u64, rows),
         };
-        self.active_pair = pair;
         let kmax2 = Span::<u32>::new(base + (o_b + 3 * r_b) as u64, 4 * blocks);
         let status = Span::<u32>::new(kmax2.addr + k_b as u64, 2);
         // max|v| over V, for the f16 pool's scale; null (not computed) for the f32 pool.
@@ -665,7 +659,7 @@ impl<B: Backend> MsaForwardKv<B> {
             Reference::Probe => ZeroO::InProbe,
             Reference::Bound => ZeroO::Prepare,
         };
-        match self.prepare(backend, &pools, schedule, zero_o)? {
+        match self.prepare(backend, &pools, schedule, zero_o, pair)? {
             Some(launch) => {
                 match self.reference {
                     // The bound is in place already (before `prepare`).
@@ -724,15 +718,15 @@ impl<B: Backend> MsaForwardKv<B> {
                     ..pools
                 };
                 self.launch_pass(backend, pass, &sum_pools, &launch, None)?;
-                self.combine(backend, &pools, io, status, vmax, None)?;
+                self.combine(backend, &pools, io, status, vmax, None, pair)?;
                 // The rows the first combine handed back, with their exact maxima (under the
                 // probe, their lse) as references; both launches return at once when there is
                 // none.
                 self.launch_pass(backend, pass, &sum_pools, &launch, Some(status))?;
-                self.combine(backend, &pools, io, status, vmax, Some(status))?;
+                self.combine(backend, &pools, io, status, vmax, Some(status), pair)?;
             }
             // No task: the combine writes every row empty.
-            None => self.combine(backend, &pools, io, status, vmax, None)?,
+            None => self.combine(backend, &pools, io, status, vmax, None, pair)?,
         }
         self.status_at = Some(status.addr);
         Ok(())
@@ -764,7 +758,8 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// One combine over every row (`gate` None: the first; `Some`: the second, gated on the
-    /// count of rows handed back).
+    /// count of rows handed back), of the paired pool's `(o, homes)` when given.
+    #[allow(clippy::too_many_arguments)]
     fn combine(
         &self,
         backend: &mut B,
@@ -773,6 +768,7 @@ impl<B: Backend> MsaForwardKv<B> {
         status: Span<u32>,
         vmax: Ptr<u32>,
         gate: Option<Span<u32>>,
+        pair: Option<(u64, u64)>,
     ) -> Result<(), RuntimeError> {
         let rows = pools.l_pool.len;
         let gate_ptr = gate.map_or(Ptr::new(0), |g| g.ptr());
@@ -797,10 +793,15 @@ impl<B: Backend> MsaForwardKv<B> {
                     u32_arg("rows", rows)?,
                 ),
             ),
+            // The paired pool's combine takes the same parameters (a codegen test checks
+            // it), `o_pool` then the pool's start (the kernel skips the anchors).
             OPoolSpan::F16(o) => (
-                &fwd_kv_combine_f16::KERNEL,
+                match pair {
+                    Some(_) => &fwd_kv_combine_f16p::KERNEL,
+                    None => &fwd_kv_combine_f16::KERNEL,
+                },
                 fwd_kv_combine_f16::args(
-                    o.ptr_mut(),
+                    pair.map_or(o.ptr_mut(), |(base, _)| PtrMut::new(base)),
                     pools.l_pool.ptr_mut(),
                     pools.m_pool.ptr(),
                     pools.reference.ptr_mut(),
@@ -814,28 +815,6 @@ impl<B: Backend> MsaForwardKv<B> {
                     u32_arg("rows", rows)?,
                 ),
             ),
-        };
-        // The paired pool's combine: the same parameters, `o_pool` the pool's start (the
-        // kernel skips the anchors).
-        let (kernel, args) = match (self.active_pair, pools.o_pool) {
-            (Some((base, _)), OPoolSpan::F16(_)) => (
-                &fwd_kv_combine_f16p::KERNEL,
-                fwd_kv_combine_f16p::args(
-                    PtrMut::new(base),
-                    pools.l_pool.ptr_mut(),
-                    pools.m_pool.ptr(),
-                    pools.reference.ptr_mut(),
-                    io.out.ptr_mut(),
-                    io.lse.ptr_mut(),
-                    status.ptr_mut(),
-                    gate_ptr,
-                    vmax,
-                    second,
-                    on_sum,
-                    u32_arg("rows", rows)?,
-                ),
-            ),
-            _ => (kernel, args),
         };
         // SAFETY: the pools and the reference are [T, 64, 128] / [T, 64]; out and lse were
         // checked to be [T, 64, 128] and [T, 64]; status is two words and vmax the word after
@@ -861,8 +840,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         // The caller's pools have the `[T, 64, 128]` layout.
-        self.active_pair = None;
-        match self.prepare(backend, io, schedule, ZeroO::Prepare)? {
+        match self.prepare(backend, io, schedule, ZeroO::Prepare, None)? {
             Some(launch) => {
                 let pass = Pass::Sum(io.o_pool.kind());
                 self.launch_pass(backend, pass, io, &launch, None)
@@ -874,13 +852,15 @@ impl<B: Backend> MsaForwardKv<B> {
     /// [`MsaForwardKv::run_to_pools`] up to the launch: checks, kernels, tensor maps, the task
     /// build and the zeroed pools (`o_pool` left to the max pass or to the task build, and
     /// the other two to the probe, as `zero_o` names, when the pass launches); `None` when
-    /// there is nothing to launch.
+    /// there is nothing to launch. With a paired pool's `(o, homes)`, `io.o_pool` spans the
+    /// first halves of its rows' pairs.
     fn prepare(
         &mut self,
         backend: &mut B,
         io: &ForwardKvBuffers,
         schedule: &ResidentSchedule<B>,
         zero_o: ZeroO,
+        pair: Option<(u64, u64)>,
     ) -> Result<Option<PassLaunch>, RuntimeError> {
         self.claim(backend);
         let z = *schedule.sizes();
@@ -911,10 +891,7 @@ impl<B: Backend> MsaForwardKv<B> {
             "no pool on an input or another pool",
         )?;
         // The task build loads its own kernels (`TaskWorkspace::build_from`).
-        backend.load(match self.active_pair {
-            Some(_) => &msa_forward_kv_f16p_sm90::KERNEL,
-            None => pass_kernel(Pass::Sum(io.o_pool.kind())),
-        })?;
+        backend.load(pass_kernel(Pass::Sum(io.o_pool.kind()), pair.is_some()))?;
         let shape = ScheduleShape {
             num_tokens: z.num_tokens,
             num_docs: z.num_documents,
@@ -946,7 +923,7 @@ impl<B: Backend> MsaForwardKv<B> {
         };
         let tasks = self.tasks.insert(tasks);
         // A paired pool zeroes both copies of each row's pair.
-        let o_bytes = match self.active_pair {
+        let o_bytes = match pair {
             Some(_) => 2 * io.o_pool.kind().bytes() * io.o_pool.len(),
             None => io.o_pool.kind().bytes() * io.o_pool.len(),
         };
@@ -975,6 +952,7 @@ impl<B: Backend> MsaForwardKv<B> {
                 .unwrap_or_else(|| L2Hints::auto(z.num_tokens, z.num_documents))
                 .bits(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
+            pair,
         }))
     }
 
@@ -993,7 +971,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let zero = launch.zero.filter(|_| pass == Pass::Max);
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
         // Only the f16 sum pass adds into a paired pool.
-        let pair = self.active_pair.filter(|_| pass == Pass::Sum(OPool::F16));
+        let pair = launch.pair.filter(|_| pass == Pass::Sum(OPool::F16));
         // Every pass takes the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
             tmap_q,
@@ -1015,10 +993,7 @@ impl<B: Backend> MsaForwardKv<B> {
             PtrMut::new(pair.map_or(0, |(o, _)| o)),
             Ptr::new(pair.map_or(0, |(_, h)| h)),
         );
-        let kernel = match pair {
-            Some(_) => &msa_forward_kv_f16p_sm90::KERNEL,
-            None => pass_kernel(pass),
-        };
+        let kernel = pass_kernel(pass, pair.is_some());
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
@@ -1037,12 +1012,14 @@ enum Pass {
     Max,
 }
 
-/// The kernel of a pass (all take the same parameters).
-fn pass_kernel(pass: Pass) -> &'static KernelSpec {
-    match pass {
-        Pass::Sum(OPool::F32) => &msa_forward_kv_sm90::KERNEL,
-        Pass::Sum(OPool::F16) => &msa_forward_kv_f16_sm90::KERNEL,
-        Pass::Max => &msa_forward_kv_max_sm90::KERNEL,
+/// The kernel of a pass (all take the same parameters); `paired`, the f16 sum pass into a
+/// paired pool.
+fn pass_kernel(pass: Pass, paired: bool) -> &'static KernelSpec {
+    match (pass, paired) {
+        (Pass::Sum(OPool::F32), _) => &msa_forward_kv_sm90::KERNEL,
+        (Pass::Sum(OPool::F16), false) => &msa_forward_kv_f16_sm90::KERNEL,
+        (Pass::Sum(OPool::F16), true) => &msa_forward_kv_f16p_sm90::KERNEL,
+        (Pass::Max, _) => &msa_forward_kv_max_sm90::KERNEL,
     }
 }
 
@@ -1058,6 +1035,8 @@ struct PassLaunch {
     /// `o_pool`'s address and 16-byte words, when the max pass is to zero it (then
     /// `prepare` did not).
     zero: Option<(u64, u32)>,
+    /// The paired pool's `(o, homes)`, or `None` for the `tmap_o` layout.
+    pair: Option<(u64, u64)>,
 }
 
 /// Who zeroes the pools: `prepare` (memsets), the max pass that precedes the sum pass

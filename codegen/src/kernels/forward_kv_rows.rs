@@ -867,3 +867,17 @@ fn describe_combine(b: &mut KernelBuilder, f16: bool, paired: bool) {
     }
     b.ret();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_paired_combine_takes_the_f16_combines_parameters() {
+        // The runtime launches `fwd_kv_combine_f16p` with `fwd_kv_combine_f16`'s binding.
+        for target in [Target::Sm90a, Target::Sm100a] {
+            let f16 = COMBINE_F16.build(target).unwrap();
+            assert_eq!(f16.params, COMBINE_F16_PAIRED.build(target).unwrap().params);
+        }
+    }
+}
