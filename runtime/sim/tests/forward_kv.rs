@@ -229,6 +229,24 @@ fn run_device_full(
     run_device_on(&mut dev, &mut flow(how), cu, q2k, inputs, how).expect("forward")
 }
 
+/// [`run_device_on`] with `inp`, every error a panic naming `what`, and `out` and `lse`
+/// compared with `inp`'s reference: the rows recomputed, and the comparison's line.
+fn run_checked(
+    dev: &mut SimDevice,
+    fwd: &mut MsaForwardKv<SimDevice>,
+    (cu, q2k): (&[i32], &[i32]),
+    inp: &Inputs,
+    how: (OPool, Reference),
+    what: &str,
+) -> (u32, String) {
+    let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
+    let (out, lse, verdict) =
+        run_device_on(dev, fwd, cu, q2k, inputs, how).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let recomputed = verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stats = compare(inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+    (recomputed, stats)
+}
+
 /// A flow with `o_pool` in `pool` and the references from `reference`.
 fn flow((pool, reference): (OPool, Reference)) -> MsaForwardKv<SimDevice> {
     MsaForwardKv::new()
@@ -482,21 +500,8 @@ fn l2_hints_and_windows_under_one_query_per_block_match_the_reference() {
         let mut fwd = flow(how).with_locality(rule).unwrap().with_l2_hints(hints);
         let mut dev = SimDevice::new(Arch::Sm90, 132);
         let what = format!("{rule:?}, {hints:?}");
-        let (out, lse, verdict) = run_device_on(
-            &mut dev,
-            &mut fwd,
-            &cu,
-            &q2k,
-            (&inp.q, &inp.ka, &inp.va),
-            how,
-        )
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-        assert_eq!(
-            verdict.unwrap_or_else(|e| panic!("{what}: {e}")),
-            0,
-            "{what}"
-        );
-        let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (recomputed, stats) = run_checked(&mut dev, &mut fwd, (&cu, &q2k), &inp, how, &what);
+        assert_eq!(recomputed, 0, "{what}");
         eprintln!("{what}: {stats}");
     }
 }
@@ -523,23 +528,14 @@ fn paired_pool_matches_the_reference_with_and_without_the_recompute() {
             } else {
                 inp
             };
-            let (out, lse, verdict) = run_device_on(
-                &mut dev,
-                &mut fwd,
-                &cu,
-                &q2k,
-                (&inp.q, &inp.ka, &inp.va),
-                how,
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let recomputed = verdict.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (recomputed, stats) =
+                run_checked(&mut dev, &mut fwd, (&cu, &q2k), &inp, how, &what);
             let with_keys = inp.want_lse.iter().filter(|x| x.is_finite()).count() as u32;
             assert_eq!(
                 recomputed,
                 if tight_inputs { 0 } else { with_keys },
                 "{what}"
             );
-            let stats = compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("{what}: {e}"));
             eprintln!("paired pool, {what}, {recomputed} rows recomputed: {stats}");
         }
         // The paired kernels ran, and not the unpaired pass or combine.
@@ -681,11 +677,9 @@ fn one_flow_on_two_devices_allocates_on_each() {
     .into_iter()
     .enumerate()
     {
-        let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-        let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)
-            .unwrap_or_else(|e| panic!("device {i}: {e}"));
-        assert_eq!(verdict.expect("every row normalised"), 0);
-        compare(&inp, &out, &lse).unwrap_or_else(|e| panic!("device {i}: {e}"));
+        let what = format!("device {i}");
+        let (recomputed, _) = run_checked(&mut dev, &mut fwd, (&cu, &q2k), &inp, how, &what);
+        assert_eq!(recomputed, 0, "{what}: every row normalised");
     }
 }
 
@@ -707,11 +701,9 @@ fn a_second_call_on_the_same_workspace_starts_from_zeroed_pools() {
         let mut dev = SimDevice::new(Arch::Sm90, 132);
         let mut fwd = flow(how);
         for (i, inp) in [&first, &second].into_iter().enumerate() {
-            let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-            let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)
-                .unwrap_or_else(|e| panic!("{how:?}, call {i}: {e}"));
-            assert_eq!(verdict.expect("every row normalised"), 0);
-            compare(inp, &out, &lse).unwrap_or_else(|e| panic!("{how:?}, call {i}: {e}"));
+            let what = format!("{how:?}, call {i}");
+            let (recomputed, _) = run_checked(&mut dev, &mut fwd, (&cu, &q2k), inp, how, &what);
+            assert_eq!(recomputed, 0, "{what}: every row normalised");
         }
     }
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NOT RUN (session 26 had no device time). For the next session's first call, on main's PTX
+# Written in session 26 (no device time then); run as session 27's call 1 (results in
+# bench/results/s27/call1/). On main's PTX
 # (unchanged since e3e75a9: session 26 changed the test command's build settings, an example and docs).
 # It holds session 25's call 4, which never ran (this script replaces it): the forward and
 # backward GPU tests and the sanitizers on this PTX; then the sum pass's L2 traffic by
