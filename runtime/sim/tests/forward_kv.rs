@@ -1045,14 +1045,25 @@ fn f16_ptx() -> &'static str {
 /// reused, S GEMMs issued across segment ends), with `text` in place of the f16 pass: the
 /// comparison's statistics, or what went wrong.
 fn run_f16(text: Option<String>, limits: Limits) -> Result<String, String> {
+    run_f16_pool(false, text, limits)
+}
+
+/// [`run_f16`] with the paired pool when `paired` (`text` then replaces the paired pass).
+fn run_f16_pool(paired: bool, text: Option<String>, limits: Limits) -> Result<String, String> {
     let (cu, q2k, inp) = planted_case();
     let mut dev = SimDevice::with_limits(Arch::Sm90, 2, limits);
     if let Some(text) = text {
-        dev.override_ptx("msa_forward_kv_f16_sm90", text);
+        let kernel = if paired {
+            "msa_forward_kv_f16p_sm90"
+        } else {
+            "msa_forward_kv_f16_sm90"
+        };
+        dev.override_ptx(kernel, text);
     }
     let how = (OPool::F16, Reference::Probe);
     let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-    let (out, lse, verdict) = run_device_on(&mut dev, &mut flow(how), &cu, &q2k, inputs, how)?;
+    let mut fwd = flow(how).with_paired_pool(paired);
+    let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)?;
     verdict.map_err(|e| e.to_string())?;
     compare(&inp, &out, &lse)
 }
@@ -1101,4 +1112,51 @@ fn f16_pass_issuing_s_before_the_next_segments_k_landed_is_reported() {
         .expect_err("the planted bug went unnoticed");
     println!("{e}");
     assert!(e.contains("TMA"), "{e}");
+}
+
+// ---- planted bugs in the shipped paired pass (msa_forward_kv_f16p_sm90) ----------------------
+
+fn f16p_ptx() -> &'static str {
+    msa_runtime::kernels::msa_forward_kv_f16p_sm90::PTX_SM_90A
+}
+
+#[test]
+fn paired_pass_passes_unmodified_on_two_sms() {
+    // The control for the planted paired tests below: the same case and limits pass.
+    let stats = run_f16_pool(true, Some(f16p_ptx().to_string()), Limits::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("{stats}");
+}
+
+#[test]
+fn paired_pass_reducing_without_the_proxy_fence_is_reported() {
+    // The bulk reduction reads the staging through the async proxy: without the fence after
+    // the warp's generic-proxy stores, it may read stale rows.
+    let text = without_first_after(
+        f16p_ptx(),
+        "its O rows into the warp's staging",
+        "fence.proxy.async",
+    );
+    let e = run_f16_pool(true, Some(text), Limits::default())
+        .expect_err("the planted bug went unnoticed");
+    println!("{e}");
+    assert!(e.contains("without a fence.proxy.async before it"), "{e}");
+}
+
+#[test]
+fn paired_pass_overwriting_the_staging_before_its_reduction_read_it_is_reported() {
+    // Without lane 0's wait for the previous bulk reduction's reads, the next task's staging
+    // stores land on rows the reduction may not have read yet.
+    let text = without_first_after(
+        f16p_ptx(),
+        "its O rows into the warp's staging",
+        "cp.async.bulk.wait_group.read",
+    );
+    let e = run_f16_pool(true, Some(text), Limits::default())
+        .expect_err("the planted bug went unnoticed");
+    println!("{e}");
+    assert!(
+        e.contains("not yet retired by cp.async.bulk.wait_group.read"),
+        "{e}"
+    );
 }
