@@ -718,9 +718,7 @@ impl Cta<'_> {
             return Err(self.fault(pc, w, l, tma(msg)));
         };
         for (o, a) in out.chunks_exact_mut(2).zip(add.chunks_exact(2)) {
-            let old = half::f16::from_bits(u16::from_le_bytes([o[0], o[1]])).to_f32();
-            let a = half::f16::from_bits(u16::from_le_bytes([a[0], a[1]])).to_f32();
-            o.copy_from_slice(&f16_rne(old + a).to_le_bytes());
+            AddElem::F16.add(o, a);
         }
         self.bulk_reads.push(BulkRead {
             thread: w * 32 + l,
@@ -741,11 +739,11 @@ impl Cta<'_> {
             .map(|c| self.gather(w, *c)[l])
             .collect();
         let (m, c, src) = self.tma_box(pc, w, l, &r.tensor, &coords, &r.src, "reduction")?;
-        // The model adds bf16 and f16 (round to nearest even) and f32 (the host's f32
-        // addition).
-        let eb = u32::from(m.elem_bytes);
-        if eb != 2 && eb != 4 {
-            return Err(self.fault(
+        let elem = match (m.elem_bytes, m.f16) {
+            (2, true) => AddElem::F16,
+            (2, false) => AddElem::Bf16,
+            (4, _) => AddElem::F32,
+            _ => return Err(self.fault(
                 pc,
                 w,
                 l,
@@ -753,8 +751,9 @@ impl Cta<'_> {
                     "a reduction through a map of {}-byte elements (the model adds bf16, f16 and f32)",
                     m.elem_bytes
                 )),
-            ));
-        }
+            )),
+        };
+        let eb = elem.bytes();
         let rank = m.rank as usize;
         let bytes = m.shared_bytes();
         self.async_read_fenced(pc, w, l, u64::from(src), bytes, "TMA")?;
@@ -769,18 +768,6 @@ impl Cta<'_> {
                 let at = (row_base + g0 as i128 * i128::from(eb)) as u64;
                 let s_at = m.swizzle.apply(src + row * pitch + i0 * eb) as usize;
                 let add = &self.shared[s_at..s_at + eb as usize];
-                let half_to_f32 = |bits: u16| {
-                    if m.f16 {
-                        half::f16::from_bits(bits).to_f32()
-                    } else {
-                        bf16_to_f32(bits)
-                    }
-                };
-                let add = if eb == 2 {
-                    half_to_f32(u16::from_le_bytes([add[0], add[1]]))
-                } else {
-                    f32::from_le_bytes([add[0], add[1], add[2], add[3]])
-                };
                 let Some(dst) = self.mem.slice_mut(at, eb as usize) else {
                     let msg = format!(
                         "the reduction at coordinates {:?} writes global [{at:#x}, +{eb}): {}",
@@ -789,18 +776,7 @@ impl Cta<'_> {
                     );
                     return Err(self.fault(pc, w, l, tma(msg)));
                 };
-                if eb == 2 {
-                    let old = half_to_f32(u16::from_le_bytes([dst[0], dst[1]]));
-                    let sum = if m.f16 {
-                        f16_rne(old + add)
-                    } else {
-                        bf16_rne(old + add)
-                    };
-                    dst.copy_from_slice(&sum.to_le_bytes());
-                } else {
-                    let old = f32::from_le_bytes([dst[0], dst[1], dst[2], dst[3]]);
-                    dst.copy_from_slice(&(old + add).to_le_bytes());
-                }
+                elem.add(dst, add);
             }
         }
         self.bulk_reads.push(BulkRead {
@@ -978,5 +954,41 @@ impl Cta<'_> {
             _ => unreachable!("step dispatches only mbarrier instructions here"),
         }
         Ok(Flow::Advance)
+    }
+}
+
+/// The element types the reductions add: f16 and bf16 rounded to nearest even, f32 by the
+/// host's f32 addition.
+#[derive(Clone, Copy)]
+enum AddElem {
+    F16,
+    Bf16,
+    F32,
+}
+
+impl AddElem {
+    fn bytes(self) -> u32 {
+        match self {
+            AddElem::F16 | AddElem::Bf16 => 2,
+            AddElem::F32 => 4,
+        }
+    }
+
+    /// `dst += add`, both one little-endian element of this type.
+    fn add(self, dst: &mut [u8], add: &[u8]) {
+        let u16_of = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+        let f32_of = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        match self {
+            AddElem::F16 => {
+                let sum = half::f16::from_bits(u16_of(dst)).to_f32()
+                    + half::f16::from_bits(u16_of(add)).to_f32();
+                dst.copy_from_slice(&f16_rne(sum).to_le_bytes());
+            }
+            AddElem::Bf16 => {
+                let sum = bf16_to_f32(u16_of(dst)) + bf16_to_f32(u16_of(add));
+                dst.copy_from_slice(&bf16_rne(sum).to_le_bytes());
+            }
+            AddElem::F32 => dst.copy_from_slice(&(f32_of(dst) + f32_of(add)).to_le_bytes()),
+        }
     }
 }
