@@ -1230,10 +1230,9 @@ fn max_consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>) {
         let row_max = masked_row_maxima(b, &l, &acc, qpos, kb);
         b.comment("the warp's 16 row maxima into m_pool (a -1 slot has none)");
         let live = b.setp(Cmp::Ge, qrow, 0i32);
-        let stats = b.and_pred(live, l.head_lane);
-        b.if_then(stats, "row_stats", |b| {
+        b.if_then(live, "row_stats", |b| {
             let prow = pool_row(b, &l, qrow, head);
-            red_row_maxima(b, ctx, prow, &row_max, stats);
+            red_row_maxima(b, ctx, prow, &row_max, l.head_lane);
         });
     });
 }
