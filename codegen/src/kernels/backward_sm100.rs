@@ -42,8 +42,9 @@
 //! any base offset up to 700 B, and a base needing more traps instead of corrupting memory
 //! (the `.align 1024` declaration makes the offset 0 in practice).
 
-use super::common::{self, MainParams, Walk};
+use super::common::{self, bump, MainParams, Walk};
 use super::fixed_point;
+use super::sm100_roles::{Sm100Layout, Sm100Roles};
 use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
@@ -128,11 +129,7 @@ struct Resolved<'a> {
     nb_reduce: &'a NamedBarrier,
     nb_t2r: &'a NamedBarrier,
     nb_dealloc: &'a NamedBarrier,
-    compute_wg: u32,
-    reduce_wg: u32,
-    mma_warp: u32,
-    load_warp: u32,
-    scalar_warp: u32,
+    layout: Sm100Layout,
 }
 
 /// Looks up everything [`Resolved`] holds; the error names what is missing or the rule broken.
@@ -166,34 +163,8 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
             groups.chunks
         ));
     }
-    // A role that owns TMEM lanes must be one whole warpgroup (thread = lane), and the
-    // single-warp roles must share warpgroup 3 so one `setmaxnreg` serves them.
-    let warps = plan.warps();
-    let group_of = |role: Role| -> Result<u32, String> {
-        let ws = warps.warps_of(role);
-        let w0 = ws[0];
-        if !w0.is_multiple_of(4) || ws != (w0..w0 + 4).collect::<Vec<_>>() {
-            return Err(format!("the {role} warps {ws:?} are not one warpgroup"));
-        }
-        Ok(w0 / 4)
-    };
-    let single = |role: Role| -> Result<u32, String> {
-        let w = warps.warps_of(role)[0];
-        if w / 4 != 3 {
-            return Err(format!("the {role} warp {w} is not in warpgroup 3"));
-        }
-        Ok(w)
-    };
-    let compute_wg = group_of(Role::Compute)?;
-    let reduce_wg = group_of(Role::Reduce)?;
-    if compute_wg == 3 || reduce_wg == 3 || warps.role(0) != Role::Idle {
-        return Err("warpgroup 0 must idle and warpgroup 3 hold the single-warp roles".into());
-    }
-    for w in warps.warps_of(Role::Compute) {
-        plan.tmem()
-            .check_access(w, 32 * (w % 4)..32 * (w % 4) + 32)
-            .map_err(|e| e.to_string())?;
-    }
+    // The compute warps read their S^T/dP^T lanes and write dS^T (thread = lane).
+    let layout = Sm100Layout::resolve(plan.warps(), plan.tmem(), &[Role::Compute])?;
     Ok(Resolved {
         k: buf(Buf::K)?,
         v: buf(Buf::V)?,
@@ -233,11 +204,7 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
         nb_reduce: nb("reduce_sync")?,
         nb_t2r: nb("t2r_dq_done")?,
         nb_dealloc: nb("tmem_dealloc")?,
-        compute_wg,
-        reduce_wg,
-        mma_warp: single(Role::Mma)?,
-        load_warp: single(Role::Load)?,
-        scalar_warp: single(Role::Scalar)?,
+        layout,
     })
 }
 
@@ -333,74 +300,18 @@ fn describe_mode(b: &mut KernelBuilder, deterministic: bool) {
         walk,
     };
 
-    let warps = plan.warps();
-    let wg = b.shr(warp, 2u32);
-    let l_compute = b.label("compute");
-    let l_reduce = b.label("reduce");
-    let l_wg3 = b.label("warpgroup3");
-    for (group, label) in [
-        (resolved.compute_wg, &l_compute),
-        (resolved.reduce_wg, &l_reduce),
-        (3, &l_wg3),
-    ] {
-        let is = b.setp(Cmp::Eq, wg, group);
-        b.bra_if(is, label);
-    }
-    role(b, "idle", |b| warps.emit_setmaxnreg(b, Role::Idle));
-    b.ret();
-
-    b.place(&l_compute);
-    role(b, "compute", |b| {
-        warps.emit_setmaxnreg(b, Role::Compute);
-        compute(b, &ctx);
-    });
-    b.ret();
-
-    b.place(&l_reduce);
-    role(b, "reduce", |b| {
-        warps.emit_setmaxnreg(b, Role::Reduce);
-        reduce(b, &ctx);
-    });
-    b.ret();
-
-    b.place(&l_wg3);
-    // One instruction for all four warps of warpgroup 3 (the plan gives MMA, load, scalar
-    // and idle warp 15 one value, checked by `WarpPlan::new`).
-    warps.emit_setmaxnreg(b, Role::Mma);
-    let l_mma = b.label("mma");
-    let l_load = b.label("load");
-    let l_scalar = b.label("scalar");
-    for (w, label) in [
-        (resolved.mma_warp, &l_mma),
-        (resolved.load_warp, &l_load),
-        (resolved.scalar_warp, &l_scalar),
-    ] {
-        let is = b.setp(Cmp::Eq, warp, w);
-        b.bra_if(is, label);
-    }
-    b.ret();
-    b.place(&l_mma);
-    role(b, "mma", |b| mma(b, &ctx));
-    b.ret();
-    b.place(&l_load);
-    role(b, "load", |b| load(b, &ctx));
-    b.ret();
-    b.place(&l_scalar);
-    role(b, "scalar", |b| scalar(b, &ctx));
-    b.ret();
-}
-
-/// Brackets a role's code with the markers the structure tests split the PTX by.
-fn role(b: &mut KernelBuilder, name: &str, body: impl FnOnce(&mut KernelBuilder)) {
-    b.comment(&format!("role {name}: begin"));
-    body(b);
-    b.comment(&format!("role {name}: end"));
-}
-
-/// `n += 1`.
-fn bump(b: &mut KernelBuilder, n: Reg<U32>) {
-    let next = b.add(n, 1u32);
-    b.set(n, next);
+    resolved.layout.dispatch(
+        b,
+        plan.warps(),
+        warp,
+        Sm100Roles {
+            compute: |b: &mut KernelBuilder| compute(b, &ctx),
+            reduce: ("reduce", |b: &mut KernelBuilder| reduce(b, &ctx)),
+            mma: |b: &mut KernelBuilder| mma(b, &ctx),
+            load: |b: &mut KernelBuilder| load(b, &ctx),
+            scalar: ("scalar", |b: &mut KernelBuilder| scalar(b, &ctx)),
+        },
+    );
 }
 
 /// The cursor of chunk stage `stage` in round `round`.
@@ -433,7 +344,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
     let bars = &ctx.bars;
     b.comment("warp 4 allocates TMEM and hands the address over named barrier 1");
     let tmem_word = shared(ctx.base, resolved.tmem_word as i64);
-    let is_alloc = b.setp(Cmp::Eq, ctx.warp, 4 * resolved.compute_wg);
+    let is_alloc = b.setp(Cmp::Eq, ctx.warp, 4 * resolved.layout.compute_wg);
     b.if_then(is_alloc, "tmem_alloc", |b| {
         b.tcgen05_alloc(&tmem_word, resolved.alloc_cols);
         b.tcgen05_relinquish_alloc_permit();

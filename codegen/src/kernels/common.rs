@@ -93,6 +93,12 @@ pub fn sm90_roles_with_spare(
     b.ret();
 }
 
+/// `n += 1`.
+pub fn bump(b: &mut KernelBuilder, n: Reg<U32>) {
+    let next = b.add(n, 1u32);
+    b.set(n, next);
+}
+
 /// Threads of the single-CTA scans ([`tiled_scan`]).
 pub const SCAN_THREADS: u32 = 1024;
 /// Entries each scan thread owns per tile.

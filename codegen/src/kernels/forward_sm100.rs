@@ -51,9 +51,10 @@
 //! stages in 512 columns). It has never run on a B200 (no hardware); CI runs it on the
 //! simulator (`runtime/sim/tests/forward.rs`), with planted bugs.
 
-use super::common;
+use super::common::{self, bump};
 use super::forward_list as list;
 use super::forward_sm90::{forward_params, items, ForwardParams, Items};
+use super::sm100_roles::{Sm100Layout, Sm100Roles};
 use super::KernelDesc;
 use crate::plan::gemm::{AOperand, Gemm};
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe, Pipeline, PipelinePlan, TmaBox};
@@ -253,11 +254,7 @@ struct Resolved<'a> {
     nb_alloc: &'a NamedBarrier,
     nb_list: &'a NamedBarrier,
     nb_dealloc: &'a NamedBarrier,
-    compute_wg: u32,
-    reduce_wg: u32,
-    mma_warp: u32,
-    load_warp: u32,
-    scalar_warp: u32,
+    layout: Sm100Layout,
 }
 
 /// Looks up everything [`Resolved`] holds; the error names what is missing or the rule broken.
@@ -279,34 +276,8 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
         plan.barrier(name)
             .ok_or(format!("the plan has no named barrier `{name}`"))
     };
-    let warps = plan.warps();
-    let group_of = |role: Role| -> Result<u32, String> {
-        let ws = warps.warps_of(role);
-        let w0 = ws[0];
-        if !w0.is_multiple_of(4) || ws != (w0..w0 + 4).collect::<Vec<_>>() {
-            return Err(format!("the {role} warps {ws:?} are not one warpgroup"));
-        }
-        Ok(w0 / 4)
-    };
-    let single = |role: Role| -> Result<u32, String> {
-        let w = warps.warps_of(role)[0];
-        if w / 4 != 3 {
-            return Err(format!("the {role} warp {w} is not in warpgroup 3"));
-        }
-        Ok(w)
-    };
-    let compute_wg = group_of(Role::Compute)?;
-    let reduce_wg = group_of(Role::Reduce)?;
-    if compute_wg == 3 || reduce_wg == 3 || warps.role(0) != Role::Idle {
-        return Err("warpgroup 0 must idle and warpgroup 3 hold the single-warp roles".into());
-    }
-    for role in [Role::Compute, Role::Reduce] {
-        for w in warps.warps_of(role) {
-            plan.tmem()
-                .check_access(w, 32 * (w % 4)..32 * (w % 4) + 32)
-                .map_err(|e| e.to_string())?;
-        }
-    }
+    // The compute warps read their S lanes, the epilogue's their O lanes (thread = lane).
+    let layout = Sm100Layout::resolve(plan.warps(), plan.tmem(), &[Role::Compute, Role::Reduce])?;
     let (s0, s1) = (col(TmemRegion::S)?, col(TmemRegion::S1)?);
     let (p0, p1) = (col(TmemRegion::P)?, col(TmemRegion::P1)?);
     if s1 <= s0 || s1 - s0 != p1.wrapping_sub(p0) {
@@ -374,11 +345,7 @@ fn resolve(plan: &KernelPlan) -> Result<Resolved<'_>, String> {
         nb_alloc: nb("tmem_alloc")?,
         nb_list: nb("list_warp")?,
         nb_dealloc: nb("tmem_dealloc")?,
-        compute_wg,
-        reduce_wg,
-        mma_warp: single(Role::Mma)?,
-        load_warp: single(Role::Load)?,
-        scalar_warp: single(Role::Scalar)?,
+        layout,
     })
 }
 
@@ -450,72 +417,18 @@ pub fn describe_with(b: &mut KernelBuilder, plan: Result<KernelPlan, PlanError>)
         items,
     };
 
-    let warps = plan.warps();
-    let wg = b.shr(warp, 2u32);
-    let l_compute = b.label("compute");
-    let l_reduce = b.label("epilogue");
-    let l_wg3 = b.label("warpgroup3");
-    for (group, label) in [
-        (r.compute_wg, &l_compute),
-        (r.reduce_wg, &l_reduce),
-        (3, &l_wg3),
-    ] {
-        let is = b.setp(Cmp::Eq, wg, group);
-        b.bra_if(is, label);
-    }
-    role(b, "idle", |b| warps.emit_setmaxnreg(b, Role::Idle));
-    b.ret();
-
-    b.place(&l_compute);
-    role(b, "compute", |b| {
-        warps.emit_setmaxnreg(b, Role::Compute);
-        compute(b, &ctx);
-    });
-    b.ret();
-
-    b.place(&l_reduce);
-    role(b, "epilogue", |b| {
-        warps.emit_setmaxnreg(b, Role::Reduce);
-        epilogue(b, &ctx);
-    });
-    b.ret();
-
-    b.place(&l_wg3);
-    // One instruction for the four warps of warpgroup 3 (one value, checked by the plan).
-    warps.emit_setmaxnreg(b, Role::Mma);
-    let l_mma = b.label("mma");
-    let l_load = b.label("load");
-    let l_list = b.label("list");
-    for (w, label) in [
-        (r.mma_warp, &l_mma),
-        (r.load_warp, &l_load),
-        (r.scalar_warp, &l_list),
-    ] {
-        let is = b.setp(Cmp::Eq, warp, w);
-        b.bra_if(is, label);
-    }
-    b.ret();
-    b.place(&l_mma);
-    role(b, "mma", |b| mma(b, &ctx));
-    b.ret();
-    b.place(&l_load);
-    role(b, "load", |b| load(b, &ctx));
-    b.ret();
-    b.place(&l_list);
-    role(b, "list", |b| list_builder(b, &ctx));
-    b.ret();
-}
-
-/// Brackets a role's code with markers, as the backward does.
-fn role(b: &mut KernelBuilder, name: &str, body: impl FnOnce(&mut KernelBuilder)) {
-    b.comment(&format!("role {name}: begin"));
-    body(b);
-    b.comment(&format!("role {name}: end"));
-}
-
-fn bump(b: &mut KernelBuilder, n: Reg<U32>) {
-    let next = b.add(n, 1u32);
-    b.set(n, next);
+    r.layout.dispatch(
+        b,
+        plan.warps(),
+        warp,
+        Sm100Roles {
+            compute: |b: &mut KernelBuilder| compute(b, &ctx),
+            reduce: ("epilogue", |b: &mut KernelBuilder| epilogue(b, &ctx)),
+            mma: |b: &mut KernelBuilder| mma(b, &ctx),
+            load: |b: &mut KernelBuilder| load(b, &ctx),
+            scalar: ("list", |b: &mut KernelBuilder| list_builder(b, &ctx)),
+        },
+    );
 }
 
 /// Reads the TMEM base address after the allocation hand-off.
@@ -761,7 +674,7 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
     let bars = &ctx.bars;
     b.comment("the first compute warp allocates TMEM and hands the address over");
     let tmem_word = shared(ctx.base, r.tmem_word as i64);
-    let is_alloc = b.setp(Cmp::Eq, ctx.warp, 4 * r.compute_wg);
+    let is_alloc = b.setp(Cmp::Eq, ctx.warp, 4 * r.layout.compute_wg);
     b.if_then(is_alloc, "tmem_alloc", |b| {
         b.tcgen05_alloc(&tmem_word, r.alloc_cols);
         b.tcgen05_relinquish_alloc_permit();

@@ -1,0 +1,209 @@
+//! The warp layout both SM100 kernels (`msa_bwd_sm100`, `msa_forward_sm100`) share, as a value:
+//! warpgroup 0 idles; the compute and the reduce (epilogue) roles are one warpgroup each, a
+//! thread per TMEM lane; the MMA, load and scalar (list) warps sit in warpgroup 3, so that one
+//! `setmaxnreg` serves them. [`Sm100Layout::resolve`] reads it from a plan and checks it at
+//! codegen time; [`Sm100Layout::dispatch`] emits the branch to each role.
+
+use crate::plan::roles::{Role, WarpPlan};
+use crate::plan::tmem::TmemPlan;
+use crate::ptx::*;
+
+/// Where each role of an SM100 kernel runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Sm100Layout {
+    /// The compute warpgroup.
+    pub compute_wg: u32,
+    /// The reduce (epilogue) warpgroup.
+    pub reduce_wg: u32,
+    /// The MMA warp (in warpgroup 3).
+    pub mma_warp: u32,
+    /// The load warp (in warpgroup 3).
+    pub load_warp: u32,
+    /// The scalar (list) warp (in warpgroup 3).
+    pub scalar_warp: u32,
+}
+
+/// The code of each role for [`Sm100Layout::dispatch`]; `reduce` and `scalar` carry the names
+/// their markers and labels take (the kernels name those roles differently).
+pub struct Sm100Roles<C, R, M, L, S> {
+    /// The compute warpgroup's code.
+    pub compute: C,
+    /// The reduce warpgroup's name and code.
+    pub reduce: (&'static str, R),
+    /// The MMA warp's code.
+    pub mma: M,
+    /// The load warp's code.
+    pub load: L,
+    /// The scalar warp's name and code.
+    pub scalar: (&'static str, S),
+}
+
+impl Sm100Layout {
+    /// The layout of a plan's `warps`; an error names the rule broken. The warps of each
+    /// role in `tmem_roles` must reach their own 32 lanes of `tmem` (thread = lane).
+    pub fn resolve(warps: &WarpPlan, tmem: &TmemPlan, tmem_roles: &[Role]) -> Result<Self, String> {
+        let group_of = |role: Role| -> Result<u32, String> {
+            let ws = warps.warps_of(role);
+            let w0 = ws[0];
+            if !w0.is_multiple_of(4) || ws != (w0..w0 + 4).collect::<Vec<_>>() {
+                return Err(format!("the {role} warps {ws:?} are not one warpgroup"));
+            }
+            Ok(w0 / 4)
+        };
+        let single = |role: Role| -> Result<u32, String> {
+            let w = warps.warps_of(role)[0];
+            if w / 4 != 3 {
+                return Err(format!("the {role} warp {w} is not in warpgroup 3"));
+            }
+            Ok(w)
+        };
+        let compute_wg = group_of(Role::Compute)?;
+        let reduce_wg = group_of(Role::Reduce)?;
+        if compute_wg == 3 || reduce_wg == 3 || warps.role(0) != Role::Idle {
+            return Err("warpgroup 0 must idle and warpgroup 3 hold the single-warp roles".into());
+        }
+        for &role in tmem_roles {
+            for w in warps.warps_of(role) {
+                tmem.check_access(w, 32 * (w % 4)..32 * (w % 4) + 32)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(Sm100Layout {
+            compute_wg,
+            reduce_wg,
+            mma_warp: single(Role::Mma)?,
+            load_warp: single(Role::Load)?,
+            scalar_warp: single(Role::Scalar)?,
+        })
+    }
+
+    /// Sends each warp of the CTA (`warp`: its index) to its role, each after the
+    /// `setmaxnreg` of `warps`, and returns after it; warpgroup 0 idles.
+    pub fn dispatch<C, R, M, L, S>(
+        &self,
+        b: &mut KernelBuilder,
+        warps: &WarpPlan,
+        warp: Reg<U32>,
+        roles: Sm100Roles<C, R, M, L, S>,
+    ) where
+        C: FnOnce(&mut KernelBuilder),
+        R: FnOnce(&mut KernelBuilder),
+        M: FnOnce(&mut KernelBuilder),
+        L: FnOnce(&mut KernelBuilder),
+        S: FnOnce(&mut KernelBuilder),
+    {
+        let Sm100Roles {
+            compute,
+            reduce: (reduce_name, reduce),
+            mma,
+            load,
+            scalar: (scalar_name, scalar),
+        } = roles;
+        let wg = b.shr(warp, 2u32);
+        let l_compute = b.label("compute");
+        let l_reduce = b.label(reduce_name);
+        let l_wg3 = b.label("warpgroup3");
+        for (group, label) in [
+            (self.compute_wg, &l_compute),
+            (self.reduce_wg, &l_reduce),
+            (3, &l_wg3),
+        ] {
+            let is = b.setp(Cmp::Eq, wg, group);
+            b.bra_if(is, label);
+        }
+        role(b, "idle", |b| warps.emit_setmaxnreg(b, Role::Idle));
+        b.ret();
+
+        b.place(&l_compute);
+        role(b, "compute", |b| {
+            warps.emit_setmaxnreg(b, Role::Compute);
+            compute(b);
+        });
+        b.ret();
+
+        b.place(&l_reduce);
+        role(b, reduce_name, |b| {
+            warps.emit_setmaxnreg(b, Role::Reduce);
+            reduce(b);
+        });
+        b.ret();
+
+        b.place(&l_wg3);
+        // One instruction for all four warps of warpgroup 3 (the plan gives the MMA, load,
+        // scalar and idle warps one value, checked by `WarpPlan::new`).
+        warps.emit_setmaxnreg(b, Role::Mma);
+        let l_mma = b.label("mma");
+        let l_load = b.label("load");
+        let l_scalar = b.label(scalar_name);
+        for (w, label) in [
+            (self.mma_warp, &l_mma),
+            (self.load_warp, &l_load),
+            (self.scalar_warp, &l_scalar),
+        ] {
+            let is = b.setp(Cmp::Eq, warp, w);
+            b.bra_if(is, label);
+        }
+        b.ret();
+        b.place(&l_mma);
+        role(b, "mma", mma);
+        b.ret();
+        b.place(&l_load);
+        role(b, "load", load);
+        b.ret();
+        b.place(&l_scalar);
+        role(b, scalar_name, scalar);
+        b.ret();
+    }
+}
+
+/// Brackets a role's code with the markers the structure tests split the PTX by.
+pub fn role(b: &mut KernelBuilder, name: &str, body: impl FnOnce(&mut KernelBuilder)) {
+    b.comment(&format!("role {name}: begin"));
+    body(b);
+    b.comment(&format!("role {name}: end"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::roles::{design_roles, DESIGN_REGS};
+
+    fn resolve_roles(edit: impl FnOnce(&mut [Role; 16])) -> Result<Sm100Layout, String> {
+        let mut roles = design_roles();
+        edit(&mut roles);
+        let warps = WarpPlan::new(roles, DESIGN_REGS).map_err(|e| e.to_string())?;
+        Sm100Layout::resolve(&warps, &TmemPlan::design().unwrap(), &[Role::Compute])
+    }
+
+    #[test]
+    fn the_design_resolves() {
+        let l = resolve_roles(|_| {}).unwrap();
+        let at = (
+            l.compute_wg,
+            l.reduce_wg,
+            l.mma_warp,
+            l.load_warp,
+            l.scalar_warp,
+        );
+        assert_eq!(at, (1, 2, 12, 13, 14));
+    }
+
+    #[test]
+    fn a_single_warp_role_outside_warpgroup_3_is_rejected() {
+        // Warps 3 and 12 trade roles (both at 48 registers: the warp plan accepts it).
+        let e = resolve_roles(|r| r.swap(3, 12)).unwrap_err();
+        assert!(e.contains("the mma warp 3 is not in warpgroup 3"), "{e}");
+    }
+
+    #[test]
+    fn a_role_in_warpgroup_0_is_rejected() {
+        // The compute and idle warpgroups trade places.
+        let e = resolve_roles(|r| {
+            for w in 0..4 {
+                r.swap(w, w + 4);
+            }
+        })
+        .unwrap_err();
+        assert!(e.contains("warpgroup 0 must idle"), "{e}");
+    }
+}
