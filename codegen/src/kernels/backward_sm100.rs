@@ -44,7 +44,7 @@
 
 use super::common::{self, bump, MainParams, Walk};
 use super::fixed_point;
-use super::sm100_roles::{Sm100Layout, Sm100Roles};
+use super::sm100::{MmaA, MmaIssuer, Sm100Layout, Sm100Roles};
 use super::KernelDesc;
 use crate::plan::gemm::Gemm;
 use crate::plan::pipeline::{Barriers, ChunkGroups, Cursor, NamedBarrier, Pipe, Stage};
@@ -55,7 +55,6 @@ use crate::plan::KernelPlan;
 use crate::ptx::tcgen05::TmemAddr;
 use crate::ptx::*;
 use crate::target::Target;
-use std::ops::Range;
 
 /// Threads per CTA: 16 warps.
 pub const THREADS: u32 = crate::plan::roles::THREADS;
@@ -473,60 +472,6 @@ fn compute(b: &mut KernelBuilder, ctx: &Ctx) {
 
 // ---- MMA warp --------------------------------------------------------------------------
 
-/// Issues K steps `ks` of GEMM `g` from the elected lane: `a_addr` is A's tile (None for a
-/// TMEM A), `b_addr` B's tile; `acc(k)` is the enable-input-D predicate of step `k`.
-#[allow(clippy::too_many_arguments)]
-fn issue_gemm(
-    b: &mut KernelBuilder,
-    ctx: &Ctx,
-    tm: TmemAddr,
-    elect: Reg<Pred>,
-    g: &Gemm,
-    a_addr: Option<Reg<U32>>,
-    b_addr: Reg<U32>,
-    ks: Range<u32>,
-    acc: impl Fn(u32) -> Reg<Pred>,
-) {
-    let plan = ctx.resolved.plan;
-    let idesc = match g.instr_desc() {
-        Ok(d) => d.bits(),
-        Err(e) => return b.error(e.to_string()),
-    };
-    let d_col = match plan.tmem().region(g.d) {
-        Ok(r) => r.col,
-        Err(e) => return b.error(e.to_string()),
-    };
-    let bd = g.b_desc(Target::Sm100a);
-    let b0 = bd.emit(b, b_addr);
-    let a0 = match (g.a_desc(Target::Sm100a), a_addr) {
-        (Some(ad), Some(addr)) => Some((ad, ad.emit(b, addr))),
-        (None, None) => None,
-        _ => return b.error(format!("GEMM `{}`: A operand mismatch", g.name)),
-    };
-    for k in ks {
-        let bk = bd.emit_step(b, b0, k);
-        let p = acc(k);
-        match a0 {
-            Some((ad, a0)) => {
-                let ak = ad.emit_step(b, a0, k);
-                b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ss(tm.col(d_col), ak, bk, idesc, p)
-                });
-            }
-            None => {
-                let col = match g.a_tmem_col(plan.tmem(), k) {
-                    Ok(Some(col)) => col,
-                    Ok(None) => return b.error(format!("GEMM `{}` has no TMEM A", g.name)),
-                    Err(e) => return b.error(e.to_string()),
-                };
-                b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ts(tm.col(d_col), tm.col(col), bk, idesc, p)
-                });
-            }
-        }
-    }
-}
-
 fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let resolved = ctx.resolved;
     let bars = &ctx.bars;
@@ -534,6 +479,10 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
     b.comment("one lane issues every MMA and every commit");
     let elect = b.elect_sync();
+    let mmas = MmaIssuer {
+        plan: resolved.plan,
+        elect,
+    };
     let zero = b.mov::<U32>(0u32);
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
@@ -561,14 +510,11 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
         let s_st = resolved.s.producer_acquire(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         b.comment("G1: S^T = K*Q^T");
-        issue_gemm(
+        mmas.issue(
             b,
-            ctx,
-            tm,
-            elect,
             resolved.g_s,
-            Some(k_addr),
-            q_addr,
+            (MmaA::Smem(k_addr), q_addr),
+            tm,
             0..resolved.g_s.k_steps(),
             first_k,
         );
@@ -582,14 +528,11 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
         });
         let dp_st = resolved.dp.locate(b, bars, t.into());
         b.comment("G2: dP^T = V*dO^T");
-        issue_gemm(
+        mmas.issue(
             b,
-            ctx,
-            tm,
-            elect,
             resolved.g_dp,
-            Some(v_addr),
-            do_addr,
+            (MmaA::Smem(v_addr), do_addr),
+            tm,
             0..resolved.g_dp.k_steps(),
             first_k,
         );
@@ -610,18 +553,15 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
                 let ks = 2 * c..2 * c + 2;
                 let acc = |k: u32| if k == 0 { same } else { always };
                 b.comment(&format!("chunk {c}: G3 dV += P^T*dO, G4 dK += dS^T*Q"));
-                issue_gemm(
+                mmas.issue(
                     b,
-                    ctx,
-                    tm,
-                    elect,
                     resolved.g_dv,
-                    None,
-                    do_addr,
+                    (MmaA::Tmem(tm), do_addr),
+                    tm,
                     ks.clone(),
                     acc,
                 );
-                issue_gemm(b, ctx, tm, elect, resolved.g_dk, None, q_addr, ks, acc);
+                mmas.issue(b, resolved.g_dk, (MmaA::Tmem(tm), q_addr), tm, ks, acc);
             }
         }
         b.predicated(elect, false, |b| {
@@ -639,14 +579,11 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
         let dq_st = resolved.dq.producer_acquire(b, bars, t);
         b.tcgen05_fence_after_thread_sync();
         b.comment("G5: dQ^T = K^T*dS^T");
-        issue_gemm(
+        mmas.issue(
             b,
-            ctx,
-            tm,
-            elect,
             resolved.g_dq,
-            Some(k_addr),
-            pds_addr,
+            (MmaA::Smem(k_addr), pds_addr),
+            tm,
             0..resolved.g_dq.k_steps(),
             first_k,
         );

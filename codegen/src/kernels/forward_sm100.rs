@@ -54,7 +54,7 @@
 use super::common::{self, bump};
 use super::forward_list as list;
 use super::forward_sm90::{forward_params, items, ForwardParams, Items};
-use super::sm100_roles::{Sm100Layout, Sm100Roles};
+use super::sm100::{MmaA, MmaIssuer, Sm100Layout, Sm100Roles};
 use super::KernelDesc;
 use crate::plan::gemm::{AOperand, Gemm};
 use crate::plan::pipeline::{Barriers, NamedBarrier, Pipe, Pipeline, PipelinePlan, TmaBox};
@@ -528,61 +528,6 @@ fn load(b: &mut KernelBuilder, ctx: &Ctx) {
 
 // ---- MMA warp ----------------------------------------------------------------------------
 
-/// Issues GEMM `g` from the elected lane: `a_addr` is A's tile (None for a TMEM A, whose
-/// columns are taken from `a_tm`), `b_addr` B's tile, D at its region's column from `d_tm`;
-/// `acc(k)` is the enable-input-D predicate of K step `k`.
-#[allow(clippy::too_many_arguments)]
-fn issue_gemm(
-    b: &mut KernelBuilder,
-    ctx: &Ctx,
-    a_tm: TmemAddr,
-    d_tm: TmemAddr,
-    elect: Reg<Pred>,
-    g: &Gemm,
-    a_addr: Option<Reg<U32>>,
-    b_addr: Reg<U32>,
-    acc: impl Fn(u32) -> Reg<Pred>,
-) {
-    let plan = ctx.r.plan;
-    let idesc = match g.instr_desc() {
-        Ok(d) => d.bits(),
-        Err(e) => return b.error(e.to_string()),
-    };
-    let d_col = match plan.tmem().region(g.d) {
-        Ok(r) => r.col,
-        Err(e) => return b.error(e.to_string()),
-    };
-    let bd = g.b_desc(Target::Sm100a);
-    let b0 = bd.emit(b, b_addr);
-    let a0 = match (g.a_desc(Target::Sm100a), a_addr) {
-        (Some(ad), Some(addr)) => Some((ad, ad.emit(b, addr))),
-        (None, None) => None,
-        _ => return b.error(format!("GEMM `{}`: A operand mismatch", g.name)),
-    };
-    for k in 0..g.k_steps() {
-        let bk = bd.emit_step(b, b0, k);
-        let p = acc(k);
-        match a0 {
-            Some((ad, a0)) => {
-                let ak = ad.emit_step(b, a0, k);
-                b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ss(d_tm.col(d_col), ak, bk, idesc, p)
-                });
-            }
-            None => {
-                let col = match g.a_tmem_col(plan.tmem(), k) {
-                    Ok(Some(col)) => col,
-                    Ok(None) => return b.error(format!("GEMM `{}` has no TMEM A", g.name)),
-                    Err(e) => return b.error(e.to_string()),
-                };
-                b.predicated(elect, false, |b| {
-                    b.tcgen05_mma_ts(d_tm.col(d_col), a_tm.col(col), bk, idesc, p)
-                });
-            }
-        }
-    }
-}
-
 fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let r = ctx.r;
     let bars = &ctx.bars;
@@ -590,6 +535,10 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
     b.comment("one lane issues every MMA and every commit");
     let elect = b.elect_sync();
+    let mmas = MmaIssuer {
+        plan: r.plan,
+        elect,
+    };
     let zero = b.mov::<U32>(0u32);
     let always = b.setp(Cmp::Eq, zero, 0u32);
     let never = b.setp(Cmp::Ne, zero, 0u32);
@@ -604,15 +553,12 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
         let d_tm = staged(b, tbase, s_st.index, r.s_stride);
         b.comment("S = Q*K^T into the block's S stage");
         let first_k = |k: u32| if k == 0 { never } else { always };
-        issue_gemm(
+        mmas.issue(
             b,
-            ctx,
-            tm,
-            d_tm,
-            elect,
             r.g_s,
-            Some(q_addr),
-            k_addr,
+            (MmaA::Smem(q_addr), k_addr),
+            d_tm,
+            0..r.g_s.k_steps(),
             first_k,
         );
         b.predicated(elect, false, |b| r.s.producer_commit(b, bars, &s_st));
@@ -647,7 +593,14 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             b.comment("O (+)= P*V, overwriting at the item's first block");
             let later = b.setp(Cmp::Ne, e, 0u32);
             let acc = |k: u32| if k == 0 { later } else { always };
-            issue_gemm(b, ctx, a_tm, tm, elect, r.g_pv, None, v_addr, acc);
+            mmas.issue(
+                b,
+                r.g_pv,
+                (MmaA::Tmem(a_tm), v_addr),
+                tm,
+                0..r.g_pv.k_steps(),
+                acc,
+            );
             b.predicated(elect, false, |b| {
                 r.p.consumer_release(b, bars, &p_st);
                 r.kv.consumer_release(b, bars, &kv);

@@ -15,7 +15,7 @@ pub mod l2_sides;
 pub mod postprocess;
 pub mod preprocess;
 pub mod schedule_build;
-pub mod sm100_roles;
+pub mod sm100;
 pub mod task_build;
 
 use crate::error::CodegenError;

@@ -1,12 +1,20 @@
-//! The warp layout both SM100 kernels (`msa_bwd_sm100`, `msa_forward_sm100`) share, as a value:
-//! warpgroup 0 idles; the compute and the reduce (epilogue) roles are one warpgroup each, a
-//! thread per TMEM lane; the MMA, load and scalar (list) warps sit in warpgroup 3, so that one
-//! `setmaxnreg` serves them. [`Sm100Layout::resolve`] reads it from a plan and checks it at
-//! codegen time; [`Sm100Layout::dispatch`] emits the branch to each role.
+//! What both SM100 kernels (`msa_bwd_sm100`, `msa_forward_sm100`) share.
+//!
+//! - [`Sm100Layout`], the warp layout as a value: warpgroup 0 idles; the compute and the
+//!   reduce (epilogue) roles are one warpgroup each, a thread per TMEM lane; the MMA, load and
+//!   scalar (list) warps sit in warpgroup 3, so that one `setmaxnreg` serves them.
+//!   [`Sm100Layout::resolve`] reads it from a plan and checks it at codegen time;
+//!   [`Sm100Layout::dispatch`] emits the branch to each role.
+//! - [`MmaIssuer`]: the MMA warp's `tcgen05.mma` of a planned GEMM, K step by K step.
 
+use crate::plan::gemm::Gemm;
 use crate::plan::roles::{Role, WarpPlan};
 use crate::plan::tmem::TmemPlan;
+use crate::plan::KernelPlan;
+use crate::ptx::tcgen05::TmemAddr;
 use crate::ptx::*;
+use crate::target::Target;
+use std::ops::Range;
 
 /// Where each role of an SM100 kernel runs.
 #[derive(Debug, Clone, Copy)]
@@ -153,6 +161,79 @@ impl Sm100Layout {
         b.place(&l_scalar);
         role(b, scalar_name, scalar);
         b.ret();
+    }
+}
+
+/// Where a GEMM's A operand lies.
+#[derive(Debug, Clone, Copy)]
+pub enum MmaA {
+    /// A tile in shared memory at this address (the GEMM's A descriptor).
+    Smem(Reg<U32>),
+    /// TMEM columns (the GEMM's A region) from this base.
+    Tmem(TmemAddr),
+}
+
+/// Issues a plan's GEMMs from the lane `elect` picks.
+#[derive(Clone, Copy)]
+pub struct MmaIssuer<'a> {
+    /// The plan that holds the GEMMs and their TMEM regions.
+    pub plan: &'a KernelPlan,
+    /// The one lane that issues.
+    pub elect: Reg<Pred>,
+}
+
+impl MmaIssuer<'_> {
+    /// Issues K steps `ks` of `g`: A from `a`, B's tile at `b_addr`, D at the column of `g`'s
+    /// region from `d_tm`; `acc(k)` is step `k`'s enable-input-D predicate. A plan whose GEMM
+    /// disagrees with `a` is a codegen error.
+    pub fn issue(
+        &self,
+        b: &mut KernelBuilder,
+        g: &Gemm,
+        (a, b_addr): (MmaA, Reg<U32>),
+        d_tm: TmemAddr,
+        ks: Range<u32>,
+        acc: impl Fn(u32) -> Reg<Pred>,
+    ) {
+        let (plan, elect) = (self.plan, self.elect);
+        let idesc = match g.instr_desc() {
+            Ok(d) => d.bits(),
+            Err(e) => return b.error(e.to_string()),
+        };
+        let d_col = match plan.tmem().region(g.d) {
+            Ok(r) => r.col,
+            Err(e) => return b.error(e.to_string()),
+        };
+        let bd = g.b_desc(Target::Sm100a);
+        let b0 = bd.emit(b, b_addr);
+        // A's first descriptor (shared A), or its TMEM base.
+        let a0 = match (g.a_desc(Target::Sm100a), a) {
+            (Some(ad), MmaA::Smem(addr)) => Ok((ad, ad.emit(b, addr))),
+            (None, MmaA::Tmem(a_tm)) => Err(a_tm),
+            _ => return b.error(format!("GEMM `{}`: A operand mismatch", g.name)),
+        };
+        for k in ks {
+            let bk = bd.emit_step(b, b0, k);
+            let p = acc(k);
+            match a0 {
+                Ok((ad, a0)) => {
+                    let ak = ad.emit_step(b, a0, k);
+                    b.predicated(elect, false, |b| {
+                        b.tcgen05_mma_ss(d_tm.col(d_col), ak, bk, idesc, p)
+                    });
+                }
+                Err(a_tm) => {
+                    let col = match g.a_tmem_col(plan.tmem(), k) {
+                        Ok(Some(col)) => col,
+                        Ok(None) => return b.error(format!("GEMM `{}` has no TMEM A", g.name)),
+                        Err(e) => return b.error(e.to_string()),
+                    };
+                    b.predicated(elect, false, |b| {
+                        b.tcgen05_mma_ts(d_tm.col(d_col), a_tm.col(col), bk, idesc, p)
+                    });
+                }
+            }
+        }
     }
 }
 
