@@ -250,18 +250,9 @@ fn describe_mode(b: &mut KernelBuilder, deterministic: bool) {
         Ok(r) => r,
         Err(e) => return b.error(format!("SM90 plan: {e}")),
     };
-    let total = plan.smem().total();
-    if total > SMEM_BYTES {
-        return b.error(format!(
-            "the shared-memory plan needs {total} B, above {SMEM_BYTES} B"
-        ));
-    }
-    let smem = b.dynamic_shared("smem", SMEM_BYTES, 1024);
-    b.comment("align the dynamic base to the 1024-B SW128 atom; trap if the slack is short");
-    let (raw, base) = common::swizzle_aligned_base(b, &smem);
-    let pad = b.sub(base, raw);
-    let short = b.setp(Cmp::Gt, pad, SMEM_BYTES - total);
-    b.if_then(short, "smem_guard", |b| b.trap());
+    let Some(base) = common::guarded_smem_base(b, plan.smem().total(), SMEM_BYTES) else {
+        return;
+    };
     let tid = b.sreg(SReg::TidX);
     let bars = common::sm90_barriers(b, base, r.barriers);
     let (leader, walk) = common::init_and_walk(b, tid, plan.pipelines(), &bars, &p.desc);

@@ -25,6 +25,25 @@ pub fn swizzle_aligned_base(b: &mut KernelBuilder, smem: &SharedVar) -> (Reg<U32
     (raw, b.and(base, !1023u32))
 }
 
+/// The aligned base ([`swizzle_aligned_base`]) of `capacity` bytes of dynamic shared memory
+/// for a plan of `total` bytes: a plan above the capacity is a codegen error (`None`), and
+/// the kernel traps when the alignment's padding leaves less than `total`.
+pub fn guarded_smem_base(b: &mut KernelBuilder, total: u32, capacity: u32) -> Option<Reg<U32>> {
+    if total > capacity {
+        b.error(format!(
+            "the shared-memory plan needs {total} B, above {capacity} B"
+        ));
+        return None;
+    }
+    let smem = b.dynamic_shared("smem", capacity, 1024);
+    b.comment("align the dynamic base to the 1024-B SW128 atom; trap if the slack is short");
+    let (raw, base) = swizzle_aligned_base(b, &smem);
+    let pad = b.sub(base, raw);
+    let short = b.setp(Cmp::Gt, pad, capacity - total);
+    b.if_then(short, "smem_guard", |b| b.trap());
+    Some(base)
+}
+
 fn no_umma(b: &mut KernelBuilder, _: &SharedAddr) {
     b.require("tcgen05.commit", Target::Sm100a);
 }
