@@ -669,46 +669,22 @@ pub(crate) fn decode(inst: &InstAst, ctx: &Ctx<'_>) -> Result<Op> {
                 c: ctx.src(&ops[3], ty)?,
             }
         }
-        "ex2" => {
+        "ex2" | "lg2" | "rcp" => {
+            // The approximations the kernels use, and the reciprocal's round to nearest.
+            let (op, rounding) = match name {
+                "ex2" => (FloatUnOp::Ex2, "approx"),
+                "lg2" => (FloatUnOp::Lg2, "approx"),
+                _ => (FloatUnOp::Rcp, "rn"),
+            };
             let ty = m.one_type()?;
-            if ty != Ty::F32 || !m.take("approx") {
-                return unsupported("only ex2.approx[.ftz].f32 is modelled");
+            if ty != Ty::F32 || !m.take(rounding) {
+                return unsupported(format!("only {name}.{rounding}[.ftz].f32 is modelled"));
             }
             let ftz = m.take("ftz");
             m.finish()?;
             arity(ops, 2)?;
             Op::FloatUn {
-                op: FloatUnOp::Ex2,
-                ftz,
-                d: ctx.reg(&ops[0])?,
-                a: ctx.src(&ops[1], ty)?,
-            }
-        }
-        "lg2" => {
-            let ty = m.one_type()?;
-            if ty != Ty::F32 || !m.take("approx") {
-                return unsupported("only lg2.approx[.ftz].f32 is modelled");
-            }
-            let ftz = m.take("ftz");
-            m.finish()?;
-            arity(ops, 2)?;
-            Op::FloatUn {
-                op: FloatUnOp::Lg2,
-                ftz,
-                d: ctx.reg(&ops[0])?,
-                a: ctx.src(&ops[1], ty)?,
-            }
-        }
-        "rcp" => {
-            let ty = m.one_type()?;
-            if ty != Ty::F32 || !m.take("rn") {
-                return unsupported("only rcp.rn[.ftz].f32 is modelled");
-            }
-            let ftz = m.take("ftz");
-            m.finish()?;
-            arity(ops, 2)?;
-            Op::FloatUn {
-                op: FloatUnOp::Rcp,
+                op,
                 ftz,
                 d: ctx.reg(&ops[0])?,
                 a: ctx.src(&ops[1], ty)?,
