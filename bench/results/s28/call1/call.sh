@@ -12,7 +12,8 @@
 #  2. the GPU tests forward_kv (paired cases included);
 #  3. ncu on the sum pass, paired and unpaired, doc64k and doc256k: the fabric between the
 #     L2 partitions, the crossbar into the slices, reductions arriving from the fabric;
-#  4. the sanitizers; 5. the GPU tests forward; 6. the A/B at doc1m.
+#  4. the sanitizers; 5. the GPU tests forward; 6. the A/B at doc1m; 7. the L2 sides probe
+#     on this card.
 set -uo pipefail
 O=$OUT
 F=.gpu/s28
@@ -66,4 +67,11 @@ if left 200; then
 fi
 left 100 && test_bin forward 95
 left 100 && ab doc1m 45 && show | tail -8
+# Last, on this card (the probe ran on an H200 only): which side each SM and address is on.
+if left 45; then
+  nvcc -O2 -gencode=arch=compute_90a,code=sm_90a bench/probe/l2_sides.cu -o /tmp/l2_sides 2>&1 | tail -3
+  timeout 35 /tmp/l2_sides > $O/probe.txt 2>&1; echo "rc $?" >> $O/probe.txt
+  grep -E "^== |SMs on|runs of one home|differ" $O/probe.txt | head -16
+  s probe
+fi
 s end
