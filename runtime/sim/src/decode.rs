@@ -1298,8 +1298,11 @@ fn decode_mbarrier(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<O
 }
 
 fn decode_tma(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
-    if !(m.take("async") && m.take("bulk") && m.take("tensor")) {
-        return unsupported("only cp.async.bulk.tensor is modelled among cp instructions");
+    if !(m.take("async") && m.take("bulk")) {
+        return unsupported("only cp.async.bulk{.tensor} is modelled among cp instructions");
+    }
+    if !m.take("tensor") {
+        return decode_bulk_load(m, ops, ctx);
     }
     let rank = take_rank(m, "cp.async.bulk.tensor")?;
     if m.take_any(&["shared::cluster", "shared::cta"]).is_none() || !m.take("global") {
@@ -1349,6 +1352,32 @@ fn decode_tma_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result
     Ok(Op::TmaReduceAdd(Box::new(TmaReduce {
         src: ctx.addr(&ops[1])?,
         tensor: tensor_ref(&ops[0], rank, "reduction", ctx)?,
+    })))
+}
+
+/// `cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{.L2::cache_hint}`.
+fn decode_bulk_load(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<Op> {
+    if m.take_any(&["shared::cluster", "shared::cta"]).is_none() || !m.take("global") {
+        return unsupported("only global-to-shared bulk copies are modelled");
+    }
+    if !m.take("mbarrier::complete_tx::bytes") {
+        return unsupported("only mbarrier::complete_tx::bytes completion is modelled");
+    }
+    let hint = m.take("L2::cache_hint");
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    arity(ops, 4 + hint as usize)?;
+    let bytes = match &ops[2] {
+        Operand::Int(v) if *v > 0 && v % 16 == 0 && *v <= i128::from(u32::MAX) => *v as u32,
+        _ => return malformed("a bulk copy's size must be a positive multiple of 16"),
+    };
+    Ok(Op::CpAsyncBulk(Box::new(BulkLoad {
+        dst: ctx.addr(&ops[0])?,
+        src: ctx.addr(&ops[1])?,
+        bytes,
+        mbar: ctx.addr(&ops[3])?,
     })))
 }
 

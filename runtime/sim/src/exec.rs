@@ -1111,7 +1111,8 @@ impl<'a> Cta<'a> {
             | Op::MbarrierArrive { .. }
             | Op::MbarrierExpectTx { .. }
             | Op::MbarrierTryWait { .. }
-            | Op::CpAsyncBulkTensor(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
+            | Op::CpAsyncBulkTensor(_)
+            | Op::CpAsyncBulk(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
             Op::TmaReduceAdd(_) | Op::BulkReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
                 self.step_bulk(pcu, w, exec, op)?
             }

@@ -599,6 +599,20 @@ pub struct TmaReduce {
     pub tensor: TensorRef,
 }
 
+/// `cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes,
+/// [mbar]`: `bytes` contiguous bytes of global memory at `src` into shared `dst`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BulkLoad {
+    /// The shared-memory destination (`.shared::cluster`: the own CTA's shared window).
+    pub dst: Addr,
+    /// The global source.
+    pub src: Addr,
+    /// Bytes (a multiple of 16).
+    pub bytes: u32,
+    /// The mbarrier that receives the bytes as `complete_tx`.
+    pub mbar: Addr,
+}
+
 /// `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [dst], [src], bytes`:
 /// `bytes` of f16 at shared `src` added elementwise into global `dst`.
 #[derive(Debug, Clone, PartialEq)]
@@ -1017,6 +1031,8 @@ pub enum Op {
     },
     /// A TMA tile load.
     CpAsyncBulkTensor(Box<TmaLoad>),
+    /// A bulk (non-tensor) load into shared memory ([`BulkLoad`]).
+    CpAsyncBulk(Box<BulkLoad>),
     /// A TMA reduce-add from shared memory, tracked by the thread's bulk groups.
     TmaReduceAdd(Box<TmaReduce>),
     /// A bulk (non-tensor) f16 reduce-add ([`BulkReduce`]).
@@ -1254,6 +1270,11 @@ impl Op {
                 addr(out, &r.src);
             }
             Op::BulkCommit | Op::BulkWait { .. } => {}
+            Op::CpAsyncBulk(t) => {
+                addr(out, &t.dst);
+                addr(out, &t.src);
+                addr(out, &t.mbar);
+            }
             Op::CpAsyncBulkTensor(t) => {
                 addr(out, &t.dst);
                 addr(out, &t.tensor.map);

@@ -285,3 +285,104 @@ fn a_wgmma_descriptor_that_differs_across_the_warpgroup_is_a_fault() {
         "{msg}"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Bulk (non-tensor) copies into shared memory
+// ---------------------------------------------------------------------------------------------
+
+use msa_sim::Arg;
+
+/// One CTA of 128 threads: thread 0 arms the mbarrier for `expect` bytes and issues `copy`
+/// (a `cp.async.bulk` from `src`, `%rd0`, into `buf`, `%r2`), every thread waits for phase 0
+/// and writes word `tid` of `buf[256..]` to `out`. Returns `out`, or what went wrong.
+fn bulk_copy(copy: &str, expect: u32, src: &[u32]) -> Result<Vec<u32>, SimError> {
+    let text = format!(
+        "{HEADER}
+.visible .entry k(.param .u64 src, .param .u64 out)
+.maxntid 128, 1, 1
+{{
+	.reg .pred %p<4>;
+	.reg .b32 %r<8>;
+	.reg .b64 %rd<8>;
+	.shared .align 1024 .b8 buf[8192];
+	.shared .align 8 .b64 mbar0;
+	ld.param.u64 %rd0, [src];
+	ld.param.u64 %rd1, [out];
+	mov.u32 %r0, %tid.x;
+	mov.u32 %r1, mbar0;
+	mov.u32 %r2, buf;
+	setp.eq.u32 %p0, %r0, 0;
+	@%p0 mbarrier.init.shared::cta.b64 [%r1], 1;
+	bar.sync 0;
+	@%p0 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], {expect};
+	@%p0 {copy}
+$L_w:
+	mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r1], 0;
+	@!%p1 bra $L_w;
+	shl.b32 %r3, %r0, 2;
+	add.u32 %r4, %r2, %r3;
+	ld.shared.u32 %r5, [%r4+256];
+	cvt.u64.u32 %rd2, %r3;
+	add.u64 %rd3, %rd1, %rd2;
+	st.global.u32 [%rd3], %r5;
+	ret;
+}}
+"
+    );
+    let m = Module::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let mut gpu = Gpu::new();
+    let src = gpu.upload("src", src);
+    let out = gpu.upload("out", &[0u32; 128]);
+    gpu.launch(
+        m.kernel("k").unwrap(),
+        &LaunchConfig::new((1, 1, 1), (128, 1, 1)),
+        &[Arg::Ptr(src), Arg::Ptr(out)],
+    )?;
+    gpu.read(out, 128)
+}
+
+const BULK: &str = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes";
+
+#[test]
+fn a_bulk_copy_lands_its_bytes_before_the_wait_returns() {
+    let src: Vec<u32> = (0..256).map(|i| 0x1000 + i).collect();
+    // 512 bytes from src + 64 into buf + 256: words 16.. of src.
+    let copy = format!("{BULK} [%r2+256], [%rd0+64], 512, [%r1];");
+    let out = bulk_copy(&copy, 512, &src).unwrap();
+    assert_eq!(out, src[16..144].to_vec());
+    // The same with an L2 hint (its policy operand last).
+    let hinted = format!(
+        "createpolicy.fractional.L2::evict_first.b64 %rd4, 1.0;\n\t@%p0 {BULK}.L2::cache_hint \
+         [%r2+256], [%rd0+64], 512, [%r1], %rd4;"
+    );
+    assert_eq!(
+        bulk_copy(&hinted, 512, &src).unwrap(),
+        src[16..144].to_vec()
+    );
+}
+
+#[test]
+fn bulk_copies_the_phase_did_not_expect_or_misaligned_are_faults() {
+    let src = vec![7u32; 256];
+    // Two copies of 512 bytes against an expect_tx of 512: the second lands after its phase
+    // completed.
+    let two = format!(
+        "{BULK} [%r2+256], [%rd0], 512, [%r1];\n\t@%p0 {BULK} [%r2+1024], [%rd0], 512, [%r1];"
+    );
+    let (kind, msg) = fault_message(bulk_copy(&two, 512, &src).map(|_| ()));
+    assert!(matches!(kind, FaultKind::Mbarrier(_)), "{msg}");
+    assert!(
+        msg.contains("more bytes than the phase's expect_tx"),
+        "{msg}"
+    );
+    // A source off 16 bytes.
+    let off = format!("{BULK} [%r2+256], [%rd0+8], 512, [%r1];");
+    let (kind, msg) = fault_message(bulk_copy(&off, 512, &src).map(|_| ()));
+    assert!(matches!(kind, FaultKind::Tma(_)), "{msg}");
+    assert!(msg.contains("must be 16-byte aligned"), "{msg}");
+    // A source past its allocation.
+    let past = format!("{BULK} [%r2+256], [%rd0+768], 512, [%r1];");
+    let (kind, msg) = fault_message(bulk_copy(&past, 512, &src).map(|_| ()));
+    assert!(matches!(kind, FaultKind::Tma(_)), "{msg}");
+    assert!(msg.contains("the bulk copy reads global"), "{msg}");
+}

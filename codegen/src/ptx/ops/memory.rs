@@ -196,6 +196,33 @@ impl KernelBuilder {
         );
     }
 
+    /// A bulk (non-tensor) copy of `bytes` contiguous bytes of global memory at `src` into
+    /// shared memory at `dst`, completing them on `bar` (`cp.async.bulk…mbarrier::complete_tx`,
+    /// PTX 8.0, sm_90), with an L2 eviction `policy` when one is given. Both addresses 16-byte
+    /// aligned, `bytes` a multiple of 16; no swizzle: the bytes land as they are.
+    pub fn bulk_load_hinted(
+        &mut self,
+        dst: &SharedAddr,
+        src: &GlobalAddr,
+        bytes: u32,
+        bar: &SharedAddr,
+        policy: Option<Reg<B64>>,
+    ) {
+        let (hint, extra) = Self::policy(policy);
+        let mut operands = vec![
+            dst.operand(),
+            src.operand(),
+            Operand::Int(i64::from(bytes)),
+            bar.operand(),
+        ];
+        operands.extend(extra);
+        self.push(
+            format!("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes{hint}"),
+            operands,
+            PtxVersion(8, 0),
+        );
+    }
+
     /// A 3-D TMA reduce-add of the shared box at `src` into the tensor at `coords`
     /// (innermost first), elementwise in the tensor map's type, tracked by the thread's bulk
     /// groups (PTX 8.0, sm_90). `src` must stay unchanged until `cp.async.bulk.wait_group.read`.
@@ -324,6 +351,8 @@ mod tests {
         b.tma_load_3d_hinted(&dst, map, [c, c, c], &bar, Some(first));
         b.tma_reduce_add_3d(&dst, map, [c, c, c]);
         b.tma_reduce_add_3d_hinted(&dst, map, [c, c, c], Some(last));
+        b.bulk_load_hinted(&dst, &global(map, 64), 4096, &bar, None);
+        b.bulk_load_hinted(&dst, &global(map, 64), 4096, &bar, Some(first));
         let text = print::body(&b.finish().unwrap());
         let lines: Vec<&str> = text.lines().map(str::trim).collect();
         let has = |prefix: &str, suffix: &str| {
@@ -360,6 +389,15 @@ mod tests {
             "{text}"
         );
         assert!(has("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [", &policy(last)), "{text}");
+        let bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes";
+        assert!(
+            has(&format!("{bulk} [%r0], [%rd1+64]"), "4096, [%r0+1024];"),
+            "{text}"
+        );
+        assert!(
+            has(&format!("{bulk}.L2::cache_hint ["), &policy(first)),
+            "{text}"
+        );
     }
 
     #[test]

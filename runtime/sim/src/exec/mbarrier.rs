@@ -24,7 +24,8 @@
 use super::{lanes, Cta, Flow, Place, TmaCompletion, BLOCK_MBAR, BLOCK_WARPGROUP, NOT_BLOCKED};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{
-    Addr, BulkReduce, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce, SHARED_WINDOW,
+    Addr, BulkLoad, BulkReduce, Dst, Op, Reg, Space, Src, TensorRef, TmaLoad, TmaReduce,
+    SHARED_WINDOW,
 };
 use crate::numeric::{bf16_rne, bf16_to_f32, f16_rne};
 use crate::tensor_map::{OobFill, SimTensorMap, TENSOR_MAP_BYTES};
@@ -62,14 +63,22 @@ pub(super) struct BulkRead {
     pub pc: usize,
 }
 
-/// A TMA copy issued and not yet landed.
+/// What a copy in flight reads.
+#[derive(Debug, Clone)]
+pub(super) enum CopySource {
+    /// A tensor map's box at these coordinates.
+    Box { map: SimTensorMap, coords: [i64; 5] },
+    /// `bytes` contiguous bytes of global memory at `src`.
+    Bulk { src: u64, bytes: u32 },
+}
+
+/// A TMA copy (tensor or bulk) issued and not yet landed.
 #[derive(Debug, Clone)]
 pub(super) struct PendingTma {
     pub pc: usize,
     pub warp: usize,
     pub lane: usize,
-    pub map: SimTensorMap,
-    pub coords: [i64; 5],
+    pub source: CopySource,
     pub dst: u32,
     pub mbar: u32,
     /// The mbarrier's phase when the copy was issued.
@@ -422,16 +431,90 @@ impl Cta<'_> {
                 pc,
                 warp: w,
                 lane: l,
-                map,
-                coords: c,
+                source: CopySource::Box { map, coords: c },
                 dst,
                 mbar,
                 phase: self.mbars[i].phase,
             };
-            match self.tma_completion {
-                TmaCompletion::Deferred => self.tmas.push(pending),
-                TmaCompletion::Immediate => self.complete_tma(pending)?,
+            self.track_copy(pending)?;
+        }
+        Ok(())
+    }
+
+    /// `cp.async.bulk` global to shared: per lane, validated at issue (16-byte aligned
+    /// addresses, the destination inside shared memory and clear of live mbarriers, the
+    /// mbarrier live) and landed as a TMA copy.
+    pub(super) fn bulk_issue(
+        &mut self,
+        pc: usize,
+        w: usize,
+        exec: u32,
+        t: &BulkLoad,
+    ) -> Result<(), SimError> {
+        for l in lanes(exec) {
+            let tma = |msg: String| FaultKind::Tma(msg);
+            let src = self.lane_addr(w, l, &t.src);
+            let at = self.lane_addr(w, l, &t.dst);
+            let dst = if (SHARED_WINDOW..SHARED_WINDOW + (1 << 32)).contains(&at) {
+                at - SHARED_WINDOW
+            } else {
+                at
+            };
+            let bytes = u64::from(t.bytes);
+            if !src.is_multiple_of(16)
+                || !dst.is_multiple_of(16)
+                || dst + bytes > self.shared.len() as u64
+            {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    tma(format!(
+                        "a bulk copy from global {src:#x} into shared [{dst:#x}, +{bytes}): both \
+                         must be 16-byte aligned and the destination inside the CTA's shared \
+                         memory"
+                    )),
+                ));
             }
+            if let Some(m) = self
+                .mbars
+                .iter()
+                .find(|m| u64::from(m.addr) + 8 > dst && u64::from(m.addr) < dst + bytes)
+            {
+                return Err(self.fault(
+                    pc,
+                    w,
+                    l,
+                    tma(format!(
+                        "the bulk copy [{dst:#x}, +{bytes}) overwrites the live mbarrier at {:#x}",
+                        m.addr
+                    )),
+                ));
+            }
+            let mbar = self.mbar_offset(pc, w, l, Space::Shared, &t.mbar)?;
+            let i = self.mbar_live(pc, w, l, mbar)?;
+            let pending = PendingTma {
+                pc,
+                warp: w,
+                lane: l,
+                source: CopySource::Bulk {
+                    src,
+                    bytes: t.bytes,
+                },
+                dst: dst as u32,
+                mbar,
+                phase: self.mbars[i].phase,
+            };
+            self.track_copy(pending)?;
+        }
+        Ok(())
+    }
+
+    /// Lands `pending` now or when its mbarrier is waited on, as the completion mode says.
+    fn track_copy(&mut self, pending: PendingTma) -> Result<(), SimError> {
+        match self.tma_completion {
+            TmaCompletion::Deferred => self.tmas.push(pending),
+            TmaCompletion::Immediate => self.complete_tma(pending)?,
         }
         Ok(())
     }
@@ -533,7 +616,63 @@ impl Cta<'_> {
     }
 
     fn complete_tma(&mut self, t: PendingTma) -> Result<(), SimError> {
-        let m = t.map;
+        let bytes = match &t.source {
+            CopySource::Box { map, coords } => self.land_box(&t, map, coords)?,
+            CopySource::Bulk { src, bytes } => self.land_bulk(&t, *src, *bytes)?,
+        };
+        let fault =
+            |cta: &Self, msg: String| cta.fault(t.pc, t.warp, t.lane, FaultKind::Mbarrier(msg));
+        let Some(i) = self.mbar_index(t.mbar) else {
+            let msg = format!(
+                "the mbarrier at shared {:#x} of a TMA copy in flight was re-initialised",
+                t.mbar
+            );
+            return Err(fault(self, msg));
+        };
+        if self.mbars[i].phase != t.phase {
+            let msg = format!(
+                "at shared {:#x}: a TMA copy of {bytes} bytes issued in phase {} lands in phase {}: \
+                 its phase completed without these bytes (the copies carry more bytes than the \
+                 phase's expect_tx)",
+                t.mbar, t.phase, self.mbars[i].phase
+            );
+            return Err(fault(self, msg));
+        }
+        self.mbars[i].tx -= bytes;
+        self.settle(i).map_err(|msg| fault(self, msg))
+    }
+
+    /// A bulk copy's bytes into shared memory (replacing any generic store pending there);
+    /// returns its transaction bytes.
+    fn land_bulk(&mut self, t: &PendingTma, src: u64, bytes: u32) -> Result<i64, SimError> {
+        let Some(data) = self.mem.slice(src, bytes as usize).map(<[u8]>::to_vec) else {
+            let msg = format!(
+                "the bulk copy reads global [{src:#x}, +{bytes}): {}",
+                self.mem.describe(src)
+            );
+            return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
+        };
+        let lo = t.dst as usize;
+        self.shared[lo..lo + data.len()].copy_from_slice(&data);
+        if self.unfenced_total > 0 {
+            for word in lo / 4..(lo + data.len()) / 4 {
+                if self.unfenced[word] != 0 {
+                    self.unfenced[word] = 0;
+                    self.unfenced_total -= 1;
+                }
+            }
+        }
+        Ok(i64::from(bytes))
+    }
+
+    /// A tensor copy's box into shared memory (see the module docs); returns its transaction
+    /// bytes.
+    fn land_box(
+        &mut self,
+        t: &PendingTma,
+        m: &SimTensorMap,
+        coords: &[i64; 5],
+    ) -> Result<i64, SimError> {
         let rank = m.rank as usize;
         let n = m.box_elements();
         let es = m.elem_bytes as usize;
@@ -542,10 +681,10 @@ impl Cta<'_> {
             OobFill::Nan => OobFill::nan_bits(es),
         };
         let in_dim = |d: usize, g: i64| m.in_dim(d, g);
-        let coord = |d: usize, i: u32| m.coord(&t.coords, d, i);
+        let coord = |d: usize, i: u32| m.coord(coords, d, i);
         let pitch = m.row_pitch() as u32;
         let mut elem = [0u8; 8];
-        for (row, (row_ok, row_base)) in (0u32..).zip(m.box_rows(&t.coords)) {
+        for (row, (row_ok, row_base)) in (0u32..).zip(m.box_rows(coords)) {
             // The in-bounds run of the row, read as one slice.
             let run: Vec<u32> = if row_ok {
                 (0..n[0]).filter(|&i| in_dim(0, coord(0, i))).collect()
@@ -563,7 +702,7 @@ impl Cta<'_> {
                             let msg = format!(
                                 "box row at coordinates {:?} reads global \
                                              [{at:#x}, +{len}): {}",
-                                &t.coords[..rank],
+                                &coords[..rank],
                                 self.mem.describe(at)
                             );
                             return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
@@ -591,27 +730,7 @@ impl Cta<'_> {
                 }
             }
         }
-        let bytes = m.box_bytes() as i64;
-        let fault =
-            |cta: &Self, msg: String| cta.fault(t.pc, t.warp, t.lane, FaultKind::Mbarrier(msg));
-        let Some(i) = self.mbar_index(t.mbar) else {
-            let msg = format!(
-                "the mbarrier at shared {:#x} of a TMA copy in flight was re-initialised",
-                t.mbar
-            );
-            return Err(fault(self, msg));
-        };
-        if self.mbars[i].phase != t.phase {
-            let msg = format!(
-                "at shared {:#x}: a TMA copy of {bytes} bytes issued in phase {} lands in phase {}: \
-                 its phase completed without these bytes (the copies carry more bytes than the \
-                 phase's expect_tx)",
-                t.mbar, t.phase, self.mbars[i].phase
-            );
-            return Err(fault(self, msg));
-        }
-        self.mbars[i].tx -= bytes;
-        self.settle(i).map_err(|msg| fault(self, msg))
+        Ok(m.box_bytes() as i64)
     }
 
     /// `cp.reduce.async.bulk.tensor ... .add` (executed at issue: the sum lands before any
@@ -951,6 +1070,7 @@ impl Cta<'_> {
                 return Ok(Flow::Moved);
             }
             Op::CpAsyncBulkTensor(t) => self.tma_issue(pcu, w, exec, t)?,
+            Op::CpAsyncBulk(t) => self.bulk_issue(pcu, w, exec, t)?,
             _ => unreachable!("step dispatches only mbarrier instructions here"),
         }
         Ok(Flow::Advance)
