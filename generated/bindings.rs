@@ -1199,6 +1199,8 @@ pub mod msa_forward_kv_sm90 {
         l2_hints: u32,
         o_pair: PtrMut<u16>,
         o_homes: Ptr<u32>,
+        kv_pair: Ptr<u16>,
+        kv_masks: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1207,7 +1209,8 @@ pub mod msa_forward_kv_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes),
+            KernelArg::from(kv_pair), KernelArg::from(kv_masks)
         ]
     }
 }
@@ -1255,6 +1258,8 @@ pub mod msa_forward_kv_f16_sm90 {
         l2_hints: u32,
         o_pair: PtrMut<u16>,
         o_homes: Ptr<u32>,
+        kv_pair: Ptr<u16>,
+        kv_masks: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1263,7 +1268,8 @@ pub mod msa_forward_kv_f16_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes),
+            KernelArg::from(kv_pair), KernelArg::from(kv_masks)
         ]
     }
 }
@@ -1311,6 +1317,8 @@ pub mod msa_forward_kv_f16p_sm90 {
         l2_hints: u32,
         o_pair: PtrMut<u16>,
         o_homes: Ptr<u32>,
+        kv_pair: Ptr<u16>,
+        kv_masks: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1319,7 +1327,8 @@ pub mod msa_forward_kv_f16p_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes),
+            KernelArg::from(kv_pair), KernelArg::from(kv_masks)
         ]
     }
 }
@@ -1367,6 +1376,8 @@ pub mod msa_forward_kv_max_sm90 {
         l2_hints: u32,
         o_pair: PtrMut<u16>,
         o_homes: Ptr<u32>,
+        kv_pair: Ptr<u16>,
+        kv_masks: Ptr<u32>,
     ) -> Vec<KernelArg> {
         vec![
             KernelArg::from(tmap_q), KernelArg::from(tmap_k), KernelArg::from(tmap_v),
@@ -1375,7 +1386,8 @@ pub mod msa_forward_kv_max_sm90 {
             KernelArg::from(task_qpos), KernelArg::from(desc), KernelArg::from(l_pool),
             KernelArg::from(m_pool), KernelArg::from(gate), KernelArg::from(zero),
             KernelArg::from(zero_words), KernelArg::from(walk_split_log2),
-            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes)
+            KernelArg::from(l2_hints), KernelArg::from(o_pair), KernelArg::from(o_homes),
+            KernelArg::from(kv_pair), KernelArg::from(kv_masks)
         ]
     }
 }
@@ -1617,6 +1629,49 @@ pub mod fwd_kv_homes {
         vec![
             KernelArg::from(o_pool), KernelArg::from(homes), KernelArg::from(pairs),
             KernelArg::from(phase)
+        ]
+    }
+}
+/// `fwd_kv_pair_kv`: per (key block, KV head) tile, K's and V's SW128 shared-memory images into both chunks of their pairs, and the pairs' labels as one 8-bit mask per image.
+pub mod fwd_kv_pair_kv {
+    use super::*;
+    /// Entry name in the PTX module.
+    pub const NAME: &str = "fwd_kv_pair_kv";
+    /// Threads per CTA.
+    pub const THREADS: (u32, u32, u32) = (256, 1, 1);
+    /// Dynamic shared memory the launch requests, in bytes.
+    pub const DYNAMIC_SHARED_BYTES: u32 = 0;
+    /// PTX of `fwd_kv_pair_kv` for `sm_90a`.
+    pub const PTX_SM_90A: &str = include_str!("fwd_kv_pair_kv.sm_90a.ptx");
+    /// PTX of `fwd_kv_pair_kv` for `sm_100a`.
+    pub const PTX_SM_100A: &str = include_str!("fwd_kv_pair_kv.sm_100a.ptx");
+    /// PTX per compute capability.
+    pub const VARIANTS: &[((i32, i32), &str)] = &[
+        ((9, 0), PTX_SM_90A),
+        ((10, 0), PTX_SM_100A),
+    ];
+    /// The kernel for [`crate::backend::Backend::launch`].
+    pub const KERNEL: KernelSpec = KernelSpec {
+        name: NAME,
+        threads: THREADS,
+        dynamic_shared_bytes: DYNAMIC_SHARED_BYTES,
+        variants: VARIANTS,
+    };
+    /// The launch arguments in declaration order, typed so that a call site cannot
+    /// swap or mistype them; every buffer must hold the elements the kernel addresses
+    /// for the scalar arguments given (see the kernel's manifest).
+    /// Grid: [2 * tiles, 1, 1].
+    #[allow(clippy::too_many_arguments)]
+    pub fn args(
+        k_aligned: Ptr<bf16>,
+        v_aligned: Ptr<bf16>,
+        kv_pair: PtrMut<u16>,
+        homes: Ptr<u32>,
+        masks: PtrMut<u32>,
+    ) -> Vec<KernelArg> {
+        vec![
+            KernelArg::from(k_aligned), KernelArg::from(v_aligned),
+            KernelArg::from(kv_pair), KernelArg::from(homes), KernelArg::from(masks)
         ]
     }
 }

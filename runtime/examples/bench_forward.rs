@@ -32,8 +32,9 @@
 //! `kernel`, `run_forward` and the comparison with `msa_forward_sm90` print `-`, and each
 //! rule of the last argument adds a line `case @RULE` and its breakdown): the
 //! form for A/B runs of two builds. `BENCH_KV_WALK_SPLIT=N` gives the KV forward's default line
-//! and breakdown `MsaForwardKv::with_walk_split(N)`, and `BENCH_KV_PAIRED=1` every KV line
-//! `MsaForwardKv::with_paired_pool(true)`.
+//! and breakdown `MsaForwardKv::with_walk_split(N)`, `BENCH_KV_PAIRED=1` every KV line
+//! `MsaForwardKv::with_paired_pool(true)`, and `BENCH_KV_PAIRED=kv` that and
+//! `with_paired_kv(true)`.
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -212,10 +213,12 @@ fn parse_rule(rule: &str) -> Res<(String, Locality, L2Hints)> {
 }
 
 /// The KV forward with its defaults, or with `split` CTAs per walk when given (and the
-/// paired pool under `BENCH_KV_PAIRED=1`).
+/// paired pool under `BENCH_KV_PAIRED=1`, and paired K/V too under `BENCH_KV_PAIRED=kv`).
 fn kv_default<B: Backend>(split: Option<u32>) -> Res<MsaForwardKv<B>> {
-    let paired = std::env::var_os("BENCH_KV_PAIRED").is_some_and(|v| v == "1");
-    let fwd = MsaForwardKv::new().with_paired_pool(paired);
+    let how = std::env::var("BENCH_KV_PAIRED").unwrap_or_default();
+    let fwd = MsaForwardKv::new()
+        .with_paired_pool(how == "1" || how == "kv")
+        .with_paired_kv(how == "kv");
     Ok(match split {
         Some(parts) => fwd.with_walk_split(parts)?,
         None => fwd,

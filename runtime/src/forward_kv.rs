@@ -30,7 +30,7 @@ use crate::error::RuntimeError;
 use crate::forward::buffers::ForwardBuffers;
 use crate::kernels::{
     fwd_kv_bound, fwd_kv_combine, fwd_kv_combine_f16, fwd_kv_combine_f16p, fwd_kv_homes,
-    fwd_kv_key_max, fwd_kv_probe, fwd_kv_reference, msa_forward_kv_f16_sm90,
+    fwd_kv_key_max, fwd_kv_pair_kv, fwd_kv_probe, fwd_kv_reference, msa_forward_kv_f16_sm90,
     msa_forward_kv_f16p_sm90, msa_forward_kv_max_sm90, msa_forward_kv_sm90,
 };
 use crate::ops::{check_len, grid_dim, u32_arg};
@@ -170,6 +170,9 @@ pub struct MsaForwardKv<B: Backend> {
     l2_hints: Option<L2Hints>,
     /// Whether `run_on`'s f16 `o_pool` is paired (see [`MsaForwardKv::with_paired_pool`]).
     paired: bool,
+    /// Whether the paired pass also loads K/V from paired tiles (see
+    /// [`MsaForwardKv::with_paired_kv`]).
+    paired_kv: bool,
     /// The paired pool and its homes, kept between calls.
     pair_pool: Option<PairPool<B>>,
     tasks: Option<TaskWorkspace<B>>,
@@ -190,6 +193,7 @@ impl<B: Backend> Default for MsaForwardKv<B> {
             walk_split: FORWARD_KV_WALK_SPLIT,
             l2_hints: None,
             paired: false,
+            paired_kv: false,
             pair_pool: None,
             tasks: None,
             work: None,
@@ -205,22 +209,28 @@ pub const PAIR_ANCHORS: usize = 64;
 /// the pool: the L2 partitions' interleave (`l2_sides::CHUNK_BYTES`).
 pub const PAIR_CHUNK_BYTES: usize = 4096;
 
+/// 4 KiB chunks of one K or V tile's image (`l2_sides::KV_CHUNKS`; a test ties the two).
+pub const PAIR_KV_CHUNKS: usize = 8;
+
 /// The paired `o_pool` ([`MsaForwardKv::with_paired_pool`]): [`PAIR_ANCHORS`] pairs of 4 KiB
-/// chunks for the side probes, then `rows` pairs, from `base` (4 KiB aligned), and
-/// `homes [PAIR_ANCHORS + rows]` u32 after them, labelled once when the buffer was allocated.
+/// chunks for the side probes, then `rows` pairs, then `2 · PAIR_KV_CHUNKS` pairs per K/V
+/// tile ([`MsaForwardKv::with_paired_kv`]), from `base` (4 KiB aligned); after them
+/// `homes [pairs]` u32, labelled once when the buffer was allocated, and the tiles' masks
+/// `[kv_tiles, 2]` u32.
 struct PairPool<B: Backend> {
     _buf: B::Buffer,
     rows: usize,
+    kv_tiles: usize,
     base: u64,
     homes: u64,
 }
 
 impl<B: Backend> PairPool<B> {
-    /// A pool for `rows` rows, its homes labelled by `fwd_kv_homes` on the backend's stream
-    /// (no host sync).
-    fn new(backend: &mut B, rows: usize) -> Result<Self, RuntimeError> {
-        let pairs = PAIR_ANCHORS + rows;
-        let bytes = pairs * 2 * PAIR_CHUNK_BYTES + 4 * pairs + PAIR_CHUNK_BYTES;
+    /// A pool for `rows` rows and `kv_tiles` K/V tiles, its homes labelled by `fwd_kv_homes`
+    /// on the backend's stream (no host sync).
+    fn new(backend: &mut B, rows: usize, kv_tiles: usize) -> Result<Self, RuntimeError> {
+        let pairs = PAIR_ANCHORS + rows + 2 * PAIR_KV_CHUNKS * kv_tiles;
+        let bytes = pairs * 2 * PAIR_CHUNK_BYTES + 4 * pairs + 8 * kv_tiles + PAIR_CHUNK_BYTES;
         let buf = backend.alloc("forward_kv paired o_pool", bytes)?;
         let raw = backend.address(&buf);
         let base = raw.div_ceil(PAIR_CHUNK_BYTES as u64) * PAIR_CHUNK_BYTES as u64;
@@ -241,9 +251,22 @@ impl<B: Backend> PairPool<B> {
         Ok(PairPool {
             _buf: buf,
             rows,
+            kv_tiles,
             base,
             homes,
         })
+    }
+
+    /// The K/V tiles' `(pairs, homes, masks)`: past the anchors' and the rows' pairs and
+    /// labels, and after all labels.
+    fn kv(&self) -> (u64, u64, u64) {
+        let first = PAIR_ANCHORS + self.rows;
+        let pairs = first + 2 * PAIR_KV_CHUNKS * self.kv_tiles;
+        (
+            self.base + (first * 2 * PAIR_CHUNK_BYTES) as u64,
+            self.homes + 4 * first as u64,
+            self.homes + 4 * pairs as u64,
+        )
     }
 }
 
@@ -498,6 +521,17 @@ impl<B: Backend> MsaForwardKv<B> {
         self
     }
 
+    /// Whether, with the paired pool, the sum pass also loads K/V from paired tiles (default
+    /// off; checked in the simulator, not yet run on a GPU): `fwd_kv_pair_kv` writes each
+    /// (key block, KV head) tile's K and V images into two 4 KiB copies per chunk, one homed
+    /// in each L2 partition, on every call (`4 KiB` per aligned key), and the pass's producer
+    /// loads each chunk from the copy on its own side, so that K/V misses do not cross the
+    /// fabric either. Without the paired pool (or with the f32 pool) it changes nothing.
+    pub fn with_paired_kv(mut self, paired_kv: bool) -> Self {
+        self.paired_kv = paired_kv;
+        self
+    }
+
     /// The same flow with [`MsaForwardKv::run_on`]'s `o_pool` in `pool` (default
     /// [`OPool::F16`]).
     pub fn with_o_pool(mut self, pool: OPool) -> Self {
@@ -533,11 +567,22 @@ impl<B: Backend> MsaForwardKv<B> {
         let align = |x: usize| x.div_ceil(256) * 256;
         let pairs = 4 * t;
         let paired = self.paired && self.pool == OPool::F16 && t > 0;
-        if paired && self.pair_pool.as_ref().is_none_or(|p| p.rows < pairs) {
+        let kv_tiles = if paired && self.paired_kv {
+            4 * blocks
+        } else {
+            0
+        };
+        if paired
+            && self
+                .pair_pool
+                .as_ref()
+                .is_none_or(|p| p.rows < pairs || p.kv_tiles < kv_tiles)
+        {
             // The old pool goes first: the two need not fit together.
             self.pair_pool = None;
-            self.pair_pool = Some(PairPool::new(backend, pairs)?);
+            self.pair_pool = Some(PairPool::new(backend, pairs, kv_tiles)?);
         }
+        let kv = (kv_tiles > 0).then(|| self.pair_pool.as_ref().expect("allocated").kv());
         let pair = paired.then(|| {
             let p = self.pair_pool.as_ref().expect("allocated");
             (p.base, p.homes)
@@ -595,6 +640,9 @@ impl<B: Backend> MsaForwardKv<B> {
             }];
             if key_max {
                 kernels.push(&fwd_kv_key_max::KERNEL);
+            }
+            if kv.is_some() {
+                kernels.push(&fwd_kv_pair_kv::KERNEL);
             }
             match self.reference {
                 Reference::Bound => kernels.push(&fwd_kv_bound::KERNEL),
@@ -654,12 +702,27 @@ impl<B: Backend> MsaForwardKv<B> {
             // [T, 64].
             unsafe { backend.launch(&fwd_kv_bound::KERNEL, (row_grid(4 * t)?, 1, 1), &args) }?;
         }
+        if let Some((kv_pairs, kv_homes, masks)) = kv {
+            let args = fwd_kv_pair_kv::args(
+                io.k_aligned.ptr(),
+                io.v_aligned.ptr(),
+                PtrMut::new(kv_pairs),
+                Ptr::new(kv_homes),
+                PtrMut::new(masks),
+            );
+            // SAFETY: k_aligned and v_aligned are [W, 4, 128] (checked), read in whole tiles of
+            // 128 keys; the pool holds 16 pairs, 16 labels and 2 mask words per tile of W/128
+            // blocks × 4 heads (`PairPool::kv`).
+            let grid = grid_dim("paired K/V tiles", 2 * kv_tiles)?;
+            unsafe { backend.launch(&fwd_kv_pair_kv::KERNEL, (grid, 1, 1), &args) }?;
+        }
         let zero_o = match self.reference {
             Reference::ExactMax => ZeroO::InMaxPass,
             Reference::Probe => ZeroO::InProbe,
             Reference::Bound => ZeroO::Prepare,
         };
-        match self.prepare(backend, &pools, schedule, zero_o, pair)? {
+        let kv_load = kv.map(|(pairs, _, masks)| (pairs, masks));
+        match self.prepare(backend, &pools, schedule, zero_o, pair, kv_load)? {
             Some(launch) => {
                 match self.reference {
                     // The bound is in place already (before `prepare`).
@@ -840,7 +903,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
     ) -> Result<(), RuntimeError> {
         // The caller's pools have the `[T, 64, 128]` layout.
-        match self.prepare(backend, io, schedule, ZeroO::Prepare, None)? {
+        match self.prepare(backend, io, schedule, ZeroO::Prepare, None, None)? {
             Some(launch) => {
                 let pass = Pass::Sum(io.o_pool.kind());
                 self.launch_pass(backend, pass, io, &launch, None)
@@ -861,6 +924,7 @@ impl<B: Backend> MsaForwardKv<B> {
         schedule: &ResidentSchedule<B>,
         zero_o: ZeroO,
         pair: Option<(u64, u64)>,
+        kv: Option<(u64, u64)>,
     ) -> Result<Option<PassLaunch>, RuntimeError> {
         self.claim(backend);
         let z = *schedule.sizes();
@@ -953,6 +1017,7 @@ impl<B: Backend> MsaForwardKv<B> {
                 .bits(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
             pair,
+            kv: kv.filter(|_| pair.is_some()),
         }))
     }
 
@@ -972,6 +1037,7 @@ impl<B: Backend> MsaForwardKv<B> {
         let [tmap_q, tmap_k, tmap_v, tmap_o] = &launch.maps;
         // Only the f16 sum pass adds into a paired pool.
         let pair = launch.pair.filter(|_| pass == Pass::Sum(OPool::F16));
+        let kv = launch.kv.filter(|_| pair.is_some());
         // Every pass takes the same parameters (a codegen test checks it).
         let args = msa_forward_kv_sm90::args(
             tmap_q,
@@ -992,13 +1058,16 @@ impl<B: Backend> MsaForwardKv<B> {
             launch.l2_hints,
             PtrMut::new(pair.map_or(0, |(o, _)| o)),
             Ptr::new(pair.map_or(0, |(_, h)| h)),
+            Ptr::new(kv.map_or(0, |(p, _)| p)),
+            Ptr::new(kv.map_or(0, |(_, m)| m)),
         );
         let kernel = pass_kernel(pass, pair.is_some());
         // SAFETY: the maps span q and o_pool [T,64,128] and k/v [W,4,128], whose lengths
         // were checked; reference, l_pool and m_pool are [T,64]; the task tables come
         // from a workspace built for the launch's grid; a null gate is never read; `zero`
         // is null or o_pool's own 16-byte words; a paired pool holds its anchors' and the
-        // rows' pairs and their labels (`PairPool::new`).
+        // rows' pairs and their labels (`PairPool::new`), and with `kv` the tiles' pairs and
+        // masks that `fwd_kv_pair_kv` wrote for these K/V (`PairPool::kv`).
         unsafe { backend.launch(kernel, (launch.ctas, 1, 1), &args) }
     }
 }
@@ -1037,6 +1106,8 @@ struct PassLaunch {
     zero: Option<(u64, u32)>,
     /// The paired pool's `(o, homes)`, or `None` for the `tmap_o` layout.
     pair: Option<(u64, u64)>,
+    /// With `pair`, the paired K/V tiles' `(pairs, masks)`, or `None` for the tensor maps.
+    kv: Option<(u64, u64)>,
 }
 
 /// Who zeroes the pools: `prepare` (memsets), the max pass that precedes the sum pass

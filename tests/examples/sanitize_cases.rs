@@ -16,7 +16,8 @@
 //! forward (`MsaForwardKv::run_on`, with the f32 and the f16 `o_pool`, then the f16 one with
 //! the max pass's exact references, then both with the probe's, then the f16 one with every
 //! L2 hint on under 32-query windows, then the paired f16 pool under the probe's and the
-//! bound's references) on that forward's schedule, checked the same way. Every
+//! bound's references, and with paired K/V under the probe's) on that forward's schedule,
+//! checked the same way. Every
 //! sm_90a kernel of the runtime runs at least once.
 //!
 //! Cases:
@@ -216,31 +217,38 @@ fn device_path(
     // query per key block: many bins). Last, the paired f16 pool (`fwd_kv_homes`, its own
     // pass and combine) under the probe and under the bound (every row recomputed).
     let small = Locality::capped(0, 2, 5);
-    let plain = (FORWARD_KV_LOCALITY, L2Hints::NONE, false);
-    let paired = (FORWARD_KV_LOCALITY, L2Hints::NONE, true);
+    let plain = (FORWARD_KV_LOCALITY, L2Hints::NONE, (false, false));
+    let paired = (FORWARD_KV_LOCALITY, L2Hints::NONE, (true, false));
+    let paired_kv = (FORWARD_KV_LOCALITY, L2Hints::NONE, (true, true));
     let ways = [
         (OPool::F32, Reference::Bound, plain),
         (OPool::F16, Reference::Bound, plain),
         (OPool::F16, Reference::ExactMax, plain),
         (OPool::F16, Reference::Probe, plain),
         (OPool::F32, Reference::Probe, plain),
-        (OPool::F16, Reference::Probe, (small, L2Hints::ALL, false)),
+        (
+            OPool::F16,
+            Reference::Probe,
+            (small, L2Hints::ALL, (false, false)),
+        ),
         (OPool::F16, Reference::Probe, paired),
         (OPool::F16, Reference::Bound, paired),
+        (OPool::F16, Reference::Probe, paired_kv),
     ];
-    for (pool, refs, (locality, hints, paired)) in ways {
+    for (pool, refs, (locality, hints, (paired, paired_kv))) in ways {
         let mut kv = MsaForwardKv::new()
             .with_o_pool(pool)
             .with_reference(refs)
             .with_locality(locality)
             .map_err(e)?
             .with_l2_hints(hints)
-            .with_paired_pool(paired);
+            .with_paired_pool(paired)
+            .with_paired_kv(paired_kv);
         kv.run_on(&mut backend, &io, &fwd.schedule).map_err(e)?;
         let recomputed = kv.status(&mut backend).map_err(e)?;
         let out = f32s(&out_kv)?;
         let lse = stream.clone_dtoh(&lse_kv).map_err(|x| x.to_string())?;
-        let how = format!("{pool:?} pool, {refs:?}, {hints:?}, paired {paired}");
+        let how = format!("{pool:?} pool, {refs:?}, {hints:?}, paired {paired}, K/V {paired_kv}");
         let line = compare_forward("MsaForwardKv", &out, &lse, &want, &p.lse)
             .map_err(|x| format!("{} ({how}): {x}", p.name))?;
         lines.push(format!(

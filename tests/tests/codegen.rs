@@ -299,10 +299,13 @@ fn the_kv_forward_combine_window_is_one_fact_on_both_sides() {
 #[test]
 fn the_paired_pool_layout_is_one_fact_on_both_sides() {
     // The runtime sizes, aligns and labels the pool that the sum pass and the combine address.
-    use codegen::kernels::l2_sides::{ANCHORS, CHUNK_BYTES};
-    use msa_runtime::forward_kv::{PAIR_ANCHORS, PAIR_CHUNK_BYTES};
+    use codegen::kernels::l2_sides::{ANCHORS, CHUNK_BYTES, KV_CHUNKS};
+    use msa_runtime::forward_kv::{PAIR_ANCHORS, PAIR_CHUNK_BYTES, PAIR_KV_CHUNKS};
     assert_eq!(ANCHORS as usize, PAIR_ANCHORS);
     assert_eq!(CHUNK_BYTES as usize, PAIR_CHUNK_BYTES);
+    assert_eq!(KV_CHUNKS as usize, PAIR_KV_CHUNKS);
+    // A K/V tile image is 128 keys × 128 d bf16.
+    assert_eq!(PAIR_KV_CHUNKS * PAIR_CHUNK_BYTES, 128 * 128 * 2);
     // One copy is a row of 16 heads × 128 d f16, and the anchor mask needs a power of two.
     assert_eq!(PAIR_CHUNK_BYTES, 16 * 128 * 2);
     assert!(ANCHORS.is_power_of_two());

@@ -41,19 +41,22 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     let p = Problem::new(name, cu.clone(), q2k.clone(), seed);
     for pool in [OPool::F32, OPool::F16] {
         for reference in [Reference::Bound, Reference::ExactMax, Reference::Probe] {
-            let how = (pool, reference, FORWARD_KV_WALK_SPLIT, false);
+            let how = (pool, reference, FORWARD_KV_WALK_SPLIT, (false, false));
             run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
         }
     }
     // The defaults (f16 pool, probe) with the walks whole and split in 4, 8 and 16 parts.
     for split in [1, 4, 8, 16] {
-        let how = (OPool::F16, Reference::Probe, split, false);
+        let how = (OPool::F16, Reference::Probe, split, (false, false));
         run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
     }
-    // The paired pool (opt-in), under the probe and under the bound (which recomputes rows).
+    // The paired pool (opt-in), under the probe and under the bound (which recomputes rows),
+    // without and with paired K/V.
     for reference in [Reference::Probe, Reference::Bound] {
-        let how = (OPool::F16, reference, FORWARD_KV_WALK_SPLIT, true);
-        run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
+        for kv in [false, true] {
+            let how = (OPool::F16, reference, FORWARD_KV_WALK_SPLIT, (true, kv));
+            run_pool(&stream, (&cu, &q2k), &p, &want, how, ORDER);
+        }
     }
     // The defaults with the L2 hints: all under windows of 8 queries, K/V's alone under
     // windows of `max(512, B)` queries for `B` key blocks.
@@ -63,7 +66,12 @@ fn run_case(name: &'static str, cu: Vec<i32>, q2k: Vec<i32>, seed: u64) {
     };
     let eight = Locality::capped(0, 2, 3);
     for order in [(eight, L2Hints::ALL), (Locality::uncapped(9, 0), kv)] {
-        let how = (OPool::F16, Reference::Probe, FORWARD_KV_WALK_SPLIT, false);
+        let how = (
+            OPool::F16,
+            Reference::Probe,
+            FORWARD_KV_WALK_SPLIT,
+            (false, false),
+        );
         run_pool(&stream, (&cu, &q2k), &p, &want, how, order);
     }
 }
@@ -93,7 +101,7 @@ fn run_pool(
     (cu, q2k): (&[i32], &[i32]),
     p: &Problem,
     want: &reference::Forward,
-    (pool, refs, split, paired): (OPool, Reference, u32, bool),
+    (pool, refs, split, (paired, paired_kv)): (OPool, Reference, u32, (bool, bool)),
     (locality, hints): (Locality, L2Hints),
 ) {
     let name = p.name;
@@ -136,9 +144,11 @@ fn run_pool(
         .with_locality(locality)
         .unwrap()
         .with_l2_hints(hints)
-        .with_paired_pool(paired);
+        .with_paired_pool(paired)
+        .with_paired_kv(paired_kv);
     let how = format!(
-        "{pool:?} pool (paired: {paired}), {refs:?}, split {split}, {locality:?}, {hints:?}"
+        "{pool:?} pool (paired: {paired}, K/V {paired_kv}), {refs:?}, split {split}, \
+         {locality:?}, {hints:?}"
     );
     fwd.run_on(&mut backend, &io, &schedule).unwrap();
     schedule.status(&mut backend).unwrap();

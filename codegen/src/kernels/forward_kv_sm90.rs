@@ -73,6 +73,13 @@
 //! scalars. Its combine, `fwd_kv_combine_f16p`, adds the two copies. The other passes take
 //! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
+//! With a non-null `kv_pair` (session 28; simulator only), the paired pass's producer also
+//! finds its side at the start and loads each segment's K and V from the paired tiles of
+//! [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies of 4 KiB, each
+//! chunk of the SW128 image from the copy homed on its side, on the stage's mbarrier (the
+//! same 64 KiB the tensor-map loads bring). With a null one it loads through `tmap_k` and
+//! `tmap_v`, as the other passes do.
+//!
 //! # The probe's reference (the runtime's default since session 18)
 //! The pass needs only that every row's terms stay in its pool's range, not that `R` bound
 //! the logits. `fwd_kv_probe` (`forward_kv_rows`) gives a lower bound of each row's
@@ -501,6 +508,12 @@ pub struct ForwardKvParams {
     pub o_pair: ParamRef<U64>,
     /// `homes [pairs]` u32 of the paired pool (`fwd_kv_homes`), read only with `o_pair`.
     pub o_homes: ParamRef<U64>,
+    /// Paired K/V tiles ([`l2_sides::PAIR_KV`]), or null: with `o_pair`, the paired pass's
+    /// producer loads each 4 KiB chunk of a segment's K/V image from the copy homed on its
+    /// side instead of through `tmap_k`/`tmap_v`. The other passes ignore it.
+    pub kv_pair: ParamRef<U64>,
+    /// `masks [tiles, 2]` u32: per tile, K's and V's 8 chunk labels as bits (with `kv_pair`).
+    pub kv_masks: ParamRef<U64>,
 }
 
 fn params(b: &mut KernelBuilder) -> ForwardKvParams {
@@ -523,6 +536,8 @@ fn params(b: &mut KernelBuilder) -> ForwardKvParams {
         l2_hints: b.param_u32("l2_hints"),
         o_pair: b.param_ptr("o_pair", HostElem::U16, true),
         o_homes: b.param_ptr("o_homes", HostElem::U32, false),
+        kv_pair: b.param_ptr("kv_pair", HostElem::U16, false),
+        kv_masks: b.param_ptr("kv_masks", HostElem::U32, false),
     }
 }
 
@@ -621,7 +636,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
         b,
         plan.warps(),
         (tid, leader),
-        |b| producer(b, &ctx),
+        |b| producer(b, &ctx, paired),
         |b| gather(b, &ctx, tid),
         spare,
         |b| match pass {
@@ -659,8 +674,25 @@ pub fn gate(b: &mut KernelBuilder, gate: &ParamRef<U64>) {
 /// Thread 0: K/V at each segment's start, Q for every task. Each task's meta and compact
 /// rows are loaded a task ahead, so that their latency overlaps the previous task's issue and
 /// stage wait instead of adding to them.
-fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
+fn producer(b: &mut KernelBuilder, ctx: &Ctx, paired: bool) {
     let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
+    // Paired K/V (a non-null `kv_pair`, paired pass only): this thread's L2 side, from the
+    // anchor pair its CTA's first consumer warp probes too.
+    let paired_kv = paired.then(|| {
+        let raw = b.ld_param(&p.kv_pair);
+        let on = b.setp(Cmp::Ne, raw, 0u64);
+        let side = b.mov::<U32>(0u32);
+        b.if_then(on, "kv_side", |b| {
+            let cta = b.sreg(SReg::CtaidX);
+            let anchor = b.shl(cta, 3u32);
+            let anchor = b.and(anchor, l2_sides::ANCHORS - 1);
+            let o = b.ld_param_ptr(&p.o_pair);
+            let homes = b.ld_param_ptr(&p.o_homes);
+            let s = l2_sides::side_from_anchor(b, o, homes, anchor);
+            b.set(side, s);
+        });
+        (on, side)
+    });
     let qrows = b.ld_param_ptr(&p.qrows);
     let tq = b.tensor_map_addr(&p.tmap_q);
     let tk = b.tensor_map_addr(&p.tmap_k);
@@ -692,8 +724,32 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         let more = b.setp(Cmp::Lt, next_row, ctx.walk.hi);
         b.if_then(more, "prefetch", |b| fetch(b, next_row));
         let counters = (prev, segments);
-        match r.v.as_ref().zip(tv) {
-            Some((v, tv)) => {
+        match (r.v.as_ref().zip(tv), paired_kv) {
+            (Some((v, tv)), Some((on, side))) => {
+                let cur = common::bucket(b, &m);
+                let same = b.setp(Cmp::Eq, cur, prev);
+                b.unless(same, "kv_load", |b| {
+                    let st = r.kv.producer_acquire(b, bars, segments);
+                    let tiles = [
+                        r.k.stage_at(b, base, st.index),
+                        v.stage_at(b, base, st.index),
+                    ];
+                    b.if_then(on, "kv_pairs", |b| {
+                        let kv = PairedKv {
+                            pairs: b.ld_param_ptr(&p.kv_pair),
+                            masks: b.ld_param_ptr(&p.kv_masks),
+                            side,
+                        };
+                        kv.load(b, tiles.clone(), &m, &st.full, kv_policy);
+                    });
+                    b.unless(on, "kv_maps", |b| {
+                        common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full, kv_policy);
+                    });
+                    common::bump(b, segments);
+                    b.set(prev, cur);
+                });
+            }
+            (Some((v, tv)), None) => {
                 let tiles = [(&r.k, base), (v, base)];
                 common::load_kv_if_new_segment(
                     b,
@@ -706,7 +762,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
                     kv_policy,
                 );
             }
-            None => {
+            (None, _) => {
                 let tiles = [(&r.k, base)];
                 common::load_kv_if_new_segment(
                     b,
@@ -726,6 +782,50 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
         let next = b.add(tasks, 1u32);
         b.set(tasks, next);
     });
+}
+
+/// The paired K/V of [`l2_sides::PAIR_KV`] as the producer reads it.
+struct PairedKv {
+    /// The tiles' pairs of 4 KiB chunks.
+    pairs: Reg<U64>,
+    /// `masks [tiles, 2]`.
+    masks: Reg<U64>,
+    /// The producer's L2 side.
+    side: Reg<U32>,
+}
+
+impl PairedKv {
+    /// The segment's K and V images into `tiles` (each 8 chunks of 4 KiB, the SW128 panels
+    /// a tensor-map load would write), each chunk from its copy homed on this side, completing
+    /// on `bar` (the stage's 64 KiB, as the tensor-map loads).
+    fn load(
+        &self,
+        b: &mut KernelBuilder,
+        tiles: [SharedAddr; 2],
+        meta: &[Reg<U32>; 4],
+        bar: &SharedAddr,
+        policy: Option<Reg<B64>>,
+    ) {
+        // Tile `block·4 + kv head`; its K chunks are pairs `16·tile + c`, its V chunks
+        // `16·tile + 8 + c`.
+        let tile = b.mad_lo(meta[2], 4u32, meta[1]);
+        let at = common::elem_bytes(b, self.masks, tile, 8);
+        let masks: [Reg<U32>; 2] = b.ld_v(&at);
+        let pair0 = b.shl(tile, 4u32);
+        for (x, (dst, mask)) in tiles.into_iter().zip(masks).enumerate() {
+            for c in 0..l2_sides::KV_CHUNKS {
+                let label = b.shr(mask, c);
+                let label = b.and(label, 1u32);
+                let odd = b.xor(label, self.side);
+                let pair = b.add(pair0, x as u32 * l2_sides::KV_CHUNKS + c);
+                let chunk = b.shl(pair, 1u32);
+                let chunk = b.add(chunk, odd);
+                let src = common::elem_bytes(b, self.pairs, chunk, l2_sides::CHUNK_BYTES);
+                let dst = dst.offset(i64::from(c * l2_sides::CHUNK_BYTES));
+                b.bulk_load_hinted(&dst, &src, l2_sides::CHUNK_BYTES, bar, policy);
+            }
+        }
+    }
 }
 
 /// Warp 1: per task, `−R·log2e` of its 128 folded rows (−∞ for an empty slot) and the 8

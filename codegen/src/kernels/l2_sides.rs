@@ -31,6 +31,14 @@
 //!   probes at once.
 //! - The sum pass's consumer warps find their side the same way at the start
 //!   ([`side_from_anchor`]); the copy of row `r` homed there is `2r + (homes[r] ^ side)`.
+//!
+//! # Paired K/V
+//! The same pairing serves the sum pass's K/V loads, whose misses cross the fabric when the
+//! lines are homed on the other side: `fwd_kv_pair_kv` ([`PAIR_KV`]) writes, for every
+//! (key block, KV head) tile, K's and V's shared-memory images (two SW128 panels of
+//! 128 keys × 64 d each, as the tensor-map loads write them: 8 chunks of 4 KiB) into both
+//! chunks of their pairs, and each tile's chunk labels as two 8-bit masks. The producer then
+//! loads every chunk from the copy homed on its side with a bulk copy.
 
 use super::common;
 use super::KernelDesc;
@@ -43,6 +51,12 @@ pub const ANCHORS: u32 = 64;
 /// Bytes of one copy of a row: 16 heads × 128 d f16, the partitions' interleave.
 pub const CHUNK_BYTES: u32 = 4096;
 const THREADS: u32 = 128;
+/// 4 KiB chunks of one K or V tile's image (128 keys × 128 d bf16).
+pub const KV_CHUNKS: u32 = 8;
+/// Threads of a `fwd_kv_pair_kv` CTA, which writes one tile's K or V image.
+const PAIR_KV_THREADS: u32 = 256;
+/// 16-byte units of one tile image.
+const IMAGE_UNITS: u32 = KV_CHUNKS * CHUNK_BYTES / 16;
 /// Warps of `fwd_kv_homes`'s CTA, each probing with its lane 0.
 pub const HOMES_WARPS_PER_CTA: u32 = THREADS / 32;
 
@@ -57,6 +71,16 @@ pub const HOMES: KernelDesc = KernelDesc {
     targets: &[Target::Sm90a, Target::Sm100a],
     threads: (THREADS, 1, 1),
     describe: describe_homes,
+};
+
+/// Writes the paired K/V tiles and their masks.
+pub const PAIR_KV: KernelDesc = KernelDesc {
+    name: "fwd_kv_pair_kv",
+    about: "per (key block, KV head) tile, K's and V's SW128 shared-memory images into both \
+            chunks of their pairs, and the pairs' labels as one 8-bit mask per image",
+    targets: &[Target::Sm90a, Target::Sm100a],
+    threads: (PAIR_KV_THREADS, 1, 1),
+    describe: describe_pair_kv,
 };
 
 /// Cycles a returning `atom.global.add.u32 0` at `at` takes, the lower of two tries (the
@@ -160,5 +184,75 @@ fn describe_homes(b: &mut KernelBuilder) {
         });
     });
     b.place(&exit);
+    b.ret();
+}
+
+/// CTA `2·tile + x` (`x`: 0 for K, 1 for V) writes that image: 16-byte unit `i` of the image
+/// (panel `i / 1024`, key row `r = (i / 8) mod 128`, unit `i mod 8` holding the row's unit
+/// `(i mod 8) ^ (r mod 8)`: the SW128 pattern of a 1024-byte aligned stage) into both chunks
+/// of pair `16·tile + 8x + i / 256`; thread 0 gathers the 8 pairs' labels into mask `2·tile + x`.
+fn describe_pair_kv(b: &mut KernelBuilder) {
+    b.grid("[2 * tiles, 1, 1]");
+    let k_p = b.param_ptr("k_aligned", HostElem::Bf16, false);
+    let v_p = b.param_ptr("v_aligned", HostElem::Bf16, false);
+    let pairs_p = b.param_ptr("kv_pair", HostElem::U16, true);
+    let homes_p = b.param_ptr("homes", HostElem::U32, false);
+    let masks_p = b.param_ptr("masks", HostElem::U32, true);
+    let tid = b.sreg(SReg::TidX);
+    let cta = b.sreg(SReg::CtaidX);
+    let tile = b.shr(cta, 1u32);
+    let x = b.and(cta, 1u32);
+    let block = b.shr(tile, 2u32);
+    let head = b.and(tile, 3u32);
+    let is_v = b.setp(Cmp::Ne, x, 0u32);
+    let k = b.ld_param_ptr(&k_p);
+    let v = b.ld_param_ptr(&v_p);
+    let src = b.selp(v, k, is_v);
+    let pairs = b.ld_param_ptr(&pairs_p);
+    // The image's first pair.
+    let pair0 = b.mad_lo(cta, KV_CHUNKS, 0u32);
+    // Source units: key row `block·128 + r`, head `head`, 16 units of 16 bytes per head row.
+    let key0 = b.shl(block, 7u32);
+    for j in 0..IMAGE_UNITS / PAIR_KV_THREADS {
+        let i = b.add(tid, j * PAIR_KV_THREADS);
+        let panel = b.shr(i, 10u32);
+        let r = b.shr(i, 3u32);
+        let r = b.and(r, 127u32);
+        let u = b.and(i, 7u32);
+        let r7 = b.and(r, 7u32);
+        let u = b.xor(u, r7);
+        let key = b.add(key0, r);
+        let row = b.mad_lo(key, 4u32, head);
+        let unit = b.shl(row, 4u32);
+        let unit = b.mad_lo(panel, 8u32, unit);
+        let unit = b.add(unit, u);
+        let at = common::elem_bytes(b, src, unit, 16);
+        let data: [Reg<U32>; 4] = b.ld_v(&at);
+        let chunk = b.shr(i, 8u32);
+        let pair = b.add(pair0, chunk);
+        let within = b.and(i, 255u32);
+        let even = b.shl(pair, 9u32);
+        let even = b.add(even, within);
+        let odd = b.add(even, CHUNK_BYTES / 16);
+        for at in [even, odd] {
+            let at = common::elem_bytes(b, pairs, at, 16);
+            b.st_v(&at, data);
+        }
+    }
+    let leader = b.setp(Cmp::Eq, tid, 0u32);
+    b.if_then(leader, "mask", |b| {
+        let homes = b.ld_param_ptr(&homes_p);
+        let masks = b.ld_param_ptr(&masks_p);
+        let mut mask = b.mov::<U32>(0u32);
+        for c in 0..KV_CHUNKS {
+            let pair = b.add(pair0, c);
+            let at = common::elem::<U32>(b, homes, pair);
+            let label = b.ld::<U32, _>(&at);
+            let label = b.and(label, 1u32);
+            mask = b.mad_lo(label, 1u32 << c, mask);
+        }
+        let at = common::elem::<U32>(b, masks, cta);
+        b.st(&at, mask);
+    });
     b.ret();
 }

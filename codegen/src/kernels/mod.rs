@@ -82,5 +82,6 @@ pub fn all() -> &'static [KernelDesc] {
         forward_kv_rows::COMBINE_F16,
         forward_kv_rows::COMBINE_F16_PAIRED,
         l2_sides::HOMES,
+        l2_sides::PAIR_KV,
     ]
 }

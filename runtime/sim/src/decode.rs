@@ -1363,16 +1363,7 @@ fn decode_bulk_load(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Result<
     if !m.take("mbarrier::complete_tx::bytes") {
         return unsupported("only mbarrier::complete_tx::bytes completion is modelled");
     }
-    let hint = m.take("L2::cache_hint");
-    let m = Mods {
-        list: std::mem::take(&mut m.list),
-    };
-    m.finish()?;
-    arity(ops, 4 + hint as usize)?;
-    let bytes = match &ops[2] {
-        Operand::Int(v) if *v > 0 && v % 16 == 0 && *v <= i128::from(u32::MAX) => *v as u32,
-        _ => return malformed("a bulk copy's size must be a positive multiple of 16"),
-    };
+    let bytes = bulk_size(m, ops, 4, "bulk copy")?;
     Ok(Op::CpAsyncBulk(Box::new(BulkLoad {
         dst: ctx.addr(&ops[0])?,
         src: ctx.addr(&ops[1])?,
@@ -1386,24 +1377,31 @@ fn decode_bulk_reduce(m: &mut Mods<'_>, ops: &[Operand], ctx: &Ctx<'_>) -> Resul
     if !(m.take("global") && m.take("shared::cta") && m.take("bulk_group")) {
         return unsupported("only shared-to-global .bulk_group bulk reductions are modelled");
     }
-    let hint = m.take("L2::cache_hint");
     if !(m.take("add") && m.take("noftz") && m.take("f16")) {
         return unsupported("only the .add.noftz.f16 bulk reduction is modelled");
     }
-    let m = Mods {
-        list: std::mem::take(&mut m.list),
-    };
-    m.finish()?;
-    arity(ops, 3 + hint as usize)?;
-    let bytes = match &ops[2] {
-        Operand::Int(v) if *v > 0 && v % 16 == 0 && *v <= i128::from(u32::MAX) => *v as u32,
-        _ => return malformed("a bulk reduction's size must be a positive multiple of 16"),
-    };
+    let bytes = bulk_size(m, ops, 3, "bulk reduction")?;
     Ok(Op::BulkReduceAdd(Box::new(BulkReduce {
         dst: ctx.addr(&ops[0])?,
         src: ctx.addr(&ops[1])?,
         bytes,
     })))
+}
+
+/// The rest of a bulk (non-tensor) instruction (`what`) after its named modifiers: an
+/// optional `.L2::cache_hint` (one more operand than `operands`, the policy) and nothing
+/// else; returns its size operand (the third), a positive multiple of 16.
+fn bulk_size(m: &mut Mods<'_>, ops: &[Operand], operands: usize, what: &str) -> Result<u32> {
+    let hint = m.take("L2::cache_hint");
+    let m = Mods {
+        list: std::mem::take(&mut m.list),
+    };
+    m.finish()?;
+    arity(ops, operands + hint as usize)?;
+    match &ops[2] {
+        Operand::Int(v) if *v > 0 && v % 16 == 0 && *v <= i128::from(u32::MAX) => Ok(*v as u32),
+        _ => malformed(format!("a {what}'s size must be a positive multiple of 16")),
+    }
 }
 
 /// The `.Nd` of a bulk tensor instruction (`what`).

@@ -1045,11 +1045,16 @@ fn f16_ptx() -> &'static str {
 /// reused, S GEMMs issued across segment ends), with `text` in place of the f16 pass: the
 /// comparison's statistics, or what went wrong.
 fn run_f16(text: Option<String>, limits: Limits) -> Result<String, String> {
-    run_f16_pool(false, text, limits)
+    run_f16_pool((false, false), text, limits)
 }
 
-/// [`run_f16`] with the paired pool when `paired` (`text` then replaces the paired pass).
-fn run_f16_pool(paired: bool, text: Option<String>, limits: Limits) -> Result<String, String> {
+/// [`run_f16`] with the paired pool when `paired` (`text` then replaces the paired pass), and
+/// paired K/V too when `kv`.
+fn run_f16_pool(
+    (paired, kv): (bool, bool),
+    text: Option<String>,
+    limits: Limits,
+) -> Result<String, String> {
     let (cu, q2k, inp) = planted_case();
     let mut dev = SimDevice::with_limits(Arch::Sm90, 2, limits);
     if let Some(text) = text {
@@ -1062,15 +1067,19 @@ fn run_f16_pool(paired: bool, text: Option<String>, limits: Limits) -> Result<St
     }
     let how = (OPool::F16, Reference::Probe);
     let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
-    let mut fwd = flow(how).with_paired_pool(paired);
+    let mut fwd = flow(how).with_paired_pool(paired).with_paired_kv(kv);
     let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)?;
+    let ran = |k: &str| dev.launches().iter().any(|l| l.kernel == k);
+    if ran("fwd_kv_pair_kv") != (paired && kv) {
+        return Err(format!("fwd_kv_pair_kv ran: {}", ran("fwd_kv_pair_kv")));
+    }
     verdict.map_err(|e| e.to_string())?;
     compare(&inp, &out, &lse)
 }
 
-#[test]
-fn f16_pass_issuing_s_ahead_passes_on_two_sms() {
-    for (what, limits) in [
+/// The simulator's default limits, and copies that land at issue.
+fn default_and_immediate() -> [(&'static str, Limits); 2] {
+    [
         ("default", Limits::default()),
         (
             "immediate TMA",
@@ -1079,8 +1088,13 @@ fn f16_pass_issuing_s_ahead_passes_on_two_sms() {
                 ..Limits::default()
             },
         ),
-        ("gather warp starved", gather_starved()),
-    ] {
+    ]
+}
+
+#[test]
+fn f16_pass_issuing_s_ahead_passes_on_two_sms() {
+    let starved = [("gather warp starved", gather_starved())];
+    for (what, limits) in default_and_immediate().into_iter().chain(starved) {
         let stats = run_f16(None, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
         eprintln!("{what}: {stats}");
     }
@@ -1123,9 +1137,62 @@ fn f16p_ptx() -> &'static str {
 #[test]
 fn paired_pass_passes_unmodified_on_two_sms() {
     // The control for the planted paired tests below: the same case and limits pass.
-    let stats = run_f16_pool(true, Some(f16p_ptx().to_string()), Limits::default())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let stats = run_f16_pool(
+        (true, false),
+        Some(f16p_ptx().to_string()),
+        Limits::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("{stats}");
+}
+
+#[test]
+fn paired_kv_passes_on_two_sms() {
+    // The paired pass loading K/V from the paired tiles (bulk copies of the images
+    // `fwd_kv_pair_kv` wrote), on the planted case: every K/V stage reused.
+    for (what, limits) in default_and_immediate() {
+        let stats =
+            run_f16_pool((true, true), None, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("{what}: {stats}");
+    }
+}
+
+#[test]
+fn paired_kv_loading_a_chunk_from_the_wrong_tile_is_reported() {
+    // The planted bug: the V chunks read from K's pairs (the `+ 8` of the V image's first
+    // pair dropped), so P·V multiplies by K.
+    let lines: Vec<&str> = f16p_ptx().lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.contains("cp.async.bulk.shared::cluster.global"))
+        .expect("the first bulk load");
+    // The ninth bulk load is V's chunk 0; its pair is `pair0 + 8`.
+    let v0 = (at..lines.len())
+        .filter(|&i| lines[i].contains("cp.async.bulk.shared::cluster.global"))
+        .nth(8)
+        .expect("V's first bulk load");
+    let add = (at..v0)
+        .rev()
+        .find(|&i| {
+            lines[i].trim_start().starts_with("add.u32") && lines[i].trim_end().ends_with(", 8;")
+        })
+        .expect("V's first pair: pair0 + 8");
+    let planted: String = lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            if i == add {
+                l.replace(", 8;", ", 0;")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let e = run_f16_pool((true, true), Some(planted), Limits::default())
+        .expect_err("the planted bug went unnoticed");
+    println!("{e}");
+    assert!(e.contains("out: not close"), "{e}");
 }
 
 #[test]
@@ -1137,7 +1204,7 @@ fn paired_pass_reducing_without_the_proxy_fence_is_reported() {
         "its O rows into the warp's staging",
         "fence.proxy.async",
     );
-    let e = run_f16_pool(true, Some(text), Limits::default())
+    let e = run_f16_pool((true, false), Some(text), Limits::default())
         .expect_err("the planted bug went unnoticed");
     println!("{e}");
     assert!(e.contains("without a fence.proxy.async before it"), "{e}");
@@ -1152,7 +1219,7 @@ fn paired_pass_overwriting_the_staging_before_its_reduction_read_it_is_reported(
         "its O rows into the warp's staging",
         "cp.async.bulk.wait_group.read",
     );
-    let e = run_f16_pool(true, Some(text), Limits::default())
+    let e = run_f16_pool((true, false), Some(text), Limits::default())
         .expect_err("the planted bug went unnoticed");
     println!("{e}");
     assert!(

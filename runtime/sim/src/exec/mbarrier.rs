@@ -406,25 +406,9 @@ impl Cta<'_> {
     ) -> Result<(), SimError> {
         let coords: Vec<[u64; 32]> = t.tensor.coords.iter().map(|c| self.gather(w, *c)).collect();
         for l in lanes(exec) {
-            let tma = |msg: String| FaultKind::Tma(msg);
             let lane_coords: Vec<u64> = coords.iter().map(|c| c[l]).collect();
             let (map, c, dst) = self.tma_box(pc, w, l, &t.tensor, &lane_coords, &t.dst, "copy")?;
-            let bytes = map.shared_bytes();
-            if let Some(m) = self
-                .mbars
-                .iter()
-                .find(|m| m.addr + 8 > dst && (m.addr as u64) < dst as u64 + bytes)
-            {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "the box [{dst:#x}, +{bytes}) overwrites the live mbarrier at {:#x}",
-                        m.addr
-                    )),
-                ));
-            }
+            self.clear_of_mbarriers(pc, (w, l), "box", u64::from(dst), map.shared_bytes())?;
             let mbar = self.mbar_offset(pc, w, l, Space::Shared, &t.mbar)?;
             let i = self.mbar_live(pc, w, l, mbar)?;
             let pending = PendingTma {
@@ -476,21 +460,7 @@ impl Cta<'_> {
                     )),
                 ));
             }
-            if let Some(m) = self
-                .mbars
-                .iter()
-                .find(|m| u64::from(m.addr) + 8 > dst && u64::from(m.addr) < dst + bytes)
-            {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "the bulk copy [{dst:#x}, +{bytes}) overwrites the live mbarrier at {:#x}",
-                        m.addr
-                    )),
-                ));
-            }
+            self.clear_of_mbarriers(pc, (w, l), "bulk copy", dst, bytes)?;
             let mbar = self.mbar_offset(pc, w, l, Space::Shared, &t.mbar)?;
             let i = self.mbar_live(pc, w, l, mbar)?;
             let pending = PendingTma {
@@ -508,6 +478,34 @@ impl Cta<'_> {
             self.track_copy(pending)?;
         }
         Ok(())
+    }
+
+    /// A copy's destination `[dst, +bytes)` in shared memory (`what`: "box", "bulk copy")
+    /// must not cover a live mbarrier.
+    fn clear_of_mbarriers(
+        &self,
+        pc: usize,
+        (w, l): (usize, usize),
+        what: &str,
+        dst: u64,
+        bytes: u64,
+    ) -> Result<(), SimError> {
+        match self
+            .mbars
+            .iter()
+            .find(|m| u64::from(m.addr) + 8 > dst && u64::from(m.addr) < dst + bytes)
+        {
+            Some(m) => Err(self.fault(
+                pc,
+                w,
+                l,
+                FaultKind::Tma(format!(
+                    "the {what} [{dst:#x}, +{bytes}) overwrites the live mbarrier at {:#x}",
+                    m.addr
+                )),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Lands `pending` now or when its mbarrier is waited on, as the completion mode says.
