@@ -467,16 +467,8 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let bars = &ctx.bars;
     let tbase = tmem_base(b, ctx);
     let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
-    b.comment("one lane issues every MMA and every commit");
-    let elect = b.elect_sync();
-    let mmas = MmaIssuer {
-        plan: resolved.plan,
-        elect,
-    };
-    let zero = b.mov::<U32>(0u32);
-    let always = b.setp(Cmp::Eq, zero, 0u32);
-    let never = b.setp(Cmp::Ne, zero, 0u32);
-    let first_k = |k: u32| if k == 0 { never } else { always };
+    let mmas = MmaIssuer::new(b, resolved.plan);
+    let elect = mmas.elect;
     let prev = b.mov::<U32>(u32::MAX);
     let seg = b.mov::<U32>(0u32);
     let t = b.mov::<U32>(0u32);
@@ -505,8 +497,7 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             resolved.g_s,
             (MmaA::Smem(k_addr), q_addr),
             tm,
-            0..resolved.g_s.k_steps(),
-            first_k,
+            mmas.never,
         );
         b.predicated(elect, false, |b| resolved.s.producer_commit(b, bars, &s_st));
 
@@ -523,8 +514,7 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             resolved.g_dp,
             (MmaA::Smem(v_addr), do_addr),
             tm,
-            0..resolved.g_dp.k_steps(),
-            first_k,
+            mmas.never,
         );
         b.predicated(elect, false, |b| {
             resolved.dp.producer_commit(b, bars, &dp_st)
@@ -541,17 +531,16 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             b.tcgen05_fence_after_thread_sync();
             for c in resolved.groups.chunks_of(s) {
                 let ks = 2 * c..2 * c + 2;
-                let acc = |k: u32| if k == 0 { same } else { always };
                 b.comment(&format!("chunk {c}: G3 dV += P^T*dO, G4 dK += dS^T*Q"));
-                mmas.issue(
+                mmas.issue_steps(
                     b,
                     resolved.g_dv,
                     (MmaA::Tmem(tm), do_addr),
                     tm,
                     ks.clone(),
-                    acc,
+                    same,
                 );
-                mmas.issue(b, resolved.g_dk, (MmaA::Tmem(tm), q_addr), tm, ks, acc);
+                mmas.issue_steps(b, resolved.g_dk, (MmaA::Tmem(tm), q_addr), tm, ks, same);
             }
         }
         b.predicated(elect, false, |b| {
@@ -574,8 +563,7 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             resolved.g_dq,
             (MmaA::Smem(k_addr), pds_addr),
             tm,
-            0..resolved.g_dq.k_steps(),
-            first_k,
+            mmas.never,
         );
         b.predicated(elect, false, |b| {
             resolved.dq.producer_commit(b, bars, &dq_st);

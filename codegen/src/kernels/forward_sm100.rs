@@ -533,15 +533,8 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
     let bars = &ctx.bars;
     let tbase = tmem_base(b, ctx);
     let tm = TmemAddr::new(b.bitcast::<B32, U32>(tbase));
-    b.comment("one lane issues every MMA and every commit");
-    let elect = b.elect_sync();
-    let mmas = MmaIssuer {
-        plan: r.plan,
-        elect,
-    };
-    let zero = b.mov::<U32>(0u32);
-    let always = b.setp(Cmp::Eq, zero, 0u32);
-    let never = b.setp(Cmp::Ne, zero, 0u32);
+    let mmas = MmaIssuer::new(b, r.plan);
+    let elect = mmas.elect;
     let it = b.mov::<U32>(0u32);
     // S = Q·Kᵀ of block `at` (a CTA-wide block count) into its S stage: K/V loaded, the stage
     // released by compute (which waited for the P·V that read its P), then commit S.
@@ -552,15 +545,7 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
         b.tcgen05_fence_after_thread_sync();
         let d_tm = staged(b, tbase, s_st.index, r.s_stride);
         b.comment("S = Q*K^T into the block's S stage");
-        let first_k = |k: u32| if k == 0 { never } else { always };
-        mmas.issue(
-            b,
-            r.g_s,
-            (MmaA::Smem(q_addr), k_addr),
-            d_tm,
-            0..r.g_s.k_steps(),
-            first_k,
-        );
+        mmas.issue(b, r.g_s, (MmaA::Smem(q_addr), k_addr), d_tm, mmas.never);
         b.predicated(elect, false, |b| r.s.producer_commit(b, bars, &s_st));
     };
     b.for_range(0u32, ctx.items.count, 1, "mma_item", |b, k| {
@@ -592,15 +577,7 @@ fn mma(b: &mut KernelBuilder, ctx: &Ctx) {
             let a_tm = staged(b, tbase, s_st.index, r.s_stride);
             b.comment("O (+)= P*V, overwriting at the item's first block");
             let later = b.setp(Cmp::Ne, e, 0u32);
-            let acc = |k: u32| if k == 0 { later } else { always };
-            mmas.issue(
-                b,
-                r.g_pv,
-                (MmaA::Tmem(a_tm), v_addr),
-                tm,
-                0..r.g_pv.k_steps(),
-                acc,
-            );
+            mmas.issue(b, r.g_pv, (MmaA::Tmem(a_tm), v_addr), tm, later);
             b.predicated(elect, false, |b| {
                 r.p.consumer_release(b, bars, &p_st);
                 r.kv.consumer_release(b, bars, &kv);

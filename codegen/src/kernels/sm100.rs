@@ -178,22 +178,53 @@ pub enum MmaA {
 pub struct MmaIssuer<'a> {
     /// The plan that holds the GEMMs and their TMEM regions.
     pub plan: &'a KernelPlan,
-    /// The one lane that issues.
+    /// The one lane that issues (it also commits).
     pub elect: Reg<Pred>,
+    /// Always true: the enable-input-D predicate of every K step but the first.
+    always: Reg<Pred>,
+    /// Always false: the first K step's predicate of a GEMM that overwrites D.
+    pub never: Reg<Pred>,
 }
 
-impl MmaIssuer<'_> {
-    /// Issues K steps `ks` of `g`: A from `a`, B's tile at `b_addr`, D at the column of `g`'s
-    /// region from `d_tm`; `acc(k)` is step `k`'s enable-input-D predicate. A plan whose GEMM
-    /// disagrees with `a` is a codegen error.
+impl<'a> MmaIssuer<'a> {
+    /// The MMA warp's issuer for `plan`: the elected lane and the constant predicates.
+    pub fn new(b: &mut KernelBuilder, plan: &'a KernelPlan) -> Self {
+        b.comment("one lane issues every MMA and every commit");
+        let elect = b.elect_sync();
+        let zero = b.mov::<U32>(0u32);
+        let always = b.setp(Cmp::Eq, zero, 0u32);
+        let never = b.setp(Cmp::Ne, zero, 0u32);
+        MmaIssuer {
+            plan,
+            elect,
+            always,
+            never,
+        }
+    }
+
+    /// Issues every K step of `g` ([`MmaIssuer::issue_steps`]).
     pub fn issue(
+        &self,
+        b: &mut KernelBuilder,
+        g: &Gemm,
+        operands: (MmaA, Reg<U32>),
+        d_tm: TmemAddr,
+        first: Reg<Pred>,
+    ) {
+        self.issue_steps(b, g, operands, d_tm, 0..g.k_steps(), first);
+    }
+
+    /// Issues K steps `ks` of `g`: A from `a`, B's tile at `b_addr`, D at the column of `g`'s
+    /// region from `d_tm`; K step 0 adds into D when `first` holds, every later step always.
+    /// A plan whose GEMM disagrees with `a` is a codegen error.
+    pub fn issue_steps(
         &self,
         b: &mut KernelBuilder,
         g: &Gemm,
         (a, b_addr): (MmaA, Reg<U32>),
         d_tm: TmemAddr,
         ks: Range<u32>,
-        acc: impl Fn(u32) -> Reg<Pred>,
+        first: Reg<Pred>,
     ) {
         let (plan, elect) = (self.plan, self.elect);
         let idesc = match g.instr_desc() {
@@ -214,7 +245,7 @@ impl MmaIssuer<'_> {
         };
         for k in ks {
             let bk = bd.emit_step(b, b0, k);
-            let p = acc(k);
+            let p = if k == 0 { first } else { self.always };
             match a0 {
                 Ok((ad, a0)) => {
                     let ak = ad.emit_step(b, a0, k);
