@@ -2,7 +2,7 @@
 //! the CTA-walk rule mirrored from the host contract.
 
 use crate::plan::gemm::SmemDesc;
-use crate::plan::pipeline::{Barriers, Pipe, PipelinePlan};
+use crate::plan::pipeline::{Barriers, Pipe, PipelinePlan, Stage};
 use crate::plan::sm90::Sm90Warps;
 use crate::plan::smem::{Major, Placed};
 use crate::ptx::*;
@@ -617,14 +617,29 @@ pub fn load_kv_if_new_segment<const N: usize>(
     meta: &[Reg<U32>; 4],
     policy: Option<Reg<B64>>,
 ) {
+    on_new_segment(b, kv, bars, (prev, segments), meta, |b, st| {
+        let tiles = tiles.map(|(buf, base)| buf.stage_at(b, base, st.index));
+        load_kv_tiles(b, maps, tiles, meta, &st.full, policy);
+    });
+}
+
+/// The segment bookkeeping of [`load_kv_if_new_segment`] around any `load` of the acquired
+/// K/V stage: when task row `meta`'s bucket differs from `prev`, acquire the stage of `kv`
+/// (`segments`: the loads so far), run `load` on it, and advance both.
+pub fn on_new_segment(
+    b: &mut KernelBuilder,
+    kv: &Pipe,
+    bars: &Barriers,
+    (prev, segments): (Reg<U32>, Reg<U32>),
+    meta: &[Reg<U32>; 4],
+    load: impl FnOnce(&mut KernelBuilder, &Stage),
+) {
     let cur = bucket(b, meta);
     let same = b.setp(Cmp::Eq, cur, prev);
     b.unless(same, "kv_load", |b| {
         let st = kv.producer_acquire(b, bars, segments);
-        let tiles = tiles.map(|(buf, base)| buf.stage_at(b, base, st.index));
-        load_kv_tiles(b, maps, tiles, meta, &st.full, policy);
-        let next = b.add(segments, 1u32);
-        b.set(segments, next);
+        load(b, &st);
+        bump(b, segments);
         b.set(prev, cur);
     });
 }

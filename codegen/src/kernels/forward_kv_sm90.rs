@@ -726,10 +726,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx, paired: bool) {
         let counters = (prev, segments);
         match (r.v.as_ref().zip(tv), paired_kv) {
             (Some((v, tv)), Some((on, side))) => {
-                let cur = common::bucket(b, &m);
-                let same = b.setp(Cmp::Eq, cur, prev);
-                b.unless(same, "kv_load", |b| {
-                    let st = r.kv.producer_acquire(b, bars, segments);
+                common::on_new_segment(b, &r.kv, bars, counters, &m, |b, st| {
                     let tiles = [
                         r.k.stage_at(b, base, st.index),
                         v.stage_at(b, base, st.index),
@@ -745,8 +742,6 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx, paired: bool) {
                     b.unless(on, "kv_maps", |b| {
                         common::load_kv_tiles(b, [tk, tv], tiles, &m, &st.full, kv_policy);
                     });
-                    common::bump(b, segments);
-                    b.set(prev, cur);
                 });
             }
             (Some((v, tv)), None) => {
