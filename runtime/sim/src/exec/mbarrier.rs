@@ -436,30 +436,10 @@ impl Cta<'_> {
         t: &BulkLoad,
     ) -> Result<(), SimError> {
         for l in lanes(exec) {
-            let tma = |msg: String| FaultKind::Tma(msg);
             let src = self.lane_addr(w, l, &t.src);
-            let at = self.lane_addr(w, l, &t.dst);
-            let dst = if (SHARED_WINDOW..SHARED_WINDOW + (1 << 32)).contains(&at) {
-                at - SHARED_WINDOW
-            } else {
-                at
-            };
+            let dst = self.lane_addr(w, l, &t.dst);
             let bytes = u64::from(t.bytes);
-            if !src.is_multiple_of(16)
-                || !dst.is_multiple_of(16)
-                || dst + bytes > self.shared.len() as u64
-            {
-                return Err(self.fault(
-                    pc,
-                    w,
-                    l,
-                    tma(format!(
-                        "a bulk copy from global {src:#x} into shared [{dst:#x}, +{bytes}): both \
-                         must be 16-byte aligned and the destination inside the CTA's shared \
-                         memory"
-                    )),
-                ));
-            }
+            self.bulk_operands(pc, (w, l), "bulk copy", (src, dst, bytes))?;
             self.clear_of_mbarriers(pc, (w, l), "bulk copy", dst, bytes)?;
             let mbar = self.mbar_offset(pc, w, l, Space::Shared, &t.mbar)?;
             let i = self.mbar_live(pc, w, l, mbar)?;
@@ -478,6 +458,35 @@ impl Cta<'_> {
             self.track_copy(pending)?;
         }
         Ok(())
+    }
+
+    /// The operands of a bulk (non-tensor) copy or reduction (`what`) of lane `l` of warp
+    /// `w`: its global address and its shared `[shared, +bytes)` both 16-byte aligned, the
+    /// shared side inside the CTA's shared memory.
+    fn bulk_operands(
+        &self,
+        pc: usize,
+        (w, l): (usize, usize),
+        what: &str,
+        (global, shared, bytes): (u64, u64, u64),
+    ) -> Result<(), SimError> {
+        if global.is_multiple_of(16)
+            && shared.is_multiple_of(16)
+            && shared + bytes <= self.shared.len() as u64
+        {
+            return Ok(());
+        }
+        Err(self.fault(
+            pc,
+            w,
+            l,
+            FaultKind::Tma(format!(
+                "a {what} between global {global:#x} and shared [{shared:#x}, +{bytes}): both \
+                 must be 16-byte aligned and the shared side inside the CTA's {} bytes of shared \
+                 memory",
+                self.shared.len()
+            )),
+        ))
     }
 
     /// A copy's destination `[dst, +bytes)` in shared memory (`what`: "box", "bulk copy")
@@ -811,20 +820,7 @@ impl Cta<'_> {
         let dst = self.lane_addr(w, l, &r.dst);
         let bytes = u64::from(r.bytes);
         let tma = |msg: String| FaultKind::Tma(msg);
-        if !src.is_multiple_of(16)
-            || !dst.is_multiple_of(16)
-            || src + bytes > self.shared.len() as u64
-        {
-            return Err(self.fault(
-                pc,
-                w,
-                l,
-                tma(format!(
-                    "a bulk reduction from shared [{src:#x}, +{bytes}) into global {dst:#x}: both \
-                     must be 16-byte aligned and the source inside the CTA's shared memory"
-                )),
-            ));
-        }
+        self.bulk_operands(pc, (w, l), "bulk reduction", (dst, src, bytes))?;
         self.async_read_fenced(pc, w, l, src, bytes, "bulk")?;
         let add: Vec<u8> = self.shared[src as usize..(src + bytes) as usize].to_vec();
         let Some(out) = self.mem.slice_mut(dst, bytes as usize) else {
