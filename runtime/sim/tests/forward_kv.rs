@@ -1177,22 +1177,18 @@ fn paired_kv_loading_a_chunk_from_the_wrong_tile_is_reported() {
             lines[i].trim_start().starts_with("add.u32") && lines[i].trim_end().ends_with(", 8;")
         })
         .expect("V's first pair: pair0 + 8");
-    let planted: String = lines
-        .iter()
-        .enumerate()
-        .map(|(i, l)| {
-            if i == add {
-                l.replace(", 8;", ", 0;")
-            } else {
-                l.to_string()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    let e = run_f16_pool((true, true), Some(planted), Limits::default())
+    let mut planted: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    planted[add] = planted[add].replace(", 8;", ", 0;");
+    paired_reported(true, planted.join("\n"), "out: not close");
+}
+
+/// `text` in place of the paired pass (with paired K/V when `kv`) on the planted case must be
+/// reported, the report naming `needle`.
+fn paired_reported(kv: bool, text: String, needle: &str) {
+    let e = run_f16_pool((true, kv), Some(text), Limits::default())
         .expect_err("the planted bug went unnoticed");
     println!("{e}");
-    assert!(e.contains("out: not close"), "{e}");
+    assert!(e.contains(needle), "`{needle}` missing in: {e}");
 }
 
 #[test]
@@ -1204,10 +1200,7 @@ fn paired_pass_reducing_without_the_proxy_fence_is_reported() {
         "its O rows into the warp's staging",
         "fence.proxy.async",
     );
-    let e = run_f16_pool((true, false), Some(text), Limits::default())
-        .expect_err("the planted bug went unnoticed");
-    println!("{e}");
-    assert!(e.contains("without a fence.proxy.async before it"), "{e}");
+    paired_reported(false, text, "without a fence.proxy.async before it");
 }
 
 #[test]
@@ -1219,11 +1212,9 @@ fn paired_pass_overwriting_the_staging_before_its_reduction_read_it_is_reported(
         "its O rows into the warp's staging",
         "cp.async.bulk.wait_group.read",
     );
-    let e = run_f16_pool((true, false), Some(text), Limits::default())
-        .expect_err("the planted bug went unnoticed");
-    println!("{e}");
-    assert!(
-        e.contains("not yet retired by cp.async.bulk.wait_group.read"),
-        "{e}"
+    paired_reported(
+        false,
+        text,
+        "not yet retired by cp.async.bulk.wait_group.read",
     );
 }
