@@ -11,6 +11,7 @@ ab() {
       unpaired) B=$F/bench_forward; E=0;;
       prev) B=$F/bench_forward_prev; E=0;;
     esac
+    [ -x "$B" ] || continue  # the bundle may hold no earlier build
     echo "== $v $1" >> $O/ab.txt
     BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 5 >> $O/ab.txt 2>&1
     echo "rc $?" >> $O/ab.txt
