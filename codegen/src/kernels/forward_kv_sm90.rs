@@ -63,7 +63,7 @@
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
-//! # The paired pool (session 27; opt-in, not yet run on a GPU)
+//! # The paired pool (session 27; opt-in: correct on the GPU, and slower)
 //! `msa_forward_kv_f16p_sm90` ([`DESC_F16_PAIRED`]) is the f16 pass adding each warp's
 //! staged rows into the paired pool of [`l2_sides`] (`o_pair`, `o_homes`) instead of through
 //! `tmap_o`: one `cp.reduce.async.bulk` f16 add of the staging's 4 KiB image into the copy of
@@ -73,8 +73,8 @@
 //! scalars. Its combine, `fwd_kv_combine_f16p`, adds the two copies. The other passes take
 //! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
-//! With a non-null `kv_pair` (session 28; simulator only), the paired pass's producer also
-//! finds its side at the start and loads each segment's K and V from the paired tiles of
+//! With a non-null `kv_pair` (session 28; correct on the GPU, and slower), the paired pass's
+//! producer also finds its side at the start and loads each segment's K and V from the paired tiles of
 //! [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies of 4 KiB, each
 //! chunk of the SW128 image from the copy homed on its side, on the stage's mbarrier (the
 //! same 64 KiB the tensor-map loads bring). With a null one it loads through `tmap_k` and
@@ -197,8 +197,11 @@
 //!   the wrong bytes. ncu's breakdown of L2 throughput puts the pass on the fabric between
 //!   the two L2 partitions (`lts__ltcfabric2ltc_cycles_active` 97 % on an H100, 85-95 % on an
 //!   H200; the slices' sectors at 52 %). Half of each task's reductions cross it, and the
-//!   long documents add read misses that cross it. Hence the paired pool (above; opt-in,
-//!   not yet run on a GPU).
+//!   long documents add read misses that cross it. Hence the paired pool (above; opt-in).
+//! - Session 29 (`bench/results/h100-2026-12-08-s29-paired.md`, an H100): the paired pool
+//!   and paired K/V are 14-24 % slower at every length, half of their reductions still
+//!   crossing the fabric; the simulator's L2 model finds the kernels choosing their side's
+//!   copy every time, so the premise (an atomic's latency tells a reduction's path) fails.
 
 use super::common::{self, k_major, mn_major};
 use super::l2_sides;

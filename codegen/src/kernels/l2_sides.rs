@@ -8,6 +8,15 @@
 //! (`bench/results/h100-2026-12-07-s27-forward-fabric.md`: `lts__ltcfabric2ltc_cycles_active`
 //! at 97 %).
 //!
+//! # Measured: no gain (session 29)
+//! On an H100 (`bench/results/h100-2026-12-08-s29-paired.md`) the paired pool and paired
+//! K/V pass the GPU tests and sanitizers but are slower at every length, and half of the
+//! pass's reduction sectors still come from the fabric. The simulator's model of the premise
+//! below (`msa_sim::L2Sides`) finds every reduction and K/V copy going to the warp's side, so
+//! the premise is what fails: the latency of a returning atomic does not tell where a
+//! reduction or a read miss crosses. Both stay opt-in; `bench/probe/l2_fabric.cu` tests the
+//! premise directly.
+//!
 //! # Layout
 //! Homes alternate between the partitions at 4 KiB, and chunks `2r` and `2r + 1` of a 4 KiB
 //! aligned buffer always sit on different sides (measured on an H200 with

@@ -27,7 +27,9 @@ use msa_runtime::backward::TileMapSpec;
 use msa_runtime::tma::TensorMap;
 use msa_runtime::{Backend, KernelArg, KernelSpec, RuntimeError};
 
-use crate::{Arg, DevPtr, Element, Gpu, LaunchConfig, Limits, Module, SimError, SimTensorMap};
+use crate::{
+    Arg, DevPtr, Element, Gpu, L2Traffic, LaunchConfig, Limits, Module, SimError, SimTensorMap,
+};
 
 /// A GPU architecture the kernels ship PTX for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +77,8 @@ pub struct LaunchRecord {
     pub warp_instructions: u64,
     /// Wall time.
     pub elapsed: Duration,
+    /// The bulk operations' bytes by L2 side, under [`crate::Limits::l2_sides`].
+    pub l2: L2Traffic,
 }
 
 /// A simulated GPU of one architecture and SM count, as a `msa_runtime::Backend`.
@@ -305,6 +309,7 @@ impl Backend for SimDevice {
             grid,
             warp_instructions: stats.warp_instructions,
             elapsed: started.elapsed(),
+            l2: stats.l2,
         });
         Ok(())
     }

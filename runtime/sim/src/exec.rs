@@ -82,6 +82,81 @@ pub struct Limits {
     pub tcgen05_numerics: Tcgen05Numerics,
     /// The order in which the CTAs of a launch run (one after another).
     pub cta_order: CtaOrder,
+    /// A model of Hopper's two L2 partitions for `%clock` and the bulk copies, or none
+    /// (`%clock` then reads a hash).
+    pub l2_sides: Option<L2Sides>,
+}
+
+/// The two L2 partitions as session 27's probe found them (`bench/probe/l2_sides.cu`): every
+/// SM sits next to one, every 4 KiB of address space is homed in one, and a returning atomic
+/// takes `near` cycles to an address homed on its SM's side and `far` otherwise. Under the
+/// model a thread's `%clock` advances only by its global atomics' latencies, so a latency
+/// probe reads them exactly; each CTA runs on an SM of its own, whose side is a hash of its
+/// index. [`L2Traffic`] counts the bulk copies' and bulk reductions' bytes by side. The model
+/// is of the probe's premise; the GPU has not confirmed that a reduction or a read miss takes
+/// the atomic's path (`bench/results/h100-2026-12-08-s29-paired.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct L2Sides {
+    /// Cycles of a returning atomic homed on the SM's side.
+    pub near: u32,
+    /// Cycles of one homed on the other side.
+    pub far: u32,
+    /// The address bits whose parity is the home (an address's partition).
+    pub home_bits: u64,
+}
+
+impl Default for L2Sides {
+    /// The H200's and H100's latencies (about 280 and 480 cycles) and home hash (address bits
+    /// 12, 13, 15, 17, 19, 21, 22 and 24, as far as the probe's 32 MiB reached).
+    fn default() -> Self {
+        let bits = [12, 13, 15, 17, 19, 21, 22, 24];
+        L2Sides {
+            near: 280,
+            far: 480,
+            home_bits: bits.iter().fold(0, |m, b| m | 1u64 << b),
+        }
+    }
+}
+
+impl L2Sides {
+    /// The partition address `addr` is homed in.
+    pub fn home(&self, addr: u64) -> u8 {
+        ((addr & self.home_bits).count_ones() & 1) as u8
+    }
+
+    /// The side of the SM that runs CTA `ctaid` (a hash, so that no kernel can guess it).
+    pub fn side(&self, ctaid: [u32; 3]) -> u8 {
+        let linear =
+            (u64::from(ctaid[2]) << 42) ^ (u64::from(ctaid[1]) << 21) ^ u64::from(ctaid[0]);
+        let mut z = linear.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) & 1) as u8
+    }
+}
+
+/// Bytes of bulk (non-tensor) copies from global memory and bulk reductions into it, by
+/// whether their 4 KiB pieces are homed on the issuing SM's side; counted only under
+/// [`Limits::l2_sides`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct L2Traffic {
+    /// Bulk reductions into lines homed on the SM's side.
+    pub reduce_near: u64,
+    /// Bulk reductions into lines homed on the other side.
+    pub reduce_far: u64,
+    /// Bulk copies from lines homed on the SM's side.
+    pub load_near: u64,
+    /// Bulk copies from lines homed on the other side.
+    pub load_far: u64,
+}
+
+impl L2Traffic {
+    fn add(&mut self, o: &L2Traffic) {
+        self.reduce_near += o.reduce_near;
+        self.reduce_far += o.reduce_far;
+        self.load_near += o.load_near;
+        self.load_far += o.load_far;
+    }
 }
 
 /// The order in which the simulator runs the CTAs of a grid. The hardware promises no order
@@ -151,6 +226,7 @@ impl Default for Limits {
             umma_order: UmmaOrder::Issue,
             tcgen05_numerics: Tcgen05Numerics::RoundToNearest,
             cta_order: CtaOrder::InOrder,
+            l2_sides: None,
         }
     }
 }
@@ -164,6 +240,8 @@ pub struct LaunchStats {
     pub warp_instructions: u64,
     /// Thread instructions executed (lanes whose guard was true).
     pub thread_instructions: u64,
+    /// The bulk operations' bytes by L2 side, under [`Limits::l2_sides`].
+    pub l2: L2Traffic,
 }
 
 /// A simulated GPU: global memory plus the ability to launch kernels.
@@ -318,6 +396,7 @@ impl Gpu {
             stats.ctas += 1;
             stats.warp_instructions += cta.steps;
             stats.thread_instructions += cta.thread_steps;
+            stats.l2.add(&cta.l2_traffic);
         }
         Ok(stats)
     }
@@ -403,6 +482,12 @@ struct Cta<'a> {
     unfenced_total: usize,
     /// Tensor memory and the `tcgen05` machinery.
     tmem: tcgen05::Tmem,
+    /// The L2 model, this CTA's side under it, each thread's `%clock` and the CTA's bulk
+    /// traffic by side.
+    l2: Option<L2Sides>,
+    side: u8,
+    clock: Vec<u64>,
+    l2_traffic: L2Traffic,
 }
 
 #[inline]
@@ -529,6 +614,14 @@ impl<'a> Cta<'a> {
                 },
                 ..tcgen05::Tmem::default()
             },
+            l2: limits.l2_sides,
+            side: 0,
+            clock: if limits.l2_sides.is_some() {
+                vec![0; nwarps * 32]
+            } else {
+                Vec::new()
+            },
+            l2_traffic: L2Traffic::default(),
         }
     }
 
@@ -570,6 +663,40 @@ impl<'a> Cta<'a> {
         self.unfenced_list.iter_mut().for_each(Vec::clear);
         self.unfenced_total = 0;
         self.tmem.reset();
+        if let Some(l2) = self.l2 {
+            self.side = l2.side(ctaid);
+        }
+        self.clock.fill(0);
+        self.l2_traffic = L2Traffic::default();
+    }
+
+    /// Under the L2 model: a global atomic of thread `t` at `addr` advances its `%clock` by
+    /// the latency of the partition it is homed in.
+    fn atomic_latency(&mut self, t: usize, addr: u64) {
+        if let Some(l2) = self.l2 {
+            let near = l2.home(addr) == self.side;
+            self.clock[t] += u64::from(if near { l2.near } else { l2.far });
+        }
+    }
+
+    /// Under the L2 model: counts `bytes` of a bulk copy (`load`) or reduction at global
+    /// `addr`, by the home of each 4 KiB piece.
+    fn count_bulk(&mut self, load: bool, addr: u64, bytes: u64) {
+        let Some(l2) = self.l2 else { return };
+        let mut at = addr;
+        let end = addr + bytes;
+        while at < end {
+            let piece = ((at | 4095) + 1).min(end) - at;
+            let near = l2.home(at) == self.side;
+            let c = &mut self.l2_traffic;
+            *match (load, near) {
+                (true, true) => &mut c.load_near,
+                (true, false) => &mut c.load_far,
+                (false, true) => &mut c.reduce_near,
+                (false, false) => &mut c.reduce_far,
+            } += piece;
+            at += piece;
+        }
     }
 
     /// Runs warp `w` until it blocks or its quantum ends; whether it ran at all.
@@ -739,6 +866,7 @@ impl<'a> Cta<'a> {
             Special::LaneId => l,
             // A hash of the CTA's progress and the thread: deterministic, and differing
             // between two reads, so that latency probes see arbitrary (not equal) times.
+            Special::Clock if self.l2.is_some() => self.clock[t as usize] as u32,
             Special::Clock => {
                 let mut z = self
                     .thread_steps

@@ -104,7 +104,10 @@ pub mod tensor_core;
 pub mod tensor_map;
 
 pub use error::{FaultKind, Location, MemoryFault, MemoryFaultKind, ParseError, SimError, Stall};
-pub use exec::{CtaOrder, Gpu, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion, UmmaOrder};
+pub use exec::{
+    CtaOrder, Gpu, L2Sides, L2Traffic, LaunchStats, Limits, Tcgen05Numerics, TmaCompletion,
+    UmmaOrder,
+};
 pub use launch::{Arg, LaunchConfig};
 pub use memory::{DevPtr, Element};
 pub use module::{Kernel, Module, Param};

@@ -14,7 +14,7 @@ use msa_runtime::reference;
 use msa_runtime::{causal_support, Span};
 use msa_sim::backward::{cu_of, random_q2k, Rng};
 use msa_sim::device::{Arch, SimDevice};
-use msa_sim::{Limits, TmaCompletion};
+use msa_sim::{L2Sides, L2Traffic, Limits, TmaCompletion};
 
 mod forward_common;
 mod ptx_edit;
@@ -1055,8 +1055,20 @@ fn run_f16_pool(
     text: Option<String>,
     limits: Limits,
 ) -> Result<String, String> {
+    run_f16_pool_on(
+        &mut SimDevice::with_limits(Arch::Sm90, 2, limits),
+        (paired, kv),
+        text,
+    )
+}
+
+/// [`run_f16_pool`] on `dev`.
+fn run_f16_pool_on(
+    dev: &mut SimDevice,
+    (paired, kv): (bool, bool),
+    text: Option<String>,
+) -> Result<String, String> {
     let (cu, q2k, inp) = planted_case();
-    let mut dev = SimDevice::with_limits(Arch::Sm90, 2, limits);
     if let Some(text) = text {
         let kernel = if paired {
             "msa_forward_kv_f16p_sm90"
@@ -1068,7 +1080,7 @@ fn run_f16_pool(
     let how = (OPool::F16, Reference::Probe);
     let inputs = (&inp.q[..], &inp.ka[..], &inp.va[..]);
     let mut fwd = flow(how).with_paired_pool(paired).with_paired_kv(kv);
-    let (out, lse, verdict) = run_device_on(&mut dev, &mut fwd, &cu, &q2k, inputs, how)?;
+    let (out, lse, verdict) = run_device_on(dev, &mut fwd, &cu, &q2k, inputs, how)?;
     let ran = |k: &str| dev.launches().iter().any(|l| l.kernel == k);
     if ran("fwd_kv_pair_kv") != (paired && kv) {
         return Err(format!("fwd_kv_pair_kv ran: {}", ran("fwd_kv_pair_kv")));
@@ -1154,6 +1166,55 @@ fn paired_kv_passes_on_two_sms() {
         let stats =
             run_f16_pool((true, true), None, limits).unwrap_or_else(|e| panic!("{what}: {e}"));
         eprintln!("{what}: {stats}");
+    }
+}
+
+#[test]
+fn paired_pass_reduces_and_loads_on_its_own_side_under_the_l2_model() {
+    // Under the simulator's model of the two L2 partitions (the pairing's premise: a
+    // returning atomic's latency tells an address's home from the SM's side), every bulk
+    // reduction and bulk K/V copy of the paired pass goes to the copy on its CTA's side, on
+    // four SMs of both sides. The control swaps the latencies: every one goes across.
+    for (what, near, far) in [("the model", 280, 480), ("latencies swapped", 480, 280)] {
+        let l2 = L2Sides {
+            near,
+            far,
+            ..L2Sides::default()
+        };
+        let limits = Limits {
+            l2_sides: Some(l2),
+            ..Limits::default()
+        };
+        let mut dev = SimDevice::with_limits(Arch::Sm90, 4, limits);
+        let stats =
+            run_f16_pool_on(&mut dev, (true, true), None).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let pass = dev
+            .launches()
+            .iter()
+            .filter(|l| l.kernel == "msa_forward_kv_f16p_sm90")
+            .fold(L2Traffic::default(), |mut t, l| {
+                t.reduce_near += l.l2.reduce_near;
+                t.reduce_far += l.l2.reduce_far;
+                t.load_near += l.l2.load_near;
+                t.load_far += l.l2.load_far;
+                t
+            });
+        eprintln!("{what}: {pass:?}; {stats}");
+        let sides: Vec<u8> = (0..4).map(|x| l2.side([x, 0, 0])).collect();
+        assert!(sides.contains(&0) && sides.contains(&1), "{sides:?}");
+        let (chosen, other) = if near < far {
+            (
+                [pass.reduce_near, pass.load_near],
+                [pass.reduce_far, pass.load_far],
+            )
+        } else {
+            (
+                [pass.reduce_far, pass.load_far],
+                [pass.reduce_near, pass.load_near],
+            )
+        };
+        assert!(chosen.iter().all(|&b| b > 0), "{what}: {pass:?}");
+        assert_eq!(other, [0, 0], "{what}: {pass:?}");
     }
 }
 

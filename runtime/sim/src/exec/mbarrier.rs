@@ -659,6 +659,7 @@ impl Cta<'_> {
             );
             return Err(self.fault(t.pc, t.warp, t.lane, FaultKind::Tma(msg)));
         };
+        self.count_bulk(true, src, u64::from(bytes));
         let lo = t.dst as usize;
         self.shared[lo..lo + data.len()].copy_from_slice(&data);
         if self.unfenced_total > 0 {
@@ -833,6 +834,7 @@ impl Cta<'_> {
         for (o, a) in out.chunks_exact_mut(2).zip(add.chunks_exact(2)) {
             AddElem::F16.add(o, a);
         }
+        self.count_bulk(false, dst, bytes);
         self.bulk_reads.push(BulkRead {
             thread: w * 32 + l,
             group: None,

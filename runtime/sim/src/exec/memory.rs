@@ -129,6 +129,9 @@ impl Cta<'_> {
                     if let Place::Shared(off) = place {
                         self.generic_shared_store(pcu, w, l, off, esize * n)?;
                     }
+                    if let Place::Global(g) = place {
+                        self.atomic_latency(w * 32 + l, g);
+                    }
                     self.write_bytes(place, &buf[..esize * n]);
                 }
             }
