@@ -151,7 +151,8 @@ pub struct L2Traffic {
 }
 
 impl L2Traffic {
-    fn add(&mut self, o: &L2Traffic) {
+    /// Adds `o`'s counts (another CTA's or launch's).
+    pub fn add(&mut self, o: &L2Traffic) {
         self.reduce_near += o.reduce_near;
         self.reduce_far += o.reduce_far;
         self.load_near += o.load_near;

@@ -1193,10 +1193,7 @@ fn paired_pass_reduces_and_loads_on_its_own_side_under_the_l2_model() {
             .iter()
             .filter(|l| l.kernel == "msa_forward_kv_f16p_sm90")
             .fold(L2Traffic::default(), |mut t, l| {
-                t.reduce_near += l.l2.reduce_near;
-                t.reduce_far += l.l2.reduce_far;
-                t.load_near += l.l2.load_near;
-                t.load_far += l.l2.load_far;
+                t.add(&l.l2);
                 t
             });
         eprintln!("{what}: {pass:?}; {stats}");
