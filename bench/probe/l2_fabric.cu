@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+#include "atom_latency.cuh"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
   fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
@@ -38,14 +39,7 @@ __global__ void label(unsigned *buf, unsigned char *near, int *count) {
     for (int k = 0; k < NC; k++) {
       int c = (k + blockIdx.x * 61) % NC;
       unsigned *p = buf + (size_t)c * 1024 + (blockIdx.x % 64) + dep;
-      long long t0 = clock64();
-      unsigned old, use;
-      asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-      asm volatile("shr.u32 %0, %1, 31;" : "=r"(use) : "r"(old));
-      long long t1 = clock64();
-      dep = use;
-      long long d = t1 - t0;
-      lat[c] = (unsigned short)(d > 65535 ? 65535 : d);
+      lat[c] = timed_atom(p, dep);
     }
   }
   unsigned lo = 65535, hi = 0;

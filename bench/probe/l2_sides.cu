@@ -15,6 +15,7 @@
 #include <vector>
 #include <algorithm>
 #include <cuda_runtime.h>
+#include "atom_latency.cuh"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
   fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
@@ -31,16 +32,7 @@ __global__ void probe(unsigned *buf, unsigned long long step_words, int n,
   for (int k = 0; k < n; k++) {
     int j = (k + blockIdx.x * 61) % n;
     unsigned *p = buf + (unsigned long long)j * step_words + dep;
-    long long t0 = clock64();
-    unsigned old, use;
-    asm volatile("atom.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(p) : "memory");
-    // In-order issue: the shift waits for the atomic's return, the clock read for the shift,
-    // and the next address for the shift's (always zero) result.
-    asm volatile("shr.u32 %0, %1, 31;" : "=r"(use) : "r"(old));
-    long long t1 = clock64();
-    dep = use;
-    long long d = t1 - t0;
-    lat[(size_t)blockIdx.x * n + j] = (unsigned short)(d > 65535 ? 65535 : d);
+    lat[(size_t)blockIdx.x * n + j] = timed_atom(p, dep);
   }
 }
 
