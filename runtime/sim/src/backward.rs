@@ -29,6 +29,7 @@ use msa_runtime::{
 
 use crate::device::Arch;
 use crate::device::{sim_error, SimDevice};
+use crate::exec::{mix64, GOLDEN};
 use crate::{Limits, SimError};
 
 /// Elements of one token's Q (or dO, dQ) row: `NUM_Q_HEADS × HEAD_DIM`.
@@ -47,11 +48,8 @@ pub struct Rng(pub u64);
 impl Rng {
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(GOLDEN);
+        mix64(self.0)
     }
 
     /// Uniform in `0..n` (`n > 0`), by the modulo of the next draw.

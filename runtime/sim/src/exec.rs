@@ -126,13 +126,28 @@ impl L2Sides {
 
     /// The side of the SM that runs CTA `ctaid` (a hash, so that no kernel can guess it).
     pub fn side(&self, ctaid: [u32; 3]) -> u8 {
-        let linear =
-            (u64::from(ctaid[2]) << 42) ^ (u64::from(ctaid[1]) << 21) ^ u64::from(ctaid[0]);
-        let mut z = linear.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) & 1) as u8
+        (mix64(cta_key(ctaid).wrapping_add(GOLDEN)) & 1) as u8
     }
+
+    /// The bytes of one home: the interleave below the lowest address bit of the hash.
+    fn grain(&self) -> u64 {
+        1 << self.home_bits.trailing_zeros()
+    }
+}
+
+/// splitmix64's increment.
+pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// splitmix64's output mix: the simulator's deterministic hashes and random streams.
+pub(crate) fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// One number per CTA index, the seed of its hashes.
+fn cta_key(ctaid: [u32; 3]) -> u64 {
+    (u64::from(ctaid[2]) << 42) ^ (u64::from(ctaid[1]) << 21) ^ u64::from(ctaid[0])
 }
 
 /// Bytes of bulk (non-tensor) copies from global memory and bulk reductions into it, by
@@ -379,11 +394,8 @@ impl Gpu {
                 // Fisher-Yates with a splitmix64 stream.
                 let mut state = seed;
                 let mut next = || {
-                    state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                    let mut z = state;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                    z ^ (z >> 31)
+                    state = state.wrapping_add(GOLDEN);
+                    mix64(state)
                 };
                 for i in (1..order.len()).rev() {
                     let j = (next() % (i as u64 + 1)) as usize;
@@ -483,10 +495,8 @@ struct Cta<'a> {
     unfenced_total: usize,
     /// Tensor memory and the `tcgen05` machinery.
     tmem: tcgen05::Tmem,
-    /// The L2 model, this CTA's side under it, each thread's `%clock` and the CTA's bulk
-    /// traffic by side.
+    /// The L2 model, each thread's `%clock` under it and the CTA's bulk traffic by side.
     l2: Option<L2Sides>,
-    side: u8,
     clock: Vec<u64>,
     l2_traffic: L2Traffic,
 }
@@ -616,7 +626,6 @@ impl<'a> Cta<'a> {
                 ..tcgen05::Tmem::default()
             },
             l2: limits.l2_sides,
-            side: 0,
             clock: if limits.l2_sides.is_some() {
                 vec![0; nwarps * 32]
             } else {
@@ -629,9 +638,7 @@ impl<'a> Cta<'a> {
     fn reset(&mut self, ctaid: [u32; 3]) {
         self.ctaid = ctaid;
         if let UmmaOrder::Seeded(seed) = self.umma_order {
-            let cta =
-                (u64::from(ctaid[2]) << 42) ^ (u64::from(ctaid[1]) << 21) ^ u64::from(ctaid[0]);
-            self.umma_rng = seed ^ cta.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            self.umma_rng = seed ^ cta_key(ctaid).wrapping_mul(GOLDEN);
         }
         self.regs.fill(0);
         self.pc.fill(0);
@@ -664,9 +671,6 @@ impl<'a> Cta<'a> {
         self.unfenced_list.iter_mut().for_each(Vec::clear);
         self.unfenced_total = 0;
         self.tmem.reset();
-        if let Some(l2) = self.l2 {
-            self.side = l2.side(ctaid);
-        }
         self.clock.fill(0);
         self.l2_traffic = L2Traffic::default();
     }
@@ -675,20 +679,21 @@ impl<'a> Cta<'a> {
     /// the latency of the partition it is homed in.
     fn atomic_latency(&mut self, t: usize, addr: u64) {
         if let Some(l2) = self.l2 {
-            let near = l2.home(addr) == self.side;
+            let near = l2.home(addr) == l2.side(self.ctaid);
             self.clock[t] += u64::from(if near { l2.near } else { l2.far });
         }
     }
 
     /// Under the L2 model: counts `bytes` of a bulk copy (`load`) or reduction at global
-    /// `addr`, by the home of each 4 KiB piece.
+    /// `addr`, by the home of each piece within one home.
     fn count_bulk(&mut self, load: bool, addr: u64, bytes: u64) {
         let Some(l2) = self.l2 else { return };
+        let side = l2.side(self.ctaid);
         let mut at = addr;
         let end = addr + bytes;
         while at < end {
-            let piece = ((at | 4095) + 1).min(end) - at;
-            let near = l2.home(at) == self.side;
+            let piece = ((at | (l2.grain() - 1)) + 1).min(end) - at;
+            let near = l2.home(at) == side;
             let c = &mut self.l2_traffic;
             *match (load, near) {
                 (true, true) => &mut c.load_near,
@@ -868,16 +873,12 @@ impl<'a> Cta<'a> {
             // A hash of the CTA's progress and the thread: deterministic, and differing
             // between two reads, so that latency probes see arbitrary (not equal) times.
             Special::Clock if self.l2.is_some() => self.clock[t as usize] as u32,
-            Special::Clock => {
-                let mut z = self
-                    .thread_steps
+            Special::Clock => mix64(
+                self.thread_steps
                     .wrapping_add(u64::from(self.ctaid[0]) << 32)
                     .wrapping_add(u64::from(t))
-                    .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                (z ^ (z >> 31)) as u32
-            }
+                    .wrapping_mul(GOLDEN),
+            ) as u32,
             Special::WarpId => w as u32,
             Special::LaneMaskEq => 1 << l,
             Special::LaneMaskLt => (1u32 << l) - 1,

@@ -344,11 +344,8 @@ mod tests {
         // splitmix64 over wide exponent ranges, zeros, subnormals and cancellation.
         let mut state = 0x1234_5678u64;
         let mut next = || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
+            state = state.wrapping_add(crate::exec::GOLDEN);
+            crate::exec::mix64(state)
         };
         for input in [MmaInput::Bf16, MmaInput::F16] {
             let emax: u64 = match input {

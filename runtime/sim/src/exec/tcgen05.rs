@@ -61,7 +61,7 @@
 //! instead. The B200's internal order and precision have not been measured, so the kernels
 //! are tested under both.
 
-use super::{lanes, Cta, Tcgen05Numerics, UmmaOrder};
+use super::{lanes, mix64, Cta, Tcgen05Numerics, UmmaOrder, GOLDEN};
 use crate::error::{FaultKind, SimError};
 use crate::ir::{Addr, Dst, Op, PredSrc, Space, Src, Tc05A, Tcgen05};
 use crate::numeric::canon;
@@ -947,11 +947,8 @@ impl Cta<'_> {
                 UmmaOrder::Issue => ready[0],
                 UmmaOrder::Reversed => ready[ready.len() - 1],
                 UmmaOrder::Seeded(_) => {
-                    self.umma_rng = self.umma_rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
-                    let mut z = self.umma_rng;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                    ready[((z ^ (z >> 31)) % ready.len() as u64) as usize]
+                    self.umma_rng = self.umma_rng.wrapping_add(GOLDEN);
+                    ready[(mix64(self.umma_rng) % ready.len() as u64) as usize]
                 }
             };
             let m = done.remove(pick);
