@@ -226,10 +226,15 @@ struct PairPool<B: Backend> {
 }
 
 impl<B: Backend> PairPool<B> {
+    /// Pairs of a pool for `rows` rows and `kv_tiles` K/V tiles, the anchors' included.
+    fn pairs(rows: usize, kv_tiles: usize) -> usize {
+        PAIR_ANCHORS + rows + 2 * PAIR_KV_CHUNKS * kv_tiles
+    }
+
     /// A pool for `rows` rows and `kv_tiles` K/V tiles, its homes labelled by `fwd_kv_homes`
     /// on the backend's stream (no host sync).
     fn new(backend: &mut B, rows: usize, kv_tiles: usize) -> Result<Self, RuntimeError> {
-        let pairs = PAIR_ANCHORS + rows + 2 * PAIR_KV_CHUNKS * kv_tiles;
+        let pairs = Self::pairs(rows, kv_tiles);
         let bytes = pairs * 2 * PAIR_CHUNK_BYTES + 4 * pairs + 8 * kv_tiles + PAIR_CHUNK_BYTES;
         let buf = backend.alloc("forward_kv paired o_pool", bytes)?;
         let raw = backend.address(&buf);
@@ -260,8 +265,8 @@ impl<B: Backend> PairPool<B> {
     /// The K/V tiles' `(pairs, homes, masks)`: past the anchors' and the rows' pairs and
     /// labels, and after all labels.
     fn kv(&self) -> (u64, u64, u64) {
-        let first = PAIR_ANCHORS + self.rows;
-        let pairs = first + 2 * PAIR_KV_CHUNKS * self.kv_tiles;
+        let first = Self::pairs(self.rows, 0);
+        let pairs = Self::pairs(self.rows, self.kv_tiles);
         (
             self.base + (first * 2 * PAIR_CHUNK_BYTES) as u64,
             self.homes + 4 * first as u64,
@@ -526,7 +531,8 @@ impl<B: Backend> MsaForwardKv<B> {
     /// writes each (key block, KV head) tile's K and V images into two 4 KiB copies per
     /// chunk, one homed in each L2 partition, on every call (`4 KiB` per aligned key), and the
     /// pass's producer loads each chunk from the copy on its own side, so that K/V misses
-    /// would not cross the fabric either. Without the paired pool (or with the f32 pool) it changes nothing.
+    /// would not cross the fabric either. Without the paired pool (or with the f32 pool) it
+    /// changes nothing.
     pub fn with_paired_kv(mut self, paired_kv: bool) -> Self {
         self.paired_kv = paired_kv;
         self
@@ -916,7 +922,8 @@ impl<B: Backend> MsaForwardKv<B> {
     /// build and the zeroed pools (`o_pool` left to the max pass or to the task build, and
     /// the other two to the probe, as `zero_o` names, when the pass launches); `None` when
     /// there is nothing to launch. With a paired pool's `(o, homes)`, `io.o_pool` spans the
-    /// first halves of its rows' pairs.
+    /// first halves of its rows' pairs; `kv`, the paired K/V tiles' `(pairs, masks)`, comes
+    /// only with it.
     fn prepare(
         &mut self,
         backend: &mut B,
@@ -1017,7 +1024,7 @@ impl<B: Backend> MsaForwardKv<B> {
                 .bits(),
             zero: o_words.map(|w| (io.o_pool.addr(), w)),
             pair,
-            kv: kv.filter(|_| pair.is_some()),
+            kv,
         }))
     }
 

@@ -74,11 +74,11 @@
 //! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
 //! With a non-null `kv_pair` (session 28; correct on the GPU, and slower), the paired pass's
-//! producer also finds its side at the start and loads each segment's K and V from the paired tiles of
-//! [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies of 4 KiB, each
-//! chunk of the SW128 image from the copy homed on its side, on the stage's mbarrier (the
-//! same 64 KiB the tensor-map loads bring). With a null one it loads through `tmap_k` and
-//! `tmap_v`, as the other passes do.
+//! producer also finds its side at the start and loads each segment's K and V from the
+//! paired tiles of [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies
+//! of 4 KiB, each chunk of the SW128 image from the copy homed on its side, on the stage's
+//! mbarrier (the same 64 KiB the tensor-map loads bring). With a null one it loads through
+//! `tmap_k` and `tmap_v`, as the other passes do.
 //!
 //! # The probe's reference (the runtime's default since session 18)
 //! The pass needs only that every row's terms stay in its pool's range, not that `R` bound
