@@ -1188,16 +1188,19 @@ fn paired_pass_reduces_and_loads_on_its_own_side_under_the_l2_model() {
         let mut dev = SimDevice::with_limits(Arch::Sm90, 4, limits);
         let stats =
             run_f16_pool_on(&mut dev, (true, true), None).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let pass = dev
+        let launches: Vec<_> = dev
             .launches()
             .iter()
             .filter(|l| l.kernel == "msa_forward_kv_f16p_sm90")
-            .fold(L2Traffic::default(), |mut t, l| {
-                t.add(&l.l2);
-                t
-            });
+            .collect();
+        let pass = launches.iter().fold(L2Traffic::default(), |mut t, l| {
+            t.add(&l.l2);
+            t
+        });
         eprintln!("{what}: {pass:?}; {stats}");
-        let sides: Vec<u8> = (0..4).map(|x| l2.side([x, 0, 0])).collect();
+        // The pass's CTAs run on SMs of both sides.
+        let ctas = launches.iter().map(|l| l.grid.0).max().unwrap_or(0);
+        let sides: Vec<u8> = (0..ctas).map(|x| l2.side([x, 0, 0])).collect();
         assert!(sides.contains(&0) && sides.contains(&1), "{sides:?}");
         let (chosen, other) = if near < far {
             (
