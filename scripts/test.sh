@@ -17,6 +17,16 @@ if [ -z "${PTXAS:-}" ]; then
   fi
 fi
 export PTXAS
+# nvdisasm (the same release), for the test that reads the SASS of the clock-timed kernels.
+if [ -z "${NVDISASM:-}" ]; then
+  NVDISASM="$PWD/.tools/nvdisasm/nvidia/cu13/bin/nvdisasm"
+  if [ ! -x "$NVDISASM" ]; then
+    echo "installing nvdisasm (nvidia-cuda-nvdisasm==$NVCC_WHEEL_VERSION) into .tools/nvdisasm"
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+      --target .tools/nvdisasm "nvidia-cuda-nvdisasm==$NVCC_WHEEL_VERSION"
+  fi
+fi
+export NVDISASM
 
 # Disk: session 25's CI run failed with "No space left on device". A full run's target/ took
 # 4.8 GB on the 2-core machine, and 0.95 GB without incremental state and debug info (a panic

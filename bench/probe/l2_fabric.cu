@@ -28,7 +28,7 @@ constexpr int MAX_SM = 256;
 constexpr int REP = 2;
 
 __global__ void label(unsigned *buf, unsigned char *near, int *count) {
-  extern __shared__ unsigned char pad[];
+  extern __shared__ __align__(4) unsigned char pad[];
   if (threadIdx.x != 0) return;
   pad[0] = 0;
   unsigned smid;
@@ -39,7 +39,7 @@ __global__ void label(unsigned *buf, unsigned char *near, int *count) {
     for (int k = 0; k < NC; k++) {
       int c = (k + blockIdx.x * 61) % NC;
       unsigned *p = buf + (size_t)c * 1024 + (blockIdx.x % 64) + dep;
-      lat[c] = timed_atom(p, dep);
+      lat[c] = timed_atom(p, dep, reinterpret_cast<unsigned *>(pad));
     }
   }
   unsigned lo = 65535, hi = 0;

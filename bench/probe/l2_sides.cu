@@ -22,7 +22,7 @@
 
 __global__ void probe(unsigned *buf, unsigned long long step_words, int n,
                       unsigned short *lat, int *smid_out) {
-  extern __shared__ unsigned char pad[];
+  extern __shared__ __align__(4) unsigned char pad[];
   if (threadIdx.x != 0) return;
   unsigned smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -32,7 +32,7 @@ __global__ void probe(unsigned *buf, unsigned long long step_words, int n,
   for (int k = 0; k < n; k++) {
     int j = (k + blockIdx.x * 61) % n;
     unsigned *p = buf + (unsigned long long)j * step_words + dep;
-    lat[(size_t)blockIdx.x * n + j] = timed_atom(p, dep);
+    lat[(size_t)blockIdx.x * n + j] = timed_atom(p, dep, reinterpret_cast<unsigned *>(pad));
   }
 }
 

@@ -23,11 +23,19 @@ fn ci() -> bool {
 /// The ptxas binary: `$PTXAS`, else the project-local install the test command makes, else
 /// `ptxas` on the PATH. `None` means skip, except under `CI=true`, where a missing ptxas fails.
 pub fn ptxas() -> Option<PathBuf> {
-    let candidates = std::env::var_os("PTXAS")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([workspace_root().join(".tools/nvcc/nvidia/cu13/bin/ptxas")])
-        .chain([PathBuf::from("ptxas")]);
+    locate(
+        "ptxas",
+        std::env::var_os("PTXAS")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain([workspace_root().join(".tools/nvcc/nvidia/cu13/bin/ptxas")])
+            .chain([PathBuf::from("ptxas")]),
+    )
+}
+
+/// The first of `candidates` that answers `--version`; `None` means skip (`what` names the
+/// tool in the message), except under `CI=true`, where a missing tool fails.
+fn locate(what: &str, candidates: impl IntoIterator<Item = PathBuf>) -> Option<PathBuf> {
     for c in candidates {
         if Command::new(&c)
             .arg("--version")
@@ -39,10 +47,115 @@ pub fn ptxas() -> Option<PathBuf> {
     }
     assert!(
         !ci(),
-        "ptxas not found under CI=true: run the README's test command, which installs it"
+        "{what} not found under CI=true: run the README's test command, which installs it"
     );
-    eprintln!("SKIP: ptxas not found (set PTXAS or run the README's test command)");
+    eprintln!("SKIP: {what} not found (run the README's test command, which installs it)");
     None
+}
+
+/// The nvdisasm binary: `$NVDISASM`, else the project-local install the test command makes,
+/// else `nvdisasm` on the PATH. `None` means skip, except under `CI=true`.
+pub fn nvdisasm() -> Option<PathBuf> {
+    locate(
+        "nvdisasm",
+        std::env::var_os("NVDISASM")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain([workspace_root().join(".tools/nvdisasm/nvidia/cu13/bin/nvdisasm")])
+            .chain([PathBuf::from("nvdisasm")]),
+    )
+}
+
+/// The SASS ptxas makes of `ptx` for `arch`, as nvdisasm prints it; `Err` carries the
+/// failing tool's output.
+pub fn sass(
+    ptxas: &Path,
+    nvdisasm: &Path,
+    ptx: &str,
+    arch: &str,
+    name: &str,
+) -> Result<String, String> {
+    let dir = std::env::temp_dir().join(format!("msa-sass-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let file = dir.join(format!("{name}.{arch}.ptx"));
+    let cubin = dir.join(format!("{name}.{arch}.cubin"));
+    std::fs::write(&file, ptx).map_err(|e| e.to_string())?;
+    let run = |cmd: &mut Command| -> Result<String, String> {
+        let out = cmd.output().map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            Ok(text)
+        } else {
+            Err(format!("{text}{}", String::from_utf8_lossy(&out.stderr)))
+        }
+    };
+    run(Command::new(ptxas)
+        .arg(format!("-arch={arch}"))
+        .arg("-o")
+        .arg(&cubin)
+        .arg(&file))?;
+    run(Command::new(nvdisasm).arg("-c").arg(&cubin))
+}
+
+/// Checks nvdisasm's SASS of a kernel that times returning atomics with `%clock` (see
+/// `codegen::kernels::l2_sides::latency`) and returns how many it times. Hopper issues a
+/// warp's instructions in order, so a clock read measures an atomic's round trip only when an
+/// instruction that waits for the atomic's register (any later mention of it: a read, or a
+/// write after its write) comes before the read. The check, in address order (no branch in a
+/// timed section): every returning `ATOMG` is followed by such an instruction before the next
+/// clock read, and the kernel reads the clock exactly twice per returning `ATOMG` (an atomic
+/// whose value ptxas found unused becomes a `REDG`, and its clock reads time nothing).
+pub fn check_clock_order(sass: &str) -> Result<usize, String> {
+    let insts: Vec<&str> = sass
+        .lines()
+        .filter_map(|l| {
+            l.split_once("*/")
+                .map(|(_, i)| i.trim().trim_end_matches(';').trim())
+        })
+        .filter(|i| !i.is_empty())
+        .collect();
+    let is_clock = |i: &str| i.contains("SR_CLOCKLO") || i.contains("SR_CLOCKHI");
+    let mentions = |i: &str, reg: &str| {
+        i.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .any(|w| w == reg)
+    };
+    let clocks = insts.iter().filter(|i| is_clock(i)).count();
+    let mut atoms = 0;
+    for (n, inst) in insts.iter().enumerate() {
+        // Past a guard such as `@!P3`.
+        let body = match inst.strip_prefix('@') {
+            Some(rest) => rest.split_once(' ').map_or("", |(_, b)| b.trim_start()),
+            None => inst,
+        };
+        if !body.starts_with("ATOMG") {
+            continue;
+        }
+        // `ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR14][R2.64], RZ`: the first register operand
+        // after the predicate is the value's.
+        let Some(reg) = body.split_once(' ').map(|(_, ops)| ops).and_then(|ops| {
+            ops.split(", ")
+                .find(|o| o.starts_with('R') && o[1..].chars().all(|c| c.is_ascii_digit()))
+        }) else {
+            return Err(format!("no value register in `{inst}`"));
+        };
+        atoms += 1;
+        for later in &insts[n + 1..] {
+            if is_clock(later) {
+                return Err(format!(
+                    "`{later}` reads the clock before any instruction waits for `{inst}`'s {reg}"
+                ));
+            }
+            if mentions(later, reg) {
+                break;
+            }
+        }
+    }
+    if clocks != 2 * atoms {
+        return Err(format!(
+            "{clocks} clock reads for {atoms} returning atomics; expected two per atomic"
+        ));
+    }
+    Ok(atoms)
 }
 
 /// What `ptxas -v` reports for one kernel.

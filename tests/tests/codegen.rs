@@ -336,3 +336,70 @@ fn the_row_kernels_grids_are_one_fact_on_both_sides() {
         msa_runtime::forward_kv::REFERENCE_ROWS_PER_CTA
     );
 }
+
+/// Every kernel that times atomics with `%clock` (the paired pool's side probes) keeps each
+/// atomic's round trip between its two clock reads in the SASS ptxas makes of it: session 29's
+/// kernels did not, and their side labels were noise (`msa_tests::check_clock_order`).
+#[test]
+fn timed_atomics_return_before_the_second_clock_read() {
+    let (Some(ptxas), Some(nvdisasm)) = (ptxas(), msa_tests::nvdisasm()) else {
+        return;
+    };
+    let mut timed = Vec::new();
+    for k in codegen::build_all().unwrap() {
+        let text = codegen::ptx::print::module(&k).unwrap();
+        if !text.contains("%clock") {
+            continue;
+        }
+        let arch = k.target.name();
+        let sass = msa_tests::sass(&ptxas, &nvdisasm, &text, arch, &k.name)
+            .unwrap_or_else(|log| panic!("{} ({arch}): {log}", k.name));
+        let atoms = msa_tests::check_clock_order(&sass)
+            .unwrap_or_else(|why| panic!("{} ({arch}): {why}", k.name));
+        assert!(
+            atoms > 0,
+            "{} ({arch}) reads %clock but times no atomic",
+            k.name
+        );
+        timed.push(format!("{} {arch}", k.name));
+    }
+    timed.sort();
+    assert_eq!(
+        timed,
+        [
+            "fwd_kv_homes sm_100a",
+            "fwd_kv_homes sm_90a",
+            "msa_forward_kv_f16p_sm90 sm_90a"
+        ]
+    );
+}
+
+/// The check itself, on SASS as ptxas 13.5 scheduled session 29's `fwd_kv_homes` (the clock
+/// read right after the atomic, its consumer fused in after), on the dead-store variant (the
+/// atomic turned into a `REDG`), and on the fixed order.
+#[test]
+fn the_clock_order_check_rejects_session_29s_schedule() {
+    let broken = "
+        /*0a30*/                   S2UR UR4, SR_CLOCKLO ;
+        /*0a50*/                   ATOMG.E.ADD.STRONG.GPU PT, R12, desc[UR6][R10.64], RZ ;
+        /*0a60*/                   S2UR UR5, SR_CLOCKLO ;
+        /*0a80*/                   UIADD3 UR4, -UR4, UR5, URZ ;
+        /*0a90*/                   LEA.HI R12, R12, UR4, RZ, 0x1 ;";
+    let why = msa_tests::check_clock_order(broken).unwrap_err();
+    assert!(why.contains("before any instruction waits"), "{why}");
+    let reduced = "
+        /*01d0*/                   S2UR UR4, SR_CLOCKLO ;
+        /*01e0*/               @P1 REDG.E.ADD.STRONG.GPU desc[UR8][R10.64], RZ ;
+        /*01f0*/                   CS2R.32 R7, SR_CLOCKLO ;";
+    let why = msa_tests::check_clock_order(reduced).unwrap_err();
+    assert!(
+        why.contains("2 clock reads for 0 returning atomics"),
+        "{why}"
+    );
+    let fixed = "
+        /*07a0*/                   S2UR UR16, SR_CLOCKLO ;
+        /*07e0*/               @P1 ATOMG.E.ADD.STRONG.GPU PT, R3, desc[UR14][R2.64], RZ ;
+        /*07f0*/              @!P3 STS [R10], R3 ;
+        /*0800*/                   CS2R.32 R5, SR_CLOCKLO ;";
+    assert_eq!(msa_tests::check_clock_order(fixed), Ok(1));
+}

@@ -596,6 +596,8 @@ struct Ctx<'a> {
     base: Reg<U32>,
     bars: Barriers,
     walk: common::Walk,
+    /// The paired pass's per-warp shared word for [`l2_sides::latency`].
+    sink: Option<SharedAddr>,
 }
 
 fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
@@ -623,6 +625,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
     let desc = b.ld_param_ptr(&p.desc);
     let split = b.ld_param(&p.walk_split_log2);
     let walk = common::cta_walk_part(b, desc, split);
+    let sink = paired.then(|| l2_sides::warp_sink(b, THREADS / 32));
     let ctx = Ctx {
         pass,
         r: &r,
@@ -630,6 +633,7 @@ fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
         base,
         bars,
         walk,
+        sink,
     };
 
     // The max pass's spare warps zero `o_pool` for the sum pass: its tensor and shared
@@ -639,11 +643,11 @@ fn describe(b: &mut KernelBuilder, pass: Pass, paired: bool) {
         b,
         plan.warps(),
         (tid, leader),
-        |b| producer(b, &ctx, paired),
+        |b| producer(b, &ctx),
         |b| gather(b, &ctx, tid),
         spare,
         |b| match pass {
-            Pass::Sum(pool) => consumer(b, &ctx, tid, pool, paired),
+            Pass::Sum(pool) => consumer(b, &ctx, tid, pool),
             Pass::Max => max_consumer(b, &ctx, tid),
         },
     );
@@ -677,11 +681,11 @@ pub fn gate(b: &mut KernelBuilder, gate: &ParamRef<U64>) {
 /// Thread 0: K/V at each segment's start, Q for every task. Each task's meta and compact
 /// rows are loaded a task ahead, so that their latency overlaps the previous task's issue and
 /// stage wait instead of adding to them.
-fn producer(b: &mut KernelBuilder, ctx: &Ctx, paired: bool) {
+fn producer(b: &mut KernelBuilder, ctx: &Ctx) {
     let (p, r, base, bars) = (ctx.p, ctx.r, ctx.base, &ctx.bars);
     // Paired K/V (a non-null `kv_pair`, paired pass only): this thread's L2 side, from the
     // anchor pair its CTA's first consumer warp probes too.
-    let paired_kv = paired.then(|| {
+    let paired_kv = ctx.sink.as_ref().map(|sink| {
         let raw = b.ld_param(&p.kv_pair);
         let on = b.setp(Cmp::Ne, raw, 0u64);
         let side = b.mov::<U32>(0u32);
@@ -691,7 +695,7 @@ fn producer(b: &mut KernelBuilder, ctx: &Ctx, paired: bool) {
             let anchor = b.and(anchor, l2_sides::ANCHORS - 1);
             let o = b.ld_param_ptr(&p.o_pair);
             let homes = b.ld_param_ptr(&p.o_homes);
-            let s = l2_sides::side_from_anchor(b, o, homes, anchor);
+            let s = l2_sides::side_from_anchor(b, o, homes, anchor, sink);
             b.set(side, s);
         });
         (on, side)
@@ -1349,7 +1353,7 @@ fn uniform<T: Word>(b: &mut KernelBuilder, v: Reg<T>) -> Reg<T> {
 /// segment's end it reads the next segment's K/V stage, loaded under this one. With one stage
 /// (the f32 pool) each S GEMM is issued at its task's start.
 #[allow(clippy::too_many_lines)]
-fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired: bool) {
+fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool) {
     let (p, r, base) = (ctx.p, ctx.r, ctx.base);
     // Every branch between a wgmma's issue and its wait must be one ptxas can prove uniform,
     // or it serializes them all (C7518/C7519): what the branches test is broadcast from lane
@@ -1383,7 +1387,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
     let want_max = b.setp(Cmp::Ne, raw, 0u64);
     // The paired pool: lane 0 finds the warp's L2 side from an anchor pair of its own, so
     // that no line takes every warp's probes.
-    let side = paired.then(|| {
+    let side = ctx.sink.as_ref().map(|sink| {
         let side = b.mov::<U32>(0u32);
         let cta = b.sreg(SReg::CtaidX);
         let anchor = b.mad_lo(cta, 8u32, slot);
@@ -1391,7 +1395,7 @@ fn consumer(b: &mut KernelBuilder, ctx: &Ctx, tid: Reg<U32>, pool: OPool, paired
         b.predicated(lane0, false, |b| {
             let o = b.ld_param_ptr(&p.o_pair);
             let homes = b.ld_param_ptr(&p.o_homes);
-            let s = l2_sides::side_from_anchor(b, o, homes, anchor);
+            let s = l2_sides::side_from_anchor(b, o, homes, anchor, sink);
             b.set(side, s);
         });
         side

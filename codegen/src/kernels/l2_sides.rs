@@ -93,18 +93,25 @@ pub const PAIR_KV: KernelDesc = KernelDesc {
 };
 
 /// Cycles a returning `atom.global.add.u32 0` at `at` takes, the lower of two tries (the
-/// word is unchanged).
-pub fn latency(b: &mut KernelBuilder, at: &GlobalAddr) -> Reg<U32> {
+/// word is unchanged). `sink` is a shared word only this thread writes meanwhile.
+///
+/// The second clock read must issue after the atomic has returned. Hopper issues a warp's
+/// instructions in order, so an instruction that waits for the atomic's value, placed before
+/// that read, holds it back; but ptxas schedules an arithmetic consumer after an independent
+/// `%clock` read (session 29's kernels: in `fwd_kv_homes`' phase 1 and in the sum pass's
+/// consumers each "latency" was the issue gap, so those labels were noise). A store of the
+/// value is a memory operation, which ptxas keeps ahead of the read; `st.volatile`, since it
+/// drops a plain store that a later one overwrites and then turns the atomic into a `REDG`.
+/// `timed_atomics_return_before_the_second_clock_read` (`tests/tests/codegen.rs`) checks the
+/// order in the SASS of every kernel that reads `%clock`.
+pub fn latency(b: &mut KernelBuilder, at: &GlobalAddr, sink: &SharedAddr) -> Reg<U32> {
     let mut best = None;
     for _ in 0..2 {
         let t0 = b.sreg(SReg::Clock);
         let old = b.atom::<U32, _>(AtomOp::Add, at, 0u32);
-        // In-order issue: the shift waits for the atomic's value and the clock read for the
-        // shift; adding its 0 or 1 keeps the dependency at a cycle's cost.
-        let used = b.shr(old, 31u32);
+        b.st_volatile(sink, old);
         let t1 = b.sreg(SReg::Clock);
         let d = b.sub(t1, t0);
-        let d = b.add(d, used);
         best = Some(match best {
             None => d,
             Some(m) => b.min(m, d),
@@ -114,30 +121,47 @@ pub fn latency(b: &mut KernelBuilder, at: &GlobalAddr) -> Reg<U32> {
 }
 
 /// Whether chunk `2·pair` of the paired pool at `o` answers faster than chunk `2·pair + 1`:
-/// it is then homed on this SM's side.
-pub fn even_is_near(b: &mut KernelBuilder, o: Reg<U64>, pair: Reg<U32>) -> Reg<Pred> {
+/// it is then homed on this SM's side. `sink` as for [`latency`].
+pub fn even_is_near(
+    b: &mut KernelBuilder,
+    o: Reg<U64>,
+    pair: Reg<U32>,
+    sink: &SharedAddr,
+) -> Reg<Pred> {
     let even = b.shl(pair, 1u32);
     let odd = b.add(even, 1u32);
     let at_even = common::elem_bytes(b, o, even, CHUNK_BYTES);
     let at_odd = common::elem_bytes(b, o, odd, CHUNK_BYTES);
-    let l_even = latency(b, &at_even);
-    let l_odd = latency(b, &at_odd);
+    let l_even = latency(b, &at_even, sink);
+    let l_odd = latency(b, &at_odd, sink);
     b.setp(Cmp::Lt, l_even, l_odd)
 }
 
 /// This SM's side (the label of the partition it sits next to), from anchor pair `anchor`
-/// whose label `homes[anchor]` holds.
+/// whose label `homes[anchor]` holds. `sink` as for [`latency`].
 pub fn side_from_anchor(
     b: &mut KernelBuilder,
     o: Reg<U64>,
     homes: Reg<U64>,
     anchor: Reg<U32>,
+    sink: &SharedAddr,
 ) -> Reg<U32> {
-    let near = even_is_near(b, o, anchor);
+    let near = even_is_near(b, o, anchor, sink);
     let at = common::elem::<U32>(b, homes, anchor);
     let label = b.ld::<U32, _>(&at);
     let other = b.xor(label, 1u32);
     b.selp(label, other, near)
+}
+
+/// One shared word per warp of a CTA of `warps` warps, each the [`latency`] sink of the
+/// warp's probing lane: this warp's.
+pub fn warp_sink(b: &mut KernelBuilder, warps: u32) -> SharedAddr {
+    let sinks = b.shared_array("latency_sink", 4 * warps, 4);
+    let base = b.shared_base(&sinks);
+    let tid = b.sreg(SReg::TidX);
+    let warp = b.shr(tid, 5u32);
+    let at = b.mad_lo(warp, 4u32, base);
+    shared(at, 0)
 }
 
 fn describe_homes(b: &mut KernelBuilder) {
@@ -158,6 +182,7 @@ fn describe_homes(b: &mut KernelBuilder) {
     let first = b.setp(Cmp::Eq, phase, 0u32);
     let o = b.ld_param_ptr(&o_p);
     let homes = b.ld_param_ptr(&homes_p);
+    let sink = warp_sink(b, HOMES_WARPS_PER_CTA);
     let exit = b.label("exit");
     b.bra_unless(lane0, &exit);
     b.if_then(first, "anchors", |b| {
@@ -165,11 +190,11 @@ fn describe_homes(b: &mut KernelBuilder) {
         let leader = b.setp(Cmp::Eq, gwarp, 0u32);
         b.if_then(leader, "leader", |b| {
             let zero = b.mov::<U32>(0u32);
-            let near0 = even_is_near(b, o, zero);
+            let near0 = even_is_near(b, o, zero, &sink);
             let near0 = b.selp::<U32>(1u32, 0u32, near0);
             let n = b.min(pairs, ANCHORS);
             b.for_range(0u32, n, 1u32, "anchor", |b, a| {
-                let near = even_is_near(b, o, a);
+                let near = even_is_near(b, o, a, &sink);
                 let near = b.selp::<U32>(1u32, 0u32, near);
                 let same = b.setp(Cmp::Eq, near, near0);
                 let label = b.selp::<U32>(0u32, 1u32, same);
@@ -181,12 +206,12 @@ fn describe_homes(b: &mut KernelBuilder) {
     b.unless(first, "rest", |b| {
         b.comment("phase 1: this warp's side from its anchor, then its pairs past the anchors");
         let anchor = b.and(gwarp, ANCHORS - 1);
-        let side = side_from_anchor(b, o, homes, anchor);
+        let side = side_from_anchor(b, o, homes, anchor, &sink);
         let other = b.xor(side, 1u32);
         let warps = b.mul_lo(ctas, HOMES_WARPS_PER_CTA);
         let start = b.add(gwarp, ANCHORS);
         b.for_range(start, pairs, warps, "pair", |b, r| {
-            let near = even_is_near(b, o, r);
+            let near = even_is_near(b, o, r, &sink);
             let label = b.selp(side, other, near);
             let at = common::elem::<U32>(b, homes, r);
             b.st(&at, label);

@@ -132,6 +132,15 @@ impl KernelBuilder {
         );
     }
 
+    /// Scalar `st.volatile`: ptxas neither drops nor merges it, even when the address is
+    /// stored to again before any read.
+    pub fn st_volatile<T: Mem, A: Address>(&mut self, addr: &A, v: impl Src<T>) {
+        self.inst(
+            format!("st.volatile.{}.{}", A::SPACE, Self::mem_name::<T>()),
+            vec![addr.operand(), v.operand()],
+        );
+    }
+
     /// Vector store of `N` (2 or 4) elements.
     pub fn st_v<T: Mem, A: Address, const N: usize>(&mut self, addr: &A, v: [Reg<T>; N]) {
         self.check_vector::<T>(N);
