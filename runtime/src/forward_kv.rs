@@ -515,7 +515,8 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// Whether [`MsaForwardKv::run_on`]'s f16 `o_pool` is paired (default off: correct on the
-    /// GPU and 14-24 % slower there, `bench/results/h100-2026-12-08-s29-paired.md`): each
+    /// GPU; its one timing, 14-24 % slower in `bench/results/h100-2026-12-08-s29-paired.md`,
+    /// ran with side probes that timed nothing, fixed in session 30 and not yet re-timed): each
     /// `(token, index head)` row gets two 4 KiB copies, one homed in each L2 partition, and
     /// each warp of the sum pass adds into the copy on its own side, so that no reduction
     /// crosses the L2 fabric; the combine adds the copies. Twice the pool's memory
@@ -527,11 +528,11 @@ impl<B: Backend> MsaForwardKv<B> {
     }
 
     /// Whether, with the paired pool, the sum pass also loads K/V from paired tiles (default
-    /// off; correct on the GPU and no faster than the paired pool alone): `fwd_kv_pair_kv`
-    /// writes each (key block, KV head) tile's K and V images into two 4 KiB copies per
-    /// chunk, one homed in each L2 partition, on every call (`4 KiB` per aligned key), and the
-    /// pass's producer loads each chunk from the copy on its own side, so that K/V misses
-    /// would not cross the fabric either. Without the paired pool (or with the f32 pool) it
+    /// off; correct on the GPU, timed only with session 29's broken side labels):
+    /// `fwd_kv_pair_kv` writes each (key block, KV head) tile's K and V images into two 4 KiB
+    /// copies per chunk, one homed in each L2 partition, on every call (`4 KiB` per aligned
+    /// key), and the pass's producer loads each chunk from the copy on its own side, so that
+    /// K/V misses would not cross the fabric either. Without the paired pool (or with the f32 pool) it
     /// changes nothing.
     pub fn with_paired_kv(mut self, paired_kv: bool) -> Self {
         self.paired_kv = paired_kv;

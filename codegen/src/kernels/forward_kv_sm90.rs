@@ -63,7 +63,7 @@
 //! subnormals (`forward_kv_rows`). Against the Cauchy-Schwarz bound, which on unit-variance
 //! inputs lies about 9 above each row's maximum, that is nearly every row.
 //!
-//! # The paired pool (session 27; opt-in: correct on the GPU, and slower)
+//! # The paired pool (session 27; opt-in: correct on the GPU, speed not yet measured)
 //! `msa_forward_kv_f16p_sm90` ([`DESC_F16_PAIRED`]) is the f16 pass adding each warp's
 //! staged rows into the paired pool of [`l2_sides`] (`o_pair`, `o_homes`) instead of through
 //! `tmap_o`: one `cp.reduce.async.bulk` f16 add of the staging's 4 KiB image into the copy of
@@ -73,7 +73,7 @@
 //! scalars. Its combine, `fwd_kv_combine_f16p`, adds the two copies. The other passes take
 //! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
-//! With a non-null `kv_pair` (session 28; correct on the GPU, and slower), the paired pass's
+//! With a non-null `kv_pair` (session 28; correct on the GPU, speed not yet measured), the paired pass's
 //! producer also finds its side at the start and loads each segment's K and V from the
 //! paired tiles of [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies
 //! of 4 KiB, each chunk of the SW128 image from the copy homed on its side, on the stage's
@@ -199,9 +199,9 @@
 //!   H200; the slices' sectors at 52 %). Half of each task's reductions cross it, and the
 //!   long documents add read misses that cross it. Hence the paired pool (above; opt-in).
 //! - Session 29 (`bench/results/h100-2026-12-08-s29-paired.md`, an H100): the paired pool
-//!   and paired K/V are 14-24 % slower at every length, half of their reductions still
-//!   crossing the fabric; the simulator's L2 model finds the kernels choosing their side's
-//!   copy every time, so the premise (an atomic's latency tells a reduction's path) fails.
+//!   and paired K/V were 14-24 % slower at every length, half of their reductions still
+//!   crossing the fabric. Session 30: their side probes timed nothing (ptxas read the clock
+//!   before the atomic returned; [`l2_sides::latency`]), so that run measured random copies.
 
 use super::common::{self, k_major, mn_major};
 use super::l2_sides;

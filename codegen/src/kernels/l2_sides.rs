@@ -8,14 +8,16 @@
 //! (`bench/results/h100-2026-12-07-s27-forward-fabric.md`: `lts__ltcfabric2ltc_cycles_active`
 //! at 97 %).
 //!
-//! # Measured: no gain (session 29)
+//! # Measured once, with broken probes (session 29); not yet measured since
 //! On an H100 (`bench/results/h100-2026-12-08-s29-paired.md`) the paired pool and paired
-//! K/V pass the GPU tests and sanitizers but are slower at every length, and half of the
-//! pass's reduction sectors still come from the fabric. The simulator's model of the premise
-//! below (`msa_sim::L2Sides`) finds every reduction and K/V copy going to the warp's side, so
-//! the premise is what fails: the latency of a returning atomic does not tell where a
-//! reduction or a read miss crosses. Both stay opt-in; `bench/probe/l2_fabric.cu` tests the
-//! premise directly.
+//! K/V passed the GPU tests and sanitizers but were 14-24 % slower at every length, with half
+//! of the pass's reduction sectors still coming from the fabric. Session 30 found why in the
+//! SASS: ptxas issued each probe's second clock read before its atomic returned (in
+//! `fwd_kv_homes`' phase 1 and in the pass's consumer warps), so those labels were noise and
+//! each warp's choice of copy a coin toss. [`latency`] now keeps the order, and a test reads
+//! it in the SASS. Whether the premise holds (an atomic's latency tells where a reduction or
+//! a read miss crosses) is untested on a GPU; both stay opt-in until it is measured
+//! (`bench/results/s30/call1/call.sh`).
 //!
 //! # Layout
 //! Homes alternate between the partitions at 4 KiB, and chunks `2r` and `2r + 1` of a 4 KiB
