@@ -13,27 +13,23 @@ use msa_runtime::reference::{postprocess, preprocess_delta};
 use msa_runtime::schedule::Schedule;
 use msa_runtime::tasks::{DeviceSchedule, TaskBuildSizes, TaskWorkspace, BIN_CHUNK};
 use msa_runtime::{build_schedule, causal_support, Span};
-use msa_sim::backward::cu_of;
+use msa_sim::backward::{cu_of, Rng};
 use msa_sim::device::{Arch, SimDevice};
 use msa_sim::Element;
 
 const ARCHES: [Arch; 2] = [Arch::Sm90, Arch::Sm100];
 
-/// splitmix64: a tiny deterministic PRNG.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
+/// The draws these tests take from the simulator's seeded stream ([`Rng`]).
+trait Draws {
     /// A bf16 of random sign, significand and exponent in `2^[-6, 2)`.
+    fn bf16(&mut self) -> bf16;
+    /// Uniform in `[lo, hi)`, from 24 random bits.
+    fn f32_in(&mut self, lo: f32, hi: f32) -> f32;
+}
+
+impl Draws for Rng {
     fn bf16(&mut self) -> bf16 {
-        let r = self.next();
+        let r = self.next_u64();
         let sign = (r & 1) as u16;
         let exp = 127 - 6 + ((r >> 1) % 8) as u16;
         let man = ((r >> 8) & 0x7f) as u16;
@@ -41,7 +37,7 @@ impl Rng {
     }
 
     fn f32_in(&mut self, lo: f32, hi: f32) -> f32 {
-        lo + (hi - lo) * ((self.next() >> 40) as f32 / (1u64 << 24) as f32)
+        lo + (hi - lo) * ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
     }
 }
 
@@ -147,7 +143,7 @@ fn tricky_f32(rng: &mut Rng, i: usize) -> f32 {
         6 => -0.0,
         7 => f32::NEG_INFINITY,
         8 => f32::from_bits(0x7f7f_8000), // tie at the top: to inf
-        _ => rng.f32_in(-3.0, 3.0) * 2f32.powi((rng.next() % 40) as i32 - 20),
+        _ => rng.f32_in(-3.0, 3.0) * 2f32.powi((rng.next_u64() % 40) as i32 - 20),
     }
 }
 
@@ -408,7 +404,7 @@ fn task_build_matches_the_oracle_when_rows_are_shuffled() {
     }
     let mut rng = Rng(3);
     for i in (1..groups.len()).rev() {
-        groups.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        groups.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
     let order: Vec<usize> = groups.concat();
     let shuffled = reorder_items(&s, &order);
