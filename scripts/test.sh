@@ -1,32 +1,29 @@
 #!/usr/bin/env bash
-# The project's one test command (README, `.ci/run`): installs ptxas when it is missing,
+# The project's one test command (README, `.ci/run`): installs ptxas and nvdisasm when missing,
 # then checks formatting, lints and rustdoc (warnings are errors), runs every test (doc tests
 # and the bounded proptest suite included), then builds the Python wheel and runs its CPU
 # tests (scripts/test-python.sh). GPU tests skip without a GPU unless REQUIRE_GPU=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# ptxas from NVIDIA's PyPI wheel, pinned, into a git-ignored project folder.
+# ptxas, and nvdisasm for the test that reads the SASS of the clock-timed kernels, from
+# NVIDIA's PyPI wheels (one pinned release) into git-ignored project folders, unless the
+# variable names one: install_tool VAR WHEEL DIR BINARY.
 NVCC_WHEEL_VERSION=13.5.37
-if [ -z "${PTXAS:-}" ]; then
-  PTXAS="$PWD/.tools/nvcc/nvidia/cu13/bin/ptxas"
-  if [ ! -x "$PTXAS" ]; then
-    echo "installing ptxas (nvidia-cuda-nvcc==$NVCC_WHEEL_VERSION) into .tools/nvcc"
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps \
-      --target .tools/nvcc "nvidia-cuda-nvcc==$NVCC_WHEEL_VERSION"
+install_tool() {
+  local var=$1 wheel=$2 dir=$3 bin=$4
+  if [ -z "${!var:-}" ]; then
+    printf -v "$var" '%s' "$PWD/$dir/nvidia/cu13/bin/$bin"
+    if [ ! -x "${!var}" ]; then
+      echo "installing $bin ($wheel==$NVCC_WHEEL_VERSION) into $dir"
+      python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+        --target "$dir" "$wheel==$NVCC_WHEEL_VERSION"
+    fi
   fi
-fi
-export PTXAS
-# nvdisasm (the same release), for the test that reads the SASS of the clock-timed kernels.
-if [ -z "${NVDISASM:-}" ]; then
-  NVDISASM="$PWD/.tools/nvdisasm/nvidia/cu13/bin/nvdisasm"
-  if [ ! -x "$NVDISASM" ]; then
-    echo "installing nvdisasm (nvidia-cuda-nvdisasm==$NVCC_WHEEL_VERSION) into .tools/nvdisasm"
-    python3 -m pip install --quiet --disable-pip-version-check --no-deps \
-      --target .tools/nvdisasm "nvidia-cuda-nvdisasm==$NVCC_WHEEL_VERSION"
-  fi
-fi
-export NVDISASM
+  export "${var?}"
+}
+install_tool PTXAS nvidia-cuda-nvcc .tools/nvcc ptxas
+install_tool NVDISASM nvidia-cuda-nvdisasm .tools/nvdisasm nvdisasm
 
 # Disk: session 25's CI run failed with "No space left on device". A full run's target/ took
 # 4.8 GB on the 2-core machine, and 0.95 GB without incremental state and debug info (a panic

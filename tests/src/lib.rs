@@ -23,14 +23,7 @@ fn ci() -> bool {
 /// The ptxas binary: `$PTXAS`, else the project-local install the test command makes, else
 /// `ptxas` on the PATH. `None` means skip, except under `CI=true`, where a missing ptxas fails.
 pub fn ptxas() -> Option<PathBuf> {
-    locate(
-        "ptxas",
-        std::env::var_os("PTXAS")
-            .map(PathBuf::from)
-            .into_iter()
-            .chain([workspace_root().join(".tools/nvcc/nvidia/cu13/bin/ptxas")])
-            .chain([PathBuf::from("ptxas")]),
-    )
+    tool("PTXAS", ".tools/nvcc", "ptxas")
 }
 
 /// The first of `candidates` that answers `--version`; `None` means skip (`what` names the
@@ -56,13 +49,22 @@ fn locate(what: &str, candidates: impl IntoIterator<Item = PathBuf>) -> Option<P
 /// The nvdisasm binary: `$NVDISASM`, else the project-local install the test command makes,
 /// else `nvdisasm` on the PATH. `None` means skip, except under `CI=true`.
 pub fn nvdisasm() -> Option<PathBuf> {
+    tool("NVDISASM", ".tools/nvdisasm", "nvdisasm")
+}
+
+/// A CUDA tool the test command installs: `$var`, else `dir/nvidia/cu13/bin/name` under the
+/// workspace, else `name` on the PATH (see [`locate`]).
+fn tool(var: &str, dir: &str, name: &str) -> Option<PathBuf> {
     locate(
-        "nvdisasm",
-        std::env::var_os("NVDISASM")
+        name,
+        std::env::var_os(var)
             .map(PathBuf::from)
             .into_iter()
-            .chain([workspace_root().join(".tools/nvdisasm/nvidia/cu13/bin/nvdisasm")])
-            .chain([PathBuf::from("nvdisasm")]),
+            .chain([workspace_root()
+                .join(dir)
+                .join("nvidia/cu13/bin")
+                .join(name)])
+            .chain([PathBuf::from(name)]),
     )
 }
 
