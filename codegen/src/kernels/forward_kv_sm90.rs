@@ -102,106 +102,26 @@
 //! ahead, without branches, so that no load waits on another of its iteration. Before, each
 //! task's TMA issue waited for two dependent global loads, which bounded the max pass.
 //!
-//! # Measured (H200, `bench/results/h200-2026-12-03-s14-forward-kv.md` and `-s15-forward.md`)
-//! The whole forward (`MsaForwardKv::run_on`) at packed64k / doc32k / doc8k, with fla-core
-//! 0.6.0 `parallel_nsa_fwd` at 36.6 / 20.7 / 4.74 ms and `msa_forward_sm90` at 15.4 / 14.5 /
-//! 1.79 ms in the same runs:
-//! - `red.global.add.v4.f32` from registers (session 13): 24.2 / 14.3 / 3.24 ms. Without the
-//!   O reduction the pass alone took 5.1 ms at packed64k (tensor pipe 38 %).
-//! - TMA f32 reduce-add with the backward's 8192-query task windows: 20.3 / 12.1 / 2.71 ms.
-//!   ncu: 70 GB through L2, DRAM at 47 %: a window's o rows (256 MB in f32) miss L2 between
-//!   the tasks that add into them. With the runtime's 512-query windows
-//!   (`FORWARD_KV_LOCALITY`) and the bound per (token, KV head): 15.1 / 9.1 / 1.99 ms.
-//! - A bf16 pool took 10.3 / 6.4 / 1.41 ms with the 8192-query windows, but its sums round
-//!   to bf16 at every add: `out` came out one bf16 step off (0.031 max-abs at |out| ≈ 4,
-//!   against 0.025).
-//! - The f16 pool with the max pass's references (session 15, the default): 14.2 / 8.1 /
-//!   1.83 ms, 255 / 256 / 256 useful TFLOP/s (doc16k 258, doc64k 254), no row recomputed.
-//!   At packed64k the sum pass takes 7.8 ms and the max pass 4.2. With one stage of row
-//!   scalars and two of Q the max pass took 4.7 ms and was latency-bound (ncu: compute 42 %,
-//!   L2 33 %): its consumers wait for each task's scalars and Q, and the tensor pipe idles
-//!   during the mask and maximum. [`MAX_PASS_STAGES`] of each took it to 4.2 ms.
-//! - Session 16 (`-s16-forward.md`): the mask only on the diagonal, the fused scale, the sum
-//!   pass without maxima, the loads ahead, `o_pool` zeroed in the max pass and a faster
-//!   combine: 12.3 / 6.9 / 1.53 ms (294 / 298 / 307 useful TFLOP/s; doc16k 305, doc64k 280),
-//!   2.998× / 3.00× / 3.13× fla in the same run (doc16k 3.09×, doc64k 2.85×); a second run
-//!   gave 2.92× / 2.92× / 3.12× (doc16k 2.95×, doc64k 2.85×). Max pass 3.4 ms
-//!   (tensor pipe 60 %), sum pass 7.2 (56 %, L2 68 %). Issuing the next task's S GEMM before
-//!   this task's maxima (two accumulators) made the max pass 5-10 % slower and was dropped.
-//! - Session 17 (`-s17-forward.md`), each against this build in the same run, all dropped:
-//!   the consumers issuing their GEMMs in turn (FlashAttention-3's ping-pong, named
-//!   barriers): sum pass 2-8 % slower; with three Q stages, slower still; the row sums'
-//!   `red.add` after the staging's fence: 2-4 % slower; every 4th or 2nd exponential by a
-//!   polynomial on the FMA pipe (FlashAttention-4's split): 9-12 % slower. ncu: no unit
-//!   saturated (shared memory 44-50 %, SM 53-57 %), each consumer bound by its own chain of
-//!   about 490 (sum) or 200 (max) instructions per warp and task; and the GPU runs at
-//!   1.35-1.95 GHz under its 700 W cap during both passes.
-//! - Session 18 (`-s18-forward.md`): the runtime's default reference became
-//!   `fwd_kv_probe`'s lower bound (`forward_kv_rows`), so the max pass no longer runs by
-//!   default: 8.9 / 5.1 / 1.16 ms (405 / 407 / 405 useful TFLOP/s; doc16k 406, doc64k 385),
-//!   4.10× / 4.08× / 4.11× fla in the same run (doc16k 4.08×, doc64k 3.89×), no row
-//!   recomputed.
-//! - Session 19 (`-s19-forward.md`), on a machine whose sum pass ran 8 % slower than session
-//!   18's on the same code: two K/V stages took the sum pass 1-4 % lower, the S GEMM a task
-//!   ahead 5-7 % more; the whole forward 8.17 / 4.55 / 1.08 ms (443 / 454 / 434 useful
-//!   TFLOP/s; doc16k 449, doc64k 426), 4.48× / 4.59× / 4.39× fla in the same run. Staggering
-//!   the two consumers once at the start changed nothing. ncu before the S-ahead: 3 540
-//!   cycles per task and SM for 2 048 of tensor work.
-//! - Session 20 (`-s20-forward.md`): stall sampling puts 80 % of the samples in the consumers,
-//!   spread over their 538 instructions per warp and task (the TMA and wgmma waits under
-//!   1 %). Taking the consumer index through `redux.sync.min` keeps the S GEMM's Q
-//!   descriptors on the uniform datapath (25 instructions fewer per task): the pass about 1 %
-//!   faster. Dropped, no faster: `P·V` issued k16 step by step (ptxas hoists the
-//!   exponentials anyway), the row sums' `red.add` after the proxy fence, and one bulk f32
-//!   reduce-add of each warp's row sums in their place. A timing-only build without the row
-//!   sums (their 66 FADDs dead) ran 8 % faster at packed64k: what they cost is instructions.
-//! - Session 21 (`bench/results/h100-2026-12-07-s21-forward.md`, an H100: no H200 came):
-//!   ptxas does not reassociate float adds, so each row's 31 sums were one dependent chain
-//!   in SASS; they are a balanced tree now (`tree_sum`). With the pool addresses outside
-//!   the head-lane predicate (ptxas merged every value written under it with its old one by
-//!   a `SEL`, 27 in the kernel), the staging's `stmatrix` addresses once per CTA and the slot
-//!   through `redux.sync.min`: 1320 → 1288 SASS instructions, the pass about 2 % faster at
-//!   packed64k and doc8k, 0.5 % slower at doc64k (within the call's spread). Two
-//!   consecutive walks per CTA (half the CTAs) made it 68 % slower: the concurrent tasks
-//!   then span twice the rows, and their `o_pool` rows leave L2 between adds. Dropped.
-//! - Session 22 (`bench/results/h200-2026-12-07-s22-forward.md`): the other way, each walk
-//!   split between `2^walk_split_log2` CTAs (`common::cta_walk_part`; the runtime launches
-//!   the grid that many times over, two by default). Halves took the pass −3.7 / −17 /
-//!   −6.6 % at packed64k / doc64k / doc8k on an H100, −1.5 / +0.7 / −0.4 % on the H200;
-//!   quarters and eighths were slower on both (each CTA's fixed start over fewer rows).
-//! - Session 23 (`bench/results/h100-2026-12-07-s23-forward-long.md`, an H100): not flat past
-//!   64K tokens: 15.2 / 28.5 / 38.9 ns of sum pass per task at doc64k / doc256k / doc1m. The
-//!   default windows (`max(512, 4·B)` queries) hold 16 / 64 / 256 MB of Q and `o_pool` rows
-//!   against a 50 MB L2; a model of the traffic (`forward_l2_model`) puts the misses at 14 /
-//!   56 / 89 KB per task, and no window under 79 KB at 1M.
-//! - Session 24 (`bench/results/h100-2026-12-07-s24-forward-long.md`, an H100): the passes take
-//!   their L2 eviction hints at run time (`l2_hints`, a bit per [`L2Stream`]; each policy a
-//!   `selp` between the hinted one and `evict_normal`), and the runtime's windows may be capped
-//!   under one query per key block (`Locality::max_window_log2`). K/V `evict_first` under
-//!   windows of 2^11 queries took the sum pass from 60.1 to 41.1 ms at doc256k and from 327 to
-//!   271 ms at doc1m; the hint alone, under the same windows, 9.5 % at both. Still not flat:
-//!   the model puts the best window at about 55-60 KB per task at 1M, where each K/V block
-//!   serves one or two tasks per window.
-//! - Session 25 (`bench/results/h100-2026-12-07-s25-forward-long.md`, an H100): ncu puts the
-//!   sum pass at 97 % of L2 throughput at both doc64k and doc256k (6.77 TB/s; DRAM at 32 % and
-//!   54 %), and its time per task in step with its L2 bytes per task (15.6 → 19.3 ns against
-//!   103.5 → 129.8 KB). A task's Q and `o_pool` reduce-add are most of those bytes at any
-//!   length; what grows is the K/V per task (a segment's 64 KB crosses L2, hit or miss, for
-//!   fewer tasks as the document grows) and the fills of misses. Counting those per task
-//!   (81 KB fixed, plus K/V loads, plus fills, at 6.77 TB/s) predicts doc1m's 31 ns per task.
-//! - Session 26 (`bench/results/model-2026-12-07-s26-forward-long-bound.md`, a bound, no GPU):
-//!   with each window's rows resident and every K/V load missing, 4096-query windows would
-//!   need 107 kB per task at doc256k (doc64k measures 103.5) and 151 kB at doc1m, so flat is
-//!   within reach to 256K tokens only if the rows stayed in L2, and not at 1M in this design.
-//! - Session 27 (`bench/results/h100-2026-12-07-s27-forward-fabric.md`): that bound counted
-//!   the wrong bytes. ncu's breakdown of L2 throughput puts the pass on the fabric between
-//!   the two L2 partitions (`lts__ltcfabric2ltc_cycles_active` 97 % on an H100, 85-95 % on an
-//!   H200; the slices' sectors at 52 %). Half of each task's reductions cross it, and the
-//!   long documents add read misses that cross it. Hence the paired pool (above; opt-in).
-//! - Session 29 (`bench/results/h100-2026-12-08-s29-paired.md`, an H100): the paired pool
-//!   and paired K/V were 14-24 % slower at every length, half of their reductions still
-//!   crossing the fabric. Session 30: their side probes timed nothing (ptxas read the clock
-//!   before the atomic returned; [`l2_sides::latency`]), so that run measured random copies.
+//! # Measured
+//! The figures, session by session, are in `bench/README.md` ("The forward") and
+//! `bench/results/`; what they settled for this kernel:
+//! - The O reduction decides the pass: without it the pass took 5.1 ms at packed64k against
+//!   20.3 with TMA f32 reduce-adds (H200, session 14). Hence TMA reduce-adds (registers'
+//!   `red.global.add.v4.f32` took 24.2), the f16 pool (a bf16 pool missed `out`'s 0.025 by
+//!   one bf16 step) and task windows whose `o_pool` rows stay in L2 between adds.
+//! - The probe's reference (session 18) retired the max pass from the default: 4.1× fla.
+//! - Kept: the mask on the diagonal block only, the loads ahead (session 16), two K/V stages
+//!   and the S GEMM a task ahead (19), the consumer index through `redux.sync.min` (20), the
+//!   row sums as a balanced tree and the pool addresses outside the lane predicate (21), each
+//!   walk split between two CTAs (22), windows capped at 2048 queries and K/V `evict_first`
+//!   past 64K tokens on average (24).
+//! - Dropped, each slower in the same call: consumers taking turns (ping-pong), three Q
+//!   stages, the row sums' `red.add` after the fence, exponentials on the FMA pipe, `P·V`
+//!   issued k16 by k16, two walks per CTA (68 %: the rows leave L2), four or eight CTAs per walk.
+//! - The bound (sessions 25-27): the L2 fabric between the two partitions (97 % active on an
+//!   H100), which half of each task's reductions cross; long documents add read misses that
+//!   cross it. Hence the paired pool (above), whose only timing (session 29) ran with side
+//!   probes that timed nothing ([`l2_sides::latency`]).
 
 use super::common::{self, k_major, mn_major};
 use super::l2_sides;
