@@ -160,6 +160,54 @@ pub fn check_clock_order(sass: &str) -> Result<usize, String> {
     Ok(atoms)
 }
 
+/// `fwd_kv_homes`' labels of a paired pool of `pairs` pairs (anchors included) in fresh
+/// memory of `backend`, twice: phase 0, then phase 1 on `grids[i]` CTAs, each time into its
+/// own label array (the runtime's pool labels once, on `min(pairs / 4, 4 · SMs)` CTAs).
+pub fn homes_twice<B: msa_runtime::Backend>(
+    backend: &mut B,
+    pairs: usize,
+    grids: [u32; 2],
+) -> Result<[Vec<u32>; 2], msa_runtime::RuntimeError> {
+    use msa_runtime::forward_kv::PAIR_CHUNK_BYTES;
+    use msa_runtime::kernels::fwd_kv_homes;
+    use msa_runtime::PtrMut;
+    let chunks = pairs * 2 * PAIR_CHUNK_BYTES;
+    let buf = backend.alloc(
+        "pairs and two labellings",
+        chunks + PAIR_CHUNK_BYTES + 8 * pairs,
+    )?;
+    let raw = backend.address(&buf);
+    let base = raw.div_ceil(PAIR_CHUNK_BYTES as u64) * PAIR_CHUNK_BYTES as u64;
+    backend.zero("pairs", base, chunks)?;
+    backend.load(&fwd_kv_homes::KERNEL)?;
+    let n = u32::try_from(pairs).expect("pairs fit u32");
+    let mut out = [Vec::new(), Vec::new()];
+    for (i, grid) in grids.into_iter().enumerate() {
+        let at = base + (chunks + 4 * i * pairs) as u64;
+        for (phase, grid) in [(0u32, 1u32), (1, grid)] {
+            let args = fwd_kv_homes::args(PtrMut::new(base), PtrMut::new(at), n, phase);
+            // SAFETY: `base` spans `pairs` pairs of 4 KiB chunks and `at` `pairs` words, all
+            // inside `buf`; the atomics add 0.
+            unsafe { backend.launch(&fwd_kv_homes::KERNEL, (grid, 1, 1), &args) }?;
+        }
+        let bytes = backend.download("labels", at, 4 * pairs)?;
+        out[i] = bytes
+            .chunks_exact(4)
+            .map(|w| u32::from_le_bytes(w.try_into().expect("4 bytes")))
+            .collect();
+        assert!(out[i].iter().all(|&w| w <= 1), "labels are 0 or 1");
+    }
+    Ok(out)
+}
+
+/// The fraction of pairs two labellings agree on, and the first's fraction labelled 0.
+pub fn label_agreement(a: &[u32], b: &[u32]) -> (f64, f64) {
+    let n = a.len() as f64;
+    let agree = a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / n;
+    let zeros = a.iter().filter(|&&w| w == 0).count() as f64 / n;
+    (agree, zeros)
+}
+
 /// What `ptxas -v` reports for one kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PtxasReport {

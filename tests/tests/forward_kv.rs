@@ -7,8 +7,10 @@
 //! references (`Reference::ExactMax`), where no row may be recomputed, and with the probe's
 //! (`Reference::Probe`, the default; as for the bound, only the f16 pool may recompute); and
 //! the defaults with each walk whole and split between 4, 8 and 16 CTAs, and with the L2
-//! hints on under windows of 8 queries and of `max(512, B)` queries (the seed's rule).
-//! Skips without a GPU; fails without one under `REQUIRE_GPU=1`.
+//! hints on under windows of 8 queries and of `max(512, B)` queries (the seed's rule). Also
+//! whether the paired pool's home labels are a property of the memory (two labellings agree),
+//! on the GPU and, with its controls, on the simulator. The GPU tests skip without a GPU and
+//! fail without one under `REQUIRE_GPU=1`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -22,7 +24,7 @@ use msa_runtime::{
     ScheduleBuildSizes, Span,
 };
 use msa_tests::cases::{compare_forward, docs, random_bf16, random_top16, to_f32, Problem};
-use msa_tests::{gpu_stream, Rng};
+use msa_tests::{gpu_stream, homes_twice, label_agreement, Rng};
 use std::sync::Arc;
 
 const Q_ROW: usize = 64 * 128;
@@ -203,4 +205,65 @@ fn forward_kv_random_top16_t8192() {
     let mut rng = Rng::new(8104);
     let q2k = random_top16(&cu, &mut rng);
     run_case("random top-16, T = 8192", cu, q2k, 8104);
+}
+
+/// On the GPU, `fwd_kv_homes`' labels belong to the memory, not to whoever measured them: two
+/// labellings of one buffer by grids of different sizes (so that each pair is timed by another
+/// warp, which found its side from another anchor) agree, and the pairs split between the
+/// sides. Session 29's probes timed no atomic (ptxas read the clock before it returned), so
+/// their labels were coin tosses: two such labellings agree on about half the pairs (as
+/// `paired_pool_labels_on_the_simulator` shows with the simulator's hashed clock).
+#[test]
+fn paired_pool_labels_do_not_depend_on_who_measured_them() {
+    let Some(stream) = gpu_stream() else { return };
+    let mut backend = CudaBackend::new(&stream).unwrap();
+    let sms = u32::try_from(msa_runtime::Backend::sm_count(&backend)).unwrap();
+    let pairs = msa_runtime::forward_kv::PAIR_ANCHORS + 32 * 1024;
+    let [a, b] = homes_twice(&mut backend, pairs, [4 * sms, 7]).unwrap();
+    let (agree, zeros) = label_agreement(&a, &b);
+    eprintln!(
+        "{pairs} pairs: the two labellings agree on {:.2} %, {:.2} % labelled 0",
+        100.0 * agree,
+        100.0 * zeros
+    );
+    assert!(
+        agree >= 0.9,
+        "labels depend on who measured them: {agree:.4} agree"
+    );
+    assert!(
+        (0.25..=0.75).contains(&zeros),
+        "{zeros:.4} of the pairs on side 0"
+    );
+}
+
+/// The statistic above on the simulator, which runs `fwd_kv_homes` without a GPU: under its
+/// L2 model (the pairing's premise) the two labellings agree on every pair and split them
+/// between the sides; with its default `%clock` (a hash: latencies that mean nothing, as
+/// session 29's were) they agree on about half.
+#[test]
+fn paired_pool_labels_on_the_simulator() {
+    use msa_sim::device::{Arch, SimDevice};
+    use msa_sim::{L2Sides, Limits};
+    let pairs = msa_runtime::forward_kv::PAIR_ANCHORS + 1024;
+    let model = Limits {
+        l2_sides: Some(L2Sides::default()),
+        ..Limits::default()
+    };
+    let mut dev = SimDevice::with_limits(Arch::Sm90, 4, model);
+    let [a, b] = homes_twice(&mut dev, pairs, [4, 3]).unwrap();
+    let (agree, zeros) = label_agreement(&a, &b);
+    eprintln!("the L2 model: {agree:.4} agree, {zeros:.4} labelled 0");
+    assert_eq!(agree, 1.0, "under the model");
+    assert!(
+        (0.25..=0.75).contains(&zeros),
+        "{zeros:.4} on side 0 under the model"
+    );
+    let mut dev = SimDevice::new(Arch::Sm90, 4);
+    let [a, b] = homes_twice(&mut dev, pairs, [4, 3]).unwrap();
+    let (agree, _) = label_agreement(&a, &b);
+    eprintln!("hashed clock: {agree:.4} agree");
+    assert!(
+        (0.4..=0.6).contains(&agree),
+        "hashed clock: {agree:.4} agree"
+    );
 }
