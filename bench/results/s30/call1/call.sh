@@ -6,7 +6,8 @@
 # (the wheel: `python3 -m pip download --no-deps -d .whl fla-core==0.6.0`), then `run` with
 # carry [".gpu/s30"]:   BUDGET=<seconds, at most 570> bash bench/results/s30/call1/call.sh
 # In priority order, each step only while BUDGET leaves room:
-#  1. GPU test forward_kv (its paired pool and paired K/V cases against the CPU reference);
+#  1. GPU test forward_kv: its paired pool and paired K/V cases against the CPU reference, and
+#     paired_pool_labels_do_not_depend_on_who_measured_them (prints how far two labellings agree);
 #  2. the KV forward alone, one process per variant (paired pool + K/V, paired pool,
 #     unpaired), median of 5: doc64k, packed64k, doc8k, then doc256k;
 #  3. ncu on the sum pass at doc64k, paired pool against unpaired: reduction and read sectors
