@@ -73,11 +73,11 @@
 //! scalars. Its combine, `fwd_kv_combine_f16p`, adds the two copies. The other passes take
 //! `o_pair` and `o_homes` (null) and read neither: their code is what it was before.
 //!
-//! With a non-null `kv_pair` (session 28; correct on the GPU, speed not yet measured), the paired pass's
-//! producer also finds its side at the start and loads each segment's K and V from the
-//! paired tiles of [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk copies
-//! of 4 KiB, each chunk of the SW128 image from the copy homed on its side, on the stage's
-//! mbarrier (the same 64 KiB the tensor-map loads bring). With a null one it loads through
+//! With a non-null `kv_pair` (session 28; correct on the GPU, speed not yet measured), the
+//! paired pass's producer also finds its side at the start and loads each segment's K and V
+//! from the paired tiles of [`l2_sides::PAIR_KV`]: per tile the two 8-bit masks, then 16 bulk
+//! copies of 4 KiB, each chunk of the SW128 image from the copy homed on its side, on the
+//! stage's mbarrier (the same 64 KiB the tensor-map loads bring). With a null one it loads through
 //! `tmap_k` and `tmap_v`, as the other passes do.
 //!
 //! # The probe's reference (the runtime's default since session 18)
