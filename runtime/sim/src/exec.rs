@@ -93,8 +93,10 @@ pub struct Limits {
 /// model a thread's `%clock` advances only by its global atomics' latencies, so a latency
 /// probe reads them exactly; each CTA runs on an SM of its own, whose side is a hash of its
 /// index. [`L2Traffic`] counts the bulk copies' and bulk reductions' bytes by side. The model
-/// is of the probe's premise; the GPU has not confirmed that a reduction or a read miss takes
-/// the atomic's path (`bench/results/h100-2026-12-08-s29-paired.md`).
+/// is of the probe's premise, which no GPU run has tested yet (session 29's ran with broken
+/// probes). It advances `%clock` at the atomic, in PTX order, so it cannot see what ptxas does
+/// to that order: session 29's probes passed here while their SASS read the clock before the
+/// atomic returned. `tests/tests/codegen.rs` checks that order in the SASS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct L2Sides {
     /// Cycles of a returning atomic homed on the SM's side.
