@@ -90,13 +90,15 @@ pub struct Limits {
 /// The two L2 partitions as session 27's probe found them (`bench/probe/l2_sides.cu`): every
 /// SM sits next to one, every 4 KiB of address space is homed in one, and a returning atomic
 /// takes `near` cycles to an address homed on its SM's side and `far` otherwise. Under the
-/// model a thread's `%clock` advances only by its global atomics' latencies, so a latency
-/// probe reads them exactly; each CTA runs on an SM of its own, whose side is a hash of its
-/// index. [`L2Traffic`] counts the bulk copies' and bulk reductions' bytes by side. The model
-/// is of the probe's premise, which no GPU run has tested yet (session 29's ran with broken
-/// probes). It advances `%clock` at the atomic, in PTX order, so it cannot see what ptxas does
-/// to that order: session 29's probes passed here while their SASS read the clock before the
-/// atomic returned. `tests/tests/codegen.rs` checks that order in the SASS.
+/// model a returning atomic's value is ready its latency after issue, and a thread's `%clock`
+/// advances only when a memory operation, barrier or fence waits for a value not yet ready:
+/// ptxas keeps those in order with `%clock` reads, but may schedule arithmetic after one, so
+/// a latency probe reads an atomic's latency only when a memory operation consumes the
+/// value before the second read (session 29's probes did not, and their labels came out
+/// as random here as on the GPU). Each CTA runs on an SM of its own, whose side is a hash of
+/// its index. [`L2Traffic`] counts the bulk copies' and bulk reductions' bytes by side. The
+/// model is of the probe's premise, which no GPU run has tested yet; `tests/tests/codegen.rs`
+/// checks the probes' order in the SASS ptxas makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct L2Sides {
     /// Cycles of a returning atomic homed on the SM's side.
@@ -500,6 +502,12 @@ struct Cta<'a> {
     /// The L2 model, each thread's `%clock` under it and the CTA's bulk traffic by side.
     l2: Option<L2Sides>,
     clock: Vec<u64>,
+    /// Under the L2 model, per register and lane (as `regs`): the `%clock` time its value is
+    /// ready at (a returning atomic's issue time plus its latency, and from there through
+    /// every result computed from it).
+    ready_at: Vec<u64>,
+    /// Under the L2 model: when the executing instruction's results are ready, per lane.
+    result_ready: [u64; 32],
     l2_traffic: L2Traffic,
 }
 
@@ -633,6 +641,12 @@ impl<'a> Cta<'a> {
             } else {
                 Vec::new()
             },
+            ready_at: if limits.l2_sides.is_some() {
+                vec![0; nwarps * nregs * 32]
+            } else {
+                Vec::new()
+            },
+            result_ready: [0; 32],
             l2_traffic: L2Traffic::default(),
         }
     }
@@ -674,15 +688,71 @@ impl<'a> Cta<'a> {
         self.unfenced_total = 0;
         self.tmem.reset();
         self.clock.fill(0);
+        self.ready_at.fill(0);
         self.l2_traffic = L2Traffic::default();
     }
 
-    /// Under the L2 model: a global atomic of thread `t` at `addr` advances its `%clock` by
-    /// the latency of the partition it is homed in.
-    fn atomic_latency(&mut self, t: usize, addr: u64) {
-        if let Some(l2) = self.l2 {
+    /// Under the L2 model: the returning atomic of warp `w`'s lane `l` at `addr` makes its
+    /// value (register index `ri`) ready the latency of the partition `addr` is homed in
+    /// after the lane's present `%clock`.
+    fn atomic_latency(&mut self, w: usize, l: usize, addr: u64, ri: Option<usize>) {
+        if let (Some(l2), Some(ri)) = (self.l2, ri) {
             let near = l2.home(addr) == l2.side(self.ctaid);
-            self.clock[t] += u64::from(if near { l2.near } else { l2.far });
+            let t = w * 32 + l;
+            self.ready_at[ri + l] = self.clock[t] + u64::from(if near { l2.near } else { l2.far });
+        }
+    }
+
+    /// Under the L2 model, before instruction `pc` runs on warp `w`'s lanes `exec`: when its
+    /// results will be ready (when the last of its registers is), and, for an instruction that
+    /// ptxas keeps in order with `%clock` reads (memory operations, barriers and fences), the
+    /// lanes' `%clock` moved to that time, since in-order issue holds it until its operands
+    /// are ready. Arithmetic does not move the clock: ptxas may schedule it after a later
+    /// `%clock` read (as it did session 29's latency probes), so a probe times an atomic only
+    /// when a memory operation waits for its value before the second read.
+    fn order_clock(&mut self, pc: usize, w: usize, exec: u32, op: &Op) {
+        let ordered = !matches!(
+            op,
+            Op::Mov { .. }
+                | Op::Pack { .. }
+                | Op::Unpack { .. }
+                | Op::Cvta { .. }
+                | Op::Int { .. }
+                | Op::IntUn { .. }
+                | Op::MulWide { .. }
+                | Op::Mad { .. }
+                | Op::Float { .. }
+                | Op::Fma { .. }
+                | Op::FloatUn { .. }
+                | Op::Setp { .. }
+                | Op::Selp { .. }
+                | Op::Pred { .. }
+                | Op::PredNot { .. }
+                | Op::Cvt { .. }
+                | Op::CvtBf16x2 { .. }
+                | Op::Prmt { .. }
+                | Op::Shfl { .. }
+                | Op::Elect { .. }
+                | Op::Ballot { .. }
+                | Op::ReduxMin { .. }
+                | Op::MmaBf16 { .. }
+                | Op::WarpSync { .. }
+                | Op::Bra { .. }
+        );
+        let regs = &self.k.inst_regs[pc];
+        for l in lanes(exec) {
+            let ready = regs
+                .iter()
+                .map(|&r| self.ready_at[self.ri(w, r) + l])
+                .max()
+                .unwrap_or(0);
+            let t = w * 32 + l;
+            self.result_ready[l] = if ordered {
+                self.clock[t] = self.clock[t].max(ready);
+                self.clock[t]
+            } else {
+                ready
+            };
         }
     }
 
@@ -926,6 +996,11 @@ impl<'a> Cta<'a> {
             (1u64 << bits) - 1
         };
         let i = self.ri(w, d);
+        if !self.ready_at.is_empty() {
+            for l in lanes(exec) {
+                self.ready_at[i + l] = self.result_ready[l];
+            }
+        }
         let dst = &mut self.regs[i..i + 32];
         if exec == u32::MAX {
             for (d, v) in dst.iter_mut().zip(vals) {
@@ -1196,6 +1271,9 @@ impl<'a> Cta<'a> {
         };
         self.steps += 1;
         self.thread_steps += exec.count_ones() as u64;
+        if self.l2.is_some() && exec != 0 {
+            self.order_clock(pcu, w, exec, &inst.op);
+        }
         if k.uses_wgmma && exec != 0 && !matches!(inst.op, Op::Wgmma(_) | Op::WgmmaSync(_)) {
             self.track_registers(pcu, w, exec)?;
         }

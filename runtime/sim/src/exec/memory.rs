@@ -124,13 +124,13 @@ impl Cta<'_> {
                         if let Some(Dst::Reg(r)) = d.as_ref().and_then(|d| d.get(i)) {
                             let ri = self.ri(w, *r);
                             self.regs[ri + l] = old;
+                            if let Place::Global(g) = place {
+                                self.atomic_latency(w, l, g, Some(ri));
+                            }
                         }
                     }
                     if let Place::Shared(off) = place {
                         self.generic_shared_store(pcu, w, l, off, esize * n)?;
-                    }
-                    if let Place::Global(g) = place {
-                        self.atomic_latency(w * 32 + l, g);
                     }
                     self.write_bytes(place, &buf[..esize * n]);
                 }
