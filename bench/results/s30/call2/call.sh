@@ -3,7 +3,7 @@
 #   BUDGET=<seconds, at most 570> bash bench/results/s30/call2/call.sh
 #  1. scripts/sanitize.sh over sanitize_cases (fwd_kv_homes and the paired pass changed);
 #  2. GPU test forward (MsaAttention, forward then backward);
-#  3. doc1m: paired variants against unpaired (3 reps);
+#  3. doc1m: paired pool + K/V, paired pool and unpaired, one process each (3 reps);
 #  4. every length of the unpaired default with fla-core 0.6.0 and FlexAttention in the same
 #     call (scripts/forward-kv-h200.sh's baselines step), if time is left.
 set -uo pipefail
@@ -11,6 +11,20 @@ R=$OUT
 O=/tmp/s30c2; mkdir -p $O
 F=.gpu/s30
 . bench/results/s28/lib.sh
+# lib.sh's `ab` without its "prev" variant (the bundle's bench_forward_prev is call 1's control).
+ab() {
+  for v in pairedkv paired unpaired; do
+    case $v in
+      pairedkv) E=kv;;
+      paired) E=1;;
+      unpaired) E=0;;
+    esac
+    echo "== $v $1" >> $O/ab.txt
+    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $F/bench_forward /tmp/msa_in $1 3 >> $O/ab.txt 2>&1
+    echo "rc $?" >> $O/ab.txt
+  done
+  s ab $1
+}
 s start
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $O/gpu.txt
 if left 200; then
