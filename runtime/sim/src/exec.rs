@@ -711,34 +711,12 @@ impl<'a> Cta<'a> {
     /// `%clock` read (as it did session 29's latency probes), so a probe times an atomic only
     /// when a memory operation waits for its value before the second read.
     fn order_clock(&mut self, pc: usize, w: usize, exec: u32, op: &Op) {
-        let ordered = !matches!(
-            op,
-            Op::Mov { .. }
-                | Op::Pack { .. }
-                | Op::Unpack { .. }
-                | Op::Cvta { .. }
-                | Op::Int { .. }
-                | Op::IntUn { .. }
-                | Op::MulWide { .. }
-                | Op::Mad { .. }
-                | Op::Float { .. }
-                | Op::Fma { .. }
-                | Op::FloatUn { .. }
-                | Op::Setp { .. }
-                | Op::Selp { .. }
-                | Op::Pred { .. }
-                | Op::PredNot { .. }
-                | Op::Cvt { .. }
-                | Op::CvtBf16x2 { .. }
-                | Op::Prmt { .. }
-                | Op::Shfl { .. }
-                | Op::Elect { .. }
-                | Op::Ballot { .. }
-                | Op::ReduxMin { .. }
-                | Op::MmaBf16 { .. }
-                | Op::WarpSync { .. }
-                | Op::Bra { .. }
-        );
+        // Stmatrix (a shared-memory store) is a warp op that ptxas keeps in order too.
+        let ordered = match family(op) {
+            Family::Alu | Family::Control => false,
+            Family::Warp => matches!(op, Op::Stmatrix { .. }),
+            _ => true,
+        };
         let regs = &self.k.inst_regs[pc];
         for l in lanes(exec) {
             let ready = regs
@@ -1284,62 +1262,100 @@ impl<'a> Cta<'a> {
             self.check_st_pending(pcu, w, exec)?;
             self.check_fence_before(pcu, w, exec)?;
         }
-        // Only routing: each family's arms live in its own file, and the match stays exhaustive
-        // so that a new opcode has to pick a family.
+        // Only routing: each family's arms live in its own file.
         let op = &inst.op;
-        let flow = match op {
-            Op::Mov { .. }
-            | Op::Pack { .. }
-            | Op::Unpack { .. }
-            | Op::Cvta { .. }
-            | Op::Int { .. }
-            | Op::IntUn { .. }
-            | Op::MulWide { .. }
-            | Op::Mad { .. }
-            | Op::Float { .. }
-            | Op::Fma { .. }
-            | Op::FloatUn { .. }
-            | Op::Setp { .. }
-            | Op::Selp { .. }
-            | Op::Pred { .. }
-            | Op::PredNot { .. }
-            | Op::Cvt { .. }
-            | Op::CvtBf16x2 { .. }
-            | Op::Prmt { .. } => self.step_alu(pcu, w, exec, op)?,
-            Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => {
-                self.step_memory(pcu, w, exec, op)?
-            }
-            Op::Shfl { .. }
-            | Op::Elect { .. }
-            | Op::Ballot { .. }
-            | Op::ReduxMin { .. }
-            | Op::Stmatrix { .. }
-            | Op::MmaBf16 { .. }
-            | Op::WarpSync { .. } => self.step_warp(pcu, w, group, exec, op)?,
-            Op::Bar { .. } | Op::Fence(_) => self.step_sync(pcu, w, group, exec, op)?,
-            Op::MbarrierInit { .. }
-            | Op::MbarrierArrive { .. }
-            | Op::MbarrierExpectTx { .. }
-            | Op::MbarrierTryWait { .. }
-            | Op::CpAsyncBulkTensor(_)
-            | Op::CpAsyncBulk(_) => self.step_mbarrier(pcu, w, group, exec, op)?,
-            Op::TmaReduceAdd(_) | Op::BulkReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
-                self.step_bulk(pcu, w, exec, op)?
-            }
-            Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => {
+        let flow = match family(op) {
+            Family::Alu => self.step_alu(pcu, w, exec, op)?,
+            Family::Memory => self.step_memory(pcu, w, exec, op)?,
+            Family::Warp => self.step_warp(pcu, w, group, exec, op)?,
+            Family::Sync => self.step_sync(pcu, w, group, exec, op)?,
+            Family::Mbarrier => self.step_mbarrier(pcu, w, group, exec, op)?,
+            Family::Bulk => self.step_bulk(pcu, w, exec, op)?,
+            Family::Collective => {
                 self.collective(pcu, w, group, exec)?;
                 Flow::Moved
             }
-            Op::Tcgen05(t) => {
+            Family::Tcgen05 => {
+                let Op::Tcgen05(t) = op else {
+                    unreachable!("the tcgen05 family")
+                };
                 self.tcgen05(pcu, w, exec, t)?;
                 Flow::Advance
             }
-            Op::Bra { .. } | Op::Exit | Op::Trap => self.step_control(pcu, w, group, exec, op)?,
+            Family::Control => self.step_control(pcu, w, group, exec, op)?,
         };
         if let Flow::Advance = flow {
             self.advance(w, group);
         }
         Ok(())
+    }
+}
+
+/// The family of files that executes an instruction ([`family`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    /// Lane-wise register operations (`exec/alu.rs`).
+    Alu,
+    /// Loads, stores and atomics (`exec/memory.rs`).
+    Memory,
+    /// Warp-wide operations (`exec/warp.rs`).
+    Warp,
+    /// Barriers and fences (`exec/sync.rs`).
+    Sync,
+    /// mbarriers and the async copies that complete on them (`exec/mbarrier.rs`).
+    Mbarrier,
+    /// Bulk reductions and their groups (`exec/mbarrier.rs`).
+    Bulk,
+    /// Warpgroup collectives (`exec/wgmma.rs`).
+    Collective,
+    /// `tcgen05` (`exec/tcgen05.rs`).
+    Tcgen05,
+    /// Branches and exits (`exec/control.rs`).
+    Control,
+}
+
+/// The family of `op`. The match is exhaustive, so that a new opcode has to pick one.
+fn family(op: &Op) -> Family {
+    match op {
+        Op::Mov { .. }
+        | Op::Pack { .. }
+        | Op::Unpack { .. }
+        | Op::Cvta { .. }
+        | Op::Int { .. }
+        | Op::IntUn { .. }
+        | Op::MulWide { .. }
+        | Op::Mad { .. }
+        | Op::Float { .. }
+        | Op::Fma { .. }
+        | Op::FloatUn { .. }
+        | Op::Setp { .. }
+        | Op::Selp { .. }
+        | Op::Pred { .. }
+        | Op::PredNot { .. }
+        | Op::Cvt { .. }
+        | Op::CvtBf16x2 { .. }
+        | Op::Prmt { .. } => Family::Alu,
+        Op::Ld { .. } | Op::St { .. } | Op::Atom { .. } | Op::CreatePolicy { .. } => Family::Memory,
+        Op::Shfl { .. }
+        | Op::Elect { .. }
+        | Op::Ballot { .. }
+        | Op::ReduxMin { .. }
+        | Op::Stmatrix { .. }
+        | Op::MmaBf16 { .. }
+        | Op::WarpSync { .. } => Family::Warp,
+        Op::Bar { .. } | Op::Fence(_) => Family::Sync,
+        Op::MbarrierInit { .. }
+        | Op::MbarrierArrive { .. }
+        | Op::MbarrierExpectTx { .. }
+        | Op::MbarrierTryWait { .. }
+        | Op::CpAsyncBulkTensor(_)
+        | Op::CpAsyncBulk(_) => Family::Mbarrier,
+        Op::TmaReduceAdd(_) | Op::BulkReduceAdd(_) | Op::BulkCommit | Op::BulkWait { .. } => {
+            Family::Bulk
+        }
+        Op::Wgmma(_) | Op::WgmmaSync(_) | Op::SetMaxNReg { .. } => Family::Collective,
+        Op::Tcgen05(_) => Family::Tcgen05,
+        Op::Bra { .. } | Op::Exit | Op::Trap => Family::Control,
     }
 }
 
