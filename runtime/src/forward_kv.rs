@@ -240,19 +240,9 @@ impl<B: Backend> PairPool<B> {
         let raw = backend.address(&buf);
         let base = raw.div_ceil(PAIR_CHUNK_BYTES as u64) * PAIR_CHUNK_BYTES as u64;
         let homes = base + (pairs * 2 * PAIR_CHUNK_BYTES) as u64;
-        backend.load(&fwd_kv_homes::KERNEL)?;
-        let n = u32_arg("paired pool pairs", pairs)?;
-        let warps = fwd_kv_homes::KERNEL.threads.0 as usize / 32;
-        let grid1 = grid_dim(
-            "fwd_kv_homes CTAs",
-            pairs.div_ceil(warps).min(4 * backend.sm_count()),
-        )?;
-        for (phase, grid) in [(0u32, 1u32), (1, grid1)] {
-            let args = fwd_kv_homes::args(PtrMut::new(base), PtrMut::new(homes), n, phase);
-            // SAFETY: `base` spans `pairs` pairs of 4 KiB chunks and `homes` `pairs` words,
-            // both inside the buffer just allocated; the atomics add 0.
-            unsafe { backend.launch(&fwd_kv_homes::KERNEL, (grid, 1, 1), &args) }?;
-        }
+        // SAFETY: `base` (4 KiB aligned) spans `pairs` pairs of 4 KiB chunks and `homes`
+        // `pairs` words, both inside the buffer just allocated.
+        unsafe { label_pair_homes(backend, base, homes, pairs, None) }?;
         Ok(PairPool {
             _buf: buf,
             rows,
@@ -273,6 +263,43 @@ impl<B: Backend> PairPool<B> {
             self.homes + 4 * pairs as u64,
         )
     }
+}
+
+/// Labels the L2 homes of a paired pool's `pairs` pairs of 4 KiB chunks at `base` into
+/// `homes [pairs]` u32 with `fwd_kv_homes` (label 0: chunk 0's home; see
+/// [`MsaForwardKv::with_paired_pool`]) on the backend's queue, no host sync: phase 0 on one
+/// CTA labels the anchors, then phase 1 on `ctas` CTAs the rest (`None`: the runtime's
+/// choice, `min(ceil(pairs / 4), 4 · SMs)`). Which warp times which pair follows from `ctas`;
+/// the labels should not.
+///
+/// # Safety
+/// `base` must be 4 KiB aligned and span `2 · pairs` chunks of 4 KiB, and `homes` `pairs`
+/// u32 words, both device memory of the backend that nothing else uses meanwhile. The
+/// chunks' contents are left as they are (the timed atomics add 0).
+pub unsafe fn label_pair_homes<B: Backend>(
+    backend: &mut B,
+    base: u64,
+    homes: u64,
+    pairs: usize,
+    ctas: Option<u32>,
+) -> Result<(), RuntimeError> {
+    backend.load(&fwd_kv_homes::KERNEL)?;
+    let n = u32_arg("paired pool pairs", pairs)?;
+    let warps = fwd_kv_homes::KERNEL.threads.0 as usize / 32;
+    let grid1 = match ctas {
+        Some(c) => c,
+        None => grid_dim(
+            "fwd_kv_homes CTAs",
+            pairs.div_ceil(warps).min(4 * backend.sm_count()),
+        )?,
+    };
+    for (phase, grid) in [(0u32, 1u32), (1, grid1)] {
+        let args = fwd_kv_homes::args(PtrMut::new(base), PtrMut::new(homes), n, phase);
+        // SAFETY: the caller's: `base` spans `pairs` pairs of 4 KiB chunks and `homes`
+        // `pairs` words; the atomics add 0.
+        unsafe { backend.launch(&fwd_kv_homes::KERNEL, (grid, 1, 1), &args) }?;
+    }
+    Ok(())
 }
 
 /// How many CTAs share each walk of the task tables in the KV forward's passes (default of

@@ -26,9 +26,24 @@ pub fn ptxas() -> Option<PathBuf> {
     tool("PTXAS", ".tools/nvcc", "ptxas")
 }
 
-/// The first of `candidates` that answers `--version`; `None` means skip (`what` names the
-/// tool in the message), except under `CI=true`, where a missing tool fails.
-fn locate(what: &str, candidates: impl IntoIterator<Item = PathBuf>) -> Option<PathBuf> {
+/// The nvdisasm binary: `$NVDISASM`, else the project-local install the test command makes,
+/// else `nvdisasm` on the PATH. `None` means skip, except under `CI=true`.
+pub fn nvdisasm() -> Option<PathBuf> {
+    tool("NVDISASM", ".tools/nvdisasm", "nvdisasm")
+}
+
+/// A CUDA tool the test command installs: the first of `$var`,
+/// `dir/nvidia/cu13/bin/name` under the workspace and `name` on the PATH that answers
+/// `--version`. `None` means skip, except under `CI=true`, where a missing tool fails.
+fn tool(var: &str, dir: &str, name: &str) -> Option<PathBuf> {
+    let candidates = std::env::var_os(var)
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([workspace_root()
+            .join(dir)
+            .join("nvidia/cu13/bin")
+            .join(name)])
+        .chain([PathBuf::from(name)]);
     for c in candidates {
         if Command::new(&c)
             .arg("--version")
@@ -40,32 +55,19 @@ fn locate(what: &str, candidates: impl IntoIterator<Item = PathBuf>) -> Option<P
     }
     assert!(
         !ci(),
-        "{what} not found under CI=true: run the README's test command, which installs it"
+        "{name} not found under CI=true: run the README's test command, which installs it"
     );
-    eprintln!("SKIP: {what} not found (run the README's test command, which installs it)");
+    eprintln!("SKIP: {name} not found (run the README's test command, which installs it)");
     None
 }
 
-/// The nvdisasm binary: `$NVDISASM`, else the project-local install the test command makes,
-/// else `nvdisasm` on the PATH. `None` means skip, except under `CI=true`.
-pub fn nvdisasm() -> Option<PathBuf> {
-    tool("NVDISASM", ".tools/nvdisasm", "nvdisasm")
-}
-
-/// A CUDA tool the test command installs: `$var`, else `dir/nvidia/cu13/bin/name` under the
-/// workspace, else `name` on the PATH (see [`locate`]).
-fn tool(var: &str, dir: &str, name: &str) -> Option<PathBuf> {
-    locate(
-        name,
-        std::env::var_os(var)
-            .map(PathBuf::from)
-            .into_iter()
-            .chain([workspace_root()
-                .join(dir)
-                .join("nvidia/cu13/bin")
-                .join(name)])
-            .chain([PathBuf::from(name)]),
-    )
+/// `ptx` written to `<temp>/msa-ptxas-<pid>/<name>.<arch>.ptx`, for ptxas to read.
+fn ptx_file(ptx: &str, arch: &str, name: &str) -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!("msa-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let file = dir.join(format!("{name}.{arch}.ptx"));
+    std::fs::write(&file, ptx).map_err(|e| e.to_string())?;
+    Ok(file)
 }
 
 /// The SASS ptxas makes of `ptx` for `arch`, as nvdisasm prints it; `Err` carries the
@@ -77,11 +79,8 @@ pub fn sass(
     arch: &str,
     name: &str,
 ) -> Result<String, String> {
-    let dir = std::env::temp_dir().join(format!("msa-sass-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let file = dir.join(format!("{name}.{arch}.ptx"));
-    let cubin = dir.join(format!("{name}.{arch}.cubin"));
-    std::fs::write(&file, ptx).map_err(|e| e.to_string())?;
+    let file = ptx_file(ptx, arch, name)?;
+    let cubin = file.with_extension("cubin");
     let run = |cmd: &mut Command| -> Result<String, String> {
         let out = cmd.output().map_err(|e| e.to_string())?;
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -160,17 +159,15 @@ pub fn check_clock_order(sass: &str) -> Result<usize, String> {
     Ok(atoms)
 }
 
-/// `fwd_kv_homes`' labels of a paired pool of `pairs` pairs (anchors included) in fresh
-/// memory of `backend`, twice: phase 0, then phase 1 on `grids[i]` CTAs, each time into its
-/// own label array (the runtime's pool labels once, on `min(pairs / 4, 4 · SMs)` CTAs).
+/// The labels [`msa_runtime::forward_kv::label_pair_homes`] gives a paired pool of `pairs`
+/// pairs (anchors included) in fresh memory of `backend`, twice: phase 1 on `grids[i]` CTAs,
+/// each time into its own label array.
 pub fn homes_twice<B: msa_runtime::Backend>(
     backend: &mut B,
     pairs: usize,
     grids: [u32; 2],
 ) -> Result<[Vec<u32>; 2], msa_runtime::RuntimeError> {
-    use msa_runtime::forward_kv::PAIR_CHUNK_BYTES;
-    use msa_runtime::kernels::fwd_kv_homes;
-    use msa_runtime::PtrMut;
+    use msa_runtime::forward_kv::{label_pair_homes, PAIR_CHUNK_BYTES};
     let chunks = pairs * 2 * PAIR_CHUNK_BYTES;
     let buf = backend.alloc(
         "pairs and two labellings",
@@ -179,17 +176,12 @@ pub fn homes_twice<B: msa_runtime::Backend>(
     let raw = backend.address(&buf);
     let base = raw.div_ceil(PAIR_CHUNK_BYTES as u64) * PAIR_CHUNK_BYTES as u64;
     backend.zero("pairs", base, chunks)?;
-    backend.load(&fwd_kv_homes::KERNEL)?;
-    let n = u32::try_from(pairs).expect("pairs fit u32");
     let mut out = [Vec::new(), Vec::new()];
     for (i, grid) in grids.into_iter().enumerate() {
         let at = base + (chunks + 4 * i * pairs) as u64;
-        for (phase, grid) in [(0u32, 1u32), (1, grid)] {
-            let args = fwd_kv_homes::args(PtrMut::new(base), PtrMut::new(at), n, phase);
-            // SAFETY: `base` spans `pairs` pairs of 4 KiB chunks and `at` `pairs` words, all
-            // inside `buf`; the atomics add 0.
-            unsafe { backend.launch(&fwd_kv_homes::KERNEL, (grid, 1, 1), &args) }?;
-        }
+        // SAFETY: `base` (4 KiB aligned) spans `pairs` pairs of 4 KiB chunks and `at`
+        // `pairs` words, all inside `buf`.
+        unsafe { label_pair_homes(backend, base, at, pairs, Some(grid)) }?;
         let bytes = backend.download("labels", at, 4 * pairs)?;
         out[i] = bytes
             .chunks_exact(4)
@@ -232,10 +224,7 @@ fn number_before(line: &str, unit: &str) -> Option<u32> {
 
 /// Assembles `ptx` for `arch` with `ptxas -v`; `Err` carries ptxas's output on failure.
 pub fn assemble(ptxas: &Path, ptx: &str, arch: &str, name: &str) -> Result<PtxasReport, String> {
-    let dir = std::env::temp_dir().join(format!("msa-ptxas-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let file = dir.join(format!("{name}.{arch}.ptx"));
-    std::fs::write(&file, ptx).map_err(|e| e.to_string())?;
+    let file = ptx_file(ptx, arch, name)?;
     let out = Command::new(ptxas)
         .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
         .arg(&file)

@@ -2,18 +2,21 @@
 s() { echo "$(date +%s) $*" | tee -a $O/times.txt; }
 T0=$(date +%s)
 left() { [ $(( T0 + ${BUDGET:-200} - $(date +%s) )) -ge $1 ]; }
-# The KV forward alone per variant, one process each: ab CASES TIMEOUT.
+# The KV forward alone per variant, one process each: ab CASES TIMEOUT. AB_VARIANTS (default
+# below, as session 29 ran it) and AB_REPS (default 5) may be set; `broken` (session 30) is the
+# earlier build run paired.
 ab() {
-  for v in pairedkv paired unpaired prev; do
+  for v in ${AB_VARIANTS:-pairedkv paired unpaired prev}; do
     case $v in
       pairedkv) B=$F/bench_forward; E=kv;;
       paired) B=$F/bench_forward; E=1;;
       unpaired) B=$F/bench_forward; E=0;;
       prev) B=$F/bench_forward_prev; E=0;;
+      broken) B=$F/bench_forward_prev; E=1;;
     esac
     [ -x "$B" ] || continue  # the bundle may hold no earlier build
     echo "== $v $1" >> $O/ab.txt
-    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 5 >> $O/ab.txt 2>&1
+    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 ${AB_REPS:-5} >> $O/ab.txt 2>&1
     echo "rc $?" >> $O/ab.txt
   done
   s ab $1

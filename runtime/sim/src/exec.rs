@@ -695,8 +695,8 @@ impl<'a> Cta<'a> {
     /// Under the L2 model: the returning atomic of warp `w`'s lane `l` at `addr` makes its
     /// value (register index `ri`) ready the latency of the partition `addr` is homed in
     /// after the lane's present `%clock`.
-    fn atomic_latency(&mut self, w: usize, l: usize, addr: u64, ri: Option<usize>) {
-        if let (Some(l2), Some(ri)) = (self.l2, ri) {
+    fn atomic_latency(&mut self, w: usize, l: usize, addr: u64, ri: usize) {
+        if let Some(l2) = self.l2 {
             let near = l2.home(addr) == l2.side(self.ctaid);
             let t = w * 32 + l;
             self.ready_at[ri + l] = self.clock[t] + u64::from(if near { l2.near } else { l2.far });

@@ -20,22 +20,7 @@ R=$OUT
 O=/tmp/s30c1; mkdir -p $O
 F=.gpu/s30
 . bench/results/s28/lib.sh
-# lib.sh's `ab`, with session 29's build run paired (its "prev" ran unpaired).
-ab() {
-  for v in pairedkv paired unpaired broken; do
-    case $v in
-      pairedkv) B=$F/bench_forward; E=kv;;
-      paired) B=$F/bench_forward; E=1;;
-      unpaired) B=$F/bench_forward; E=0;;
-      broken) B=$F/bench_forward_prev; E=1;;
-    esac
-    [ -x "$B" ] || continue
-    echo "== $v $1" >> $O/ab.txt
-    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $B /tmp/msa_in $1 5 >> $O/ab.txt 2>&1
-    echo "rc $?" >> $O/ab.txt
-  done
-  s ab $1
-}
+AB_VARIANTS="pairedkv paired unpaired broken"
 s start
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total --format=csv,noheader | tee $O/gpu.txt
 left 90 && test_bin forward_kv 85

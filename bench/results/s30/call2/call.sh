@@ -11,20 +11,8 @@ R=$OUT
 O=/tmp/s30c2; mkdir -p $O
 F=.gpu/s30
 . bench/results/s28/lib.sh
-# lib.sh's `ab` without its "prev" variant (the bundle's bench_forward_prev is call 1's control).
-ab() {
-  for v in pairedkv paired unpaired; do
-    case $v in
-      pairedkv) E=kv;;
-      paired) E=1;;
-      unpaired) E=0;;
-    esac
-    echo "== $v $1" >> $O/ab.txt
-    BENCH_KV_PAIRED=$E BENCH_KV_ONLY=1 timeout $2 $F/bench_forward /tmp/msa_in $1 3 >> $O/ab.txt 2>&1
-    echo "rc $?" >> $O/ab.txt
-  done
-  s ab $1
-}
+AB_VARIANTS="pairedkv paired unpaired"
+AB_REPS=3
 s start
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $O/gpu.txt
 if left 200; then

@@ -125,7 +125,7 @@ impl Cta<'_> {
                             let ri = self.ri(w, *r);
                             self.regs[ri + l] = old;
                             if let Place::Global(g) = place {
-                                self.atomic_latency(w, l, g, Some(ri));
+                                self.atomic_latency(w, l, g, ri);
                             }
                         }
                     }
